@@ -1,0 +1,39 @@
+"""The `pagedkv` command line: one subcommand per module in `pagedkv.commands`.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are
+imported only when their command runs, so `pagedkv plan` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, str] = {
+    "demo": "walk through paged KV memory on a small example",
+    "plan": "KV-cache capacity per token, per request and per GPU for a model",
+    "simulate": "simulate serving a workload under slab and paged KV allocation",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the chosen subcommand."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, help_text in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            _command_module(name).add_arguments(sub)
+    args = parser.parse_args(argv)
+    return _command_module(args.command).run(args)
+
+
+def _command_module(name: str):
+    return importlib.import_module(f"pagedkv.commands.{name}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `pagedkv` command line, one module each."""
