@@ -1,0 +1,388 @@
+"""KVCacheManager: per-sequence block tables over one BlockPool (GPU) and a CPU swap pool.
+
+The manager decides where KV lives and never touches KV data. Each operation that needs
+data moved returns a plan the runner executes on the cache tensors before the next forward
+pass: copy-on-write pairs from `append`, (source, destination) pairs from `swap_out` and
+`swap_in`. Every operation either succeeds completely or raises and changes nothing, so the
+scheduler can treat `NoFreeBlocks` as its signal to wait or preempt.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.memory.errors import (
+    DuplicateSequence,
+    NoFreeBlocks,
+    SequenceNotSwappedOut,
+    SequenceSwappedOut,
+    UnknownSequence,
+)
+from pagedkv.memory.hashing import ROOT_HASH, extend_block_hashes, hash_block
+from pagedkv.memory.pool import Block, BlockPool
+
+SeqId = Hashable
+CopyPairs = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """Counters since the manager was created."""
+
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evictions: int = 0
+    cow_copies: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of queried prompt tokens served from the prefix cache."""
+        return (
+            self.prefix_hit_tokens / self.prefix_queried_tokens
+            if self.prefix_queried_tokens
+            else 0.0
+        )
+
+
+@dataclass
+class _Sequence:
+    token_ids: list[int]
+    blocks: list[Block]
+    cpu_blocks: list[int] | None = None  # set while swapped out; `blocks` is then empty
+    num_computed: int = 0
+    block_hashes: list[int] = field(default_factory=list)  # computed full blocks, chained
+
+
+class KVCacheManager:
+    """Paged KV memory: on-demand growth, prefix caching, fork + copy-on-write, swap."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = BlockPool(num_gpu_blocks)
+        # Reversed so pop() hands out CPU block 0 first: plans read naturally in demos.
+        self._free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
+        self._seqs: dict[SeqId, _Sequence] = {}
+        self._prefix_queried_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._cow_copies = 0
+        self._blocks_swapped_out = 0
+        self._blocks_swapped_in = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Create the block table for a prompt; return how many leading tokens are cached.
+
+        The cached count is a whole number of blocks and always leaves at least one prompt
+        token to compute, because the forward pass needs it to produce the next-token logits.
+        """
+        if seq_id in self._seqs:
+            raise DuplicateSequence(seq_id)
+        if len(token_ids) == 0:
+            raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
+        token_ids = list(token_ids)
+        hits, hashes = self._find_cached_prefix(token_ids)
+        self._take(hits, self._blocks_for(len(token_ids)) - len(hits))
+        blocks = hits + self._pool.allocate(self._blocks_for(len(token_ids)) - len(hits))
+        num_cached = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self._prefix_queried_tokens += len(token_ids)
+            self._prefix_hit_tokens += num_cached
+        self._seqs[seq_id] = _Sequence(
+            token_ids, blocks, num_computed=num_cached, block_hashes=hashes
+        )
+        return num_cached
+
+    def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> CopyPairs:
+        """Grow a sequence by `token_ids`; return copy-on-write pairs to run before writing.
+
+        New blocks are taken only at block boundaries. When the last block is partly filled
+        and shared (after a fork), the sequence gets a private copy of it first.
+        """
+        seq = self._resident(seq_id, "appending")
+        if not token_ids:
+            return []
+        num_tokens = len(seq.token_ids)
+        last = seq.blocks[-1]
+        needs_copy = num_tokens % self.block_size != 0 and last.ref_count > 1
+        num_new = self._blocks_for(num_tokens + len(token_ids)) - len(seq.blocks)
+        if num_new + needs_copy > self._pool.num_free_blocks:
+            raise NoFreeBlocks(num_new + needs_copy, self._pool.num_free_blocks)
+        copies: CopyPairs = []
+        if needs_copy:
+            [private] = self._pool.allocate(1)
+            self._pool.release([last])
+            seq.blocks[-1] = private
+            copies.append((last.block_id, private.block_id))
+            self._cow_copies += 1
+        seq.blocks.extend(self._pool.allocate(num_new))
+        seq.token_ids.extend(token_ids)
+        return copies
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Give `child_id` the parent's tokens and blocks, shared (ref counts up), no copies."""
+        parent = self._resident(parent_id, "forking")
+        if child_id in self._seqs:
+            raise DuplicateSequence(child_id)
+        self._pool.touch(parent.blocks)
+        self._seqs[child_id] = _Sequence(
+            list(parent.token_ids),
+            list(parent.blocks),
+            num_computed=parent.num_computed,
+            block_hashes=list(parent.block_hashes),
+        )
+
+    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Record that the KV of the first `num_tokens` tokens is written.
+
+        Only now do the full blocks among them enter the prefix cache: a cache hit must never
+        hand out a block whose KV is still to be computed.
+        """
+        seq = self._resident(seq_id, "marking tokens computed")
+        if not 0 <= num_tokens <= len(seq.token_ids):
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot mark {num_tokens} tokens computed, "
+                f"it has {len(seq.token_ids)}"
+            )
+        if num_tokens <= seq.num_computed:
+            return
+        seq.num_computed = num_tokens
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop the sequence and release its blocks, tail first so chain tails evict first."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        if seq.cpu_blocks is not None:
+            self._free_cpu_blocks.extend(seq.cpu_blocks)
+        else:
+            self._pool.release(reversed(seq.blocks))
+
+    def swap_out(self, seq_id: SeqId) -> CopyPairs:
+        """Move a sequence to the CPU pool; return (gpu_block, cpu_block) copies to run first.
+
+        Its GPU references are dropped: a block shared with a sequence still on the GPU stays
+        there for that sequence, the swapped one keeps a private CPU copy.
+        """
+        seq = self._resident(seq_id, "swapping out")
+        if len(seq.blocks) > len(self._free_cpu_blocks):
+            raise NoFreeBlocks(len(seq.blocks), len(self._free_cpu_blocks), pool="CPU")
+        cpu_blocks = [self._free_cpu_blocks.pop() for _ in seq.blocks]
+        plan = [(block.block_id, cpu) for block, cpu in zip(seq.blocks, cpu_blocks, strict=True)]
+        self._pool.release(reversed(seq.blocks))
+        seq.blocks = []
+        seq.cpu_blocks = cpu_blocks
+        self._blocks_swapped_out += len(plan)
+        return plan
+
+    def swap_in(self, seq_id: SeqId) -> CopyPairs:
+        """Bring a swapped sequence back; return (cpu_block, gpu_block) copies to run first.
+
+        Full blocks whose KV is still in the GPU prefix cache (shared with a sequence that
+        stayed, or not yet evicted) are reused instead of copied.
+        """
+        seq = self._get(seq_id)
+        if seq.cpu_blocks is None:
+            raise SequenceNotSwappedOut(seq_id)
+        reused: dict[int, Block] = {}
+        if self.enable_prefix_caching:
+            for index, block_hash in enumerate(seq.block_hashes):
+                block = self._pool.lookup(block_hash, self._block_tokens(seq, index))
+                if block is not None:
+                    reused[index] = block
+        num_new = len(seq.cpu_blocks) - len(reused)
+        self._take(list(reused.values()), num_new)
+        new_blocks = iter(self._pool.allocate(num_new))
+        plan: CopyPairs = []
+        blocks = []
+        for index, cpu in enumerate(seq.cpu_blocks):
+            block = reused.get(index)
+            if block is None:
+                block = next(new_blocks)
+                plan.append((cpu, block.block_id))
+            blocks.append(block)
+        self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
+        seq.blocks = blocks
+        seq.cpu_blocks = None
+        if self.enable_prefix_caching:
+            for index, block_hash in enumerate(seq.block_hashes):
+                self._pool.cache(blocks[index], block_hash, self._block_tokens(seq, index))
+        self._blocks_swapped_in += len(plan)
+        return plan
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """Physical block ids holding the sequence, in token order (CPU ids while swapped)."""
+        seq = self._get(seq_id)
+        if seq.cpu_blocks is not None:
+            return list(seq.cpu_blocks)
+        return [block.block_id for block in seq.blocks]
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens the sequence holds (prompt plus appended)."""
+        return len(self._get(seq_id).token_ids)
+
+    def num_computed_tokens(self, seq_id: SeqId) -> int:
+        """Leading tokens whose KV is written (cached prefix included)."""
+        return self._get(seq_id).num_computed
+
+    def is_swapped_out(self, seq_id: SeqId) -> bool:
+        """True while the sequence's blocks are in the CPU pool."""
+        return self._get(seq_id).cpu_blocks is not None
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def seq_ids(self) -> list[SeqId]:
+        """Sequences holding a block table, in allocation order."""
+        return list(self._seqs)
+
+    def block_ref_count(self, block_id: int) -> int:
+        """How many block tables hold this GPU block (more than one means shared)."""
+        return self._pool.blocks[block_id].ref_count
+
+    def is_cached(self, block_id: int) -> bool:
+        """True when this GPU block has an entry in the prefix cache."""
+        return self._pool.blocks[block_id].block_hash is not None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """GPU blocks no sequence holds (including cached-but-free blocks)."""
+        return self._pool.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        """CPU blocks no swapped sequence holds."""
+        return len(self._free_cpu_blocks)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of GPU blocks held by sequences."""
+        return 1.0 - self._pool.num_free_blocks / self._pool.num_blocks
+
+    @property
+    def stats(self) -> KVCacheStats:
+        """A snapshot of the prefix-cache, eviction, copy-on-write and swap counters."""
+        return KVCacheStats(
+            prefix_queried_tokens=self._prefix_queried_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            evictions=self._pool.num_evictions,
+            cow_copies=self._cow_copies,
+            blocks_swapped_out=self._blocks_swapped_out,
+            blocks_swapped_in=self._blocks_swapped_in,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken rule of the memory design."""
+        self._pool.check_invariants()
+        expected_refs: Counter[int] = Counter()
+        held_cpu: list[int] = []
+        for seq_id, seq in self._seqs.items():
+            table = seq.cpu_blocks if seq.cpu_blocks is not None else seq.blocks
+            if len(table) != self._blocks_for(len(seq.token_ids)):
+                raise AssertionError(
+                    f"sequence {seq_id!r} has {len(seq.token_ids)} tokens in {len(table)} blocks, "
+                    f"expected {self._blocks_for(len(seq.token_ids))}"
+                )
+            if seq.cpu_blocks is not None:
+                if seq.blocks:
+                    raise AssertionError(f"swapped sequence {seq_id!r} still holds GPU blocks")
+                held_cpu.extend(seq.cpu_blocks)
+            else:
+                if len({id(block) for block in seq.blocks}) != len(seq.blocks):
+                    raise AssertionError(f"sequence {seq_id!r} holds a block twice")
+                expected_refs.update(block.block_id for block in seq.blocks)
+            if not 0 <= seq.num_computed <= len(seq.token_ids):
+                raise AssertionError(f"sequence {seq_id!r} has {seq.num_computed} computed tokens")
+            if len(seq.block_hashes) > seq.num_computed // self.block_size:
+                raise AssertionError(f"sequence {seq_id!r} hashed blocks that are not computed")
+        for block in self._pool.blocks:
+            if block.ref_count != expected_refs[block.block_id]:
+                raise AssertionError(
+                    f"block {block.block_id} has ref count {block.ref_count}, "
+                    f"held by {expected_refs[block.block_id]} tables"
+                )
+        cpu_ids = held_cpu + self._free_cpu_blocks
+        if sorted(cpu_ids) != list(range(self.num_cpu_blocks)):
+            raise AssertionError(
+                f"CPU blocks: {len(held_cpu)} held + {len(self._free_cpu_blocks)} free "
+                f"do not partition the {self.num_cpu_blocks} CPU blocks"
+            )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _find_cached_prefix(self, token_ids: list[int]) -> tuple[list[Block], list[int]]:
+        """Leading cached blocks of a prompt and their hashes, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return [], []
+        hits: list[Block] = []
+        hashes: list[int] = []
+        parent = ROOT_HASH
+        for start in range(
+            0, (len(token_ids) - 1) // self.block_size * self.block_size, self.block_size
+        ):
+            block_tokens = tuple(token_ids[start : start + self.block_size])
+            parent = hash_block(parent, block_tokens)
+            block = self._pool.lookup(parent, block_tokens)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(parent)
+        return hits, hashes
+
+    def _take(self, hits: list[Block], num_new: int) -> None:
+        """Reference the hit blocks, checking first that `num_new` more blocks fit as well.
+
+        A hit on a free cached block removes it from the free queue, so it counts against
+        the free blocks too; checking both together keeps the operation all-or-nothing.
+        """
+        num_revived = sum(1 for block in hits if block.ref_count == 0)
+        if num_new + num_revived > self._pool.num_free_blocks:
+            raise NoFreeBlocks(num_new + num_revived, self._pool.num_free_blocks)
+        self._pool.touch(hits)
+
+    def _cache_full_blocks(self, seq: _Sequence) -> None:
+        first_new = len(seq.block_hashes)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.num_computed)
+        for index in range(first_new, len(seq.block_hashes)):
+            self._pool.cache(
+                seq.blocks[index], seq.block_hashes[index], self._block_tokens(seq, index)
+            )
+
+    def _block_tokens(self, seq: _Sequence, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _get(self, seq_id: SeqId) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        return seq
+
+    def _resident(self, seq_id: SeqId, operation: str) -> _Sequence:
+        seq = self._get(seq_id)
+        if seq.cpu_blocks is not None:
+            raise SequenceSwappedOut(seq_id, operation)
+        return seq

@@ -1,0 +1,201 @@
+"""BlockPool: the physical KV blocks, their reference counts, the free queue and the
+prefix-cache index.
+
+A block with ref count 0 is free. A free block may still hold a full block of computed KV
+that the prefix cache can hand out again; it stays reusable until the free queue reaches it
+and the pool evicts it for new data. The free queue is ordered for eviction: blocks are
+taken from its head, cached blocks are released to its tail (least recently used first),
+and blocks that hold nothing reusable are released to its head so they are reused before
+any cached data is sacrificed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from pagedkv.memory.errors import NoFreeBlocks
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    """One physical KV block and its bookkeeping (the intrusive free-queue links live here)."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    prev_free: Block | None = None
+    next_free: Block | None = None
+
+
+class BlockPool:
+    """Physical blocks, the free queue and the hash -> block prefix-cache index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.blocks = [Block(block_id) for block_id in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Total physical blocks."""
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no table holds, cached-but-free ones included."""
+        return len(self.free_queue)
+
+    def allocate(self, count: int) -> list[Block]:
+        """Take `count` blocks from the head of the free queue, evicting cached data they held."""
+        if count > len(self.free_queue):
+            raise NoFreeBlocks(count, len(self.free_queue))
+        taken = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on each block (prefix-cache hits), reviving free ones."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference on each block, in eviction order: the first freed is evicted first."""
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        """The cached block holding exactly these tokens after this prefix, if any.
+
+        Comparing the token ids guards against hash collisions handing out wrong KV.
+        """
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Register a full, computed block in the prefix cache.
+
+        A block already cached keeps its entry; a hash already served by another block keeps
+        that block (two requests computed the same prefix at once), and this one stays
+        uncached, to be reused first when it is freed.
+        """
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached[block_hash] = block
+
+    def _evict(self, block: Block) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        self.num_evictions += 1
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first inconsistency in queue, counts or index."""
+        queued = list(self.free_queue)
+        if len(queued) != len(self.free_queue):
+            raise AssertionError(
+                f"free queue links {len(queued)} blocks, counts {len(self.free_queue)}"
+            )
+        if len({id(block) for block in queued}) != len(queued):
+            raise AssertionError("a block appears twice in the free queue")
+        for block in queued:
+            if block.ref_count != 0:
+                raise AssertionError(
+                    f"block {block.block_id} is queued free with ref count {block.ref_count}"
+                )
+        num_unreferenced = sum(1 for block in self.blocks if block.ref_count == 0)
+        if num_unreferenced != len(queued):
+            raise AssertionError(
+                f"{num_unreferenced} blocks have ref count 0, {len(queued)} are queued free"
+            )
+        for block in self.blocks:
+            if block.ref_count < 0:
+                raise AssertionError(
+                    f"block {block.block_id} has negative ref count {block.ref_count}"
+                )
+        for block_hash, block in self.cached.items():
+            if block.block_hash != block_hash:
+                raise AssertionError(
+                    f"prefix index maps a hash to block {block.block_id} holding another"
+                )
+        num_hashed = sum(1 for block in self.blocks if block.block_hash is not None)
+        if num_hashed != len(self.cached):
+            raise AssertionError(
+                f"{num_hashed} blocks carry a hash, the prefix index has {len(self.cached)}"
+            )
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks themselves.
+
+    Unlike `deque.remove`, taking a cached block out of the middle on a prefix-cache hit
+    is O(1): the block knows its neighbours.
+    """
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._size = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self._head.next_free
+        while node is not self._tail:
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> Block:
+        """Remove and return the block at the head (the next to be reused)."""
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("pop from an empty free queue")
+        self.remove(block)
+        return block
+
+    def append(self, block: Block) -> None:
+        """Put a block at the tail: reused last."""
+        self._link(block, self._tail.prev_free, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        """Put a block at the head: reused first."""
+        self._link(block, self._head, self._head.next_free)
+
+    def remove(self, block: Block) -> None:
+        """Unlink a block from wherever it is in the queue."""
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self._size -= 1
+
+    def _link(self, block: Block, before: Block, after: Block) -> None:
+        block.prev_free = before
+        block.next_free = after
+        before.next_free = block
+        after.prev_free = block
+        self._size += 1
