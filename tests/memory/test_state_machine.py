@@ -1,0 +1,197 @@
+"""Random operation sequences against an independent model of what the manager must hold.
+
+The model keeps, per sequence, its tokens, how many are computed and whether it is swapped
+out. From it alone the test derives table lengths, ref counts and free counts, and a slot
+store (kv_oracle) executes every copy/swap plan so each sequence must read back exactly its
+own computed tokens. Pools are tiny so NoFreeBlocks is frequent; a failed operation must
+change nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from pagedkv.memory import KVCacheManager, NoFreeBlocks
+
+from .kv_oracle import SlotStore
+from .test_rules import snapshot
+
+# Prompts drawn from a few shared stems so prefix-cache hits are common.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 12]
+prompts = st.builds(
+    lambda stem, cut, tail: stem[:cut] + tail,
+    st.sampled_from(STEMS),
+    st.integers(1, 12),
+    st.lists(st.integers(0, 3), max_size=6),
+)
+picks = st.integers(0, 1_000)
+
+
+@dataclass
+class ModelSeq:
+    token_ids: list[int]
+    num_computed: int
+    swapped: bool = False
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        num_gpu_blocks=st.integers(2, 20),
+        num_cpu_blocks=st.integers(0, 8),
+        prefix_caching=st.booleans(),
+    )
+    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching) -> None:
+        self.manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, prefix_caching)
+        self.store = SlotStore(self.manager)
+        self.model: dict[int, ModelSeq] = {}
+        self.next_id = 0
+
+    def _pick(self, pick: int) -> tuple[int, ModelSeq | None]:
+        """A live sequence chosen by `pick` (rules do nothing while there is none)."""
+        if not self.model:
+            return -1, None
+        seq_id = sorted(self.model)[pick % len(self.model)]
+        return seq_id, self.model[seq_id]
+
+    def _fails_cleanly(self, operation, *args) -> bool:
+        """Run an operation; on NoFreeBlocks check it changed nothing and report failure."""
+        before = snapshot(self.manager)
+        try:
+            self.result = operation(*args)
+        except NoFreeBlocks:
+            assert snapshot(self.manager) == before
+            return True
+        return False
+
+    def _compute_all(self, seq_id: int, seq: ModelSeq) -> None:
+        """What a forward pass does: write the KV of every pending token, then mark it."""
+        self.store.write(seq_id, seq.token_ids, seq.num_computed, len(seq.token_ids))
+        seq.num_computed = len(seq.token_ids)
+        self.manager.mark_computed(seq_id, seq.num_computed)
+
+    @rule(prompt=prompts, compute=st.booleans())
+    def allocate(self, prompt, compute):
+        seq_id = self.next_id
+        self.next_id += 1
+        if self._fails_cleanly(self.manager.allocate, seq_id, prompt):
+            return
+        num_cached = self.result
+        size = self.manager.block_size
+        assert num_cached % size == 0 and num_cached < len(prompt)
+        if not self.manager.enable_prefix_caching:
+            assert num_cached == 0
+        self.model[seq_id] = ModelSeq(list(prompt), num_cached)
+        if compute:
+            self._compute_all(seq_id, self.model[seq_id])
+
+    @rule(
+        pick=picks,
+        tokens=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+        compute=st.booleans(),
+    )
+    def append(self, pick, tokens, compute):
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        if not self._fails_cleanly(self.manager.append, seq_id, tokens):
+            self.store.copy_blocks(self.result)
+            seq.token_ids.extend(tokens)
+            if compute:
+                self._compute_all(seq_id, seq)
+
+    @rule(pick=picks, fraction=st.floats(0, 1))
+    def mark_computed(self, pick, fraction):
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        upto = round(fraction * len(seq.token_ids))
+        if upto > seq.num_computed:
+            self.store.write(seq_id, seq.token_ids, seq.num_computed, upto)
+            seq.num_computed = upto
+        self.manager.mark_computed(seq_id, upto)
+
+    @rule(pick=picks)
+    def fork(self, pick):
+        parent, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        child = self.next_id
+        self.next_id += 1
+        self.manager.fork(parent, child)
+        self.model[child] = ModelSeq(list(seq.token_ids), seq.num_computed)
+
+    @rule(pick=picks)
+    def free(self, pick):
+        seq_id, seq = self._pick(pick)
+        if seq is None:
+            return
+        del self.model[seq_id]
+        self.manager.free(seq_id)
+
+    @rule(pick=picks)
+    def swap_out(self, pick):
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        if not self._fails_cleanly(self.manager.swap_out, seq_id):
+            self.store.swap_out(self.result)
+            seq.swapped = True
+
+    @rule(pick=picks)
+    def swap_in(self, pick):
+        seq_id, seq = self._pick(pick)
+        if seq is None or not seq.swapped:
+            return
+        if not self._fails_cleanly(self.manager.swap_in, seq_id):
+            self.store.swap_in(self.result)
+            seq.swapped = False
+
+    @invariant()
+    def manager_is_consistent(self):
+        self.manager.check_invariants()
+
+    @invariant()
+    def tables_match_the_model(self):
+        manager, size = self.manager, self.manager.block_size
+        assert sorted(manager.seq_ids) == sorted(self.model)
+        refs: Counter[int] = Counter()
+        for seq_id, seq in self.model.items():
+            table = manager.block_table(seq_id)
+            assert len(table) == -(-len(seq.token_ids) // size)
+            assert manager.num_tokens(seq_id) == len(seq.token_ids)
+            assert manager.num_computed_tokens(seq_id) == seq.num_computed
+            assert manager.is_swapped_out(seq_id) == seq.swapped
+            if seq is None or not seq.swapped:
+                refs.update(table)
+        for block in range(manager.num_gpu_blocks):
+            assert manager.block_ref_count(block) == refs[block]
+        assert manager.num_free_blocks == manager.num_gpu_blocks - len(refs)
+        cpu_held = sum(len(manager.block_table(s)) for s, q in self.model.items() if q.swapped)
+        assert manager.num_free_cpu_blocks == manager.num_cpu_blocks - cpu_held
+
+    @invariant()
+    def every_sequence_reads_back_its_own_computed_tokens(self):
+        for seq_id, seq in self.model.items():
+            computed = seq.token_ids[: seq.num_computed]
+            assert self.store.read(seq_id, seq.num_computed) == computed
+
+    def teardown(self):
+        if not hasattr(self, "manager"):
+            return
+        for seq_id in list(self.model):
+            self.manager.free(seq_id)
+        self.manager.check_invariants()
+        assert self.manager.num_free_blocks == self.manager.num_gpu_blocks
+        assert self.manager.num_free_cpu_blocks == self.manager.num_cpu_blocks
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=1000, stateful_step_count=30, deadline=None
+)
+test_kv_cache_manager = KVCacheMachine.TestCase
