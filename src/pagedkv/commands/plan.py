@@ -1,0 +1,248 @@
+"""`pagedkv plan`: KV bytes per token, per request and per GPU pool, and concurrency per length.
+
+Imports nothing heavy (no torch, no numpy) so that it answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from pagedkv.plan import CapacityPlan, PoolBudget, plan_capacity
+from pagedkv.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, load_model
+from pagedkv.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
+
+DEFAULT_LENGTHS = "2k,8k,32k,128k"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare `pagedkv plan`'s options."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, or a model folder",
+    )
+    parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
+    pool = parser.add_mutually_exclusive_group(required=True)
+    pool.add_argument("--pool-gb", type=positive_float, help="KV pool size in GB (10^9 bytes)")
+    pool.add_argument("--gpu", help=f"size the pool from a GPU: {', '.join(GPU_PRESETS)}")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=positive_float,
+        default=0.9,
+        help="fraction of GPU memory the server may use (default 0.9)",
+    )
+    parser.add_argument(
+        "--activation-gb",
+        type=non_negative_float,
+        default=2.0,
+        help="reserve for activations, CUDA graphs and allocator slack, GB (default 2; "
+        "vLLM measures it by profiling: pass what your server logs)",
+    )
+    parser.add_argument(
+        "--weights-gb", type=positive_float, help="weight memory in GB, overriding the model's"
+    )
+    parser.add_argument(
+        "--lengths",
+        type=token_counts,
+        default=token_counts(DEFAULT_LENGTHS),
+        help=f"request lengths to tabulate, k = 1024 (default {DEFAULT_LENGTHS})",
+    )
+    parser.add_argument(
+        "--avg-tokens",
+        type=positive_int,
+        help="compare slab reservation at --max-model-len with paging for requests this long",
+    )
+    parser.add_argument(
+        "--max-model-len", type=positive_int, help="context a slab reserves (default: the model's)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
+    try:
+        model = load_model(args.model, args.kv_dtype)
+        pool = _pool(args, model)
+        plan = plan_capacity(
+            model.spec,
+            pool,
+            args.lengths,
+            block_size=args.block_size,
+            avg_tokens=args.avg_tokens,
+            max_model_len=args.max_model_len,
+        )
+    except ConfigError as exc:
+        print(f"pagedkv plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": model.name, **plan.to_dict()}, indent=2))
+    else:
+        _print_plan(Console(), model, plan)
+    return 0
+
+
+def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
+    if args.pool_gb is not None:
+        return PoolBudget.given(int(args.pool_gb * GB))
+    gpu = gpu_preset(args.gpu)
+    weight_bytes = int(args.weights_gb * GB) if args.weights_gb else model.weight_bytes
+    if weight_bytes is None:
+        raise ConfigError(
+            f"cannot size the weights of {model.name} ({model.weight_source}); give --weights-gb"
+        )
+    return PoolBudget.from_gpu(
+        gpu.name,
+        gpu.memory_bytes,
+        args.gpu_memory_utilization,
+        weight_bytes,
+        int(args.activation_gb * GB),
+    )
+
+
+def _print_plan(console: Console, model: Model, plan: CapacityPlan) -> None:
+    spec = plan.spec
+    console.print(
+        f"[bold]{model.name}[/]: {spec.bytes_per_token:,} B of KV per token "
+        f"= {format_bytes(spec.bytes_per_token)}"
+    )
+    console.print(f"  = {spec.formula()}")
+    if spec.max_model_len:
+        console.print(f"  context {spec.max_model_len:,} tokens")
+    if spec.sliding_window:
+        console.print(f"  sliding window: a request holds at most {spec.sliding_window:,} tokens")
+    console.print()
+    if plan.pool.gpu is not None:
+        console.print(_pool_table(model, plan.pool))
+    else:
+        console.print(f"KV pool {format_bytes(plan.pool.pool_bytes)}, given")
+    console.print(
+        f"  = {plan.pool_tokens:,} tokens = {plan.pool_blocks:,} blocks of {plan.block_size} "
+        f"tokens, {format_bytes(spec.bytes_per_block(plan.block_size))} each"
+    )
+    if plan.longest_request is not None:
+        console.print(f"  longest single request: {plan.longest_request:,} tokens")
+    console.print()
+    console.print(_lengths_table(plan))
+    if plan.comparison is not None:
+        console.print()
+        console.print(_comparison_table(plan))
+
+
+def _pool_table(model: Model, pool: PoolBudget) -> Table:
+    table = Table(
+        title=f"KV pool on {pool.gpu} ({GPU_PRESETS[pool.gpu].product})", title_justify="left"
+    )
+    table.add_column("term")
+    table.add_column("GB", justify="right")
+    table.add_column("GiB", justify="right")
+    table.add_column("from")
+    usable = int(pool.memory_bytes * pool.utilization)
+    for term, value, source in (
+        ("GPU memory", pool.memory_bytes, f"{GPU_PRESETS[pool.gpu].memory_mib:,} MiB (nvidia-smi)"),
+        (f"x utilization {pool.utilization:g}", usable, ""),
+        ("- weights", pool.weight_bytes, model.weight_source),
+        ("- activation reserve", pool.activation_bytes, "--activation-gb"),
+        ("= KV pool", pool.pool_bytes, ""),
+    ):
+        table.add_row(term, f"{value / GB:,.2f}", f"{value / 2**30:,.2f}", source)
+    return table
+
+
+def _lengths_table(plan: CapacityPlan) -> Table:
+    table = Table(title="Concurrency per request length", title_justify="left")
+    table.add_column("request tokens", justify="right")
+    table.add_column("KV per request", justify="right", no_wrap=True)
+    table.add_column("blocks", justify="right")
+    table.add_column("max concurrent", justify="right")
+    notes = set()
+    for row in plan.rows:
+        length = f"{row.request_tokens:,}"
+        if row.beyond_context:
+            length += " *"
+            notes.add(f"* beyond the model's {plan.spec.max_model_len:,}-token context")
+        if row.tokens_held < row.request_tokens:
+            length += " w"
+            notes.add(f"w holds only its {plan.spec.sliding_window:,}-token window")
+        table.add_row(
+            length,
+            format_bytes(row.bytes_per_request),
+            f"{row.blocks_per_request:,}",
+            f"{row.max_concurrency:,}",
+        )
+    if notes:
+        table.caption = "; ".join(sorted(notes))
+    return table
+
+
+def _comparison_table(plan: CapacityPlan) -> Table:
+    comparison = plan.comparison
+    bytes_per_token = plan.spec.bytes_per_token
+    table = Table(
+        title=f"Requests averaging {comparison.avg_tokens:,} tokens, "
+        f"max_model_len {comparison.max_model_len:,}",
+        title_justify="left",
+        caption=f"paging fits {comparison.gain:,.1f}x as many requests",
+    )
+    table.add_column("scheme, tokens held")
+    table.add_column("KV per request", justify="right", no_wrap=True)
+    table.add_column("max concurrent", justify="right")
+    slab_tokens = comparison.slab_tokens_per_request
+    paged_tokens = comparison.paged_blocks_per_request * plan.block_size
+    table.add_row(
+        f"slab: {slab_tokens:,} reserved",
+        format_bytes(slab_tokens * bytes_per_token),
+        f"{comparison.slab_concurrency:,}",
+    )
+    table.add_row(
+        f"paged: {comparison.paged_blocks_per_request:,} blocks = {paged_tokens:,}",
+        format_bytes(paged_tokens * bytes_per_token),
+        f"{comparison.paged_concurrency:,}",
+    )
+    return table
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    value = _number(text, int)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    value = _number(text, float)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
+def token_counts(text: str) -> list[int]:
+    """argparse type: comma-separated token counts, `k` meaning 1024 (`2k,8k,100000`)."""
+    counts = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        counts.append(positive_int(part.removesuffix("k")) * scale)
+    return counts
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None

@@ -1,0 +1,1 @@
+"""Serving-memory simulation: workloads driven through `pagedkv.memory`, no model at all."""
