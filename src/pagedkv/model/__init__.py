@@ -1,0 +1,1 @@
+"""Model runtime: loading, Llama-style modules, KV cache tensors and paged attention."""

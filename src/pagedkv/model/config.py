@@ -1,0 +1,236 @@
+"""ModelConfig: the few numbers and switches of a Llama-style model, read from config.json.
+
+Llama, Mistral and Qwen2 are one architecture with small differences; this module turns each
+family's config.json into the same record so `llama.py` has a single code path. Both the
+older `rope_theta` + `rope_scaling` keys and the newer `rope_parameters` form are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_ROPE_THETA = 10_000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `scaling` is "default", "linear" or "llama3"."""
+
+    theta: float = DEFAULT_ROPE_THETA
+    scaling: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and switches of one Llama-style decoder.
+
+    `sliding_windows` holds one entry per layer (None: full attention) because Qwen2 applies
+    its window only to some layers, while Mistral applies it to all.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: Path) -> ModelConfig:
+        """Build from the parsed config.json; `source` names the file in error messages."""
+        fields = _Fields(raw, source)
+        architecture = _architecture(raw, source)
+        num_heads = fields.integer("num_attention_heads")
+        hidden_size = fields.integer("hidden_size")
+        num_kv_heads = fields.integer("num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise MalformedModelFile(
+                source,
+                f"num_attention_heads ({num_heads}) is not a multiple of "
+                f"num_key_value_heads ({num_kv_heads})",
+            )
+        head_dim = fields.integer("head_dim", hidden_size // num_heads)
+        hidden_act = raw.get("hidden_act") or "silu"
+        if hidden_act != "silu":
+            raise UnsupportedModel(source, f"hidden_act {hidden_act!r} (only 'silu' is supported)")
+        num_layers = fields.integer("num_hidden_layers")
+        max_position_embeddings = fields.integer("max_position_embeddings", 2048)
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = fields.boolean("attention_bias", False)
+        return cls(
+            architecture=architecture,
+            vocab_size=fields.integer("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=fields.integer("intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=max_position_embeddings,
+            rope=_rope(raw, fields, max_position_embeddings),
+            # Qwen2 always biases q/k/v and never o; Llama's attention_bias covers all four.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=fields.boolean("mlp_bias", False),
+            tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
+            sliding_windows=_sliding_windows(raw, fields, architecture, num_layers),
+        )
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """Read and validate `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    return ModelConfig.from_dict(read_json(path, what="the model's config.json"), path)
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Parse a JSON object from `path`, or raise an error naming the file and the problem."""
+    if not path.is_file():
+        raise ModelFileMissing(path, what)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise MalformedModelFile(path, f"not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise MalformedModelFile(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+class _Fields:
+    """Typed reads from a config dict, raising errors that name the file and the key."""
+
+    def __init__(self, raw: dict[str, Any], source: Path) -> None:
+        self.raw = raw
+        self.source = source
+
+    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise MalformedModelFile(
+                self.source, f"{key} must be an integer >= {minimum}, got {value!r}"
+            )
+        return value
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise MalformedModelFile(self.source, f"{key} must be a number, got {value!r}")
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise MalformedModelFile(self.source, f"{key} must be true or false, got {value!r}")
+        return value
+
+    def _get(self, key: str, default: Any) -> Any:
+        # A key set to null means the same as an absent key, as in transformers.
+        value = self.raw.get(key)
+        if value is None:
+            if default is None:
+                raise MalformedModelFile(self.source, f"required field {key!r} is missing")
+            return default
+        return value
+
+
+def _architecture(raw: dict[str, Any], source: Path) -> str:
+    architectures = raw.get("architectures")
+    if architectures:
+        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+            raise MalformedModelFile(
+                source, f"architectures must be a list of names, got {architectures!r}"
+            )
+        name = architectures[0]
+    elif raw.get("model_type") in _ARCHITECTURE_OF_MODEL_TYPE:
+        name = _ARCHITECTURE_OF_MODEL_TYPE[raw["model_type"]]
+    else:
+        raise MalformedModelFile(source, "neither 'architectures' nor a known 'model_type' is set")
+    if name not in ARCHITECTURES:
+        raise UnsupportedModel(
+            source,
+            f"architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})",
+        )
+    return name
+
+
+def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> RopeConfig:
+    source = top.source
+    # transformers lets the older `rope_scaling` win when both are present; so do we.
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise MalformedModelFile(source, f"rope parameters must be an object, got {params!r}")
+    if any(isinstance(value, dict) for value in params.values()):
+        raise UnsupportedModel(source, "per-layer-type rope_parameters are not supported")
+    fields = _Fields(params, source)
+    theta = fields.number("rope_theta", top.number("rope_theta", DEFAULT_ROPE_THETA))
+    scaling = params.get("rope_type", params.get("type", "default"))
+    if scaling not in ROPE_TYPES:
+        raise UnsupportedModel(
+            source, f"rope type {scaling!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    if scaling == "default":
+        return RopeConfig(theta=theta)
+    if scaling == "linear":
+        return RopeConfig(theta=theta, scaling=scaling, factor=fields.number("factor"))
+    # llama3: the pre-training context may sit inside the rope dict, at top level, or be absent.
+    original = top.integer("original_max_position_embeddings", max_position_embeddings)
+    return RopeConfig(
+        theta=theta,
+        scaling=scaling,
+        factor=fields.number("factor"),
+        low_freq_factor=fields.number("low_freq_factor"),
+        high_freq_factor=fields.number("high_freq_factor"),
+        original_max_position_embeddings=fields.integer(
+            "original_max_position_embeddings", original
+        ),
+    )
+
+
+def _sliding_windows(
+    raw: dict[str, Any], fields: _Fields, architecture: str, num_layers: int
+) -> tuple[int | None, ...]:
+    if architecture == "LlamaForCausalLM" or raw.get("sliding_window") is None:
+        return (None,) * num_layers
+    window = fields.integer("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    # Qwen2: the window is off unless use_sliding_window, and then applies only to the layers
+    # named "sliding_attention" (or, without layer_types, those from max_window_layers on).
+    if not fields.boolean("use_sliding_window", False):
+        return (None,) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first_windowed = fields.integer("max_window_layers", 28, minimum=0)  # transformers' default
+        return tuple(window if i >= first_windowed else None for i in range(num_layers))
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise MalformedModelFile(
+            fields.source, f"layer_types must list {num_layers} layer types, got {layer_types!r}"
+        )
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)

@@ -1,0 +1,79 @@
+"""Errors raised while loading a model folder or sizing its KV cache.
+
+Every message names the file (or limit) and what is wrong with it, so a user can fix the
+folder without reading our code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ModelError(Exception):
+    """Base of every error `pagedkv.model` raises about a model folder or its cache."""
+
+
+class ModelFileMissing(ModelError):
+    """A file the model needs is not in the folder."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(f"{path}: missing ({what})")
+        self.path = path
+
+
+class MalformedModelFile(ModelError):
+    """A file is present but cannot be parsed, or a field in it has the wrong type or value."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+class UnsupportedModel(ModelError):
+    """The config asks for an architecture or feature this engine does not implement."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+class MissingTensor(ModelError):
+    """A weight the architecture needs is in none of the safetensors files."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        super().__init__(f"{path}: tensor {name!r} is missing")
+        self.path = path
+        self.name = name
+
+
+class TensorShapeMismatch(ModelError):
+    """A weight's shape disagrees with what config.json implies."""
+
+    def __init__(
+        self, path: Path, name: str, expected: tuple[int, ...], got: tuple[int, ...]
+    ) -> None:
+        super().__init__(
+            f"{path}: tensor {name!r} has shape {list(got)}, config.json implies {list(expected)}"
+        )
+        self.path = path
+        self.name = name
+
+
+class KVCacheTooSmall(ModelError):
+    """A memory budget for the KV cache does not hold even one block."""
+
+    def __init__(self, budget_bytes: int, bytes_per_block: int) -> None:
+        super().__init__(
+            f"KV cache budget of {budget_bytes} bytes holds no block "
+            f"(one block of all layers needs {bytes_per_block} bytes)"
+        )
+        self.budget_bytes = budget_bytes
+        self.bytes_per_block = bytes_per_block
+
+
+class InvalidBatch(ModelError, ValueError):
+    """A sequence handed to the batch builder is inconsistent with its block table."""
+
+
+class ChatTemplateError(ModelError):
+    """A conversation cannot be rendered: no template, or the template rejected it."""

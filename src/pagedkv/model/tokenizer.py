@@ -1,0 +1,188 @@
+"""Tokenizer: text <-> token ids, end-of-sequence ids and the chat template of a model folder.
+
+Encoding and decoding use `tokenizer.json` through the `tokenizers` library. The ids that end
+generation come from `generation_config.json` (an int or a list), falling back to config.json
+and then to tokenizer_config.json's `eos_token`. The chat template comes from
+tokenizer_config.json or `chat_template.jinja` and is rendered with jinja2 in a sandbox, with
+the same environment transformers gives templates (trimmed blocks, `raise_exception`,
+`tojson`, `strftime_now`), so a Hub template renders the same text here as there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pagedkv.model.config import read_json
+from pagedkv.model.errors import ChatTemplateError, MalformedModelFile, ModelFileMissing
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A model's tokenizer, its end-of-sequence ids and its chat template."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self._template = None if chat_template is None else _ENVIRONMENT.from_string(chat_template)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        """Load tokenizer.json, generation_config.json and tokenizer_config.json of `folder`."""
+        folder = Path(folder)
+        tokenizer = _load_tokenizer_json(folder / "tokenizer.json")
+        tokenizer_config = _optional_json(folder / "tokenizer_config.json")
+        special_tokens = _special_tokens(tokenizer_config, folder / "tokenizer_config.json")
+        return cls(
+            tokenizer,
+            eos_token_ids=_eos_token_ids(folder, tokenizer, special_tokens),
+            chat_template=_chat_template(folder, tokenizer_config),
+            special_tokens=special_tokens,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies tokenizer.json's template (BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render a conversation (`[{"role": ..., "content": ...}, ...]`) as prompt text."""
+        if self._template is None:
+            raise ChatTemplateError(
+                "this model has no chat template (none in tokenizer_config.json "
+                "or chat_template.jinja)"
+            )
+        try:
+            return self._template.render(
+                messages=[dict(message) for message in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"chat template failed: {error}") from error
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered conversation; the template itself places any BOS."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any
+) -> str:
+    # jinja's own tojson escapes HTML characters, which would change what the model sees.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+_ENVIRONMENT = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+)
+_ENVIRONMENT.filters["tojson"] = _tojson
+_ENVIRONMENT.globals["raise_exception"] = _raise_exception
+_ENVIRONMENT.globals["strftime_now"] = _strftime_now
+
+
+def _load_tokenizer_json(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise ModelFileMissing(path, "the tokenizer")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception for any parse failure
+        raise MalformedModelFile(path, f"not a valid tokenizers file: {error}") from error
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    return read_json(path, what="an optional file") if path.is_file() else {}
+
+
+def _special_tokens(tokenizer_config: dict[str, Any], path: Path) -> dict[str, str]:
+    """bos/eos/unk/pad token strings; transformers saves each as a string or {"content": ...}."""
+    tokens = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = tokenizer_config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise MalformedModelFile(path, f"{key} must be a string, got {value!r}")
+        tokens[key] = value
+    return tokens
+
+
+def _eos_token_ids(
+    folder: Path, tokenizer: tokenizers.Tokenizer, special_tokens: dict[str, str]
+) -> tuple[int, ...]:
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        value = _optional_json(path).get("eos_token_id")
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else value
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            raise MalformedModelFile(
+                path, f"eos_token_id must be an int or a list of ints, got {value!r}"
+            )
+        return tuple(ids)
+    eos_token = special_tokens.get("eos_token")
+    eos_id = None if eos_token is None else tokenizer.token_to_id(eos_token)
+    return () if eos_id is None else (eos_id,)
+
+
+def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    path = folder / "tokenizer_config.json"
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        # Older multi-template form: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        path = folder / "chat_template.jinja"
+        template = path.read_text(encoding="utf-8")
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise MalformedModelFile(path, f"chat_template must be a string, got {template!r}")
+    try:
+        _ENVIRONMENT.parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise MalformedModelFile(path, f"chat_template is not valid jinja: {error}") from error
+    return template

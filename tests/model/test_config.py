@@ -1,0 +1,148 @@
+"""ModelConfig: each family's config.json, in old and new rope forms, becomes one record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedkv.model.config import ModelConfig, RopeConfig, load_config
+from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
+
+SOURCE = Path("model/config.json")
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+}
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def parse(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict({**LLAMA, **overrides}, SOURCE)
+
+
+def test_llama_shapes_and_defaults():
+    config = parse()
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (32, 32, 8)
+    assert config.head_dim == 128  # hidden_size / num_attention_heads when absent
+    assert config.rope == RopeConfig(theta=10000.0)
+    assert not (config.qkv_bias or config.o_bias or config.mlp_bias or config.tie_word_embeddings)
+    assert config.sliding_windows == (None,) * 32
+    assert parse(num_key_value_heads=None).num_kv_heads == 32  # absent: multi-head attention
+
+
+def test_old_and_new_rope_forms_give_the_same_config():
+    old = parse(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
+    new = parse(rope_parameters={**LLAMA3_SCALING, "rope_theta": 500000.0})
+    assert old == new
+    assert old.rope == RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def test_rope_defaults_and_fallbacks():
+    assert parse(rope_scaling=None, rope_theta=1e6).rope == RopeConfig(theta=1e6)
+    linear = parse(rope_scaling={"type": "linear", "factor": 4.0}).rope  # "type", not "rope_type"
+    assert (linear.scaling, linear.factor, linear.theta) == ("linear", 4.0, 10000.0)
+    without_original = {
+        k: v for k, v in LLAMA3_SCALING.items() if k != "original_max_position_embeddings"
+    }
+    assert parse(rope_scaling=without_original).rope.original_max_position_embeddings == 131072
+    assert (
+        parse(
+            rope_scaling=without_original, original_max_position_embeddings=4096
+        ).rope.original_max_position_embeddings
+        == 4096
+    )
+
+
+def test_qwen2_biases_tying_and_per_layer_windows():
+    qwen = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4}
+    qwen.update(tie_word_embeddings=True, sliding_window=4096, max_window_layers=2)
+    config = ModelConfig.from_dict(qwen, SOURCE)
+    assert (config.qkv_bias, config.o_bias, config.tie_word_embeddings) == (True, False, True)
+    assert config.sliding_windows == (None,) * 4  # use_sliding_window is off (as in Qwen2.5)
+    windowed = ModelConfig.from_dict({**qwen, "use_sliding_window": True}, SOURCE)
+    assert windowed.sliding_windows == (None, None, 4096, 4096)
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    typed = ModelConfig.from_dict(
+        {**qwen, "use_sliding_window": True, "layer_types": layer_types}, SOURCE
+    )
+    assert typed.sliding_windows == (4096, None, 4096, None)
+
+
+def test_mistral_window_applies_to_every_layer():
+    mistral = {**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    assert ModelConfig.from_dict(mistral, SOURCE).sliding_windows == (4096,) * 32
+    no_window = {**mistral, "sliding_window": None}
+    assert ModelConfig.from_dict(no_window, SOURCE).sliding_windows == (None,) * 32
+
+
+def test_llama_attention_bias_covers_all_four_projections():
+    config = parse(attention_bias=True, mlp_bias=True)
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (True, True, True)
+
+
+def test_model_type_stands_in_for_a_missing_architectures_list():
+    config = ModelConfig.from_dict(
+        {**LLAMA, "architectures": None, "model_type": "mistral"}, SOURCE
+    )
+    assert config.architecture == "MistralForCausalLM"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            UnsupportedModel,
+            "'GPT2LMHeadModel' is not supported",
+        ),
+        ({"architectures": None}, MalformedModelFile, "neither 'architectures'"),
+        ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            UnsupportedModel,
+            "rope type 'yarn'",
+        ),
+        ({"rope_scaling": {"rope_type": "linear"}}, MalformedModelFile, "'factor' is missing"),
+        ({"num_hidden_layers": "32"}, MalformedModelFile, "num_hidden_layers must be an integer"),
+        ({"hidden_size": None}, MalformedModelFile, "'hidden_size' is missing"),
+        (
+            {"num_key_value_heads": 5},
+            MalformedModelFile,
+            "not a multiple of num_key_value_heads (5)",
+        ),
+        ({"tie_word_embeddings": "yes"}, MalformedModelFile, "tie_word_embeddings must be true"),
+    ],
+)
+def test_bad_configs_raise_typed_errors_naming_file_and_field(overrides, error, message):
+    with pytest.raises(error) as raised:
+        parse(**overrides)
+    assert str(raised.value).startswith(f"{SOURCE}: ")
+    assert message in str(raised.value)
+
+
+def test_load_config_errors_name_the_file(tmp_path):
+    with pytest.raises(ModelFileMissing, match=r"config\.json: missing"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(MalformedModelFile, match=r"config\.json: not valid JSON"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(MalformedModelFile, match="expected a JSON object, got list"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert load_config(tmp_path) == parse()

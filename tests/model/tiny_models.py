@@ -1,0 +1,169 @@
+"""Seeded tiny Hugging Face model folders, written the way `save_pretrained` writes real ones.
+
+Each folder holds config.json, safetensors weights (sharded for some), a byte-level BPE
+`tokenizer.json` trained on a small corpus, tokenizer_config.json with a chat template, and
+generation_config.json. transformers is used only here, to make the folders and as the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+VOCAB_SIZE = 320  # the model's; the tokenizer uses fewer ids, as real checkpoints often do
+BOS, EOS, UNK = "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS = [UNK, BOS, EOS]  # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CORPUS = [
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "A block table maps each sequence's logical blocks to physical ones.",
+    "Copy on write lets forked sequences share a prompt until they diverge.",
+    "Swapping moves blocks to host memory when the device runs out.",
+    "The quick brown fox jumps over the lazy dog, twice; then it rests.",
+    "Hello world! Ünïcödé and emoji 🙂 must round trip through bytes.",
+]
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    # Wider than the usual 0.02 so random logits are spread out: greedy comparisons then
+    # never hinge on a near-tie that float rounding could flip.
+    initializer_range=0.25,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """How to build one tiny checkpoint: a transformers class name and its config."""
+
+    architecture: str
+    config: dict[str, Any]
+    max_shard_size: str | None = None
+    # Rewrite config.json in the older `rope_theta` + `rope_scaling` form after saving.
+    legacy_rope: dict[str, Any] | None = None
+
+
+TINY_MODELS: dict[str, TinyModel] = {
+    "llama": TinyModel("LlamaForCausalLM", dict(_COMMON, rope_theta=10000.0)),
+    # Llama 3.1 scaling with a 32-token "pre-training" context: with head_dim 16 the rope
+    # wavelengths fall on both sides of and between the cut-offs (8 and 32 tokens).
+    "llama3": TinyModel(
+        "LlamaForCausalLM",
+        dict(_COMMON, num_key_value_heads=1),
+        legacy_rope={
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "llama_linear": TinyModel(
+        "LlamaForCausalLM",
+        dict(_COMMON, attention_bias=True, mlp_bias=True),
+        legacy_rope={"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    ),
+    "mistral": TinyModel(
+        "MistralForCausalLM", dict(_COMMON, sliding_window=16, head_dim=32), max_shard_size="60KB"
+    ),
+    # Qwen2 with every switch on: q/k/v bias, tied embeddings, and a sliding window on the
+    # second layer only (layers from max_window_layers on).
+    "qwen2": TinyModel(
+        "Qwen2ForCausalLM",
+        dict(
+            _COMMON,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=24,
+            max_window_layers=1,
+        ),
+        max_shard_size="60KB",
+    ),
+}
+
+
+def build_model_folder(name: str, folder: Path, seed: int = 0) -> Path:
+    """Save the seeded tiny model `name` with tokenizer files into `folder`; return it."""
+    import transformers
+
+    spec = TINY_MODELS[name]
+    config_class = getattr(transformers, spec.architecture.replace("ForCausalLM", "Config"))
+    model_class = getattr(transformers, spec.architecture)
+    torch.manual_seed(seed)
+    model = model_class(config_class(**spec.config)).eval()
+    if spec.max_shard_size is None:
+        model.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder, max_shard_size=spec.max_shard_size)
+    if spec.legacy_rope is not None:
+        config_path = folder / "config.json"
+        config = json.loads(config_path.read_text())
+        config.pop("rope_parameters", None)
+        config.update(spec.legacy_rope)
+        config_path.write_text(json.dumps(config, indent=2))
+    write_tokenizer_files(folder)
+    return folder
+
+
+def write_tokenizer_files(folder: Path, eos_token_id: int | list[int] = 2) -> None:
+    """tokenizer.json, tokenizer_config.json (with chat template), generation_config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    train_tokenizer().save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": {"__type": "AddedToken", "content": EOS, "special": True},  # older form
+        "unk_token": UNK,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    generation_config = {"bos_token_id": 1, "eos_token_id": eos_token_id}
+    (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+
+
+def train_tokenizer() -> Tokenizer:
+    """A byte-level BPE over CORPUS, adding BOS to every encoding like Llama's tokenizer."""
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]
+    )
+    return tokenizer
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """Seeded random token ids, avoiding the special ids 0-2."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
