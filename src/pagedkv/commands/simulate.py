@@ -16,7 +16,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pagedkv.commands.plan import non_negative_float, positive_float, positive_int, token_counts
+from pagedkv.commands.arguments import (
+    non_negative_float,
+    positive_float,
+    positive_int,
+    token_counts,
+)
 from pagedkv.presets import MODEL_PRESETS, Model, load_model
 from pagedkv.sim.report import SchemeSummary, summarize
 from pagedkv.sim.schemes import SCHEME_LABELS, make_scheme
