@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch is pinned: the CPU wheel of exactly this version is what the project is built on.
+	# torch is pinned to exactly 2.13.0 (this machine kind has its CPU wheel on disk); an
+	# unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)

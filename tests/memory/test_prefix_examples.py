@@ -33,11 +33,16 @@ def test_an_identical_96_token_prompt_gets_80_cached(manager: KVCacheManager) ->
 
 
 def test_a_hash_collision_is_not_a_hit(manager: KVCacheManager, monkeypatch) -> None:
-    monkeypatch.setattr("pagedkv.memory.manager.hash_block", lambda parent, tokens: 1)
-    monkeypatch.setattr("pagedkv.memory.hashing.hash_block", lambda parent, tokens: 1)
+    monkeypatch.setattr("pagedkv.memory.manager.hash_block", lambda parent, tokens: b"collide")
+    monkeypatch.setattr("pagedkv.memory.hashing.hash_block", lambda parent, tokens: b"collide")
     manager.allocate("X", [5] * 40)
     manager.mark_computed("X", 40)
     assert manager.allocate("Y", [6] * 40) == 0
+
+
+def test_a_block_after_a_different_prefix_is_not_a_hit(manager: KVCacheManager) -> None:
+    same_second_block = PROMPT_A[16:32]
+    assert manager.allocate("B", [7] * 16 + same_second_block + [8]) == 0
 
 
 def test_without_prefix_caching_nothing_is_cached() -> None:

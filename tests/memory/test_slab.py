@@ -71,6 +71,8 @@ def test_writing_past_the_reservation_or_to_an_unknown_request_is_an_error() -> 
     slab.reserve("a", 10)
     with pytest.raises(ValueError, match="overflows its slab"):
         slab.write("a", 11)
+    with pytest.raises(ValueError, match="cannot write -1 tokens"):
+        slab.write("a", -1)
     with pytest.raises(UnknownSequence):
         slab.write("b", 1)
     with pytest.raises(ValueError, match="must be positive"):

@@ -5,6 +5,11 @@ data moved returns a plan the runner executes on the cache tensors before the ne
 pass: copy-on-write pairs from `append`, (source, destination) pairs from `swap_out` and
 `swap_in`. Every operation either succeeds completely or raises and changes nothing, so the
 scheduler can treat `NoFreeBlocks` as its signal to wait or preempt.
+
+Plans must be executed in the order they were returned. Blocks are released at once, so a
+block that `swap_out` is saving can be the destination of a copy-on-write or `swap_in`
+returned later in the same step; running the plans in order reads it before it is
+overwritten.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pagedkv.memory.errors import (
     SequenceSwappedOut,
     UnknownSequence,
 )
-from pagedkv.memory.hashing import ROOT_HASH, extend_block_hashes, hash_block
+from pagedkv.memory.hashing import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
 from pagedkv.memory.pool import Block, BlockPool
 
 SeqId = Hashable
@@ -54,7 +59,7 @@ class _Sequence:
     blocks: list[Block]
     cpu_blocks: list[int] | None = None  # set while swapped out; `blocks` is then empty
     num_computed: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # computed full blocks, chained
+    block_hashes: list[BlockHash] = field(default_factory=list)  # computed full blocks, chained
 
 
 class KVCacheManager:
@@ -331,12 +336,12 @@ class KVCacheManager:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _find_cached_prefix(self, token_ids: list[int]) -> tuple[list[Block], list[int]]:
+    def _find_cached_prefix(self, token_ids: list[int]) -> tuple[list[Block], list[BlockHash]]:
         """Leading cached blocks of a prompt and their hashes, leaving >= 1 token to compute."""
         if not self.enable_prefix_caching:
             return [], []
         hits: list[Block] = []
-        hashes: list[int] = []
+        hashes: list[BlockHash] = []
         parent = ROOT_HASH
         for start in range(
             0, (len(token_ids) - 1) // self.block_size * self.block_size, self.block_size

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pagedkv.memory.errors import NoFreeBlocks
+from pagedkv.memory.hashing import BlockHash
 
 
 @dataclass(eq=False, slots=True)
@@ -23,7 +24,7 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None
     prev_free: Block | None = None
     next_free: Block | None = None
@@ -37,7 +38,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
 
     @property
@@ -80,7 +81,7 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
         """The cached block holding exactly these tokens after this prefix, if any.
 
         Comparing the token ids guards against hash collisions handing out wrong KV.
@@ -90,7 +91,7 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Register a full, computed block in the prefix cache.
 
         A block already cached keeps its entry; a hash already served by another block keeps

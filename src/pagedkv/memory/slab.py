@@ -80,6 +80,8 @@ class SlabAllocator:
     def write(self, req_id: Hashable, num_tokens: int) -> None:
         """Record `num_tokens` more tokens stored in the request's slab."""
         slab = self._get(req_id)
+        if num_tokens < 0:
+            raise ValueError(f"request {req_id!r}: cannot write {num_tokens} tokens")
         if slab.used + num_tokens > slab.size:
             raise ValueError(
                 f"request {req_id!r}: writing {num_tokens} tokens overflows its slab "
