@@ -33,7 +33,6 @@ def test_an_identical_96_token_prompt_gets_80_cached(manager: KVCacheManager) ->
 
 
 def test_a_hash_collision_is_not_a_hit(manager: KVCacheManager, monkeypatch) -> None:
-    monkeypatch.setattr("pagedkv.memory.manager.hash_block", lambda parent, tokens: b"collide")
     monkeypatch.setattr("pagedkv.memory.hashing.hash_block", lambda parent, tokens: b"collide")
     manager.allocate("X", [5] * 40)
     manager.mark_computed("X", 40)

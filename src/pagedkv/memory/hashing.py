@@ -4,33 +4,47 @@ A block's hash covers its own token ids and, through the parent hash, every toke
 it, so equal hashes mean equal prefixes. The hash is SHA-256: Python's built-in `hash` is
 fast but predictable, and in a server shared by many clients a crafted prompt that collides
 with another client's chain would be served that client's KV. The pool also compares a
-hit's token ids, a cheap second guard.
+hit's token bytes, a cheap second guard.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = b""
+BYTES_PER_TOKEN = array("q").itemsize
 
 
-def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as fixed-width bytes: what block hashes and the collision guard compare."""
+    return array("q", token_ids).tobytes()
+
+
+def hash_block(parent_hash: BlockHash, block_tokens: bytes) -> BlockHash:
     """Hash of one full block given the hash of the block before it (ROOT_HASH for the first)."""
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent_hash + block_tokens).digest()
 
 
-def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_tokens: int
-) -> None:
-    """Append to `block_hashes` the hashes of every full block within the first `num_tokens`.
+def chain_hashes(
+    parent_hash: BlockHash, token_ids: Sequence[int], block_size: int
+) -> Iterator[tuple[BlockHash, bytes]]:
+    """(hash, token bytes) of each full block of `token_ids`, chained from `parent_hash`.
 
-    `block_hashes` already holds the hashes of the leading blocks; only new ones are computed,
-    so calling this as a sequence grows costs O(new blocks).
+    Tokens are encoded in runs that double in length, lazily: a caller that stops at the
+    first block (a prefix-cache miss) pays for encoding one block, one that hashes all n
+    blocks makes log2(n) encoding calls instead of n.
     """
-    parent = block_hashes[-1] if block_hashes else ROOT_HASH
-    for start in range(len(block_hashes) * block_size, num_tokens - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        block_hashes.append(parent)
+    num_full_blocks = len(token_ids) // block_size
+    block_bytes = block_size * BYTES_PER_TOKEN
+    first, run = 0, 1
+    while first < num_full_blocks:
+        stop = min(num_full_blocks, first + run)
+        encoded = encode_tokens(token_ids[first * block_size : stop * block_size])
+        for offset in range(0, len(encoded), block_bytes):
+            block_tokens = encoded[offset : offset + block_bytes]
+            parent_hash = hash_block(parent_hash, block_tokens)
+            yield parent_hash, block_tokens
+        first, run = stop, run * 2

@@ -25,7 +25,7 @@ from pagedkv.memory.errors import (
     SequenceSwappedOut,
     UnknownSequence,
 )
-from pagedkv.memory.hashing import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
+from pagedkv.memory.hashing import ROOT_HASH, BlockHash, chain_hashes, encode_tokens
 from pagedkv.memory.pool import Block, BlockPool
 
 SeqId = Hashable
@@ -342,17 +342,15 @@ class KVCacheManager:
             return [], []
         hits: list[Block] = []
         hashes: list[BlockHash] = []
-        parent = ROOT_HASH
-        for start in range(
-            0, (len(token_ids) - 1) // self.block_size * self.block_size, self.block_size
+        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        for block_hash, block_tokens in chain_hashes(
+            ROOT_HASH, token_ids[:max_hit_tokens], self.block_size
         ):
-            block_tokens = tuple(token_ids[start : start + self.block_size])
-            parent = hash_block(parent, block_tokens)
-            block = self._pool.lookup(parent, block_tokens)
+            block = self._pool.lookup(block_hash, block_tokens)
             if block is None:
                 break
             hits.append(block)
-            hashes.append(parent)
+            hashes.append(block_hash)
         return hits, hashes
 
     def _take(self, hits: list[Block], num_new: int) -> None:
@@ -367,15 +365,19 @@ class KVCacheManager:
         self._pool.touch(hits)
 
     def _cache_full_blocks(self, seq: _Sequence) -> None:
+        """Hash the newly computed full blocks (extending the chain) and offer them to the cache."""
+        size = self.block_size
         first_new = len(seq.block_hashes)
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.num_computed)
-        for index in range(first_new, len(seq.block_hashes)):
-            self._pool.cache(
-                seq.blocks[index], seq.block_hashes[index], self._block_tokens(seq, index)
-            )
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        new_tokens = seq.token_ids[first_new * size : seq.num_computed]
+        for index, (block_hash, block_tokens) in enumerate(
+            chain_hashes(parent, new_tokens, size), start=first_new
+        ):
+            seq.block_hashes.append(block_hash)
+            self._pool.cache(seq.blocks[index], block_hash, block_tokens)
 
-    def _block_tokens(self, seq: _Sequence, index: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+    def _block_tokens(self, seq: _Sequence, index: int) -> bytes:
+        return encode_tokens(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -25,7 +25,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None
+    token_bytes: bytes | None = None
     prev_free: Block | None = None
     next_free: Block | None = None
 
@@ -81,17 +81,17 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, block_hash: BlockHash, token_bytes: bytes) -> Block | None:
         """The cached block holding exactly these tokens after this prefix, if any.
 
-        Comparing the token ids guards against hash collisions handing out wrong KV.
+        Comparing the token bytes guards against hash collisions handing out wrong KV.
         """
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if block is None or block.token_bytes != token_bytes:
             return None
         return block
 
-    def cache(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache(self, block: Block, block_hash: BlockHash, token_bytes: bytes) -> None:
         """Register a full, computed block in the prefix cache.
 
         A block already cached keeps its entry; a hash already served by another block keeps
@@ -101,13 +101,13 @@ class BlockPool:
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
-        block.token_ids = token_ids
+        block.token_bytes = token_bytes
         self.cached[block_hash] = block
 
     def _evict(self, block: Block) -> None:
         del self.cached[block.block_hash]
         block.block_hash = None
-        block.token_ids = None
+        block.token_bytes = None
         self.num_evictions += 1
 
     def check_invariants(self) -> None:
