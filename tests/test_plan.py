@@ -97,6 +97,16 @@ def test_gpu_pool_with_no_room_left_is_an_error():
         PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 1.5, 0, 0)
 
 
+def test_a_pool_smaller_than_one_block_is_an_error_naming_both():
+    # One block of llama-3-8b at 16 tokens is 16 x 131,072 B = 2 MiB.
+    with pytest.raises(
+        PlanError,
+        match=r"KV pool of 1.00 MB / 0.95 MiB holds no block: "
+        r"one block of 16 tokens is 2.10 MB / 2.00 MiB",
+    ):
+        plan_capacity(LLAMA_3_8B, PoolBudget.given(10**6), [1024])
+
+
 def test_bad_pool_and_lengths_are_errors():
     with pytest.raises(PlanError, match="positive"):
         PoolBudget.given(-1)
@@ -200,6 +210,53 @@ def test_plan_command_bad_input_is_a_one_line_error(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("pagedkv plan: error:")
     assert message in err
+
+
+def test_plan_command_refuses_gpu_terms_beside_a_given_pool(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "50"]
+    assert main([*argv, "--gpu-memory-utilization", "0.5"]) == 2
+    assert capsys.readouterr().err == (
+        "pagedkv plan: error: --gpu-memory-utilization applies only with --gpu, to size the "
+        "pool from a GPU; --pool-gb 50 gives the pool directly\n"
+    )
+    assert main([*argv, "--weights-gb", "16", "--activation-gb", "1"]) == 2
+    assert "--weights-gb and --activation-gb apply only with --gpu" in capsys.readouterr().err
+
+
+def test_plan_command_pool_smaller_than_a_block_is_a_one_line_error(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--pool-gb", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv plan: error: a KV pool of 1.00 MB")
+    assert "one block of 16 tokens is 2.10 MB / 2.00 MiB" in err
+
+
+def test_plan_command_says_when_one_slab_does_not_fit(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "1", "--avg-tokens", "1000"]
+    assert main([*argv, "--max-model-len", "100000"]) == 0
+    assert "a slab of 100,000 tokens does not fit the pool" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        (option, value)
+        for option in ("--pool-gb", "--weights-gb", "--gpu-memory-utilization")
+        for value in ("inf", "-inf", "nan", "-1", "0")
+    ]
+    + [("--activation-gb", value) for value in ("inf", "nan", "-1")]
+    + [
+        (option, value)
+        for option in ("--block-size", "--avg-tokens", "--max-model-len", "--lengths")
+        for value in ("inf", "nan", "-1", "0")
+    ]
+    + [("--gpu-memory-utilization", "1.5"), ("--pool-gb", "1e300"), ("--weights-gb", "1e300")],
+)
+def test_plan_command_refuses_numbers_out_of_range_when_parsed(capsys, option, value):
+    pool = [] if option == "--pool-gb" else ["--gpu", "h100-80gb"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-3-8b", *pool, f"{option}={value}"])
+    assert exit_info.value.code == 2
+    assert f"error: argument {option}: " in capsys.readouterr().err
 
 
 def test_plan_command_rejects_negative_numbers(capsys):

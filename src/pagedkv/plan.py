@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from pagedkv.spec import GB, ConfigError, KVSpec
+from pagedkv.spec import GB, ConfigError, KVSpec, format_bytes
 
 
 class PlanError(ConfigError):
-    """A plan that cannot exist: a pool with no room left for KV cache, a zero length."""
+    """A plan that cannot exist: a pool with no room for KV cache or for one block, a zero
+    length."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,11 @@ def plan_capacity(
     """
     bytes_per_block = spec.bytes_per_block(block_size)
     pool_blocks = pool.pool_bytes // bytes_per_block
+    if pool_blocks == 0:
+        raise PlanError(
+            f"a KV pool of {format_bytes(pool.pool_bytes)} holds no block: one block of "
+            f"{block_size:,} tokens is {format_bytes(bytes_per_block)}"
+        )
     pool_tokens = pool.pool_bytes // spec.bytes_per_token
     rows = [_length_row(spec, length, block_size, pool_blocks) for length in lengths]
     context = max_model_len or spec.max_model_len

@@ -1,6 +1,7 @@
 """`pagedkv simulate`: JSON for scripts, tables for people, PNGs, and clear errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,18 @@ def test_json_reports_every_scheme_and_the_sweep(capsys):
         (20, "paged"),
     ]
     assert out["sharing"] is None
+    assert out["batch_sizes_left_out"] == []
+
+
+def test_utilisation_is_reported_at_completion_and_at_its_peak_over_time(capsys):
+    assert main(["simulate", *SMALL, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for record in [*out["schemes"], *out["batch_sweep"]]:
+        assert "peak_utilisation" not in record  # it was never a peak: renamed
+        assert 0 < record["utilisation_at_completion"] <= record["peak_utilisation_over_time"]
+    # The tutorial's measure: a 2,048-token slab per ~500-token request.
+    slab = out["schemes"][0]
+    assert 0.2 < slab["utilisation_at_completion"] < 0.3
 
 
 def test_system_prompt_adds_the_sharing_report(capsys):
@@ -40,14 +53,25 @@ def test_system_prompt_adds_the_sharing_report(capsys):
     sharing = json.loads(capsys.readouterr().out)["sharing"]
     assert (sharing["unshared_blocks"], sharing["forked_blocks"]) == (130, 13)
     assert sharing["forked_bytes_saved"] == 936 * 2**20
+    assert sharing["prefix_cached_blocks"] == 12 + 10
+
+
+def test_sharing_table_says_which_figure_is_parallel_sampling(capsys):
+    assert main(["simulate", *SMALL, "--system-prompt", "200"]) == 0
+    out = capsys.readouterr().out
+    # 13 blocks is one request sampling n=10; ten separate requests hold 12 shared + 10 own.
+    assert re.search(r"│ fork: 1 request, n=10, prefilled +│ +13 │", out)
+    assert re.search(r"│ prefix caching: 10 requests +│ +22 │", out)
 
 
 def test_tables_name_schemes_and_sweep(capsys):
     assert main(["simulate", "--workload", "alpaca", "--model", "qwen2.5-0.5b", *SMALL]) == 0
     out = capsys.readouterr().out
     assert "Schemes: same requests, same pool" in out
-    assert "utilisation, peak" in out
+    assert "utilisation, at completion" in out
+    assert "utilisation, peak over time" in out
     assert "Utilisation vs batch size" in out
+    assert "each request at its largest" in out
 
 
 def test_trace_input_is_simulated(tmp_path, capsys):
@@ -60,6 +84,31 @@ def test_trace_input_is_simulated(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     shared = out["schemes"][3]["stats"]
     assert shared["prefix_hit_tokens"] == 11 * 256  # every request after the first
+
+
+def test_a_trace_shorter_than_the_batch_sizes_sweeps_the_sizes_it_fills(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 100, "output_len": 50}\n' * 20)
+    argv = ["simulate", "--trace", str(trace), "--model", "llama-3-8b"]
+    assert main([*argv, "--json"]) == 0  # default batch sizes 10..200
+    out = json.loads(capsys.readouterr().out)
+    assert {point["batch_size"] for point in out["batch_sweep"]} == {10}
+    assert out["batch_sizes_left_out"] == [25, 50, 100, 200]
+    assert main(argv) == 0
+    assert "batch sizes 25, 50, 100, 200 left out: the trace has only 20 requests" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_trace_shorter_than_every_batch_size_is_swept_whole(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 100, "output_len": 50}\n' * 3)
+    argv = ["simulate", "--trace", str(trace), "--model", "llama-3-8b"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {point["batch_size"] for point in out["batch_sweep"]} == {3}
+    assert main(argv) == 0
+    assert "swept at 3 instead, the whole trace" in capsys.readouterr().out
 
 
 def test_plots_are_written_at_their_pixel_sizes(tmp_path, capsys):
@@ -84,7 +133,8 @@ def test_plots_are_written_at_their_pixel_sizes(tmp_path, capsys):
         (["--model", "nope"], "neither a preset"),
         (["--pool-gb", "0.001"], "holds no block"),
         (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
-        (["--system-prompt", "-3"], "--system-prompt must be >= 0"),
+        (["--pool-gb", "100000"], "the simulator builds at most 2,000,000"),
+        (["--rate", "1e-300"], "raise the rate"),
         (["--max-model-len", "100"], "--max-model-len is for --trace"),
         (["--pool-gb", "1", "--num-requests", "3", "--batch-sizes", "3"], "needs 2,048 token"),
     ],
@@ -94,6 +144,44 @@ def test_bad_input_is_a_one_line_error(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("pagedkv simulate: error:")
     assert message in err
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_a_plot_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys, where):
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    folder = blocker if where == "file" else blocker / "plots"
+    assert main(["simulate", *SMALL, "--plot", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedkv simulate: error: --plot {folder}")
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        (option, value)
+        for option in ("--pool-gb", "--rate")
+        for value in ("inf", "-inf", "nan", "-1", "0")
+    ]
+    + [
+        (option, value)
+        for option in ("--block-size", "--num-requests", "--n", "--max-running", "--batch-sizes")
+        for value in ("inf", "nan", "-1", "0")
+    ]
+    + [(option, value) for option in ("--seed", "--system-prompt") for value in ("inf", "-1")]
+    + [("--shared-fraction", value) for value in ("inf", "nan", "-0.5", "1.5")]
+    + [("--max-model-len", value) for value in ("inf", "0")]
+    + [("--pool-gb", "1e300")],
+)
+def test_numbers_out_of_range_are_refused_when_parsed(capsys, option, value):
+    argv = ["simulate", f"{option}={value}"]
+    if option == "--max-model-len":
+        argv += ["--trace", "unused.jsonl"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"error: argument {option}: " in capsys.readouterr().err
 
 
 def test_simulation_never_imports_torch_and_plots_only_on_request():

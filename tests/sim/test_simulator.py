@@ -29,7 +29,9 @@ def test_paged_holds_whole_blocks_of_each_requests_tokens():
     assert (result.final_tokens, result.final_held) == (11, 16)
     summary = summarize(result)
     assert summary.mean_utilisation == pytest.approx(32 / 44)
-    assert summary.peak_utilisation == pytest.approx(11 / 16)
+    assert summary.utilisation_at_completion == pytest.approx(11 / 16)
+    # Step by step: 5/8, 7/8, 9/12, 5/8, 6/8; the fullest is step 1, not any request's end.
+    assert summary.peak_utilisation_over_time == pytest.approx(7 / 8)
     assert summary.finished_per_1000_steps == pytest.approx(1000 * 2 / 5)
     assert summary.internal_fragmentation == pytest.approx(12 / (16 * 5))
 
@@ -43,7 +45,11 @@ def test_slab_at_max_model_len_reserves_the_whole_context():
     # Never to be written: (8-5)+(8-6) while both run, then (8-6).
     assert timeline.internal == [5, 5, 5, 2, 2]
     assert (result.final_tokens, result.final_held) == (11, 16)
-    assert summarize(result).mean_utilisation == pytest.approx(32 / 64)
+    summary = summarize(result)
+    assert summary.mean_utilisation == pytest.approx(32 / 64)
+    assert summary.utilisation_at_completion == pytest.approx(11 / 16)
+    # Held 16, 16, 16, 8, 8: the fullest step is the last, r1 alone with 6 of its 8 slots.
+    assert summary.peak_utilisation_over_time == pytest.approx(6 / 8)
 
 
 def test_slab_at_prompt_plus_max_tokens_wastes_only_the_unused_max_tokens():

@@ -1,9 +1,13 @@
 """argparse types shared by the subcommands: numbers checked at parse time, with messages
-that name the bad value."""
+that name the bad value. Every float must be finite: `inf` and `nan` parse as floats, and
+would otherwise surface later as an OverflowError or a silently wrong answer."""
 
 from __future__ import annotations
 
 import argparse
+import math
+
+from pagedkv.spec import GB
 
 
 def positive_int(text: str) -> int:
@@ -14,8 +18,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
+    """argparse type: a finite number > 0."""
     value = _number(text, float)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
@@ -23,11 +35,37 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
-    """argparse type: a number >= 0."""
+    """argparse type: a finite number >= 0."""
     value = _number(text, float)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def positive_fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def positive_gb(text: str) -> float:
+    """argparse type: a size in GB > 0 whose byte count is a finite number."""
+    return _bytes_fit(positive_float(text), text)
+
+
+def non_negative_gb(text: str) -> float:
+    """argparse type: a size in GB >= 0 whose byte count is a finite number."""
+    return _bytes_fit(non_negative_float(text), text)
 
 
 def token_counts(text: str) -> list[int]:
@@ -42,6 +80,17 @@ def token_counts(text: str) -> list[int]:
 
 def _number(text: str, kind: type) -> int | float:
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _bytes_fit(gigabytes: float, text: str) -> float:
+    # 1e300 GB is a finite float, but not once multiplied into bytes.
+    if not math.isfinite(gigabytes * GB):
+        raise argparse.ArgumentTypeError(f"too large a size: {text} GB")
+    return gigabytes

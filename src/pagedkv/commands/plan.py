@@ -13,8 +13,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pagedkv.commands.arguments import (
-    non_negative_float,
-    positive_float,
+    non_negative_gb,
+    positive_fraction,
+    positive_gb,
     positive_int,
     token_counts,
 )
@@ -23,6 +24,11 @@ from pagedkv.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, load_
 from pagedkv.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 
 DEFAULT_LENGTHS = "2k,8k,32k,128k"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_ACTIVATION_GB = 2.0
+# The terms of `memory x utilization - weights - activations`: they size a pool from --gpu,
+# and mean nothing beside a pool given directly.
+GPU_TERMS = ("gpu_memory_utilization", "weights_gb", "activation_gb")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,23 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     pool = parser.add_mutually_exclusive_group(required=True)
-    pool.add_argument("--pool-gb", type=positive_float, help="KV pool size in GB (10^9 bytes)")
+    pool.add_argument("--pool-gb", type=positive_gb, help="KV pool size in GB (10^9 bytes)")
     pool.add_argument("--gpu", help=f"size the pool from a GPU: {', '.join(GPU_PRESETS)}")
     parser.add_argument(
         "--gpu-memory-utilization",
-        type=positive_float,
-        default=0.9,
-        help="fraction of GPU memory the server may use (default 0.9)",
+        type=positive_fraction,
+        help="with --gpu: fraction of GPU memory the server may use "
+        f"(default {DEFAULT_GPU_MEMORY_UTILIZATION})",
     )
     parser.add_argument(
         "--activation-gb",
-        type=non_negative_float,
-        default=2.0,
-        help="reserve for activations, CUDA graphs and allocator slack, GB (default 2; "
-        "vLLM measures it by profiling: pass what your server logs)",
+        type=non_negative_gb,
+        help="with --gpu: reserve for activations, CUDA graphs and allocator slack, GB "
+        f"(default {DEFAULT_ACTIVATION_GB:g}; vLLM measures it by profiling: pass what your "
+        "server logs)",
     )
     parser.add_argument(
-        "--weights-gb", type=positive_float, help="weight memory in GB, overriding the model's"
+        "--weights-gb",
+        type=positive_gb,
+        help="with --gpu: weight memory in GB, overriding the model's",
     )
     parser.add_argument(
         "--lengths",
@@ -95,6 +103,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
     if args.pool_gb is not None:
+        given = [term for term in GPU_TERMS if getattr(args, term) is not None]
+        if given:
+            options = " and ".join("--" + term.replace("_", "-") for term in given)
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(
+                f"{options} {verb} only with --gpu, to size the pool from a GPU; "
+                f"--pool-gb {args.pool_gb:g} gives the pool directly"
+            )
         return PoolBudget.given(int(args.pool_gb * GB))
     gpu = gpu_preset(args.gpu)
     weight_bytes = int(args.weights_gb * GB) if args.weights_gb else model.weight_bytes
@@ -105,10 +121,14 @@ def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
     return PoolBudget.from_gpu(
         gpu.name,
         gpu.memory_bytes,
-        args.gpu_memory_utilization,
+        _default(args.gpu_memory_utilization, DEFAULT_GPU_MEMORY_UTILIZATION),
         weight_bytes,
-        int(args.activation_gb * GB),
+        int(_default(args.activation_gb, DEFAULT_ACTIVATION_GB) * GB),
     )
+
+
+def _default(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _print_plan(console: Console, model: Model, plan: CapacityPlan) -> None:
@@ -193,7 +213,11 @@ def _comparison_table(plan: CapacityPlan) -> Table:
         title=f"Requests averaging {comparison.avg_tokens:,} tokens, "
         f"max_model_len {comparison.max_model_len:,}",
         title_justify="left",
-        caption=f"paging fits {comparison.gain:,.1f}x as many requests",
+        caption=(
+            f"paging fits {comparison.gain:,.1f}x as many requests"
+            if comparison.slab_concurrency
+            else f"a slab of {comparison.max_model_len:,} tokens does not fit the pool"
+        ),
     )
     table.add_column("scheme, tokens held")
     table.add_column("KV per request", justify="right", no_wrap=True)

@@ -54,14 +54,21 @@ _OWNER_PALETTE = [
 
 
 def plot_utilisation_vs_batch_size(points: list[SweepPoint], path: Path) -> Path:
-    """Peak (solid) and time-averaged (dashed) utilisation per scheme, against batch size."""
+    """Utilisation at completion (solid) and time-averaged (dashed) per scheme, against batch
+    size."""
     fig, ax = _figure(UTILISATION_SIZE)
     for scheme in dict.fromkeys(point.scheme for point in points):
         mine = [point for point in points if point.scheme == scheme]
         sizes = [point.batch_size for point in mine]
         colour = _SCHEME_COLOURS[scheme]
-        peak = [100 * point.peak_utilisation for point in mine]
-        ax.plot(sizes, peak, "o-", color=colour, label=f"{SCHEME_LABELS[scheme]}: peak")
+        at_completion = [100 * point.utilisation_at_completion for point in mine]
+        ax.plot(
+            sizes,
+            at_completion,
+            "o-",
+            color=colour,
+            label=f"{SCHEME_LABELS[scheme]}: at completion (each request at its largest)",
+        )
         ax.plot(
             sizes,
             [100 * point.mean_utilisation for point in mine],
@@ -70,7 +77,7 @@ def plot_utilisation_vs_batch_size(points: list[SweepPoint], path: Path) -> Path
             alpha=0.6,
             label=f"{SCHEME_LABELS[scheme]}: time-averaged",
         )
-        for size, value in zip(sizes, peak, strict=True):
+        for size, value in zip(sizes, at_completion, strict=True):
             ax.annotate(
                 f"{value:.1f}%",
                 (size, value),

@@ -3,9 +3,12 @@
 Utilisation is token state over the KV memory requests hold (reserved memory, for a slab):
 
 - mean: summed over every step, state over held, the time-averaged fill of held memory;
-- peak: each request at its largest (its last step), summed over requests. This is the
-  tutorial's measure: a slab reserved at max_model_len for a 500-token request is about a
-  quarter full even at its fullest.
+- at completion: each request at its largest (its last step): the token state it then holds
+  over the memory it then holds, summed over requests. This is the tutorial's measure: a slab
+  reserved at max_model_len for a 500-token request is about a quarter full even then. It is
+  no moment of the run (requests finish at different steps), so it is not a peak;
+- peak over time: the highest state over held of any one step. It can exceed the figure at
+  completion, for instance when the last request left running happens to fill its memory.
 
 Waste is a time average as a fraction of the pool, split as in the vLLM paper: reservation
 (held for tokens the request will write later), internal fragmentation (held, never to be
@@ -30,7 +33,8 @@ class SchemeSummary:
     label: str
     steps: int
     mean_utilisation: float
-    peak_utilisation: float
+    utilisation_at_completion: float
+    peak_utilisation_over_time: float
     peak_running: int
     reservation_waste: float
     internal_fragmentation: float
@@ -58,7 +62,17 @@ def summarize(result: SimResult) -> SchemeSummary:
         label=SCHEME_LABELS[result.scheme],
         steps=steps,
         mean_utilisation=sum(timeline.state) / held if held else 0.0,
-        peak_utilisation=result.final_tokens / result.final_held if result.final_held else 0.0,
+        utilisation_at_completion=(
+            result.final_tokens / result.final_held if result.final_held else 0.0
+        ),
+        peak_utilisation_over_time=max(
+            (
+                timeline.state[step] / timeline.held(step)
+                for step in range(steps)
+                if timeline.held(step)
+            ),
+            default=0.0,
+        ),
         peak_running=max(timeline.running, default=0),
         reservation_waste=sum(timeline.reservation) / pool_steps,
         internal_fragmentation=sum(timeline.internal) / pool_steps,

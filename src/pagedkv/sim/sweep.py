@@ -23,8 +23,9 @@ class SweepPoint:
 
     batch_size: int
     scheme: str
-    peak_utilisation: float
+    utilisation_at_completion: float
     mean_utilisation: float
+    peak_utilisation_over_time: float
 
 
 def utilisation_by_batch_size(
@@ -51,6 +52,17 @@ def utilisation_by_batch_size(
             scheme = make_scheme(name, num_blocks, block_size, max_model_len)
             summary = summarize(simulate(batch, scheme, max_running=batch_size, on_step=on_step))
             points.append(
-                SweepPoint(batch_size, name, summary.peak_utilisation, summary.mean_utilisation)
+                SweepPoint(
+                    batch_size,
+                    name,
+                    summary.utilisation_at_completion,
+                    summary.mean_utilisation,
+                    summary.peak_utilisation_over_time,
+                )
             )
     return points
+
+
+def fillable_batch_sizes(batch_sizes: list[int], num_requests: int) -> list[int]:
+    """The batch sizes a stream of `num_requests` fills; its whole length if it fills none."""
+    return [size for size in batch_sizes if size <= num_requests] or [num_requests]

@@ -10,11 +10,14 @@ per step.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+MAX_ARRIVAL_STEP = 1_000_000
 
 
 class WorkloadError(ValueError):
@@ -194,12 +197,23 @@ def generate_requests(
 
 
 def arrival_steps(rng: np.random.Generator, count: int, rate: float | None) -> np.ndarray:
-    """Arrival step of each request: all 0, or a Poisson process of `rate` per step."""
+    """Arrival step of each request: all 0, or a Poisson process of `rate` per step.
+
+    The simulator walks every step, idle ones too, so arrivals may span at most
+    `MAX_ARRIVAL_STEP` steps; a slower rate is refused rather than run for hours.
+    """
     if rate is None:
         return np.zeros(count, dtype=int)
-    if rate <= 0:
-        raise WorkloadError(f"arrival rate must be positive, got {rate}")
-    return np.floor(np.cumsum(rng.exponential(1 / rate, count))).astype(int)
+    if not 0 < rate < math.inf:
+        raise WorkloadError(f"arrival rate must be a positive number, got {rate}")
+    times = np.cumsum(rng.exponential(1 / rate, count))
+    if times[-1] > MAX_ARRIVAL_STEP:
+        span = f"{times[-1]:,.0f}" if times[-1] < 1e15 else f"{times[-1]:.1e}"
+        raise WorkloadError(
+            f"at {rate:g} requests per step, {count:,} arrivals span {span} steps; "
+            f"the simulator walks at most {MAX_ARRIVAL_STEP:,}: raise the rate"
+        )
+    return np.floor(times).astype(int)
 
 
 def load_trace(
