@@ -7,12 +7,15 @@ forward -> mark_computed, append -> copy_blocks, fork, swap_out/swap_in, free.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from pagedkv.memory import KVCacheManager
 from pagedkv.model.batch import ForwardBatch, SequenceInput
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.llama import LlamaModel
+
+# `between_steps(step, next_tokens) -> ids of sequences it added`; see `decode`.
+BetweenSteps = Callable[[int, dict[Hashable, int]], Iterable[Hashable]]
 
 
 class GreedyRunner:
@@ -53,13 +56,16 @@ class GreedyRunner:
     def step(self, seq_ids: Iterable[Hashable] | None = None) -> dict[Hashable, int]:
         """One forward over the given (default: all resident) sequences' uncomputed tokens.
 
-        Returns the greedy next token of every sequence whose tokens are now all computed.
+        Returns the greedy next token of every sequence whose tokens are now all computed
+        (nothing, without a forward pass, when no chosen sequence has tokens to compute).
         """
         chosen = [
             seq_id
             for seq_id in (self.tokens if seq_ids is None else seq_ids)
             if seq_id not in self.swapped and self.num_computed[seq_id] < len(self.tokens[seq_id])
         ]
+        if not chosen:
+            return {}
         inputs = []
         for seq_id in chosen:
             start = self.num_computed[seq_id]
@@ -112,6 +118,7 @@ class GreedyRunner:
     def free(self, seq_id: Hashable) -> None:
         """Release the sequence's blocks."""
         self.manager.free(seq_id)
+        self.swapped.discard(seq_id)
         del self.tokens[seq_id], self.num_computed[seq_id]
 
 
@@ -132,17 +139,41 @@ def decode(
     seq_ids: Sequence[Hashable],
     max_new_tokens: int,
     eos_token_ids: Collection[int] = (),
+    between_steps: BetweenSteps | None = None,
 ) -> dict[Hashable, list[int]]:
     """Run the sequences (prompt chunks first) until each has `max_new_tokens` new tokens or
-    hits an end-of-sequence id, then free it; returns each one's new tokens."""
+    hits an end-of-sequence id, then free it; returns each one's new tokens.
+
+    `between_steps(step, next_tokens)`, when given, runs after each forward pass and before
+    its tokens are appended, where a scheduler would act. It may swap sequences out and in, and
+    add or fork sequences: it returns the ids of those it added, to run from then on, and puts a
+    forked child's first token into `next_tokens`. The token of a sequence it swapped out is
+    appended once the sequence is back.
+    """
     outputs: dict[Hashable, list[int]] = {seq_id: [] for seq_id in seq_ids}
     running = dict.fromkeys(seq_ids)  # ordered, so batches are laid out the same every run
+    held_back: dict[Hashable, int] = {}
+    step = idle_steps = 0
     while running:
-        for seq_id, token in runner.step(running).items():
+        for seq_id in [seq_id for seq_id in held_back if seq_id not in runner.swapped]:
+            runner.append(seq_id, held_back.pop(seq_id))
+        num_forwards = runner.num_forwards
+        next_tokens = runner.step(running)
+        if between_steps is not None:
+            for seq_id in between_steps(step, next_tokens):
+                outputs.setdefault(seq_id, [])
+                running[seq_id] = None
+        for seq_id, token in next_tokens.items():
             outputs[seq_id].append(token)
             if token in eos_token_ids or len(outputs[seq_id]) == max_new_tokens:
                 del running[seq_id]
                 runner.free(seq_id)
+            elif seq_id in runner.swapped:
+                held_back[seq_id] = token
             else:
                 runner.append(seq_id, token)
+        idle_steps = 0 if runner.num_forwards > num_forwards else idle_steps + 1
+        if idle_steps > 100:
+            raise RuntimeError(f"nothing ran for 100 steps: {list(running)} stay swapped out")
+        step += 1
     return outputs

@@ -117,7 +117,11 @@ def test_model_type_stands_in_for_a_missing_architectures_list():
             UnsupportedModel,
             "rope type 'yarn'",
         ),
-        ({"rope_scaling": {"rope_type": "linear"}}, MalformedModelFile, "'factor' is missing"),
+        (
+            {"rope_scaling": {"rope_type": "linear"}},
+            MalformedModelFile,
+            "'rope_scaling.factor' is missing",
+        ),
         ({"num_hidden_layers": "32"}, MalformedModelFile, "num_hidden_layers must be an integer"),
         ({"hidden_size": None}, MalformedModelFile, "'hidden_size' is missing"),
         (
@@ -135,6 +139,51 @@ def test_bad_configs_raise_typed_errors_naming_file_and_field(overrides, error, 
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rms_norm_eps": 0}, "rms_norm_eps must be a positive number, got 0"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a positive number, got -1e-05"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),
+        ({"rope_theta": 0.0}, "rope_theta must be a positive number, got 0.0"),
+        ({"rope_theta": float("inf")}, "rope_theta must be a finite number, got inf"),
+        (
+            {"rope_scaling": {"type": "linear", "factor": 0.0}},
+            "rope_scaling.factor must be a positive number, got 0.0",
+        ),
+        (
+            {"rope_scaling": {"type": "linear", "factor": -2.0}},
+            "rope_scaling.factor must be a positive number, got -2.0",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3_SCALING, "factor": 0}},
+            "rope_parameters.factor must be a positive number, got 0",
+        ),
+        (
+            {"rope_parameters": {**LLAMA3_SCALING, "rope_theta": -1.0}},
+            "rope_parameters.rope_theta must be a positive number, got -1.0",
+        ),
+        (
+            {"rope_scaling": {**LLAMA3_SCALING, "low_freq_factor": 0.0}},
+            "rope_scaling.low_freq_factor must be a positive number, got 0.0",
+        ),
+        (
+            {"rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 1.0}},
+            "rope_scaling.high_freq_factor (1.0) must be greater than "
+            "rope_scaling.low_freq_factor (1.0)",
+        ),
+        (
+            {"rope_scaling": {**LLAMA3_SCALING, "factor": float("nan")}},
+            "rope_scaling.factor must be a finite number, got nan",
+        ),
+    ],
+)
+def test_numbers_that_would_make_inf_or_nan_are_rejected(overrides, message):
+    with pytest.raises(MalformedModelFile) as raised:
+        parse(**overrides)
+    assert str(raised.value) == f"{SOURCE}: {message}"
+
+
 def test_load_config_errors_name_the_file(tmp_path):
     with pytest.raises(ModelFileMissing, match=r"config\.json: missing"):
         load_config(tmp_path)
@@ -146,3 +195,7 @@ def test_load_config_errors_name_the_file(tmp_path):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     assert load_config(tmp_path) == parse()
+    # JSON as Python writes it may hold NaN; no config field means it.
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "rms_norm_eps": float("nan")}))
+    with pytest.raises(MalformedModelFile, match=r"config\.json: rms_norm_eps must be a finite"):
+        load_config(tmp_path)

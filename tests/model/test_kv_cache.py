@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedkv.memory import KVCacheManager
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.errors import KVCacheTooSmall
 from pagedkv.model.kv_cache import KVCache, bytes_per_block
@@ -109,3 +110,48 @@ def test_swap_out_then_in_restores_blocks_into_new_places():
 
     assert torch.equal(cache.cache[:, :, [6, 2]], original)
     assert not cache.cache[:, :, [0, 1, 3, 4, 5, 7]].any()
+
+
+def test_plans_run_in_order_save_a_swapped_block_before_a_later_plan_reuses_it():
+    manager = KVCacheManager(num_gpu_blocks=4, block_size=2, num_cpu_blocks=2)
+    cache = random_cache(num_blocks=4, num_cpu_blocks=2)
+    manager.allocate("swapped", [11, 12, 13])
+    manager.allocate("parent", [21, 22, 23])  # its last block holds one token of two
+    manager.fork("parent", "child")
+    assert manager.num_free_blocks == 0
+    swapped_blocks = manager.block_table("swapped")
+    swapped_kv = cache.cache[:, :, swapped_blocks].clone()
+    parent_last = manager.block_table("parent")[-1]
+    parent_last_kv = cache.cache[:, :, parent_last].clone()
+
+    # One scheduler step: swap a sequence out, then let the freed blocks go to a child's
+    # copy-on-write and to a new request. The plans come back in this order.
+    swap_out_plan = manager.swap_out("swapped")
+    [(cow_src, cow_dst)] = manager.append("child", [24])
+    manager.allocate("newcomer", [31])
+    newcomer_block = manager.block_table("newcomer")[0]
+    assert cow_src == parent_last
+    assert {cow_dst, newcomer_block} == set(swapped_blocks)
+
+    out_of_order = KVCache.for_model(TINY, block_size=2, num_blocks=4, num_cpu_blocks=2)
+    out_of_order.cache.copy_(cache.cache)
+    out_of_order.copy_blocks([(cow_src, cow_dst)])
+    out_of_order.swap_out(swap_out_plan)
+    cache.swap_out(swap_out_plan)
+    cache.copy_blocks([(cow_src, cow_dst)])
+    # The forward pass then writes the new tokens' K/V into the reused blocks.
+    cache.cache[:, :, newcomer_block, 0] = torch.randn_like(cache.cache[:, :, newcomer_block, 0])
+    cache.cache[:, :, cow_dst, 1] = torch.randn_like(cache.cache[:, :, cow_dst, 1])
+
+    assert torch.equal(cache.cache[:, :, cow_dst, 0], parent_last_kv[:, :, 0])
+    swapped_cpu_blocks = [cpu for _, cpu in swap_out_plan]
+    assert torch.equal(cache.swap_space[:, :, swapped_cpu_blocks], swapped_kv)
+    # Run the other way round, the copy would have overwritten a block before it was saved.
+    assert not torch.equal(out_of_order.swap_space[:, :, swapped_cpu_blocks], swapped_kv)
+
+    manager.free("newcomer")
+    manager.free("child")
+    cache.swap_in(manager.swap_in("swapped"))
+    assert torch.equal(cache.cache[:, :, manager.block_table("swapped")], swapped_kv)
+    assert torch.equal(cache.cache[:, :, parent_last], parent_last_kv)
+    manager.check_invariants()

@@ -177,3 +177,49 @@ def test_tensor_absent_from_the_index_names_the_index(sharded_copy):
     assert str(raised.value).endswith(
         "model.safetensors.index.json: tensor 'model.layers.1.self_attn.k_proj.bias' is missing"
     )
+
+
+def test_index_naming_a_shard_with_a_non_string(sharded_copy):
+    index_path = sharded_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.norm.weight"] = 3
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(MalformedModelFile) as raised:
+        load_model(sharded_copy)
+    assert str(raised.value).endswith(
+        "model.safetensors.index.json: weight_map['model.norm.weight'] must be a shard file "
+        "name, got 3"
+    )
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute", "parent"])
+def test_index_may_not_point_outside_the_folder(sharded_copy, tmp_path, where):
+    index_path = sharded_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    # A real shard lies outside, so only the name check stands between the index and it.
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(sharded_copy / index["weight_map"]["model.norm.weight"], outside)
+    shard = {"relative": "../outside.safetensors", "absolute": str(outside), "parent": ".."}[where]
+    index["weight_map"]["model.norm.weight"] = shard
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(MalformedModelFile) as raised:
+        load_model(sharded_copy)
+    assert str(raised.value).endswith(
+        f"model.safetensors.index.json: weight_map['model.norm.weight'] names shard {shard!r}, "
+        "which is not a file name inside the model folder"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool])
+def test_integer_weights_are_rejected_not_cast(llama_copy, dtype):
+    path = llama_copy / "model.safetensors"
+    weights = load_file(path)
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"], dtype=dtype)
+    save_file(weights, path)
+    dtype_name = str(dtype).removeprefix("torch.")
+    with pytest.raises(MalformedModelFile) as raised:
+        load_model(llama_copy)
+    assert str(raised.value).endswith(
+        f"model.safetensors: tensor 'model.norm.weight' has dtype {dtype_name}, "
+        "expected a floating-point weight"
+    )

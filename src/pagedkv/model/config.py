@@ -8,6 +8,7 @@ older `rope_theta` + `rope_scaling` keys and the newer `rope_parameters` form ar
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=fields.number("rms_norm_eps", 1e-6),
+            rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
             max_position_embeddings=max_position_embeddings,
             rope=_rope(raw, fields, max_position_embeddings),
             # Qwen2 always biases q/k/v and never o; Llama's attention_bias covers all four.
@@ -124,30 +125,47 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 class _Fields:
-    """Typed reads from a config dict, raising errors that name the file and the key."""
+    """Typed reads from a config dict, raising errors that name the file and the key.
 
-    def __init__(self, raw: dict[str, Any], source: Path) -> None:
+    `prefix` names a nested object (`rope_scaling.`) so its keys are reported in full.
+    """
+
+    def __init__(self, raw: dict[str, Any], source: Path, prefix: str = "") -> None:
         self.raw = raw
         self.source = source
+        self.prefix = prefix
 
     def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
         value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise MalformedModelFile(
-                self.source, f"{key} must be an integer >= {minimum}, got {value!r}"
+                self.source, f"{self.prefix}{key} must be an integer >= {minimum}, got {value!r}"
             )
         return value
 
-    def number(self, key: str, default: float | None = None) -> float:
+    def number(self, key: str, default: float | None = None, *, positive: bool = False) -> float:
+        """A finite number (JSON allows NaN and Infinity; no field of ours means them)."""
         value = self._get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise MalformedModelFile(self.source, f"{key} must be a number, got {value!r}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise MalformedModelFile(
+                self.source, f"{self.prefix}{key} must be a finite number, got {value!r}"
+            )
+        if positive and value <= 0:
+            raise MalformedModelFile(
+                self.source, f"{self.prefix}{key} must be a positive number, got {value!r}"
+            )
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
         value = self._get(key, default)
         if not isinstance(value, bool):
-            raise MalformedModelFile(self.source, f"{key} must be true or false, got {value!r}")
+            raise MalformedModelFile(
+                self.source, f"{self.prefix}{key} must be true or false, got {value!r}"
+            )
         return value
 
     def _get(self, key: str, default: Any) -> Any:
@@ -155,7 +173,9 @@ class _Fields:
         value = self.raw.get(key)
         if value is None:
             if default is None:
-                raise MalformedModelFile(self.source, f"required field {key!r} is missing")
+                raise MalformedModelFile(
+                    self.source, f"required field {self.prefix + key!r} is missing"
+                )
             return default
         return value
 
@@ -183,13 +203,18 @@ def _architecture(raw: dict[str, Any], source: Path) -> str:
 def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> RopeConfig:
     source = top.source
     # transformers lets the older `rope_scaling` win when both are present; so do we.
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    params = raw.get(key) or {}
     if not isinstance(params, dict):
-        raise MalformedModelFile(source, f"rope parameters must be an object, got {params!r}")
+        raise MalformedModelFile(source, f"{key} must be an object, got {params!r}")
     if any(isinstance(value, dict) for value in params.values()):
         raise UnsupportedModel(source, "per-layer-type rope_parameters are not supported")
-    fields = _Fields(params, source)
-    theta = fields.number("rope_theta", top.number("rope_theta", DEFAULT_ROPE_THETA))
+    fields = _Fields(params, source, prefix=f"{key}.")
+    # Every number below divides or exponentiates: a zero or negative one makes inf or nan
+    # frequencies, which would surface only as garbage text.
+    theta = fields.number(
+        "rope_theta", top.number("rope_theta", DEFAULT_ROPE_THETA, positive=True), positive=True
+    )
     scaling = params.get("rope_type", params.get("type", "default"))
     if scaling not in ROPE_TYPES:
         raise UnsupportedModel(
@@ -197,16 +222,26 @@ def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> Ro
         )
     if scaling == "default":
         return RopeConfig(theta=theta)
+    factor = fields.number("factor", positive=True)
     if scaling == "linear":
-        return RopeConfig(theta=theta, scaling=scaling, factor=fields.number("factor"))
+        return RopeConfig(theta=theta, scaling=scaling, factor=factor)
     # llama3: the pre-training context may sit inside the rope dict, at top level, or be absent.
     original = top.integer("original_max_position_embeddings", max_position_embeddings)
+    low_freq_factor = fields.number("low_freq_factor", positive=True)
+    high_freq_factor = fields.number("high_freq_factor", positive=True)
+    if high_freq_factor <= low_freq_factor:
+        # The blend between the two cut-offs divides by their difference.
+        raise MalformedModelFile(
+            source,
+            f"{key}.high_freq_factor ({high_freq_factor}) must be greater than "
+            f"{key}.low_freq_factor ({low_freq_factor})",
+        )
     return RopeConfig(
         theta=theta,
         scaling=scaling,
-        factor=fields.number("factor"),
-        low_freq_factor=fields.number("low_freq_factor"),
-        high_freq_factor=fields.number("high_freq_factor"),
+        factor=factor,
+        low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor,
         original_max_position_embeddings=fields.integer(
             "original_max_position_embeddings", original
         ),

@@ -4,6 +4,11 @@ The memory manager (`pagedkv.memory`) decides which block ids hold what; this cl
 bytes. All layers' K and V live in one tensor `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`, so a copy-on-write or a swap of a block moves it in every layer with
 one indexing op. A CPU-side pool of the same block shape receives swapped-out blocks.
+
+Plans must run in the order the memory manager returned them, each before the next forward
+pass: a block that `swap_out` releases can be the destination of a copy-on-write or a
+`swap_in` returned later in the same step, so running that later plan first would overwrite
+KV before it is saved.
 """
 
 from __future__ import annotations
@@ -105,19 +110,31 @@ class KVCache:
         return self.cache[index, 0], self.cache[index, 1]
 
     def copy_blocks(self, pairs: BlockPairs) -> None:
-        """Copy-on-write: copy each `(src, dst)` block, in every layer, before `dst` is written."""
+        """Copy-on-write: copy each `(src, dst)` block, in every layer, before `dst` is written.
+
+        Run it in the manager's plan order: `dst` may be a block an earlier `swap_out` of the
+        same step released, and that swap must have saved it first.
+        """
         if pairs:
             src, dst = self._indices(pairs, self.cache.device, self.cache.device)
             self.cache[:, :, dst] = self.cache[:, :, src]
 
     def swap_out(self, pairs: BlockPairs) -> None:
-        """Copy each `(device_block, cpu_block)` from the cache to the swap space."""
+        """Copy each `(device_block, cpu_block)` from the cache to the swap space.
+
+        Run it in the manager's plan order, before any later copy or `swap_in` of the same step:
+        those may write into the device blocks this swap releases.
+        """
         if pairs:
             device_ids, cpu_ids = self._indices(pairs, self.cache.device, self.swap_space.device)
             self.swap_space[:, :, cpu_ids] = self.cache[:, :, device_ids].to("cpu")
 
     def swap_in(self, pairs: BlockPairs) -> None:
-        """Copy each `(cpu_block, device_block)` from the swap space back into the cache."""
+        """Copy each `(cpu_block, device_block)` from the swap space back into the cache.
+
+        Run it in the manager's plan order: `device_block` may be one an earlier `swap_out` of
+        the same step released, and that swap must have saved it first.
+        """
         if pairs:
             cpu_ids, device_ids = self._indices(pairs, self.swap_space.device, self.cache.device)
             self.cache[:, :, device_ids] = self.swap_space[:, :, cpu_ids].to(self.cache.device)

@@ -55,6 +55,13 @@ def load_model(
             )
         if tuple(tensor.shape) != expected[name]:
             raise TensorShapeMismatch(path, hf_name, expected[name], tuple(tensor.shape))
+        if not tensor.is_floating_point():
+            # Casting would turn quantized or corrupt data into plausible-looking weights.
+            raise MalformedModelFile(
+                path,
+                f"tensor {hf_name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+                "expected a floating-point weight",
+            )
         weights[name] = tensor.to(device=device, dtype=dtype)
     for name in expected:
         if name not in weights:
@@ -96,6 +103,7 @@ def _weight_files(folder: Path) -> list[tuple[Path, list[str] | None]]:
             raise MalformedModelFile(index_path, "no 'weight_map' object naming the shards")
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            _check_shard_name(index_path, name, shard)
             shards.setdefault(shard, []).append(name)
         files = []
         for shard, names in shards.items():
@@ -109,6 +117,20 @@ def _weight_files(folder: Path) -> list[tuple[Path, list[str] | None]]:
     raise ModelFileMissing(
         folder / SINGLE_FILE, f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}"
     )
+
+
+def _check_shard_name(index_path: Path, name: str, shard: object) -> None:
+    """A shard must be a plain file name: the index may not point outside the model folder."""
+    if not isinstance(shard, str):
+        raise MalformedModelFile(
+            index_path, f"weight_map[{name!r}] must be a shard file name, got {shard!r}"
+        )
+    if shard in ("", ".", "..") or "/" in shard or "\\" in shard:
+        raise MalformedModelFile(
+            index_path,
+            f"weight_map[{name!r}] names shard {shard!r}, which is not a file name inside "
+            "the model folder",
+        )
 
 
 def _weights_source(folder: Path) -> Path:
