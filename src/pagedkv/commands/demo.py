@@ -160,7 +160,8 @@ class MemoryDemo:
             if not m.is_swapped_out(seq_id):
                 for block in m.block_table(seq_id):
                     owners.setdefault(block, []).append(seq_id)
-        line = Text("  ")
+        line = Text("  block " + "".join(f"{block:^6} " for block in range(NUM_GPU_BLOCKS)))
+        line.append("\n  held  ")
         for block in range(NUM_GPU_BLOCKS):
             holders = owners.get(block)
             if holders:
@@ -169,7 +170,8 @@ class MemoryDemo:
                 label, style = "cache", "italic green"
             else:
                 label, style = "free", "dim"
-            line.append(f"{block}:{label}".center(7), style=style)
+            line.append(f"{label:^6}", style=style)
+            line.append(" ")
         line.append(
             f"\n  {NUM_GPU_BLOCKS - m.num_free_blocks} used, {m.num_free_blocks} free "
             f"(usage {m.usage:.0%}); CPU {NUM_CPU_BLOCKS - m.num_free_cpu_blocks} used, "
