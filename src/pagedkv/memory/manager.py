@@ -207,12 +207,12 @@ class KVCacheManager:
         seq = self._get(seq_id)
         if seq.cpu_blocks is None:
             raise SequenceNotSwappedOut(seq_id)
+        cached_tokens = [self._block_tokens(seq, index) for index in range(len(seq.block_hashes))]
         reused: dict[int, Block] = {}
-        if self.enable_prefix_caching:
-            for index, block_hash in enumerate(seq.block_hashes):
-                block = self._pool.lookup(block_hash, self._block_tokens(seq, index))
-                if block is not None:
-                    reused[index] = block
+        for index, block_hash in enumerate(seq.block_hashes):
+            block = self._pool.lookup(block_hash, cached_tokens[index])
+            if block is not None:
+                reused[index] = block
         num_new = len(seq.cpu_blocks) - len(reused)
         self._take(list(reused.values()), num_new)
         new_blocks = iter(self._pool.allocate(num_new))
@@ -227,9 +227,9 @@ class KVCacheManager:
         self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
         seq.blocks = blocks
         seq.cpu_blocks = None
-        if self.enable_prefix_caching:
-            for index, block_hash in enumerate(seq.block_hashes):
-                self._pool.cache(blocks[index], block_hash, self._block_tokens(seq, index))
+        for index, block_hash in enumerate(seq.block_hashes):
+            if index not in reused:
+                self._pool.cache(blocks[index], block_hash, cached_tokens[index])
         self._blocks_swapped_in += len(plan)
         return plan
 
