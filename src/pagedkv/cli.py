@@ -14,6 +14,11 @@ COMMANDS: dict[str, str] = {
     "demo": "walk through paged KV memory on a small example",
     "plan": "KV-cache capacity per token, per request and per GPU for a model",
     "simulate": "simulate serving a workload under slab and paged KV allocation",
+    "generate": "generate a completion for one prompt, streamed to the terminal",
+    "bench": "measure engine throughput against transformers on one workload",
+    "serve": "serve a model over an OpenAI-compatible HTTP API with a live KV page map",
+    "pull": "download a built-in model into the local cache",
+    "convert": "convert a GGUF file into a Hugging Face folder",
 }
 
 
