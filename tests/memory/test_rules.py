@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.memory import KVCacheManager, NoFreeBlocks
+from pagedkv.memory import BlockMove, KVCacheManager, MoveKind, NoFreeBlocks
 from pagedkv.memory.pool import BlockPool
 
 
@@ -140,10 +140,10 @@ def test_copy_on_write_gives_the_writer_a_private_copy_of_a_shared_partial_block
     manager.allocate("parent", list(range(6)))
     manager.fork("parent", "child")
     shared_last = manager.block_table("parent")[-1]
-    copies = manager.append("child", [42])
-    assert len(copies) == 1 and copies[0][0] == shared_last
-    assert manager.block_table("child")[-1] == copies[0][1]
-    assert manager.append("parent", [43]) == []  # the parent is now the only holder
+    [copy] = manager.append("child", [42])
+    assert (copy.kind, copy.src) == (MoveKind.COPY, shared_last)
+    assert manager.block_table("child")[-1] == copy.dst
+    assert not manager.append("parent", [43])  # the parent is now the only holder
     assert manager.block_table("parent")[-1] == shared_last
     assert manager.block_table("parent")[0] == manager.block_table("child")[0]
     assert manager.stats.cow_copies == 1
@@ -156,11 +156,13 @@ def test_swap_out_keeps_blocks_a_sequence_still_on_the_gpu_shares() -> None:
     manager.fork("a", "b")
     table = manager.block_table("a")
     plan = manager.swap_out("a")
-    assert [gpu for gpu, _ in plan] == table
+    assert {move.kind for move in plan} == {MoveKind.SWAP_OUT}
+    assert [gpu for gpu, _ in plan.pairs()] == table
     assert manager.block_table("b") == table
     assert all(manager.block_ref_count(b) == 1 for b in table)
     assert manager.num_free_cpu_blocks == 7
-    back = manager.swap_in("a")
-    assert back == [(plan[2][1], manager.block_table("a")[2])]  # full blocks reused from b
+    back = manager.swap_in("a")  # the two full blocks are reused from b, the last is copied
+    last = BlockMove(MoveKind.SWAP_IN, plan.moves[2].dst, manager.block_table("a")[2])
+    assert back.moves == [last]
     assert manager.block_table("a")[:2] == table[:2]
     manager.check_invariants()

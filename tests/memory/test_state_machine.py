@@ -1,10 +1,11 @@
 """Random operation sequences against an independent model of what the manager must hold.
 
 The model keeps, per sequence, its tokens, how many are computed and whether it is swapped
-out. From it alone the test derives table lengths, ref counts and free counts, and a slot
-store (kv_oracle) executes every copy/swap plan so each sequence must read back exactly its
-own computed tokens. Pools are tiny so NoFreeBlocks is frequent; a failed operation must
-change nothing.
+out. From it alone the test derives table lengths, ref counts and free counts. Like the
+engine, the machine joins the plans of several operations into one step plan and has a slot
+store (kv_oracle) execute it as `KVCache.execute` would, before any KV is written; then each
+sequence must read back exactly its own computed tokens. Pools are tiny so NoFreeBlocks is
+frequent; a failed operation must change nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv.memory import KVCacheManager, NoFreeBlocks
+from pagedkv.memory import KVCacheManager, MemoryPlan, NoFreeBlocks
 
 from .kv_oracle import SlotStore
 from .test_rules import snapshot
@@ -49,6 +50,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching) -> None:
         self.manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, prefix_caching)
         self.store = SlotStore(self.manager)
+        self.step_plan = MemoryPlan()  # moves of this step, not yet executed
         self.model: dict[int, ModelSeq] = {}
         self.next_id = 0
 
@@ -69,8 +71,14 @@ class KVCacheMachine(RuleBasedStateMachine):
             return True
         return False
 
+    def _run_step_plan(self) -> None:
+        """What the runner does before a forward pass: execute the step's plan as a whole."""
+        self.store.execute(self.step_plan)
+        self.step_plan = MemoryPlan()
+
     def _compute_all(self, seq_id: int, seq: ModelSeq) -> None:
         """What a forward pass does: write the KV of every pending token, then mark it."""
+        self._run_step_plan()
         self.store.write(seq_id, seq.token_ids, seq.num_computed, len(seq.token_ids))
         seq.num_computed = len(seq.token_ids)
         self.manager.mark_computed(seq_id, seq.num_computed)
@@ -100,7 +108,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if seq is None or seq.swapped:
             return
         if not self._fails_cleanly(self.manager.append, seq_id, tokens):
-            self.store.copy_blocks(self.result)
+            self.step_plan.extend(self.result)
             seq.token_ids.extend(tokens)
             if compute:
                 self._compute_all(seq_id, seq)
@@ -112,6 +120,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         upto = round(fraction * len(seq.token_ids))
         if upto > seq.num_computed:
+            self._run_step_plan()
             self.store.write(seq_id, seq.token_ids, seq.num_computed, upto)
             seq.num_computed = upto
         self.manager.mark_computed(seq_id, upto)
@@ -140,7 +149,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if seq is None or seq.swapped:
             return
         if not self._fails_cleanly(self.manager.swap_out, seq_id):
-            self.store.swap_out(self.result)
+            self.step_plan.extend(self.result)
             seq.swapped = True
 
     @rule(pick=picks)
@@ -149,8 +158,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         if seq is None or not seq.swapped:
             return
         if not self._fails_cleanly(self.manager.swap_in, seq_id):
-            self.store.swap_in(self.result)
+            self.step_plan.extend(self.result)
             seq.swapped = False
+
+    @rule()
+    def end_step(self):
+        self._run_step_plan()
 
     @invariant()
     def manager_is_consistent(self):
@@ -177,6 +190,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_back_its_own_computed_tokens(self):
+        if self.step_plan:
+            return  # the KV moves of this step are still to run
         for seq_id, seq in self.model.items():
             computed = seq.token_ids[: seq.num_computed]
             assert self.store.read(seq_id, seq.num_computed) == computed

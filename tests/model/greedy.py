@@ -2,14 +2,14 @@
 
 Not the engine (that is a later issue): no scheduler, no sampling, no preemption policy. It
 exists so tests can drive the model through exactly the seam the engine will use: allocate ->
-forward -> mark_computed, append -> copy_blocks, fork, swap_out/swap_in, free.
+forward -> mark_computed, append / swap_out / swap_in -> KVCache.execute(plan), fork, free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
-from pagedkv.memory import KVCacheManager
+from pagedkv.memory import KVCacheManager, MemoryPlan
 from pagedkv.model.batch import ForwardBatch, SequenceInput
 from pagedkv.model.kv_cache import KVCache
 from pagedkv.model.llama import LlamaModel
@@ -88,12 +88,12 @@ class GreedyRunner:
                 next_tokens[seq_id] = int(logits[row].argmax())
         return next_tokens
 
-    def append(self, seq_id: Hashable, token: int) -> list[tuple[int, int]]:
+    def append(self, seq_id: Hashable, token: int) -> MemoryPlan:
         """Add a token to compute next step, copying a shared last block first (CoW)."""
-        copies = self.manager.append(seq_id, [token])
-        self.cache.copy_blocks(copies)
+        plan = self.manager.append(seq_id, [token])
+        self.cache.execute(plan)
         self.tokens[seq_id].append(token)
-        return copies
+        return plan
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares the parent's blocks and tokens."""
@@ -101,17 +101,17 @@ class GreedyRunner:
         self.tokens[child_id] = list(self.tokens[parent_id])
         self.num_computed[child_id] = self.num_computed[parent_id]
 
-    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
+    def swap_out(self, seq_id: Hashable) -> MemoryPlan:
         """Move the sequence's KV to the CPU swap space; returns the plan it executed."""
         plan = self.manager.swap_out(seq_id)
-        self.cache.swap_out(plan)
+        self.cache.execute(plan)
         self.swapped.add(seq_id)
         return plan
 
-    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+    def swap_in(self, seq_id: Hashable) -> MemoryPlan:
         """Bring the sequence's KV back into (possibly different) device blocks."""
         plan = self.manager.swap_in(seq_id)
-        self.cache.swap_in(plan)
+        self.cache.execute(plan)
         self.swapped.discard(seq_id)
         return plan
 

@@ -1,4 +1,4 @@
-"""KVCache: sized by blocks or bytes; copy and swap plans move whole blocks in every layer."""
+"""KVCache: sized by blocks or bytes; a step's plan moves whole blocks in every layer, in order."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
-from pagedkv.memory import KVCacheManager
+from pagedkv.memory import BlockMove, KVCacheManager, MemoryPlan, MoveKind
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.errors import KVCacheTooSmall
 from pagedkv.model.kv_cache import KVCache, bytes_per_block
@@ -88,31 +91,108 @@ def test_layer_views_write_through_to_the_cache():
     assert (cache.cache[2, 0, 3] == 7.0).all() and (cache.cache[2, 1, 3] == 8.0).all()
 
 
-def test_copy_blocks_copies_keys_and_values_of_every_layer():
+def cpu_blocks(cache: KVCache, block_ids: list[int]) -> torch.Tensor:
+    """Swap-space blocks laid out like `cache.cache[:, :, block_ids]`."""
+    return cache.swap_space[block_ids].movedim(0, 2)
+
+
+def test_copies_move_keys_and_values_of_every_layer():
     cache = random_cache()
     before = cache.cache.clone()
-    cache.copy_blocks([(1, 5), (2, 6)])
+    cache.execute(MemoryPlan.of(MoveKind.COPY, [(1, 5), (2, 6)]))
     assert torch.equal(cache.cache[:, :, [5, 6]], before[:, :, [1, 2]])
     untouched = [0, 1, 2, 3, 4, 7]
     assert torch.equal(cache.cache[:, :, untouched], before[:, :, untouched])
-    cache.copy_blocks([])
-    assert torch.equal(cache.cache[:, :, untouched], before[:, :, untouched])
+    after = cache.cache.clone()
+    cache.execute(MemoryPlan())
+    assert torch.equal(cache.cache, after)
 
 
 def test_swap_out_then_in_restores_blocks_into_new_places():
-    cache = random_cache()
-    original = cache.cache[:, :, [3, 5]].clone()
-    cache.swap_out([(3, 1), (5, 0)])
-    assert torch.equal(cache.swap_space[:, :, [1, 0]], original)
+    cache = random_cache(num_cpu_blocks=5)
+    original = cache.cache[:, :, [3, 5, 4]].clone()
+    cache.execute(MemoryPlan.of(MoveKind.SWAP_OUT, [(3, 1), (5, 0), (4, 4)]))  # three CPU runs
+    assert torch.equal(cpu_blocks(cache, [1, 0, 4]), original)
     cache.cache.zero_()  # the device blocks are reused by others meanwhile
 
-    cache.swap_in([(1, 6), (0, 2)])
+    cache.execute(MemoryPlan.of(MoveKind.SWAP_IN, [(1, 6), (0, 2), (4, 0)]))
 
-    assert torch.equal(cache.cache[:, :, [6, 2]], original)
-    assert not cache.cache[:, :, [0, 1, 3, 4, 5, 7]].any()
+    assert torch.equal(cache.cache[:, :, [6, 2, 0]], original)
+    assert not cache.cache[:, :, [1, 3, 4, 5, 7]].any()
 
 
-def test_plans_run_in_order_save_a_swapped_block_before_a_later_plan_reuses_it():
+def test_the_swap_space_keeps_each_block_contiguous_so_a_run_is_one_copy():
+    cache = random_cache(num_cpu_blocks=4)
+    assert cache.swap_space.shape == (4, 3, 2, 2, 1, 4)
+    assert cache.swap_space[1:3].is_contiguous()
+    swap_space = cache.swap_space.data_ptr()
+    cache.execute(MemoryPlan.of(MoveKind.SWAP_OUT, [(6, 1), (2, 2)]))
+    assert cache.swap_space.data_ptr() == swap_space  # written in place, never replaced
+    assert torch.equal(cpu_blocks(cache, [1, 2]), cache.cache[:, :, [6, 2]])
+
+
+moves = st.lists(
+    st.tuples(st.sampled_from(list(MoveKind)), st.integers(0, 5), st.integers(0, 5)), max_size=12
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(moves)
+def test_execute_equals_running_the_moves_one_by_one(raw_moves):
+    cache = random_cache(num_blocks=6, num_cpu_blocks=6)
+    cache.swap_space.copy_(torch.randn_like(cache.swap_space))
+    device, cpu = cache.cache.clone(), cache.swap_space.movedim(0, 2).clone()
+    spaces = {MoveKind.COPY: (device, device), MoveKind.SWAP_OUT: (device, cpu)}
+    for kind, src, dst in raw_moves:
+        source, target = spaces.get(kind, (cpu, device))
+        target[:, :, dst] = source[:, :, src]
+
+    cache.execute(MemoryPlan([BlockMove(*move) for move in raw_moves]))
+
+    assert torch.equal(cache.cache, device)
+    assert torch.equal(cache.swap_space.movedim(0, 2), cpu)
+
+
+class IndexDevices(TorchFunctionMode):
+    """Records the device of every integer (index) tensor a torch call receives.
+
+    Copies out of a `meta` tensor have no data to copy; they are skipped so a `meta` cache can
+    run a whole plan and show where each index tensor was made.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg in [*args, *kwargs.values()]:
+            if isinstance(arg, torch.Tensor) and arg.dtype == torch.int64:
+                self.devices.add(arg.device.type)
+        if func is torch.Tensor.copy_ and args[1].is_meta and not args[0].is_meta:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def test_plan_execution_makes_every_index_on_the_cache_device():
+    cache = KVCache(
+        num_layers=2,
+        num_blocks=6,
+        block_size=2,
+        num_kv_heads=1,
+        head_dim=4,
+        device="meta",
+        num_cpu_blocks=4,
+    )
+    plan = MemoryPlan.of(MoveKind.SWAP_OUT, [(0, 0), (1, 1), (4, 3)])
+    plan.extend(MemoryPlan.of(MoveKind.COPY, [(2, 0), (3, 1)]))
+    plan.extend(MemoryPlan.of(MoveKind.SWAP_IN, [(3, 5), (0, 4)]))
+    with IndexDevices() as recorded:
+        cache.execute(plan)
+    assert recorded.devices == {"meta"}
+
+
+def test_a_step_plan_saves_a_swapped_block_before_a_later_move_reuses_it():
     manager = KVCacheManager(num_gpu_blocks=4, block_size=2, num_cpu_blocks=2)
     cache = random_cache(num_blocks=4, num_cpu_blocks=2)
     manager.allocate("swapped", [11, 12, 13])
@@ -125,33 +205,33 @@ def test_plans_run_in_order_save_a_swapped_block_before_a_later_plan_reuses_it()
     parent_last_kv = cache.cache[:, :, parent_last].clone()
 
     # One scheduler step: swap a sequence out, then let the freed blocks go to a child's
-    # copy-on-write and to a new request. The plans come back in this order.
-    swap_out_plan = manager.swap_out("swapped")
-    [(cow_src, cow_dst)] = manager.append("child", [24])
+    # copy-on-write and to a new request. The step's plan keeps the order they happened in.
+    step = manager.swap_out("swapped")
+    step.extend(manager.append("child", [24]))
     manager.allocate("newcomer", [31])
     newcomer_block = manager.block_table("newcomer")[0]
-    assert cow_src == parent_last
-    assert {cow_dst, newcomer_block} == set(swapped_blocks)
+    [*_, cow] = step
+    assert [move.kind for move in step] == [MoveKind.SWAP_OUT] * 2 + [MoveKind.COPY]
+    assert cow.src == parent_last
+    assert {cow.dst, newcomer_block} == set(swapped_blocks)
 
-    out_of_order = KVCache.for_model(TINY, block_size=2, num_blocks=4, num_cpu_blocks=2)
-    out_of_order.cache.copy_(cache.cache)
-    out_of_order.copy_blocks([(cow_src, cow_dst)])
-    out_of_order.swap_out(swap_out_plan)
-    cache.swap_out(swap_out_plan)
-    cache.copy_blocks([(cow_src, cow_dst)])
+    cache.execute(step)
     # The forward pass then writes the new tokens' K/V into the reused blocks.
     cache.cache[:, :, newcomer_block, 0] = torch.randn_like(cache.cache[:, :, newcomer_block, 0])
-    cache.cache[:, :, cow_dst, 1] = torch.randn_like(cache.cache[:, :, cow_dst, 1])
+    cache.cache[:, :, cow.dst, 1] = torch.randn_like(cache.cache[:, :, cow.dst, 1])
 
-    assert torch.equal(cache.cache[:, :, cow_dst, 0], parent_last_kv[:, :, 0])
-    swapped_cpu_blocks = [cpu for _, cpu in swap_out_plan]
-    assert torch.equal(cache.swap_space[:, :, swapped_cpu_blocks], swapped_kv)
-    # Run the other way round, the copy would have overwritten a block before it was saved.
-    assert not torch.equal(out_of_order.swap_space[:, :, swapped_cpu_blocks], swapped_kv)
+    assert torch.equal(cache.cache[:, :, cow.dst, 0], parent_last_kv[:, :, 0])
+    assert torch.equal(cpu_blocks(cache, [move.dst for move in step][:2]), swapped_kv)
 
     manager.free("newcomer")
     manager.free("child")
-    cache.swap_in(manager.swap_in("swapped"))
+    cache.execute(manager.swap_in("swapped"))
     assert torch.equal(cache.cache[:, :, manager.block_table("swapped")], swapped_kv)
     assert torch.equal(cache.cache[:, :, parent_last], parent_last_kv)
     manager.check_invariants()
+
+
+def test_there_is_no_per_kind_entry_point_to_run_moves_out_of_order():
+    public = {name for name in dir(KVCache) if not name.startswith("_")}
+    assert {"copy_blocks", "swap_out", "swap_in"}.isdisjoint(public)
+    assert "execute" in public

@@ -1,7 +1,8 @@
 """Paged KV memory in pure Python: block ids and copy/swap plans, never tensors.
 
-`KVCacheManager` is what the engine and the simulator use; `SlabAllocator` is the
-contiguous-reservation baseline it is measured against.
+`KVCacheManager` is what the engine and the simulator use; its data-moving operations return
+a `MemoryPlan` of `BlockMove`s for the runner. `SlabAllocator` is the contiguous-reservation
+baseline it is measured against.
 """
 
 from pagedkv.memory.errors import (
@@ -14,13 +15,18 @@ from pagedkv.memory.errors import (
     UnknownSequence,
 )
 from pagedkv.memory.manager import KVCacheManager, KVCacheStats
+from pagedkv.memory.plan import BlockMove, MemoryPlan, MoveBatch, MoveKind
 from pagedkv.memory.slab import SlabAllocator, SlabReport
 
 __all__ = [
+    "BlockMove",
     "DuplicateSequence",
     "KVCacheManager",
     "KVCacheStats",
     "KVMemoryError",
+    "MemoryPlan",
+    "MoveBatch",
+    "MoveKind",
     "NoContiguousSpace",
     "NoFreeBlocks",
     "SequenceNotSwappedOut",

@@ -1,15 +1,15 @@
 """KVCacheManager: per-sequence block tables over one BlockPool (GPU) and a CPU swap pool.
 
 The manager decides where KV lives and never touches KV data. Each operation that needs
-data moved returns a plan the runner executes on the cache tensors before the next forward
-pass: copy-on-write pairs from `append`, (source, destination) pairs from `swap_out` and
-`swap_in`. Every operation either succeeds completely or raises and changes nothing, so the
-scheduler can treat `NoFreeBlocks` as its signal to wait or preempt.
+data moved returns a `MemoryPlan` the runner executes on the cache tensors before the next
+forward pass: copy-on-write moves from `append`, swap moves from `swap_out` and `swap_in`.
+Every operation either succeeds completely or raises and changes nothing, so the scheduler
+can treat `NoFreeBlocks` as its signal to wait or preempt.
 
-Plans must be executed in the order they were returned. Blocks are released at once, so a
-block that `swap_out` is saving can be the destination of a copy-on-write or `swap_in`
-returned later in the same step; running the plans in order reads it before it is
-overwritten.
+Plans must be executed in the order they were returned (join a step's plans with
+`MemoryPlan.extend`). Blocks are released at once, so a block that `swap_out` is saving can
+be the destination of a copy-on-write or `swap_in` returned later in the same step; running
+the plans in order reads it before it is overwritten.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from pagedkv.memory.errors import (
     UnknownSequence,
 )
 from pagedkv.memory.hashing import ROOT_HASH, BlockHash, chain_hashes, encode_tokens
+from pagedkv.memory.plan import BlockMove, MemoryPlan, MoveKind
 from pagedkv.memory.pool import Block, BlockPool
 
 SeqId = Hashable
-CopyPairs = list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -115,31 +115,31 @@ class KVCacheManager:
         )
         return num_cached
 
-    def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> CopyPairs:
-        """Grow a sequence by `token_ids`; return copy-on-write pairs to run before writing.
+    def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> MemoryPlan:
+        """Grow a sequence by `token_ids`; return the copy-on-write plan to run before writing.
 
         New blocks are taken only at block boundaries. When the last block is partly filled
         and shared (after a fork), the sequence gets a private copy of it first.
         """
         seq = self._resident(seq_id, "appending")
         if not token_ids:
-            return []
+            return MemoryPlan()
         num_tokens = len(seq.token_ids)
         last = seq.blocks[-1]
         needs_copy = num_tokens % self.block_size != 0 and last.ref_count > 1
         num_new = self._blocks_for(num_tokens + len(token_ids)) - len(seq.blocks)
         if num_new + needs_copy > self._pool.num_free_blocks:
             raise NoFreeBlocks(num_new + needs_copy, self._pool.num_free_blocks)
-        copies: CopyPairs = []
+        plan = MemoryPlan()
         if needs_copy:
             [private] = self._pool.allocate(1)
             self._pool.release([last])
             seq.blocks[-1] = private
-            copies.append((last.block_id, private.block_id))
+            plan.moves.append(BlockMove(MoveKind.COPY, last.block_id, private.block_id))
             self._cow_copies += 1
         seq.blocks.extend(self._pool.allocate(num_new))
         seq.token_ids.extend(token_ids)
-        return copies
+        return plan
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """Give `child_id` the parent's tokens and blocks, shared (ref counts up), no copies."""
@@ -177,12 +177,14 @@ class KVCacheManager:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         if seq.cpu_blocks is not None:
-            self._free_cpu_blocks.extend(seq.cpu_blocks)
+            # Reversed, so the next swap_out pops them in ascending order: consecutive CPU
+            # blocks let the runner move a sequence with one contiguous copy.
+            self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
         else:
             self._pool.release(reversed(seq.blocks))
 
-    def swap_out(self, seq_id: SeqId) -> CopyPairs:
-        """Move a sequence to the CPU pool; return (gpu_block, cpu_block) copies to run first.
+    def swap_out(self, seq_id: SeqId) -> MemoryPlan:
+        """Move a sequence to the CPU pool; return its (gpu_block -> cpu_block) moves.
 
         Its GPU references are dropped: a block shared with a sequence still on the GPU stays
         there for that sequence, the swapped one keeps a private CPU copy.
@@ -191,15 +193,18 @@ class KVCacheManager:
         if len(seq.blocks) > len(self._free_cpu_blocks):
             raise NoFreeBlocks(len(seq.blocks), len(self._free_cpu_blocks), pool="CPU")
         cpu_blocks = [self._free_cpu_blocks.pop() for _ in seq.blocks]
-        plan = [(block.block_id, cpu) for block, cpu in zip(seq.blocks, cpu_blocks, strict=True)]
+        plan = MemoryPlan.of(
+            MoveKind.SWAP_OUT,
+            ((block.block_id, cpu) for block, cpu in zip(seq.blocks, cpu_blocks, strict=True)),
+        )
         self._pool.release(reversed(seq.blocks))
         seq.blocks = []
         seq.cpu_blocks = cpu_blocks
         self._blocks_swapped_out += len(plan)
         return plan
 
-    def swap_in(self, seq_id: SeqId) -> CopyPairs:
-        """Bring a swapped sequence back; return (cpu_block, gpu_block) copies to run first.
+    def swap_in(self, seq_id: SeqId) -> MemoryPlan:
+        """Bring a swapped sequence back; return its (cpu_block -> gpu_block) moves.
 
         Full blocks whose KV is still in the GPU prefix cache (shared with a sequence that
         stayed, or not yet evicted) are reused instead of copied.
@@ -216,13 +221,13 @@ class KVCacheManager:
         num_new = len(seq.cpu_blocks) - len(reused)
         self._take(list(reused.values()), num_new)
         new_blocks = iter(self._pool.allocate(num_new))
-        plan: CopyPairs = []
+        plan = MemoryPlan()
         blocks = []
         for index, cpu in enumerate(seq.cpu_blocks):
             block = reused.get(index)
             if block is None:
                 block = next(new_blocks)
-                plan.append((cpu, block.block_id))
+                plan.moves.append(BlockMove(MoveKind.SWAP_IN, cpu, block.block_id))
             blocks.append(block)
         self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
         seq.blocks = blocks

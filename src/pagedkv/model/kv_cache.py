@@ -5,24 +5,24 @@ bytes. All layers' K and V live in one tensor `[num_layers, 2, num_blocks, block
 num_kv_heads, head_dim]`, so a copy-on-write or a swap of a block moves it in every layer with
 one indexing op. A CPU-side pool of the same block shape receives swapped-out blocks.
 
-Plans must run in the order the memory manager returned them, each before the next forward
-pass: a block that `swap_out` releases can be the destination of a copy-on-write or a
-`swap_in` returned later in the same step, so running that later plan first would overwrite
-KV before it is saved.
+A step's `MemoryPlan` runs as a whole through `execute`, in the order the memory manager
+produced it, before the next forward pass: a block that a swap-out releases can be the
+destination of a copy-on-write or a swap-in later in the same step, so running that later
+move first would overwrite KV before it is saved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from pagedkv.memory.plan import MemoryPlan, MoveKind
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.errors import KVCacheTooSmall
 from pagedkv.spec import KVSpec
 
-BlockPairs = Sequence[tuple[int, int]]
 _KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -47,11 +47,13 @@ class KVCache:
         self.cache = torch.zeros(
             num_layers, 2, num_blocks, *block_shape, dtype=dtype, device=device
         )
-        # Pinned host memory lets swaps overlap with compute on a GPU; plain memory otherwise.
+        # Block-major, so one CPU block (all layers, K and V) is contiguous and a run of
+        # consecutive CPU blocks is one contiguous range that a swap copies in one go. Pinned
+        # host memory lets swaps overlap with compute on a GPU; plain memory otherwise.
         self.swap_space = torch.zeros(
+            num_cpu_blocks,
             num_layers,
             2,
-            num_cpu_blocks,
             *block_shape,
             dtype=dtype,
             device="cpu",
@@ -103,51 +105,68 @@ class KVCache:
     @property
     def num_cpu_blocks(self) -> int:
         """Blocks in the CPU swap space."""
-        return self.swap_space.shape[2]
+        return self.swap_space.shape[0]
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         """Views `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
         return self.cache[index, 0], self.cache[index, 1]
 
-    def copy_blocks(self, pairs: BlockPairs) -> None:
-        """Copy-on-write: copy each `(src, dst)` block, in every layer, before `dst` is written.
+    def execute(self, plan: MemoryPlan) -> None:
+        """Run a step's whole plan, in order, before the forward pass that needs it.
 
-        Run it in the manager's plan order: `dst` may be a block an earlier `swap_out` of the
-        same step released, and that swap must have saved it first.
+        Consecutive moves of one kind run as one indexed copy (`MemoryPlan.batches` splits
+        them where that would differ from running them one by one). There is no per-kind entry
+        point: a block a swap-out saves may be a later copy's destination, so only the plan's
+        own order is safe.
         """
-        if pairs:
-            src, dst = self._indices(pairs, self.cache.device, self.cache.device)
-            self.cache[:, :, dst] = self.cache[:, :, src]
+        for batch in plan.batches():
+            if batch.kind is MoveKind.COPY:
+                self._copy(batch.srcs, batch.dsts)
+            elif batch.kind is MoveKind.SWAP_OUT:
+                self._swap_out(batch.srcs, batch.dsts)
+            else:
+                self._swap_in(batch.srcs, batch.dsts)
 
-    def swap_out(self, pairs: BlockPairs) -> None:
-        """Copy each `(device_block, cpu_block)` from the cache to the swap space.
+    def _copy(self, srcs: list[int], dsts: list[int]) -> None:
+        """Copy-on-write: device blocks to device blocks, in every layer, K and V."""
+        src, dst = self._device_index(srcs), self._device_index(dsts)
+        self.cache.index_copy_(2, dst, self.cache.index_select(2, src))
 
-        Run it in the manager's plan order, before any later copy or `swap_in` of the same step:
-        those may write into the device blocks this swap releases.
+    def _swap_out(self, device_blocks: list[int], cpu_blocks: list[int]) -> None:
+        """Device blocks into the swap space, one copy per run of consecutive CPU blocks.
+
+        On the same device the gather writes straight into the swap space; across devices
+        the blocks are packed on the device, then copied into the pinned swap space without
+        waiting (the copy is ordered on the stream before any later swap-in reads it).
         """
-        if pairs:
-            device_ids, cpu_ids = self._indices(pairs, self.cache.device, self.swap_space.device)
-            self.swap_space[:, :, cpu_ids] = self.cache[:, :, device_ids].to("cpu")
+        blocks = self.cache.movedim(2, 0)  # [num_blocks, num_layers, 2, ...], a view
+        index = self._device_index(device_blocks)
+        for start, stop, first_cpu in _consecutive_runs(cpu_blocks):
+            target = self.swap_space[first_cpu : first_cpu + stop - start]
+            if blocks.device == target.device:
+                torch.index_select(blocks, 0, index[start:stop], out=target)
+            else:
+                target.copy_(blocks.index_select(0, index[start:stop]), non_blocking=True)
 
-    def swap_in(self, pairs: BlockPairs) -> None:
-        """Copy each `(cpu_block, device_block)` from the swap space back into the cache.
+    def _swap_in(self, cpu_blocks: list[int], device_blocks: list[int]) -> None:
+        """Swap-space blocks back into device blocks, one copy per run of consecutive CPU blocks."""
+        index = self._device_index(device_blocks)
+        for start, stop, first_cpu in _consecutive_runs(cpu_blocks):
+            source = self.swap_space[first_cpu : first_cpu + stop - start]
+            source = source.to(self.cache.device, non_blocking=True)
+            self.cache.index_copy_(2, index[start:stop], source.movedim(0, 2))
 
-        Run it in the manager's plan order: `device_block` may be one an earlier `swap_out` of
-        the same step released, and that swap must have saved it first.
-        """
-        if pairs:
-            cpu_ids, device_ids = self._indices(pairs, self.swap_space.device, self.cache.device)
-            self.cache[:, :, device_ids] = self.swap_space[:, :, cpu_ids].to(self.cache.device)
+    def _device_index(self, block_ids: list[int]) -> Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
 
-    @staticmethod
-    def _indices(
-        pairs: BlockPairs, first_device: torch.device, second_device: torch.device
-    ) -> tuple[Tensor, Tensor]:
-        first, second = zip(*pairs, strict=True)
-        return (
-            torch.tensor(first, dtype=torch.int64, device=first_device),
-            torch.tensor(second, dtype=torch.int64, device=second_device),
-        )
+
+def _consecutive_runs(block_ids: list[int]) -> Iterator[tuple[int, int, int]]:
+    """`(start, stop, first_id)` of each maximal slice of `block_ids` counting up by one."""
+    start = 0
+    for position in range(1, len(block_ids) + 1):
+        if position == len(block_ids) or block_ids[position] != block_ids[position - 1] + 1:
+            yield start, position, block_ids[start]
+            start = position
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
