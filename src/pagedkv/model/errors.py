@@ -77,3 +77,43 @@ class InvalidBatch(ModelError, ValueError):
 
 class ChatTemplateError(ModelError):
     """A conversation cannot be rendered: no template, or the template rejected it."""
+
+
+class UnsupportedTensorType(ModelError):
+    """A GGUF tensor is stored in a quantisation type this engine cannot dequantise."""
+
+    def __init__(self, path: Path, name: str, tensor_type: str, supported: list[str]) -> None:
+        super().__init__(
+            f"{path}: tensor {name!r} has type {tensor_type}, which is not supported "
+            f"(supported: {', '.join(supported)})"
+        )
+        self.path = path
+        self.name = name
+        self.tensor_type = tensor_type
+
+
+class ConvertTargetExists(ModelError):
+    """A conversion would overwrite a folder that already holds files."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path}: already exists and is not empty (choose a new folder)")
+        self.path = path
+
+
+class UnknownModelName(ModelError):
+    """A `--model` value that is neither a file, a folder nor a built-in model name."""
+
+    def __init__(self, name: str, builtin: list[str]) -> None:
+        super().__init__(
+            f"{name!r} is not a model folder, a .gguf file or a built-in model "
+            f"(built-in: {', '.join(builtin)})"
+        )
+        self.name = name
+
+
+class PullFailed(ModelError):
+    """Downloading or verifying a built-in model failed; nothing was left in the cache."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"pulling {name!r} failed: {problem}")
+        self.name = name

@@ -2,20 +2,31 @@
 
 `model` may be a Hugging Face folder, a `.gguf` file or a built-in name; the engine, the
 commands and the tests all go through `load`, so the three sources cannot drift apart.
+
+A built-in model is pulled on first use and converted once into a float32 Hugging Face folder
+beside its GGUF file, so later starts read safetensors (seconds) instead of dequantising again.
+A `.gguf` path given directly is dequantised on every load instead: caching a float32 copy of
+an arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.errors import ModelFileMissing
+from pagedkv.model.errors import ConvertTargetExists, UnknownModelName
+from pagedkv.model.gguf_loader import GGUFModel, convert_gguf
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.loader import load_model
 from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.models import BUILTIN_MODELS, model_dir, pull
+
+CONVERTED_FOLDER = "hf"  # inside a built-in model's cache folder
 
 
 @dataclass(frozen=True)
@@ -34,16 +45,46 @@ def load(
     *,
     dtype: torch.dtype | str = "float32",
     device: torch.device | str = "cpu",
+    progress: Callable[[str], None] = print,
 ) -> LoadedModel:
-    """Load `model` (a Hugging Face folder, a `.gguf` file or a built-in name)."""
+    """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
+
+    An existing path wins over a built-in name of the same spelling. `progress` receives a
+    line per step of a first-use pull and conversion.
+    """
     path = Path(model)
+    if path.is_file():
+        gguf_model = GGUFModel.open(path)
+        return LoadedModel(
+            model=gguf_model.model(dtype=dtype, device=device),
+            tokenizer=gguf_model.tokenizer(),
+            config=gguf_model.config,
+            name=path.stem,
+            path=path,
+        )
+    name = str(model)
     if not path.is_dir():
-        raise ModelFileMissing(path, "a model folder")
+        if name not in BUILTIN_MODELS:
+            raise UnknownModelName(name, list(BUILTIN_MODELS))
+        path = converted_folder(name, progress=progress)
     llama = load_model(path, dtype=dtype, device=device)
     return LoadedModel(
         model=llama,
         tokenizer=Tokenizer.from_folder(path),
         config=llama.config,
-        name=str(model),
+        name=name,
         path=path,
     )
+
+
+def converted_folder(name: str, *, progress: Callable[[str], None] = print) -> Path:
+    """The cached Hugging Face folder of built-in model `name`, pulling and converting once."""
+    folder = model_dir(name) / CONVERTED_FOLDER
+    if folder.is_dir():
+        return folder
+    gguf_file = pull(name, progress=progress)
+    progress(f"{name}: converting to a float32 folder in {folder} (once)")
+    # ConvertTargetExists: another process converted it meanwhile; its folder is as good.
+    with contextlib.suppress(ConvertTargetExists):
+        convert_gguf(gguf_file, folder)
+    return folder

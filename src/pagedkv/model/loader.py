@@ -7,7 +7,7 @@ place, so peak memory stays near the size of the weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,13 +39,31 @@ def load_model(
     `dtype` is float32 (the CPU default), bfloat16 or float16, as a torch dtype or its name.
     """
     folder = Path(folder)
-    dtype = _resolve_dtype(dtype)
     config = load_config(folder)
+    return build_model(
+        config, _checkpoint_tensors(folder), _weights_source(folder), dtype=dtype, device=device
+    )
+
+
+def build_model(
+    config: ModelConfig,
+    tensors: Iterable[tuple[Path, str, Tensor]],
+    source: Path,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaModel:
+    """Assemble an eval-mode model from `(file, checkpoint name, tensor)` triples.
+
+    Each tensor is checked against the shape `config` implies and converted on arrival, so at
+    most one source tensor is held beside the model; `source` names the weights in errors.
+    """
+    dtype = _resolve_dtype(dtype)
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     weights: dict[str, Tensor] = {}
-    for path, hf_name, tensor in _checkpoint_tensors(folder):
+    for path, hf_name, tensor in tensors:
         name = _parameter_name(hf_name, config)
         if name is None:
             continue
@@ -65,7 +83,7 @@ def load_model(
         weights[name] = tensor.to(device=device, dtype=dtype)
     for name in expected:
         if name not in weights:
-            raise MissingTensor(_weights_source(folder), _checkpoint_name(name))
+            raise MissingTensor(source, _checkpoint_name(name))
     model.load_state_dict(weights, strict=True, assign=True)
     return model.to(device).eval().requires_grad_(False)
 

@@ -46,13 +46,40 @@ class Tokenizer:
     def from_folder(cls, folder: str | Path) -> Tokenizer:
         """Load tokenizer.json, generation_config.json and tokenizer_config.json of `folder`."""
         folder = Path(folder)
-        tokenizer = _load_tokenizer_json(folder / "tokenizer.json")
         tokenizer_config = _optional_json(folder / "tokenizer_config.json")
-        special_tokens = _special_tokens(tokenizer_config, folder / "tokenizer_config.json")
+        template_path = folder / "chat_template.jinja"
+        if tokenizer_config.get("chat_template") is None and template_path.is_file():
+            tokenizer_config["chat_template"] = template_path.read_text(encoding="utf-8")
+        return cls.from_parts(
+            _load_tokenizer_json(folder / "tokenizer.json"),
+            tokenizer_config,
+            generation_config=_optional_json(folder / "generation_config.json"),
+            config=_optional_json(folder / "config.json"),
+            source=folder,
+        )
+
+    @classmethod
+    def from_parts(
+        cls,
+        tokenizer: tokenizers.Tokenizer,
+        tokenizer_config: Mapping[str, Any],
+        generation_config: Mapping[str, Any],
+        config: Mapping[str, Any],
+        source: Path,
+    ) -> Tokenizer:
+        """Build from the parsed contents of a folder's files (or a GGUF file's equivalents).
+
+        The end-of-sequence ids come from generation_config, then config, then the eos token
+        string; `source` (a folder, or a single file such as a GGUF) is named in errors.
+        """
+        config_path = _file_in(source, "tokenizer_config.json")
+        special_tokens = _special_tokens(tokenizer_config, config_path)
         return cls(
             tokenizer,
-            eos_token_ids=_eos_token_ids(folder, tokenizer, special_tokens),
-            chat_template=_chat_template(folder, tokenizer_config),
+            eos_token_ids=_eos_token_ids(
+                source, tokenizer, special_tokens, generation_config, config
+            ),
+            chat_template=_chat_template(source, tokenizer_config),
             special_tokens=special_tokens,
         )
 
@@ -131,7 +158,7 @@ def _optional_json(path: Path) -> dict[str, Any]:
     return read_json(path, what="an optional file") if path.is_file() else {}
 
 
-def _special_tokens(tokenizer_config: dict[str, Any], path: Path) -> dict[str, str]:
+def _special_tokens(tokenizer_config: Mapping[str, Any], path: Path) -> dict[str, str]:
     """bos/eos/unk/pad token strings; transformers saves each as a string or {"content": ...}."""
     tokens = {}
     for key in SPECIAL_TOKEN_KEYS:
@@ -147,11 +174,14 @@ def _special_tokens(tokenizer_config: dict[str, Any], path: Path) -> dict[str, s
 
 
 def _eos_token_ids(
-    folder: Path, tokenizer: tokenizers.Tokenizer, special_tokens: dict[str, str]
+    source: Path,
+    tokenizer: tokenizers.Tokenizer,
+    special_tokens: dict[str, str],
+    generation_config: Mapping[str, Any],
+    config: Mapping[str, Any],
 ) -> tuple[int, ...]:
-    for name in ("generation_config.json", "config.json"):
-        path = folder / name
-        value = _optional_json(path).get("eos_token_id")
+    for name, values in (("generation_config.json", generation_config), ("config.json", config)):
+        value = values.get("eos_token_id")
         if value is None:
             continue
         ids = [value] if isinstance(value, int) else value
@@ -159,7 +189,8 @@ def _eos_token_ids(
             isinstance(i, int) and not isinstance(i, bool) for i in ids
         ):
             raise MalformedModelFile(
-                path, f"eos_token_id must be an int or a list of ints, got {value!r}"
+                _file_in(source, name),
+                f"eos_token_id must be an int or a list of ints, got {value!r}",
             )
         return tuple(ids)
     eos_token = special_tokens.get("eos_token")
@@ -167,16 +198,13 @@ def _eos_token_ids(
     return () if eos_id is None else (eos_id,)
 
 
-def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
-    path = folder / "tokenizer_config.json"
+def _chat_template(source: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    path = _file_in(source, "tokenizer_config.json")
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
         # Older multi-template form: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if template is None and (folder / "chat_template.jinja").is_file():
-        path = folder / "chat_template.jinja"
-        template = path.read_text(encoding="utf-8")
     if template is None:
         return None
     if not isinstance(template, str):
@@ -186,3 +214,8 @@ def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None
     except jinja2.TemplateSyntaxError as error:
         raise MalformedModelFile(path, f"chat_template is not valid jinja: {error}") from error
     return template
+
+
+def _file_in(source: Path, name: str) -> Path:
+    """The file an error is about: `name` inside a folder, or the single source file itself."""
+    return source / name if source.is_dir() else source

@@ -1,0 +1,102 @@
+"""GGUF metadata -> the keys of a Hugging Face config.json, so both formats share one config path.
+
+A GGUF file describes its model under `{architecture}.*` keys; this module renames them to the
+config.json fields `ModelConfig.from_dict` reads, and the same dict is written as config.json
+when a GGUF file is converted, so a loaded and a converted GGUF model cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.model.errors import MalformedModelFile, UnsupportedModel
+from pagedkv.model.gguf_file import GGUFFile
+
+# GGUF architecture -> (config.json architecture, model_type).
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+DEFAULT_ROPE_THETA = 10_000.0
+DEFAULT_RMS_EPS = 1e-5  # llama.cpp's default when a file omits the key
+
+
+def config_dict(file: GGUFFile) -> dict[str, Any]:
+    """The config.json a Hugging Face checkpoint of this GGUF model would carry."""
+    arch = file.architecture
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModel(
+            file.path,
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})",
+        )
+    architecture, model_type = ARCHITECTURES[arch]
+    hidden_size = file.integer(f"{arch}.embedding_length")
+    num_heads = _per_model(file, f"{arch}.attention.head_count")
+    num_kv_heads = _per_model(file, f"{arch}.attention.head_count_kv", num_heads)
+    head_dim = file.integer(f"{arch}.attention.key_length", hidden_size // num_heads)
+    value_dim = file.integer(f"{arch}.attention.value_length", head_dim)
+    rope_dim = file.integer(f"{arch}.rope.dimension_count", head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise UnsupportedModel(
+            file.path,
+            f"key length {head_dim}, value length {value_dim} and rope dimension {rope_dim} "
+            "differ (only full-rotary attention with equal key and value sizes is supported)",
+        )
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": _vocab_size(file, arch),
+        "hidden_size": hidden_size,
+        "intermediate_size": _per_model(file, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": file.integer(f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": file.number(f"{arch}.attention.layer_norm_rms_epsilon", DEFAULT_RMS_EPS),
+        "max_position_embeddings": file.integer(f"{arch}.context_length"),
+        "rope_theta": file.number(f"{arch}.rope.freq_base", DEFAULT_ROPE_THETA),
+        "rope_scaling": _rope_scaling(file, arch),
+        # llama.cpp drops the output matrix of tied models; its absence is the only sign.
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False  # Qwen2 GGUF files carry no window
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        token_id = file.optional_id(f"tokenizer.ggml.{gguf_key}", config["vocab_size"])
+        if token_id is not None:
+            config[key] = token_id
+    return config
+
+
+def _per_model(file: GGUFFile, key: str, default: int | None = None) -> int:
+    """A count that some files store per layer (an array): only uniform arrays are supported."""
+    value = file.value(key) if default is None else file.value(key, default)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedModel(file.path, f"metadata {key!r} varies per layer: {value!r}")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MalformedModelFile(file.path, f"metadata {key!r} must be an integer >= 1: {value!r}")
+    return value
+
+
+def _vocab_size(file: GGUFFile, arch: str) -> int:
+    if file.has(f"{arch}.vocab_size"):
+        return file.integer(f"{arch}.vocab_size")
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise MalformedModelFile(file.path, "tensor 'token_embd.weight' is missing")
+    return int(embedding.shape[-1])  # GGUF lists dimensions innermost first
+
+
+def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
+    kind = file.string(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": file.number(f"{arch}.rope.scaling.factor")}
+    raise UnsupportedModel(
+        file.path, f"rope scaling {kind!r} is not supported (supported: none, linear)"
+    )

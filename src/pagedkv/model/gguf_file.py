@@ -1,0 +1,96 @@
+"""GGUFFile: an open GGUF file with typed metadata reads that name the key when they fail.
+
+GGUF (llama.cpp's format) holds metadata as typed key/value pairs and tensors as raw, often
+quantised, blocks. `gguf.GGUFReader` memory-maps the file, so opening it reads only the header;
+tensor bytes are touched when a tensor is dequantised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from pagedkv.model.errors import MalformedModelFile, ModelFileMissing
+
+_MISSING = object()
+
+
+class GGUFFile:
+    """Metadata and tensors of one GGUF file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileMissing(self.path, "the GGUF file")
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except (ValueError, OSError, IndexError, KeyError) as error:
+            # The reader reports a bad magic or a truncated header with any of these.
+            raise MalformedModelFile(self.path, f"not a valid GGUF file: {error}") from error
+        self.fields = reader.fields
+        self.tensors: dict[str, gguf.ReaderTensor] = {t.name: t for t in reader.tensors}
+
+    @property
+    def architecture(self) -> str:
+        """`general.architecture`, the prefix of the model's own metadata keys."""
+        return self.string("general.architecture")
+
+    def has(self, key: str) -> bool:
+        """Whether the metadata holds `key`."""
+        return key in self.fields
+
+    def value(self, key: str, default: Any = _MISSING) -> Any:
+        """The decoded value of `key` (str, int, float, bool or a list of them)."""
+        field = self.fields.get(key)
+        if field is None:
+            if default is _MISSING:
+                raise MalformedModelFile(self.path, f"metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        """An integer >= `minimum`; `default` (when not None) stands in for an absent key."""
+        value = self.value(key) if default is None else self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise MalformedModelFile(
+                self.path, f"metadata {key!r} must be an integer >= {minimum}, got {value!r}"
+            )
+        return value
+
+    def number(self, key: str, default: float | None = None) -> float:
+        """A positive number; `default` (when not None) stands in for an absent key."""
+        value = self.value(key) if default is None else self.value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise MalformedModelFile(
+                self.path, f"metadata {key!r} must be a positive number, got {value!r}"
+            )
+        return float(value)
+
+    def string(self, key: str, default: str | None = None) -> str:
+        """A string; `default` (when not None) stands in for an absent key."""
+        value = self.value(key) if default is None else self.value(key, default)
+        if not isinstance(value, str):
+            raise MalformedModelFile(self.path, f"metadata {key!r} must be a string, got {value!r}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        """A bool, `default` when absent."""
+        value = self.value(key, default)
+        if not isinstance(value, bool):
+            raise MalformedModelFile(
+                self.path, f"metadata {key!r} must be true or false, got {value!r}"
+            )
+        return value
+
+    def optional_id(self, key: str, vocab_size: int) -> int | None:
+        """A token id in `[0, vocab_size)`, or None when the key is absent."""
+        if not self.has(key):
+            return None
+        value = self.integer(key, minimum=0)
+        if value >= vocab_size:
+            raise MalformedModelFile(
+                self.path, f"metadata {key!r} is token id {value}, vocabulary has {vocab_size}"
+            )
+        return value
