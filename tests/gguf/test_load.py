@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.model.errors import ModelFileMissing
+from pagedkv.model.errors import UnknownModelName
 from pagedkv.model.load import LoadedModel, load
 
 
@@ -25,6 +25,6 @@ def test_load_in_bfloat16(zoo):
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
-def test_load_missing_path_names_it(tmp_path):
-    with pytest.raises(ModelFileMissing, match="nowhere"):
+def test_load_unknown_model_names_it_and_the_builtin_names(tmp_path):
+    with pytest.raises(UnknownModelName, match="nowhere.*smollm2-135m-instruct"):
         load(tmp_path / "nowhere")

@@ -1,0 +1,43 @@
+"""`pagedkv convert FILE.gguf DIR`: write a GGUF model as a standard Hugging Face folder.
+
+The folder holds float32 safetensors, config.json, tokenizer.json, tokenizer_config.json (with
+the chat template) and generation_config.json; transformers and `pagedkv --model DIR` load it.
+FILE may also be a built-in model name, pulled first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from pagedkv.models import BUILTIN_MODELS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the source file and target folder of `pagedkv convert`."""
+    parser.add_argument(
+        "source",
+        help=f"a .gguf file, or a built-in model name ({', '.join(BUILTIN_MODELS)})",
+    )
+    parser.add_argument("folder", type=Path, help="new folder to write (must not hold files)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert; print where the folder is and how long it took; exit 1 with the reason."""
+    from pagedkv.model.errors import ModelError
+    from pagedkv.model.gguf_loader import convert_gguf
+    from pagedkv.models import pull
+
+    start = time.perf_counter()
+    try:
+        source = Path(args.source)
+        if not source.exists() and args.source in BUILTIN_MODELS:
+            source = pull(args.source)
+        folder = convert_gguf(source, args.folder)
+    except ModelError as error:
+        print(f"pagedkv convert: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
+    return 0
