@@ -5,7 +5,9 @@ out. From it alone the test derives table lengths, ref counts and free counts. L
 engine, the machine joins the plans of several operations into one step plan and has a slot
 store (kv_oracle) execute it as `KVCache.execute` would, before any KV is written; then each
 sequence must read back exactly its own computed tokens. Pools are tiny so NoFreeBlocks is
-frequent; a failed operation must change nothing.
+frequent; a failed operation, or one given an invalid token id, must change nothing. Prompts
+carry one of a few cache salts: a prefix hit must be a prefix some sequence of the same salt
+computed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv.memory import KVCacheManager, MemoryPlan, NoFreeBlocks
+from pagedkv.memory import InvalidTokenIds, KVCacheManager, MemoryPlan, NoFreeBlocks
 
 from .kv_oracle import SlotStore
 from .test_rules import snapshot
@@ -31,12 +33,15 @@ prompts = st.builds(
     st.lists(st.integers(0, 3), max_size=6),
 )
 picks = st.integers(0, 1_000)
+salts = st.sampled_from([None, "tenant-a", "tenant-b"])
+bad_ids = st.sampled_from([-1, 2**63, 2**70, True, 1.5, "7", None])
 
 
 @dataclass
 class ModelSeq:
     token_ids: list[int]
     num_computed: int
+    salt: str | None
     swapped: bool = False
 
 
@@ -52,6 +57,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.store = SlotStore(self.manager)
         self.step_plan = MemoryPlan()  # moves of this step, not yet executed
         self.model: dict[int, ModelSeq] = {}
+        self.computed_prefixes: set[tuple[str | None, tuple[int, ...]]] = set()
         self.next_id = 0
 
     def _pick(self, pick: int) -> tuple[int, ModelSeq | None]:
@@ -76,27 +82,45 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.store.execute(self.step_plan)
         self.step_plan = MemoryPlan()
 
-    def _compute_all(self, seq_id: int, seq: ModelSeq) -> None:
-        """What a forward pass does: write the KV of every pending token, then mark it."""
-        self._run_step_plan()
-        self.store.write(seq_id, seq.token_ids, seq.num_computed, len(seq.token_ids))
-        seq.num_computed = len(seq.token_ids)
-        self.manager.mark_computed(seq_id, seq.num_computed)
+    def _compute(self, seq_id: int, seq: ModelSeq, upto: int) -> None:
+        """What a forward pass does: write the KV of the tokens up to `upto`, then mark them."""
+        if upto > seq.num_computed:
+            self._run_step_plan()
+            self.store.write(seq_id, seq.token_ids, seq.num_computed, upto)
+            seq.num_computed = upto
+            size = self.manager.block_size
+            for end in range(size, upto + 1, size):
+                self.computed_prefixes.add((seq.salt, tuple(seq.token_ids[:end])))
+        self.manager.mark_computed(seq_id, upto)
 
-    @rule(prompt=prompts, compute=st.booleans())
-    def allocate(self, prompt, compute):
+    @rule(prompt=prompts, salt=salts, compute=st.booleans())
+    def allocate(self, prompt, salt, compute):
         seq_id = self.next_id
         self.next_id += 1
-        if self._fails_cleanly(self.manager.allocate, seq_id, prompt):
+        if self._fails_cleanly(self.manager.allocate, seq_id, prompt, salt):
             return
         num_cached = self.result
         size = self.manager.block_size
         assert num_cached % size == 0 and num_cached < len(prompt)
         if not self.manager.enable_prefix_caching:
             assert num_cached == 0
-        self.model[seq_id] = ModelSeq(list(prompt), num_cached)
+        elif num_cached:
+            assert (salt, tuple(prompt[:num_cached])) in self.computed_prefixes
+        seq = self.model[seq_id] = ModelSeq(list(prompt), num_cached, salt)
         if compute:
-            self._compute_all(seq_id, self.model[seq_id])
+            self._compute(seq_id, seq, len(seq.token_ids))
+
+    @rule(prompt=prompts, bad=bad_ids, where=picks)
+    def allocate_invalid(self, prompt, bad, where):
+        prompt = list(prompt)
+        prompt[where % len(prompt)] = bad
+        before = snapshot(self.manager)
+        try:
+            self.manager.allocate(self.next_id, prompt)
+        except InvalidTokenIds:
+            assert snapshot(self.manager) == before
+        else:
+            raise AssertionError(f"allocate accepted token id {bad!r}")
 
     @rule(
         pick=picks,
@@ -111,19 +135,27 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.step_plan.extend(self.result)
             seq.token_ids.extend(tokens)
             if compute:
-                self._compute_all(seq_id, seq)
+                self._compute(seq_id, seq, len(seq.token_ids))
+
+    @rule(pick=picks, bad=bad_ids)
+    def append_invalid(self, pick, bad):
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        before = snapshot(self.manager)
+        try:
+            self.manager.append(seq_id, [1, bad])
+        except InvalidTokenIds:
+            assert snapshot(self.manager) == before
+        else:
+            raise AssertionError(f"append accepted token id {bad!r}")
 
     @rule(pick=picks, fraction=st.floats(0, 1))
     def mark_computed(self, pick, fraction):
         seq_id, seq = self._pick(pick)
         if seq is None or seq.swapped:
             return
-        upto = round(fraction * len(seq.token_ids))
-        if upto > seq.num_computed:
-            self._run_step_plan()
-            self.store.write(seq_id, seq.token_ids, seq.num_computed, upto)
-            seq.num_computed = upto
-        self.manager.mark_computed(seq_id, upto)
+        self._compute(seq_id, seq, round(fraction * len(seq.token_ids)))
 
     @rule(pick=picks)
     def fork(self, pick):
@@ -133,7 +165,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         child = self.next_id
         self.next_id += 1
         self.manager.fork(parent, child)
-        self.model[child] = ModelSeq(list(seq.token_ids), seq.num_computed)
+        self.model[child] = ModelSeq(list(seq.token_ids), seq.num_computed, seq.salt)
 
     @rule(pick=picks)
     def free(self, pick):

@@ -7,6 +7,7 @@ baseline it is measured against.
 
 from pagedkv.memory.errors import (
     DuplicateSequence,
+    InvalidTokenIds,
     KVMemoryError,
     NoContiguousSpace,
     NoFreeBlocks,
@@ -21,6 +22,7 @@ from pagedkv.memory.slab import SlabAllocator, SlabReport
 __all__ = [
     "BlockMove",
     "DuplicateSequence",
+    "InvalidTokenIds",
     "KVCacheManager",
     "KVCacheStats",
     "KVMemoryError",

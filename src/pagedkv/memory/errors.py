@@ -77,3 +77,20 @@ class SequenceNotSwappedOut(KVMemoryError):
     def __init__(self, seq_id: object) -> None:
         super().__init__(f"sequence {seq_id!r} is not swapped out")
         self.seq_id = seq_id
+
+
+class InvalidTokenIds(KVMemoryError, ValueError):
+    """A token id is not an int in [0, 2**63): rejected where it enters, before any change.
+
+    Ids are stored and hashed as signed 64-bit integers; checking them on entry keeps every
+    later operation (hashing a block, caching it) free of conversion errors.
+    """
+
+    def __init__(self, seq_id: object, position: int, token_id: object) -> None:
+        super().__init__(
+            f"sequence {seq_id!r}: token id {token_id!r} at position {position} is not an int "
+            "in [0, 2**63)"
+        )
+        self.seq_id = seq_id
+        self.position = position
+        self.token_id = token_id

@@ -5,46 +5,49 @@ it, so equal hashes mean equal prefixes. The hash is SHA-256: Python's built-in 
 fast but predictable, and in a server shared by many clients a crafted prompt that collides
 with another client's chain would be served that client's KV. The pool also compares a
 hit's token bytes, a cheap second guard.
+
+A `cache_salt` starts a chain from a root of its own instead of `ROOT_HASH`, so prompts with
+different salts (tenants) never share a block and one tenant cannot probe another's prompts
+by timing cache hits.
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+
+from pagedkv.memory.tokens import BYTES_PER_TOKEN
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = b""
-BYTES_PER_TOKEN = array("q").itemsize
+# Token bytes never look like this (each int64's sign byte is below 0x80), so a salted root
+# can never equal the hash of a block of tokens: salted and unsalted chains stay apart.
+_SALT_PREFIX = b"\xff" * BYTES_PER_TOKEN
 
 
-def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as fixed-width bytes: what block hashes and the collision guard compare."""
-    return array("q", token_ids).tobytes()
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """The parent hash of a sequence's first block: `ROOT_HASH`, or one derived from its salt."""
+    if cache_salt is None:
+        return ROOT_HASH
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    return hashlib.sha256(_SALT_PREFIX + cache_salt.encode()).digest()
 
 
 def hash_block(parent_hash: BlockHash, block_tokens: bytes) -> BlockHash:
-    """Hash of one full block given the hash of the block before it (ROOT_HASH for the first)."""
+    """Hash of one full block given the hash of the block before it (the root for the first)."""
     return hashlib.sha256(parent_hash + block_tokens).digest()
 
 
 def chain_hashes(
-    parent_hash: BlockHash, token_ids: Sequence[int], block_size: int
+    parent_hash: BlockHash, token_bytes: bytes, block_size: int
 ) -> Iterator[tuple[BlockHash, bytes]]:
-    """(hash, token bytes) of each full block of `token_ids`, chained from `parent_hash`.
+    """(hash, token bytes) of each full block of `token_bytes`, chained from `parent_hash`.
 
-    Tokens are encoded in runs that double in length, lazily: a caller that stops at the
-    first block (a prefix-cache miss) pays for encoding one block, one that hashes all n
-    blocks makes log2(n) encoding calls instead of n.
+    Lazy, so a caller that stops at the first prefix-cache miss hashes one block only.
     """
-    num_full_blocks = len(token_ids) // block_size
     block_bytes = block_size * BYTES_PER_TOKEN
-    first, run = 0, 1
-    while first < num_full_blocks:
-        stop = min(num_full_blocks, first + run)
-        encoded = encode_tokens(token_ids[first * block_size : stop * block_size])
-        for offset in range(0, len(encoded), block_bytes):
-            block_tokens = encoded[offset : offset + block_bytes]
-            parent_hash = hash_block(parent_hash, block_tokens)
-            yield parent_hash, block_tokens
-        first, run = stop, run * 2
+    for offset in range(0, len(token_bytes) - block_bytes + 1, block_bytes):
+        block_tokens = token_bytes[offset : offset + block_bytes]
+        parent_hash = hash_block(parent_hash, block_tokens)
+        yield parent_hash, block_tokens

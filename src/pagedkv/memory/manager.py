@@ -4,7 +4,9 @@ The manager decides where KV lives and never touches KV data. Each operation tha
 data moved returns a `MemoryPlan` the runner executes on the cache tensors before the next
 forward pass: copy-on-write moves from `append`, swap moves from `swap_out` and `swap_in`.
 Every operation either succeeds completely or raises and changes nothing, so the scheduler
-can treat `NoFreeBlocks` as its signal to wait or preempt.
+can treat `NoFreeBlocks` as its signal to wait or preempt. Token ids are checked where they
+enter (`allocate`, `append`: ints in [0, 2**63), `InvalidTokenIds` otherwise), so nothing
+later can fail on them.
 
 Plans must be executed in the order they were returned (join a step's plans with
 `MemoryPlan.extend`). Blocks are released at once, so a block that `swap_out` is saving can
@@ -14,6 +16,7 @@ the plans in order reads it before it is overwritten.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -25,9 +28,10 @@ from pagedkv.memory.errors import (
     SequenceSwappedOut,
     UnknownSequence,
 )
-from pagedkv.memory.hashing import ROOT_HASH, BlockHash, chain_hashes, encode_tokens
+from pagedkv.memory.hashing import BlockHash, chain_hashes, root_hash
 from pagedkv.memory.plan import BlockMove, MemoryPlan, MoveKind
 from pagedkv.memory.pool import Block, BlockPool
+from pagedkv.memory.tokens import token_array
 
 SeqId = Hashable
 
@@ -55,8 +59,9 @@ class KVCacheStats:
 
 @dataclass
 class _Sequence:
-    token_ids: list[int]
+    token_ids: array  # int64, checked on entry
     blocks: list[Block]
+    root_hash: BlockHash  # parent of the first block's hash: carries the cache salt
     cpu_blocks: list[int] | None = None  # set while swapped out; `blocks` is then empty
     num_computed: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # computed full blocks, chained
@@ -92,26 +97,31 @@ class KVCacheManager:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+    def allocate(
+        self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> int:
         """Create the block table for a prompt; return how many leading tokens are cached.
 
         The cached count is a whole number of blocks and always leaves at least one prompt
         token to compute, because the forward pass needs it to produce the next-token logits.
+        With a `cache_salt`, only blocks computed under the same salt are hits (and this
+        sequence's blocks serve only that salt), so tenants cannot probe each other's prompts.
         """
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id)
         if len(token_ids) == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
-        token_ids = list(token_ids)
-        hits, hashes = self._find_cached_prefix(token_ids)
-        self._take(hits, self._blocks_for(len(token_ids)) - len(hits))
-        blocks = hits + self._pool.allocate(self._blocks_for(len(token_ids)) - len(hits))
+        tokens = token_array(seq_id, token_ids)
+        root = root_hash(cache_salt)
+        hits, hashes = self._find_cached_prefix(tokens, root)
+        self._take(hits, self._blocks_for(len(tokens)) - len(hits))
+        blocks = hits + self._pool.allocate(self._blocks_for(len(tokens)) - len(hits))
         num_cached = len(hits) * self.block_size
         if self.enable_prefix_caching:
-            self._prefix_queried_tokens += len(token_ids)
+            self._prefix_queried_tokens += len(tokens)
             self._prefix_hit_tokens += num_cached
         self._seqs[seq_id] = _Sequence(
-            token_ids, blocks, num_computed=num_cached, block_hashes=hashes
+            tokens, blocks, root, num_computed=num_cached, block_hashes=hashes
         )
         return num_cached
 
@@ -122,12 +132,13 @@ class KVCacheManager:
         and shared (after a fork), the sequence gets a private copy of it first.
         """
         seq = self._resident(seq_id, "appending")
-        if not token_ids:
+        tokens = token_array(seq_id, token_ids)
+        if not tokens:
             return MemoryPlan()
         num_tokens = len(seq.token_ids)
         last = seq.blocks[-1]
         needs_copy = num_tokens % self.block_size != 0 and last.ref_count > 1
-        num_new = self._blocks_for(num_tokens + len(token_ids)) - len(seq.blocks)
+        num_new = self._blocks_for(num_tokens + len(tokens)) - len(seq.blocks)
         if num_new + needs_copy > self._pool.num_free_blocks:
             raise NoFreeBlocks(num_new + needs_copy, self._pool.num_free_blocks)
         plan = MemoryPlan()
@@ -138,18 +149,19 @@ class KVCacheManager:
             plan.moves.append(BlockMove(MoveKind.COPY, last.block_id, private.block_id))
             self._cow_copies += 1
         seq.blocks.extend(self._pool.allocate(num_new))
-        seq.token_ids.extend(token_ids)
+        seq.token_ids.extend(tokens)
         return plan
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
-        """Give `child_id` the parent's tokens and blocks, shared (ref counts up), no copies."""
+        """Give `child_id` the parent's tokens, blocks (shared, no copies) and cache salt."""
         parent = self._resident(parent_id, "forking")
         if child_id in self._seqs:
             raise DuplicateSequence(child_id)
         self._pool.touch(parent.blocks)
         self._seqs[child_id] = _Sequence(
-            list(parent.token_ids),
+            array(parent.token_ids.typecode, parent.token_ids),
             list(parent.blocks),
+            parent.root_hash,
             num_computed=parent.num_computed,
             block_hashes=list(parent.block_hashes),
         )
@@ -158,7 +170,8 @@ class KVCacheManager:
         """Record that the KV of the first `num_tokens` tokens is written.
 
         Only now do the full blocks among them enter the prefix cache: a cache hit must never
-        hand out a block whose KV is still to be computed.
+        hand out a block whose KV is still to be computed. All or nothing: the new blocks are
+        hashed before anything is recorded.
         """
         seq = self._resident(seq_id, "marking tokens computed")
         if not 0 <= num_tokens <= len(seq.token_ids):
@@ -168,9 +181,12 @@ class KVCacheManager:
             )
         if num_tokens <= seq.num_computed:
             return
+        new_blocks = self._hash_new_full_blocks(seq, num_tokens)
         seq.num_computed = num_tokens
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(seq)
+        first_new = len(seq.block_hashes)
+        for index, (block_hash, block_tokens) in enumerate(new_blocks, start=first_new):
+            seq.block_hashes.append(block_hash)
+            self._pool.cache(seq.blocks[index], block_hash, block_tokens)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and release its blocks, tail first so chain tails evict first."""
@@ -341,15 +357,17 @@ class KVCacheManager:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _find_cached_prefix(self, token_ids: list[int]) -> tuple[list[Block], list[BlockHash]]:
+    def _find_cached_prefix(
+        self, tokens: array, root: BlockHash
+    ) -> tuple[list[Block], list[BlockHash]]:
         """Leading cached blocks of a prompt and their hashes, leaving >= 1 token to compute."""
         if not self.enable_prefix_caching:
             return [], []
         hits: list[Block] = []
         hashes: list[BlockHash] = []
-        max_hit_tokens = (len(token_ids) - 1) // self.block_size * self.block_size
+        max_hit_tokens = (len(tokens) - 1) // self.block_size * self.block_size
         for block_hash, block_tokens in chain_hashes(
-            ROOT_HASH, token_ids[:max_hit_tokens], self.block_size
+            root, tokens[:max_hit_tokens].tobytes(), self.block_size
         ):
             block = self._pool.lookup(block_hash, block_tokens)
             if block is None:
@@ -369,20 +387,22 @@ class KVCacheManager:
             raise NoFreeBlocks(num_new + num_revived, self._pool.num_free_blocks)
         self._pool.touch(hits)
 
-    def _cache_full_blocks(self, seq: _Sequence) -> None:
-        """Hash the newly computed full blocks (extending the chain) and offer them to the cache."""
-        size = self.block_size
+    def _hash_new_full_blocks(
+        self, seq: _Sequence, num_computed: int
+    ) -> list[tuple[BlockHash, bytes]]:
+        """(hash, token bytes) of the full blocks that computing up to `num_computed` completes.
+
+        Empty with prefix caching off: nothing is ever looked up, so nothing is hashed.
+        """
+        if not self.enable_prefix_caching:
+            return []
         first_new = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-        new_tokens = seq.token_ids[first_new * size : seq.num_computed]
-        for index, (block_hash, block_tokens) in enumerate(
-            chain_hashes(parent, new_tokens, size), start=first_new
-        ):
-            seq.block_hashes.append(block_hash)
-            self._pool.cache(seq.blocks[index], block_hash, block_tokens)
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
+        new_tokens = seq.token_ids[first_new * self.block_size : num_computed].tobytes()
+        return list(chain_hashes(parent, new_tokens, self.block_size))
 
     def _block_tokens(self, seq: _Sequence, index: int) -> bytes:
-        return encode_tokens(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        return seq.token_ids[index * self.block_size : (index + 1) * self.block_size].tobytes()
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
