@@ -63,6 +63,10 @@ def config_dict(file: GGUFFile) -> dict[str, Any]:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False  # Qwen2 GGUF files carry no window
+    else:
+        # Llama's optional biases have no metadata key: the tensors' presence is the switch.
+        config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensors
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         token_id = file.optional_id(f"tokenizer.ggml.{gguf_key}", config["vocab_size"])
         if token_id is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing
 
@@ -60,12 +61,18 @@ class GGUFFile:
         return value
 
     def number(self, key: str, default: float | None = None) -> float:
-        """A positive number; `default` (when not None) stands in for an absent key."""
+        """A positive number; `default` (when not None) stands in for an absent key.
+
+        GGUF stores float32: the shortest decimal that rounds to the same float32 is returned
+        (1e-05, not 9.999999747378752e-06), as the config.json the file was made from said.
+        """
         value = self.value(key) if default is None else self.value(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise MalformedModelFile(
                 self.path, f"metadata {key!r} must be a positive number, got {value!r}"
             )
+        if isinstance(value, float):
+            return float(str(np.float32(value)))
         return float(value)
 
     def string(self, key: str, default: str | None = None) -> str:

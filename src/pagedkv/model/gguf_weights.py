@@ -9,6 +9,7 @@ rather than halves). Yielding one tensor at a time keeps peak memory near the mo
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 
@@ -51,6 +52,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 _CHUNK_VALUES = 1 << 20  # values dequantised per call
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp stores that the checkpoint derives from its config (checked there).
@@ -96,9 +98,13 @@ def dequantize(
             file.path, tensor.name, tensor.tensor_type.name, [t.name for t in SUPPORTED_TYPES]
         )
     shape = tuple(int(n) for n in reversed(tensor.shape))
-    raw = tensor.data.reshape(-1, tensor.data.shape[-1]) if tensor.data.ndim else tensor.data
+    # A row is what `row_order` permutes: a matrix row, or one value of an unquantised vector
+    # (a q or k bias); block-quantised data can only be split between whole blocks.
+    vector = len(shape) == 1 and tensor.tensor_type in _FLOAT_TYPES
+    num_rows = shape[0] if vector else math.prod(shape[:-1])
+    raw = tensor.data.reshape(num_rows, -1)
     values = np.empty(shape, dtype=np.float32)
-    rows = values.reshape(raw.shape[0], -1)
+    rows = values.reshape(num_rows, -1)
     # gguf's dequantiser makes several float32 temporaries the size of its input; feeding it
     # row chunks bounds them, so loading peaks near the size of the weights themselves.
     step = max(1, _CHUNK_VALUES // max(1, rows.shape[1]))
