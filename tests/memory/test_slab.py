@@ -77,3 +77,31 @@ def test_writing_past_the_reservation_or_to_an_unknown_request_is_an_error() -> 
         slab.write("b", 1)
     with pytest.raises(ValueError, match="must be positive"):
         slab.reserve("c", 0)
+
+
+def test_a_request_too_big_for_the_whole_pool_is_not_fragmentation() -> None:
+    slab = SlabAllocator(100)
+    with pytest.raises(NoContiguousSpace):
+        slab.reserve("huge", 150)
+    assert slab.report().external_fragmentation == 0  # an empty pool strands nothing
+
+
+def test_external_fragmentation_follows_the_state_now() -> None:
+    slab = SlabAllocator(100)
+    for name in "abcd":
+        slab.reserve(name, 25)
+    with pytest.raises(NoContiguousSpace):
+        slab.reserve("e", 40)
+    assert slab.report().external_fragmentation == 0  # nothing free: a full pool
+    slab.release("a")
+    slab.release("c")
+    assert slab.report().external_fragmentation == 50  # 50 free, no hole of 40
+    slab.release("b")
+    assert slab.report().external_fragmentation == 0  # a hole of 75 now fits e
+    assert slab.reserve("e", 40) == 0
+    slab.release("d")
+    with pytest.raises(NoContiguousSpace):
+        slab.reserve("too big", 61)
+    assert slab.report().external_fragmentation == 0  # 60 free in total: not enough anyway
+    assert slab.reserve("small", 10) == 40
+    assert slab.report().external_fragmentation == 0  # a success: nothing waits any more

@@ -3,8 +3,8 @@
 Engines without paging reserve a request's worst case up front in one linear KV address
 space. This allocator does exactly that (first fit) and accounts for where the memory goes:
 reserved ahead of the tokens written so far, reserved but never written by requests that
-finished (internal fragmentation), and free space in holes too small for the request that
-could not be placed (external fragmentation).
+finished (internal fragmentation), and free space stranded in holes too small for the request
+waiting to be placed (external fragmentation).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ class SlabReport:
 
     `reservation_waste` is live (reserved minus written, for requests still running);
     `internal_fragmentation` is cumulative (reserved minus written, for released requests);
-    `external_fragmentation` is the free space now in holes smaller than the last request
-    that failed to find a hole.
+    `external_fragmentation` is live: the free space stranded for the waiting request (the
+    last reservation that failed, while none has succeeded since) when there is enough free
+    space in total but no hole fits it, so every hole is too small; 0 when nothing waits, when
+    it would fit now, or when it needs more than is free (that is a full pool, not
+    fragmentation).
     """
 
     capacity: int
@@ -59,7 +62,7 @@ class SlabAllocator:
         self._offsets: list[int] = []  # sorted offsets of live slabs
         self._by_offset: dict[int, Hashable] = {}
         self._internal_fragmentation = 0
-        self._last_failed_request = 0
+        self._waiting_request = 0  # size of the last failed reservation; 0 once one succeeds
 
     def reserve(self, req_id: Hashable, num_tokens: int) -> int:
         """Reserve `num_tokens` contiguous slots at the first hole that fits; return the offset."""
@@ -72,10 +75,10 @@ class SlabAllocator:
                 self._slabs[req_id] = _Slab(start, num_tokens)
                 bisect.insort(self._offsets, start)
                 self._by_offset[start] = req_id
+                self._waiting_request = 0
                 return start
-        self._last_failed_request = num_tokens
-        free = self.num_free
-        raise NoContiguousSpace(num_tokens, free, self.largest_hole)
+        self._waiting_request = num_tokens
+        raise NoContiguousSpace(num_tokens, self.num_free, self.largest_hole)
 
     def write(self, req_id: Hashable, num_tokens: int) -> None:
         """Record `num_tokens` more tokens stored in the request's slab."""
@@ -133,15 +136,18 @@ class SlabAllocator:
         reserved = sum(slab.size for slab in self._slabs.values())
         used = sum(slab.used for slab in self._slabs.values())
         holes = [size for _, size in self.holes()]
+        num_free = self.capacity - reserved
+        largest_hole = max(holes, default=0)
+        stranded = largest_hole < self._waiting_request <= num_free
         return SlabReport(
             capacity=self.capacity,
             reserved=reserved,
             used=used,
             reservation_waste=reserved - used,
             internal_fragmentation=self._internal_fragmentation,
-            external_fragmentation=sum(size for size in holes if size < self._last_failed_request),
-            largest_hole=max(holes, default=0),
-            num_free=self.capacity - reserved,
+            external_fragmentation=num_free if stranded else 0,
+            largest_hole=largest_hole,
+            num_free=num_free,
         )
 
     def _get(self, req_id: Hashable) -> _Slab:

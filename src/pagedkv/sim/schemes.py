@@ -77,8 +77,8 @@ class Scheme(ABC):
         """Free the request's memory: it finished, or is preempted and will be recomputed."""
 
     @abstractmethod
-    def measure(self, blocked: bool) -> MemoryState:
-        """The pool now; `blocked` says a waiting request failed to get memory this step."""
+    def measure(self) -> MemoryState:
+        """The pool now."""
 
     @abstractmethod
     def footprint(self, request: Request) -> tuple[int, int]:
@@ -107,7 +107,6 @@ class SlabScheme(Scheme):
         self.allocator = SlabAllocator(self.pool_tokens)
         self.max_model_len = max_model_len
         self._never_written = 0
-        self._fragmented = False
 
     def reservation(self, request: Request) -> int:
         """Slots reserved per sample."""
@@ -126,10 +125,9 @@ class SlabScheme(Scheme):
                 self.allocator.reserve(seq, size)
                 reserved.append(seq)
                 self.allocator.write(seq, request.prompt_len + count)
-        except NoContiguousSpace as exc:
+        except NoContiguousSpace:
             for seq in reserved:
                 self.allocator.release(seq)
-            self._fragmented = exc.is_external_fragmentation
             return False
         self._never_written += request.n * (size - request.total_len)
         return True
@@ -143,13 +141,13 @@ class SlabScheme(Scheme):
             self.allocator.release(seq)
         self._never_written -= request.n * (self.reservation(request) - request.total_len)
 
-    def measure(self, blocked: bool) -> MemoryState:
+    def measure(self) -> MemoryState:
         report = self.allocator.report()
         return MemoryState(
             state=report.used,
             reservation=report.reserved - report.used - self._never_written,
             internal=self._never_written,
-            external=report.external_fragmentation if blocked and self._fragmented else 0,
+            external=report.external_fragmentation,
         )
 
     def footprint(self, request: Request) -> tuple[int, int]:
@@ -234,7 +232,7 @@ class PagedScheme(Scheme):
         if finished:
             del self._prompts[request.req_id]
 
-    def measure(self, blocked: bool) -> MemoryState:
+    def measure(self) -> MemoryState:
         held = (self.manager.num_gpu_blocks - self.manager.num_free_blocks) * self.block_size
         unfilled = self._unfilled_slots(self._live)
         logical = sum(self.manager.num_tokens(seq) for seq in self._live)

@@ -160,7 +160,7 @@ def simulate(
                 f"{scheme.name}: request {waiting[0].request.req_id} does not fit an idle pool "
                 "(memory was leaked)"
             )
-        timeline.record(len(running), scheme.measure(blocked))
+        timeline.record(len(running), scheme.measure())
         if timeline.held(step) > timeline.held(peak_held_step):
             peak_held_step = step
         if step == snapshot_step:
