@@ -34,11 +34,7 @@ class GreedyRunner:
         self.model = model
         self.manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
         self.cache = KVCache.for_model(
-            model.config,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            dtype=model.embed_tokens.weight.dtype,
+            model, block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks
         )
         self.max_chunk = max_chunk  # split prompts into chunks of at most this many tokens
         self.tokens: dict[Hashable, list[int]] = {}

@@ -12,8 +12,9 @@ from torch.overrides import TorchFunctionMode
 
 from pagedkv.memory import BlockMove, KVCacheManager, MemoryPlan, MoveKind
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.errors import KVCacheTooSmall
+from pagedkv.model.errors import KVCacheDtypeMismatch, KVCacheTooSmall
 from pagedkv.model.kv_cache import KVCache, bytes_per_block
+from pagedkv.model.llama import LlamaModel
 
 LLAMA3_8B = ModelConfig.from_dict(
     {
@@ -235,3 +236,22 @@ def test_there_is_no_per_kind_entry_point_to_run_moves_out_of_order():
     public = {name for name in dir(KVCache) if not name.startswith("_")}
     assert {"copy_blocks", "swap_out", "swap_in"}.isdisjoint(public)
     assert "execute" in public
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cache_for_a_model_takes_the_models_dtype(dtype):
+    model = LlamaModel(TINY).to(dtype)
+    cache = KVCache.for_model(model, block_size=2, num_blocks=3, num_cpu_blocks=1)
+    assert cache.dtype == cache.swap_space.dtype == dtype
+    assert cache.cache.device == model.embed_tokens.weight.device
+    assert KVCache.for_model(model, block_size=2, num_blocks=3, dtype=dtype).dtype == dtype
+
+
+def test_a_kv_dtype_mismatch_is_an_error_naming_both_dtypes():
+    model = LlamaModel(TINY).to(torch.bfloat16)
+    with pytest.raises(KVCacheDtypeMismatch, match="K/V are torch.bfloat16 .* holds torch.float32"):
+        KVCache.for_model(model, block_size=2, num_blocks=3, dtype=torch.float32)
+    cache = KVCache.for_model(TINY, block_size=2, num_blocks=3)  # a bare config: float32
+    cache.check_dtype(torch.float32)
+    with pytest.raises(KVCacheDtypeMismatch, match="K/V are torch.float16 .* holds torch.float32"):
+        cache.check_dtype(torch.float16)

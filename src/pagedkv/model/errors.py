@@ -117,3 +117,15 @@ class PullFailed(ModelError):
     def __init__(self, name: str, problem: str) -> None:
         super().__init__(f"pulling {name!r} failed: {problem}")
         self.name = name
+
+
+class KVCacheDtypeMismatch(ModelError, TypeError):
+    """K/V of one dtype meet a KV cache of another: the cache must be made in the model's dtype."""
+
+    def __init__(self, kv_dtype: object, cache_dtype: object) -> None:
+        super().__init__(
+            f"the model's K/V are {kv_dtype} but the KV cache holds {cache_dtype}; "
+            f"make the cache with KVCache.for_model(model) (it takes the model's dtype)"
+        )
+        self.kv_dtype = kv_dtype
+        self.cache_dtype = cache_dtype

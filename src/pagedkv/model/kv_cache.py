@@ -14,14 +14,18 @@ move first would overwrite KV before it is saved.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from pagedkv.memory.plan import MemoryPlan, MoveKind
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.errors import KVCacheTooSmall
+from pagedkv.model.errors import KVCacheDtypeMismatch, KVCacheTooSmall
 from pagedkv.spec import KVSpec
+
+if TYPE_CHECKING:  # llama.py imports this module
+    from pagedkv.model.llama import LlamaModel
 
 _KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -63,22 +67,34 @@ class KVCache:
     @classmethod
     def for_model(
         cls,
-        config: ModelConfig,
+        model: LlamaModel | ModelConfig,
         *,
         block_size: int,
         num_blocks: int | None = None,
         memory_bytes: int | None = None,
         num_cpu_blocks: int = 0,
         cpu_memory_bytes: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> KVCache:
-        """A cache shaped for `config`, sized by `num_blocks` or by a byte budget (not both).
+        """A cache shaped for `model`, sized by `num_blocks` or by a byte budget (not both).
 
+        Given the model, the cache takes its dtype and device: K/V are written in the model's
+        dtype, so a `dtype` that differs is a `KVCacheDtypeMismatch` now rather than a failed
+        write later. Given only a config, float32 on the CPU unless told otherwise.
         `cpu_memory_bytes`, when given, sizes the swap space instead of `num_cpu_blocks`.
         """
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_bytes")
+        if isinstance(model, ModelConfig):
+            config, model_dtype, model_device = model, torch.float32, torch.device("cpu")
+        else:
+            weight = model.embed_tokens.weight  # hidden states, hence K/V, take its dtype
+            config, model_dtype, model_device = model.config, weight.dtype, weight.device
+            if dtype is not None and dtype != model_dtype:
+                raise KVCacheDtypeMismatch(model_dtype, dtype)
+        dtype = model_dtype if dtype is None else dtype
+        device = model_device if device is None else device
         per_block = bytes_per_block(config, block_size, dtype)
         if memory_bytes is not None:
             num_blocks = memory_bytes // per_block
@@ -110,6 +126,20 @@ class KVCache:
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         """Views `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
         return self.cache[index, 0], self.cache[index, 1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype K/V are stored in (and must be written in)."""
+        return self.cache.dtype
+
+    def check_dtype(self, kv_dtype: torch.dtype) -> None:
+        """Raise `KVCacheDtypeMismatch` unless K/V of `kv_dtype` can be written here.
+
+        Meant for the start of a forward pass: one comparison, instead of a bare indexing
+        error from the first layer's write.
+        """
+        if kv_dtype != self.cache.dtype:
+            raise KVCacheDtypeMismatch(kv_dtype, self.cache.dtype)
 
     def execute(self, plan: MemoryPlan) -> None:
         """Run a step's whole plan, in order, before the forward pass that needs it.
