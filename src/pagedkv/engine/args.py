@@ -1,0 +1,134 @@
+"""EngineArgs: every knob of an engine, shared by `LLM(...)`, the commands and the server.
+
+Command-line flags mirror the field names (`num_gpu_blocks` -> `--num-gpu-blocks`), as vLLM's
+do, and are generated from this one dataclass so the Python and command-line spellings
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagedkv.models import DEFAULT_MODEL
+
+DTYPES = ("float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("swap", "recompute")
+
+_HELP = {
+    "model": "Hugging Face folder, .gguf file or built-in model name",
+    "block_size": "tokens per KV block",
+    "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
+    "kv_cache_memory": "bytes for the KV pool, instead of num_gpu_blocks",
+    "swap_space_gb": "GiB of CPU memory for swapped-out blocks (0 disables swap)",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step, prefill chunks and decodes together",
+    "max_model_len": "longest prompt + output (default: the model's context length)",
+    "preemption_mode": "swap or recompute (default: swap when swap space is configured)",
+    "dtype": "weights, activations and KV dtype",
+    "device": "cpu or cuda",
+    "seed": "seed of the sampler for requests without their own seed",
+    "gpu_memory_utilization": "share of device memory the engine may use (weights + KV)",
+}
+
+
+@dataclass
+class EngineArgs:
+    """Model, memory and scheduling settings of one engine (vLLM's names)."""
+
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    swap_space_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    preemption_mode: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give at most one of num_gpu_blocks and kv_cache_memory")
+        if not isinstance(self.swap_space_gb, int | float) or not self.swap_space_gb >= 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}")
+        if self.preemption_mode not in (None, *PREEMPTION_MODES):
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES} or None, "
+                f"got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and self.swap_space_gb == 0:
+            raise ValueError("preemption_mode 'swap' needs swap_space_gb > 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    @property
+    def resolved_preemption_mode(self) -> str:
+        """swap when swap space is configured, else recompute, unless set explicitly."""
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        return "swap" if self.swap_space_gb > 0 else "recompute"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag` per field, with the field's default and type."""
+        group = parser.add_argument_group("engine")
+        for field in fields(cls):
+            flag = "--" + field.name.replace("_", "-")
+            default = field.default
+            if field.name == "enable_prefix_caching":
+                group.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=_HELP[field.name],
+                )
+                continue
+            kwargs: dict[str, Any] = {"default": default, "help": f"{_HELP[field.name]}"}
+            if field.name == "dtype":
+                kwargs["choices"] = DTYPES
+            elif field.name == "preemption_mode":
+                kwargs["choices"] = PREEMPTION_MODES
+            else:
+                kwargs["type"] = _CLI_TYPES.get(field.name, str)
+            if default is not None:
+                kwargs["help"] += " (default: %(default)s)"
+            group.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine settings among parsed arguments (other arguments are ignored)."""
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+_CLI_TYPES = {
+    "block_size": int,
+    "num_gpu_blocks": int,
+    "kv_cache_memory": int,
+    "swap_space_gb": float,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "seed": int,
+    "gpu_memory_utilization": float,
+}

@@ -1,0 +1,427 @@
+"""Engine: the step loop that `LLM.generate` and the server drive.
+
+`add_request` checks and queues a request; `step` schedules, runs the model once over every
+scheduled chunk, samples, applies stops and returns what each touched request produced in
+this step (deltas); `abort` frees a request's blocks at once. The engine is not thread-safe:
+one thread owns it (the server runs it in its engine thread).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.errors import (
+    DuplicateRequest,
+    EmptyPrompt,
+    PromptTooLong,
+    RequestTooLarge,
+    TokenOutOfVocabulary,
+)
+from pagedkv.engine.kv_budget import kv_budget
+from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.request import Request, RequestStatus, Sequence
+from pagedkv.engine.runner import ModelRunner
+from pagedkv.engine.sampler import Sampler, SamplingRow
+from pagedkv.engine.scheduler import ScheduledChunk, Scheduler
+from pagedkv.engine.stats import BlockState, EngineStats, KVSnapshot
+from pagedkv.engine.stops import apply_stops, take_text
+from pagedkv.memory import KVCacheManager
+from pagedkv.model.kv_cache import KVCache
+from pagedkv.model.load import load
+from pagedkv.model.loader import DTYPES
+
+# Seconds of history behind `EngineStats.tokens_per_s`.
+THROUGHPUT_WINDOW_S = 10.0
+# Spreads a request's seed over its samples so each sample draws its own stream.
+_SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+class Engine:
+    """A loaded model, its paged KV cache, a scheduler over it, and the requests in flight."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        dtype = DTYPES[args.dtype]
+        self.device = torch.device(args.device)
+        loaded = load(args.model, dtype=dtype, device=self.device)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.config = loaded.config
+        self.max_model_len = _max_model_len(args, loaded.config.max_position_embeddings)
+        budget = kv_budget(args, loaded.model, loaded.config, dtype)
+        print(budget.describe(args.block_size, self.max_model_len), file=sys.stderr)
+        self.kv_cache = KVCache.for_model(
+            loaded.config,
+            block_size=args.block_size,
+            num_blocks=budget.num_gpu_blocks,
+            num_cpu_blocks=budget.num_cpu_blocks,
+            dtype=dtype,
+            device=self.device,
+        )
+        self.manager = KVCacheManager(
+            budget.num_gpu_blocks,
+            args.block_size,
+            budget.num_cpu_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            preemption_mode=args.resolved_preemption_mode,  # type: ignore[arg-type]
+        )
+        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        self.sampler = Sampler(args.seed, device=self.device)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._step_seconds = 0.0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | SequenceOf[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Check and queue a request; raise a `RequestRejected` naming why it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise DuplicateRequest(request_id)
+        prompt_text, token_ids = self._tokenize(prompt)
+        max_tokens = self._check_fits(token_ids, params)
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        request = Request(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_tokens=max_tokens,
+            sequences=[self._new_sequence(request_id, 0, token_ids, params)],
+            metrics=metrics,
+            cache_salt=cache_salt,
+            forked=params.n == 1,
+        )
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its last delta says finish_reason "abort"."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.remove(request)
+        for seq in request.sequences:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+        request.metrics.finished_time = time.monotonic()
+        self._aborted.append(request)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting, running or swapped (or an abort is unreported)."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return a delta for every request that changed."""
+        started = time.perf_counter()
+        output = self.scheduler.schedule()
+        logits = self.runner.execute(output)
+        for chunk in output.chunks:
+            self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
+            self._prompt_tokens_total += self._prompt_share(chunk)
+        touched: dict[str, Request] = {}
+        if logits is not None:
+            touched = self._sample([c for c in output.chunks if c.sample], logits)
+        deltas = [self._delta(request) for request in touched.values()]
+        deltas += [self._delta(request) for request in self._aborted]
+        self._aborted.clear()
+        self._step_seconds += time.perf_counter() - started
+        return deltas
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[str, Request]:
+        """Fork where a prompt just finished, sample every row, apply stops; touched requests."""
+        rows: list[int] = []
+        seqs: list[tuple[Request, Sequence]] = []
+        for row, chunk in enumerate(chunks):
+            request_id, index = chunk.seq_id
+            request = self._requests[request_id]
+            if request.forked:
+                targets = [request.sequences[index]]
+            else:  # all n samples start from the prompt's logits
+                self._fork(request)
+                targets = request.sequences
+            rows.extend([row] * len(targets))
+            seqs.extend((request, seq) for seq in targets)
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampled = self.sampler(logits, [self._sampling_row(req, seq) for req, seq in seqs])
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for (request, seq), token_id, logprobs in zip(
+            seqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            self._append_token(request, seq, token_id, logprobs)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            touched[request.request_id] = request
+        self._generation_tokens_total += len(seqs)
+        self._recent_tokens.append((now, len(seqs)))
+        for request in touched.values():
+            self._retire_finished(request, now)
+        return touched
+
+    def _fork(self, request: Request) -> None:
+        """The prompt is computed: make samples 1..n-1 share sample 0's blocks."""
+        first = request.sequences[0]
+        for index in range(1, request.params.n):
+            seq = self._new_sequence(request.request_id, index, first.token_ids, request.params)
+            self.manager.fork(first.seq_id, seq.seq_id)
+            request.sequences.append(seq)
+        request.forked = True
+
+    def _append_token(
+        self,
+        request: Request,
+        seq: Sequence,
+        token_id: int,
+        logprobs: tuple[float, int, list[int], list[float]] | None,
+    ) -> None:
+        seq.token_ids.append(token_id)
+        seq.new_token_ids.append(token_id)
+        if logprobs is not None:
+            entry = self._logprob_entry(token_id, logprobs)
+            seq.new_logprobs.append(entry)
+            seq.logprobs = (seq.logprobs or []) + [entry]
+            seq.cumulative_logprob += logprobs[0]
+        apply_stops(request, seq, token_id, self._stop_ids, self.max_model_len)
+
+    def _retire_finished(self, request: Request, now: float) -> None:
+        """Free the blocks of samples that just finished; retire the request when all have."""
+        for seq in request.sequences:
+            if seq.finished:
+                self.scheduler.free_sequence(seq)
+        if request.all_samples_finished:
+            self.scheduler.remove(request)
+            request.metrics.finished_time = now
+            del self._requests[request.request_id]
+
+    def _delta(self, request: Request) -> RequestOutput:
+        """What each sample produced since the last delta; clears the per-step buffers."""
+        outputs = []
+        for seq in request.sequences:
+            text = take_text(request, seq)
+            finishing = seq.finished and not seq.finish_reported
+            if not (seq.new_token_ids or text or finishing):
+                continue
+            wants_logprobs = request.params.logprobs is not None
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=seq.new_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.new_logprobs if wants_logprobs else None,
+                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                )
+            )
+            seq.new_token_ids = []
+            seq.new_logprobs = []
+            seq.finish_reported = seq.finished
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.status is RequestStatus.FINISHED,
+            metrics=request.metrics,
+        )
+
+    # -- reporting -------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """Queues, KV memory, prefix cache, preemptions and throughput now."""
+        memory = self.manager.stats
+        now = time.monotonic()
+        while self._recent_tokens and now - self._recent_tokens[0][0] > THROUGHPUT_WINDOW_S:
+            self._recent_tokens.popleft()
+        recent = sum(count for _, count in self._recent_tokens)
+        span = now - self._recent_tokens[0][0] if self._recent_tokens else 0.0
+        return EngineStats(
+            num_running=sum(len(r.live_sequences) for r in self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            kv_usage=self.manager.usage,
+            kv_utilisation=self._utilisation(),
+            prefix_queried_tokens=memory.prefix_queried_tokens,
+            prefix_hit_tokens=memory.prefix_hit_tokens,
+            prefix_hit_rate=memory.prefix_hit_rate,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions,
+            num_recompute_preemptions=self.scheduler.num_recompute_preemptions,
+            num_swapped_blocks=self.manager.num_cpu_blocks - self.manager.num_free_cpu_blocks,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            tokens_per_s=recent / span if span > 0 else 0.0,
+            num_gpu_blocks=self.manager.num_gpu_blocks,
+            num_cpu_blocks=self.manager.num_cpu_blocks,
+            block_size=self.manager.block_size,
+            step_seconds_total=self._step_seconds,
+            forward_seconds_total=self.runner.forward_seconds,
+        )
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every GPU and CPU block: ref count, prefix-cache state and holders."""
+        gpu_holders: dict[int, list[tuple[str, int, int]]] = {}
+        cpu_holders: dict[int, list[tuple[str, int, int]]] = {}
+        for request in self._requests.values():
+            for seq in request.sequences:
+                if seq.seq_id not in self.manager:
+                    continue
+                holders = cpu_holders if self.manager.is_swapped_out(seq.seq_id) else gpu_holders
+                for position, block in enumerate(self.manager.block_table(seq.seq_id)):
+                    holders.setdefault(block, []).append((request.request_id, seq.index, position))
+        gpu = [
+            BlockState(
+                block_id=block,
+                ref_count=self.manager.block_ref_count(block),
+                cached=self.manager.is_cached(block),
+                holders=gpu_holders.get(block, []),
+            )
+            for block in range(self.manager.num_gpu_blocks)
+        ]
+        cpu = [
+            BlockState(
+                block_id=block,
+                ref_count=len(cpu_holders.get(block, [])),
+                cached=False,
+                holders=cpu_holders.get(block, []),
+            )
+            for block in range(self.manager.num_cpu_blocks)
+        ]
+        return KVSnapshot(
+            block_size=self.manager.block_size,
+            num_gpu_blocks=self.manager.num_gpu_blocks,
+            num_cpu_blocks=self.manager.num_cpu_blocks,
+            gpu=gpu,
+            cpu=cpu,
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise EmptyPrompt()
+            return prompt, token_ids
+        token_ids = list(prompt)
+        if not token_ids:
+            raise EmptyPrompt()
+        vocab_size = self.config.vocab_size
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise TokenOutOfVocabulary(token_id, vocab_size)
+            if not 0 <= token_id < vocab_size:
+                raise TokenOutOfVocabulary(token_id, vocab_size)
+        return None, token_ids
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> int:
+        """max_tokens after checking the request fits the context and the whole pool."""
+        num_prompt = len(token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        if num_prompt >= self.max_model_len or num_prompt + max_tokens > self.max_model_len:
+            raise PromptTooLong(num_prompt, max_tokens, self.max_model_len)
+        block_size = self.manager.block_size
+        shared = num_prompt // block_size
+        per_sample = -(-(num_prompt + max_tokens) // block_size) - shared
+        needed = shared + params.n * per_sample
+        if needed > self.manager.num_gpu_blocks:
+            raise RequestTooLarge(needed, self.manager.num_gpu_blocks)
+        return max_tokens
+
+    def _new_sequence(
+        self, request_id: str, index: int, token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            seed = (params.seed + index * _SAMPLE_SEED_STRIDE) % 2**64
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        return Sequence(
+            seq_id=(request_id, index),
+            index=index,
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            ),
+            generator=generator,
+        )
+
+    def _sampling_row(self, request: Request, seq: Sequence) -> SamplingRow:
+        stop_ids = list(request.params.stop_token_ids or [])
+        if not request.params.ignore_eos:
+            stop_ids += [t for t in self._stop_ids if t not in stop_ids]
+        return SamplingRow(
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            stop_token_ids=stop_ids,
+            generator=seq.generator,
+        )
+
+    def _logprob_entry(
+        self, token_id: int, logprobs: tuple[float, int, list[int], list[float]]
+    ) -> dict[int, Logprob]:
+        chosen, rank, top_ids, top_values = logprobs
+        entry = {token_id: Logprob(chosen, rank, self.tokenizer.decode([token_id], False))}
+        for position, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True)):
+            if top_id not in entry:
+                entry[top_id] = Logprob(value, position + 1, self.tokenizer.decode([top_id], False))
+        return entry
+
+    def _prompt_share(self, chunk: ScheduledChunk) -> int:
+        """Prompt tokens among a chunk's tokens (recomputed outputs count as prompt work)."""
+        return len(chunk.token_ids) if len(chunk.token_ids) > 1 or not chunk.sample else 0
+
+    def _utilisation(self) -> float:
+        """Filled token slots over the slots of every held GPU block (a shared block once)."""
+        block_size = self.manager.block_size
+        filled: dict[int, int] = {}
+        for seq_id in self.manager.seq_ids:
+            if self.manager.is_swapped_out(seq_id):
+                continue
+            num_tokens = self.manager.num_tokens(seq_id)
+            for position, block in enumerate(self.manager.block_table(seq_id)):
+                fill = min(block_size, num_tokens - position * block_size)
+                filled[block] = max(filled.get(block, 0), fill)
+        return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0
+
+
+def _max_model_len(args: EngineArgs, max_position_embeddings: int) -> int:
+    if args.max_model_len is None:
+        return max_position_embeddings
+    if args.max_model_len > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {args.max_model_len} is beyond the model's context length "
+            f"{max_position_embeddings} (max_position_embeddings)"
+        )
+    return args.max_model_len

@@ -1,0 +1,64 @@
+"""Why the engine refused a request; each message names the value and the limit.
+
+All derive from `RequestRejected`, a `ValueError`, so a server maps every one to HTTP 400.
+A rejected request is never queued: the other requests are unaffected.
+"""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """Base of every reason a request is refused at `add_request`."""
+
+
+class EmptyPrompt(RequestRejected):
+    """The prompt has no tokens."""
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty: it must have at least one token")
+
+
+class TokenOutOfVocabulary(RequestRejected):
+    """A prompt token id is outside the model's vocabulary."""
+
+    def __init__(self, token_id: object, vocab_size: int) -> None:
+        super().__init__(
+            f"prompt token id {token_id!r} is outside the model's vocabulary [0, {vocab_size})"
+        )
+
+
+class PromptTooLong(RequestRejected):
+    """Prompt plus requested output does not fit in the model's context."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        if num_prompt_tokens >= max_model_len:
+            message = (
+                f"prompt has {num_prompt_tokens} tokens, model allows {max_model_len} "
+                "(max_model_len), leaving no room for output"
+            )
+        else:
+            message = (
+                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{num_prompt_tokens + max_tokens} tokens, model allows {max_model_len} "
+                "(max_model_len)"
+            )
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class RequestTooLarge(RequestRejected):
+    """The request needs more KV blocks than the whole pool holds, so it could never run."""
+
+    def __init__(self, needed_blocks: int, num_gpu_blocks: int) -> None:
+        super().__init__(
+            f"request needs up to {needed_blocks} KV blocks, the whole pool has "
+            f"{num_gpu_blocks}: raise num_gpu_blocks / kv_cache_memory or lower max_tokens or n"
+        )
+
+
+class DuplicateRequest(RequestRejected):
+    """A request with this id is already in the engine."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use")

@@ -1,0 +1,69 @@
+"""What the engine hands back: per-request outputs, per-sample completions, logprobs, timings.
+
+Shapes and names follow vLLM's `RequestOutput` / `CompletionOutput`, so code that reads vLLM
+results reads ours. `Engine.step` returns deltas (only what is new since the last step);
+`LLM.generate` accumulates them into whole outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token, its rank among all tokens (1 = most likely), its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# One entry per generated token: the chosen token and the top-k alternatives, by token id.
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request: its text, token ids, finish reason and logprobs."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the sample has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic) and memory events of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its samples: a delta from `Engine.step`, whole from `generate`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]

@@ -1,0 +1,107 @@
+"""SamplingParams: how one request's tokens are chosen and when its output stops.
+
+The fields and their defaults are vLLM's, so code written against vLLM's `SamplingParams`
+runs unchanged. Values are checked when the object is made: a bad value raises `ValueError`
+naming the parameter and the value, before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy: dividing logits by a near-zero number
+# overflows to inf and turns sampling into NaNs.
+GREEDY_TEMPERATURE = 1e-5
+MAX_N = 1024
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Sampling, penalty and stop settings of one request (vLLM's names and defaults)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = _stop_strings(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("n", self.n, minimum=1, maximum=MAX_N)
+        _check_number("temperature", self.temperature, minimum=0.0)
+        _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_number("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the most likely token is always taken (temperature 0)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list | tuple) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in strings):
+        raise ValueError("stop strings must not be empty")
+    return tuple(strings)
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_number(
+    name: str, value: object, *, minimum: float | None = None, maximum: float | None = None
+) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "-inf" if minimum is None else minimum
+        high = "inf" if maximum is None else maximum
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")

@@ -1,0 +1,103 @@
+"""Request and sequence state: what the scheduler moves between queues.
+
+A request is a prompt plus `SamplingParams`. Its samples are sequences: one while the prompt
+is computed, then `n` once the prompt's last token has produced logits (the first sequence is
+forked, so all samples share the prompt's blocks and copy on write only the last partial one).
+
+A sequence's `token_ids` are the prompt and every sampled token. The memory manager holds
+KV for the first `num_computed` of them; the rest are computed by the next forward passes.
+Computing the last token yields the logits of the next sample. This one rule covers a new
+prompt, a chunked prompt, a decode, and a sequence recomputed after preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.outputs import FinishReason, RequestMetrics, TokenLogprobs
+from pagedkv.engine.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Which scheduler queue a request is in."""
+
+    WAITING = "waiting"  # no blocks: new, or preempted by recompute
+    RUNNING = "running"  # blocks on the GPU, scheduled every step
+    SWAPPED = "swapped"  # blocks in the CPU pool, resumed before new requests are admitted
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # compared by identity: queues hold the objects themselves
+class Sequence:
+    """One sample: its tokens, its text so far and how it ended."""
+
+    seq_id: tuple[str, int]  # (request id, sample index): the memory manager's key
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    # What this step produced, handed out as a delta and then cleared.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Characters of `text` already handed out; the rest may still be cut by a stop string.
+    num_text_emitted: int = 0
+    finish_reported: bool = False
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Sampled tokens only."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens have been sampled."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        """True once the sample has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its parameters, its samples and its place in the scheduler."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, or what is left of max_model_len when that is None
+    sequences: list[Sequence]
+    metrics: RequestMetrics
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    forked: bool = False  # True once all n samples exist (from the start when n == 1)
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        """Samples still generating."""
+        return [seq for seq in self.sequences if not seq.finished]
+
+    @property
+    def num_samples_to_run(self) -> int:
+        """How many sequences the request will occupy once forked (for max_num_seqs)."""
+        if self.forked:
+            return len(self.live_sequences)
+        return self.params.n
+
+    @property
+    def all_samples_finished(self) -> bool:
+        """True once all n samples exist and each has a finish reason."""
+        return self.forked and all(seq.finished for seq in self.sequences)

@@ -1,0 +1,53 @@
+"""ModelRunner: executes one scheduled step on tensors: memory plan, forward pass, logits.
+
+The scheduler decides; the runner owns the model and the KV cache tensors and does what the
+`SchedulerOutput` says, in order: run the step's memory plan (copy-on-write copies and swaps,
+as one ordered plan), then one flat forward pass over every scheduled chunk, then return the
+logits of the chunks that end at a sequence's last token (the ones that sample).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.model.batch import ForwardBatch, SequenceInput
+from pagedkv.model.kv_cache import KVCache
+from pagedkv.model.llama import LlamaModel
+
+
+class ModelRunner:
+    """A model and its paged KV cache, advanced one scheduled step at a time."""
+
+    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.cache.device
+        self.forward_seconds = 0.0  # time inside plan + forward, for the outside-forward share
+
+    def execute(self, output: SchedulerOutput) -> Tensor | None:
+        """Run the plan and the forward pass; float32 logits of the sampling chunks, in order."""
+        started = time.perf_counter()
+        self.kv_cache.execute(output.plan)
+        if not output.chunks:
+            self.forward_seconds += time.perf_counter() - started
+            return None
+        batch = ForwardBatch.build(
+            [
+                SequenceInput(chunk.token_ids, chunk.num_computed, chunk.block_table)
+                for chunk in output.chunks
+            ],
+            self.kv_cache.block_size,
+            device=self.device,
+        )
+        logits = self.model(batch, self.kv_cache)
+        rows = [index for index, chunk in enumerate(output.chunks) if chunk.sample]
+        if len(rows) < len(output.chunks):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - started
+        return logits

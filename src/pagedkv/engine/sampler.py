@@ -1,0 +1,180 @@
+"""Sampler: the next token of every sampled sequence, from one `[num_rows, vocab]` logits tensor.
+
+Every step is a tensor op over the whole batch; Python loops only over rows to gather their
+settings, never over the vocabulary. The order is vLLM's: penalties (repetition on prompt and
+output, presence and frequency on output), min_tokens (stop tokens masked), then greedy rows
+take the argmax while the others are scaled by temperature and filtered by top_k, top_p and
+min_p before sampling.
+
+Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which picks token `i`
+with probability `probs[i]`. A request with a seed draws its noise from its own generator, so
+its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagedkv.engine.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs of one sequence: its settings and its tokens so far."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    stop_token_ids: Sequence[int]  # eos ids (unless ignore_eos) + stop_token_ids
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Chosen token per row, and logprobs for the rows that asked for them."""
+
+    token_ids: list[int]
+    # Per row: None, or (chosen logprob, chosen rank, top-k ids, top-k logprobs).
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+class Sampler:
+    """Chooses next tokens for a batch of rows with per-row settings."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of float32 `logits [len(rows), vocab]`."""
+        raw_logits = logits
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
+        _apply_min_tokens(logits, rows)
+        token_ids = _choose(logits, rows, self._generator)
+        return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, rows))
+
+
+def _apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    num_rows, vocab = logits.shape
+    repetition = [row.params.repetition_penalty for row in rows]
+    presence = [row.params.presence_penalty for row in rows]
+    frequency = [row.params.frequency_penalty for row in rows]
+    if any(p != 1.0 for p in repetition):
+        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=logits.device)
+        seen_ids, seen_rows = _flat_ids(rows, with_prompt=True, device=logits.device)
+        seen[seen_rows, seen_ids] = True
+        penalty = torch.tensor(repetition, device=logits.device)[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if any(presence) or any(frequency):
+        counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=logits.device)
+        out_ids, out_rows = _flat_ids(rows, with_prompt=False, device=logits.device)
+        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=logits.dtype), True)
+        logits -= torch.tensor(frequency, device=logits.device)[:, None] * counts
+        logits -= torch.tensor(presence, device=logits.device)[:, None] * (counts > 0)
+
+
+def _apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows short of min_tokens cannot pick a token that would stop them."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for index, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            row_ids.extend([index] * len(row.stop_token_ids))
+            token_ids.extend(row.stop_token_ids)
+    if row_ids:
+        logits[
+            torch.tensor(row_ids, device=logits.device),
+            torch.tensor(token_ids, device=logits.device),
+        ] = float("-inf")
+
+
+def _choose(logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:
+    chosen = logits.argmax(dim=-1)
+    sampled = [index for index, row in enumerate(rows) if not row.params.greedy]
+    if not sampled:
+        return chosen
+    index = torch.tensor(sampled, device=logits.device)
+    subset = [rows[i] for i in sampled]
+    temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
+    probs = _filtered_probs(logits[index] / temperature[:, None], subset)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for position, row in enumerate(subset):
+        if row.generator is not None:
+            noise[position].exponential_(generator=row.generator)
+    # Exp(1) can draw an exact 0; 0 / 0 would be NaN, which argmax takes as the maximum.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    chosen[index] = (probs / noise).argmax(dim=-1)
+    return chosen
+
+
+def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Probabilities after top_k, top_p and min_p, each applied only where it is set."""
+    vocab = logits.shape[-1]
+    top_k = [row.params.top_k if row.params.top_k > 0 else vocab for row in rows]
+    if min(top_k) < vocab:
+        k = torch.tensor(top_k, device=logits.device)
+        kth = logits.topk(max(top_k), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_p = [row.params.top_p for row in rows]
+    if min(top_p) < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = mass_before > torch.tensor(top_p, device=logits.device)[:, None]
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    min_p = [row.params.min_p for row in rows]
+    if max(min_p) > 0.0:
+        floor = torch.tensor(min_p, device=logits.device)[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _logprobs(
+    logits: Tensor, chosen: Tensor, rows: Sequence[SamplingRow]
+) -> list[tuple[float, int, list[int], list[float]] | None]:
+    """Logprobs of the model's own distribution (before penalties and temperature), as vLLM."""
+    wanted = [index for index, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=logits.device)
+    logprobs = logits[index].log_softmax(dim=-1)
+    chosen_logprobs = logprobs.gather(1, chosen[index][:, None])
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
+    max_k = max(rows[i].params.logprobs or 0 for i in wanted)
+    top = logprobs.topk(max_k, dim=-1) if max_k else None
+    for position, row_index in enumerate(wanted):
+        k = rows[row_index].params.logprobs or 0
+        top_ids = top.indices[position, :k].tolist() if top is not None else []
+        top_values = top.values[position, :k].tolist() if top is not None else []
+        result[row_index] = (
+            chosen_logprobs[position, 0].item(),
+            int(ranks[position]),
+            top_ids,
+            top_values,
+        )
+    return result
+
+
+def _flat_ids(
+    rows: Sequence[SamplingRow], *, with_prompt: bool, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(token ids, row index of each) over every row's output (and prompt) tokens."""
+    ids: list[int] = []
+    row_ids: list[int] = []
+    for index, row in enumerate(rows):
+        tokens = list(row.output_token_ids)
+        if with_prompt:
+            tokens += list(row.prompt_token_ids)
+        ids.extend(tokens)
+        row_ids.extend([index] * len(tokens))
+    return (
+        torch.tensor(ids, dtype=torch.int64, device=device),
+        torch.tensor(row_ids, dtype=torch.int64, device=device),
+    )

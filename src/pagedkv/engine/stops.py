@@ -1,0 +1,71 @@
+"""When a sample stops, and how much of its text is safe to hand out.
+
+Checked after every sampled token, in vLLM's order: nothing stops a sample before
+`min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
+ends it without adding that token's text; then a stop string found in the text ends it with
+the text cut just before the string (the search covers the tail where a string split across
+tokens can complete); then `max_tokens`. While stop strings are set, the last
+`len(longest) - 1` characters are held back from streaming, since they may still turn out to
+be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from pagedkv.engine.request import Request, Sequence
+
+
+def apply_stops(
+    request: Request, seq: Sequence, token_id: int, eos_ids: Collection[int], max_model_len: int
+) -> None:
+    """Update the sample's text with its newest token and set its finish reason if it ends."""
+    params = request.params
+    may_stop = seq.num_output_tokens >= params.min_tokens
+    if may_stop and not params.ignore_eos and token_id in eos_ids:
+        _finish(seq, "stop", None)
+        return
+    if may_stop and token_id in params.stop_token_ids:
+        _finish(seq, "stop", token_id)
+        return
+    previous_length = len(seq.text)
+    seq.text += seq.detokenizer.add([token_id])
+    if may_stop and params.stop_strings and len(seq.text) > previous_length:
+        _find_stop_string(seq, params.stop_strings, previous_length)
+        if seq.finished:
+            return
+    if seq.num_output_tokens >= request.max_tokens or len(seq.token_ids) >= max_model_len:
+        _finish(seq, "length", None)
+
+
+def take_text(request: Request, seq: Sequence) -> str:
+    """Text not yet handed out, less the tail a stop string could still claim."""
+    end = len(seq.text)
+    if not seq.finished and request.params.stop_strings:
+        hold_back = max(len(s) for s in request.params.stop_strings) - 1
+        end = max(seq.num_text_emitted, end - hold_back)
+    text = seq.text[seq.num_text_emitted : end]
+    seq.num_text_emitted = end
+    return text
+
+
+def _find_stop_string(seq: Sequence, stop_strings: tuple[str, ...], previous_length: int) -> None:
+    """Cut the text before the earliest stop string that ends in the new text."""
+    longest = max(len(s) for s in stop_strings)
+    search_from = max(0, previous_length - longest + 1)
+    best: tuple[int, str] | None = None
+    for stop in stop_strings:
+        position = seq.text.find(stop, search_from)
+        if position != -1 and (best is None or position < best[0]):
+            best = (position, stop)
+    if best is not None:
+        seq.text = seq.text[: best[0]]
+        seq.finish_reason = "stop"
+        seq.stop_reason = best[1]
+
+
+def _finish(seq: Sequence, reason: str, stop_reason: int | None) -> None:
+    """End the sample; text held back for an incomplete character is added as it decodes."""
+    seq.text += seq.detokenizer.flush()
+    seq.finish_reason = reason  # type: ignore[assignment]
+    seq.stop_reason = stop_reason

@@ -1,0 +1,130 @@
+"""Stops, streaming text, parallel sampling, seeds and aborts, checked through the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.engine import SamplingParams
+from tests.engine.conftest import make_engine, make_llm, run_to_completion
+from tests.model.tiny_models import random_prompt
+
+PROMPT = random_prompt(40, seed=4)
+
+
+@pytest.fixture(scope="module")
+def llm(engine_zoo):
+    return make_llm(engine_zoo, "llama")
+
+
+def greedy(llm, max_tokens=24, **extra):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+    return llm.generate([PROMPT], params)[0].outputs[0]
+
+
+def test_max_tokens_ends_with_length(llm):
+    out = greedy(llm, max_tokens=7)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_token_id_ends_output_at_that_token(llm):
+    full = greedy(llm).token_ids
+    stop = full[5]
+    out = greedy(llm, stop_token_ids=[stop])
+    end = full.index(stop)
+    assert out.token_ids == full[: end + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == llm.get_tokenizer().decode(full[:end])
+
+
+def test_stop_string_cuts_text_before_it_even_across_tokens(llm):
+    tokenizer = llm.get_tokenizer()
+    full = greedy(llm)
+    # A stop string that starts inside one token's text and ends inside a later one.
+    pieces = [tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    boundary = next(i for i in range(4, len(pieces)) if len(pieces[i - 1]) >= 2)
+    start = len(pieces[boundary - 1]) - 1
+    stop = full.text[start : start + 3]
+    assert len(stop) == 3 and "\ufffd" not in stop
+    out = greedy(llm, stop=[stop, "never-appears"])
+    assert out.text == full.text[: full.text.find(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_streamed_pieces_join_to_the_final_text_with_multibyte_characters(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    tokenizer = engine.tokenizer
+    emoji = tokenizer.encode("Ünïcödé and emoji 🙂", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=3, n=3)
+    for index in range(6):  # random tokens of a byte-level vocabulary split characters often
+        engine.add_request(str(index), emoji + random_prompt(5, seed=index), params)
+    pieces: dict[tuple[str, int], list[str]] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    for deltas in run_to_completion(engine):
+        for delta in deltas:
+            for out in delta.outputs:
+                pieces.setdefault((delta.request_id, out.index), []).append(out.text)
+                tokens.setdefault((delta.request_id, out.index), []).extend(out.token_ids)
+    held_back = 0
+    for key, texts in pieces.items():
+        final = tokenizer.decode(tokens[key])
+        assert "".join(texts) == final
+        held_back += sum(1 for t in texts if t == "")
+    assert held_back > 0  # some steps did hold back an incomplete character
+
+
+def test_n_4_at_temperature_1_shares_the_prompt_blocks_and_differs(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    prompt = random_prompt(40, seed=8)  # two full blocks and a partial third
+    engine.add_request("r", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1))
+    engine.step()  # prefill, fork, first tokens
+    engine.step()  # each sample appends: the partial block is copied for all but one
+    held = engine.manager.num_gpu_blocks - engine.manager.num_free_blocks
+    assert held == 2 + 4  # unshared, four samples would hold 4 x 3 = 12
+    outputs = {}
+    for deltas in run_to_completion(engine):
+        for delta in deltas:
+            for out in delta.outputs:
+                outputs.setdefault(out.index, []).extend(out.token_ids)
+    assert len({tuple(tokens) for tokens in outputs.values()}) > 1
+
+
+def test_seeded_sampling_reproduces_across_runs_and_batch_mixes(engine_zoo):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
+    noise = SamplingParams(temperature=1.0, max_tokens=20)
+
+    def run(companions: int) -> list[int]:
+        engine = make_engine(engine_zoo, "llama")
+        for index in range(companions):
+            engine.add_request(f"other{index}", random_prompt(10 + index, seed=index), noise)
+        engine.add_request("seeded", PROMPT, params)
+        tokens = []
+        for deltas in run_to_completion(engine):
+            for delta in deltas:
+                if delta.request_id == "seeded":
+                    tokens.extend(delta.outputs[0].token_ids)
+        return tokens
+
+    alone = run(0)
+    assert run(0) == alone
+    assert run(5) == alone
+
+
+def test_abort_mid_run_frees_blocks_at_once_and_reports_abort(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    for index in range(3):
+        engine.add_request(str(index), random_prompt(50, seed=index), params)
+    for _ in range(3):
+        engine.step()
+    held_before = engine.manager.num_gpu_blocks - engine.manager.num_free_blocks
+    engine.abort("1")
+    held_after = engine.manager.num_gpu_blocks - engine.manager.num_free_blocks
+    assert held_after == held_before - 4  # 50 prompt + 3 tokens: 4 blocks of 16
+    engine.manager.check_invariants()
+    finished = {}
+    for deltas in run_to_completion(engine):
+        for delta in deltas:
+            if delta.finished:
+                finished[delta.request_id] = delta.outputs[0].finish_reason
+    assert finished == {"1": "abort", "0": "length", "2": "length"}
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks

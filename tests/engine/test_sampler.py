@@ -1,0 +1,141 @@
+"""The sampler against plain-Python oracles written from the parameters' definitions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.sampler import Sampler, SamplingRow, _filtered_probs
+
+VOCAB = 12
+
+
+def row(params: SamplingParams, output=(), prompt=(), stop_ids=(), generator=None) -> SamplingRow:
+    return SamplingRow(params, list(prompt), list(output), list(stop_ids), generator)
+
+
+def oracle_filtered(
+    logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
+):
+    """The kept distribution, from the definitions: top_k, then top_p (smallest set reaching p,
+    the token that crosses p included), then min_p of the largest probability."""
+    scaled = [value / temperature for value in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    kept = set(order[:top_k] if top_k > 0 else order)
+
+    def softmax(indices):
+        top = max(scaled[i] for i in indices)
+        weights = {i: math.exp(scaled[i] - top) for i in indices}
+        total = sum(weights.values())
+        return {i: w / total for i, w in weights.items()}
+
+    probs = softmax(kept)
+    if top_p < 1.0:
+        mass, nucleus = 0.0, set()
+        for i in sorted(kept, key=lambda i: -probs[i]):
+            if mass > top_p:
+                break
+            nucleus.add(i)
+            mass += probs[i]
+        probs = softmax(nucleus)
+    if min_p > 0.0:
+        floor = min_p * max(probs.values())
+        probs = {i: p for i, p in probs.items() if p >= floor}
+        total = sum(probs.values())
+        probs = {i: p / total for i, p in probs.items()}
+    return [probs.get(i, 0.0) for i in range(len(logits))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logits=st.lists(
+        st.floats(-5, 5, allow_nan=False).map(lambda x: round(x, 2)), min_size=VOCAB, max_size=VOCAB
+    ).filter(lambda values: len(set(values)) == len(values)),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([0, 1, 3, VOCAB]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.05]),
+    min_p=st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_filtered_distribution_matches_the_definitions(logits, temperature, top_k, top_p, min_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    tensor = torch.tensor([logits], dtype=torch.float64) / temperature
+    probs = _filtered_probs(tensor, [row(params)])[0]
+    probs = (probs / probs.sum()).tolist()
+    want = oracle_filtered(logits, temperature, top_k, top_p, min_p)
+    assert probs == pytest.approx(want, abs=1e-9)
+
+
+def test_samples_follow_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler(seed=1)
+    draws = 4000
+    counts = torch.zeros(4)
+    for _ in range(draws // 100):
+        chosen = sampler(logits.repeat(100, 1), [row(params)] * 100).token_ids
+        counts += torch.bincount(torch.tensor(chosen), minlength=4)
+    # Each frequency within 4 standard deviations of its probability (a fixed seed: no flakes).
+    for count, p in zip(counts.tolist(), [0.5, 0.3, 0.15, 0.05], strict=True):
+        assert abs(count / draws - p) < 4 * math.sqrt(p * (1 - p) / draws)
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3
+    )
+    prompt, output = [0, 1], [3, 3, 4]
+    want = logits[0].tolist()
+    for token in set(prompt + output):  # repetition: divide positive logits, multiply negative
+        want[token] = want[token] / 1.5 if want[token] > 0 else want[token] * 1.5
+    for token in set(output):
+        want[token] -= 0.3 * output.count(token) + 0.4
+    got = Sampler()(logits, [row(params, output=output, prompt=prompt)])
+    assert got.token_ids == [max(range(6), key=lambda i: want[i])]
+    from pagedkv.engine.sampler import _apply_penalties
+
+    penalised = logits.clone()
+    _apply_penalties(penalised, [row(params, output=output, prompt=prompt)])
+    assert penalised[0].tolist() == pytest.approx(want)
+
+
+def test_min_tokens_masks_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 9.0, 1.0, 0.5]])  # token 1 (the stop token) is the argmax
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    sampler = Sampler()
+    assert sampler(logits, [row(params, output=[2], stop_ids=[1])]).token_ids == [2]
+    assert sampler(logits, [row(params, output=[2, 2], stop_ids=[1])]).token_ids == [1]
+
+
+def test_a_seeded_row_does_not_depend_on_its_batch():
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    others = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
+
+    def draw(batch_logits: torch.Tensor, position: int) -> list[int]:
+        """Ten tokens of the seeded row, placed at `position` among unseeded rows."""
+        generator = torch.Generator().manual_seed(7)
+        rows = [row(SamplingParams(temperature=1.0)) for _ in range(batch_logits.shape[0])]
+        rows[position] = row(params, generator=generator)
+        sampler = Sampler(seed=position)
+        return [sampler(batch_logits, rows).token_ids[position] for _ in range(10)]
+
+    alone = draw(logits, 0)
+    mixed = draw(torch.cat([others[:3], logits, others[3:]]), 3)
+    assert alone == mixed
+
+
+def test_logprobs_are_the_models_log_softmax_with_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    out = Sampler()(logits, [row(params)])
+    chosen, rank, top_ids, top_values = out.logprobs[0]
+    log_probs = torch.log_softmax(logits[0], dim=0).tolist()
+    assert out.token_ids == [1] and rank == 1
+    assert chosen == pytest.approx(log_probs[1])
+    assert top_ids == [1, 2] and top_values == pytest.approx([log_probs[1], log_probs[2]])
