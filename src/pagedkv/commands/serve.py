@@ -1,0 +1,70 @@
+"""`pagedkv serve`: the OpenAI-compatible server with the live KV page map, under uvicorn.
+
+Binds to 127.0.0.1 unless told otherwise: the API has no per-user limits, so exposing it is
+a decision the user makes with `--host` (and should pair with `--api-key`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pagedkv.commands.arguments import positive_int
+
+API_KEY_ENV = "PAGEDKV_API_KEY"
+DEFAULT_MAX_WAITING = 512
+SHUTDOWN_GRACE_S = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options (the same flags as `generate` and `bench`) plus the server's own."""
+    from pagedkv.engine import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
+    server.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+    )
+    server.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=DEFAULT_MAX_WAITING,
+        help="answer 503 + Retry-After once this many requests wait (default: %(default)s)",
+    )
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the --model argument)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted."""
+    import uvicorn
+
+    from pagedkv.engine import Engine, EngineArgs
+    from pagedkv.server import ServerConfig, build_app
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
+    engine = Engine(EngineArgs.from_cli_args(args))
+    config = ServerConfig(
+        model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting
+    )
+    app = build_app(engine, config)
+    print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    return 0

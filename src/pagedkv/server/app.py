@@ -1,0 +1,134 @@
+"""The FastAPI app: OpenAI routes, metrics, health and the page map, around one EngineLoop.
+
+`build_app(engine, config)` returns an app whose lifespan starts the engine thread and stops
+it (aborting whatever is in flight) on shutdown. With `config.api_key` every `/v1` route
+needs `Authorization: Bearer KEY`; `/`, `/static`, `/health` and `/metrics` stay open, as in
+vLLM, so probes and scrapers need no secret (the page asks for the key itself).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from pagedkv.server import page_map
+from pagedkv.server.chat import create_chat_completion
+from pagedkv.server.completions import create_completion
+from pagedkv.server.engine_loop import EngineLoop
+from pagedkv.server.errors import APIError, install_error_handlers
+from pagedkv.server.limits import BodyLimit
+from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.server.protocol import ModelCard, ModelList
+from pagedkv.server.serving import ServingContext, now
+
+if TYPE_CHECKING:
+    from pagedkv.engine import Engine
+
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server options that are not engine options."""
+
+    model_name: str | None = None  # the name clients pass as `model`; default: the engine's
+    api_key: str | None = None
+    max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
+
+
+def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
+    """The whole server around `engine`; the engine thread runs while the app is up."""
+    config = config or ServerConfig()
+    model_name = config.model_name or engine.model_name
+    engine_loop = EngineLoop(engine, max_waiting=config.max_waiting)
+    metrics = ServerMetrics(model_name, lambda: engine_loop.stats)
+    engine_loop.metrics = metrics
+    context = ServingContext(
+        engine_loop=engine_loop,
+        tokenizer=engine.tokenizer,
+        model_name=model_name,
+        max_model_len=engine.max_model_len,
+    )
+    started = now()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            engine_loop.stop()
+
+    app = FastAPI(
+        title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.engine_loop = engine_loop
+    app.add_middleware(BodyLimit)
+    install_error_handlers(app)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(context, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(context, request)
+
+    @v1.get("/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=model_name, created=started, max_model_len=engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @v1.get("/kv")
+    async def kv() -> JSONResponse:
+        return JSONResponse(await page_map.snapshot(engine_loop))
+
+    @v1.get("/kv/stream")
+    async def kv_stream() -> Response:
+        return page_map.stream_response(engine_loop)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app
+
+
+def _api_key_check(api_key: str | None):
+    """A dependency refusing requests without `Authorization: Bearer <api_key>` (if set)."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    return check

@@ -1,0 +1,325 @@
+"""One thread owns the Engine; asyncio handlers talk to it through a command queue.
+
+The Engine is not thread-safe and `step()` is long (a forward pass), so it cannot run on the
+event loop. The engine thread drains add / abort / snapshot commands, steps while any request
+is unfinished, and hands each step's outputs to the requests' asyncio queues with one
+`loop.call_soon_threadsafe` per event loop. Commands are processed in order, so an abort sent
+after an add always finds its request; an abort frees the request's blocks before the next
+step. After each step the thread publishes the engine's stats (read by /metrics) and, a few
+times a second while someone watches the page map, a compact snapshot of the KV pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedkv.server.kv_frames import KVFrame
+
+if TYPE_CHECKING:
+    from pagedkv.engine import Engine, EngineStats, SamplingParams
+    from pagedkv.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+KV_FRAMES_PER_S = 4.0  # page-map updates while requests run
+IDLE_FRAME_INTERVAL_S = 1.0  # page-map heartbeat while nothing changes (keeps the chart moving)
+
+
+class Overloaded(Exception):
+    """The waiting queue is full (`--max-waiting`): the client should retry later."""
+
+    def __init__(self, num_waiting: int, max_waiting: int) -> None:
+        super().__init__(
+            f"server overloaded: {num_waiting} requests waiting, --max-waiting is {max_waiting}"
+        )
+
+
+class EngineFailed(Exception):
+    """The engine raised while stepping; the requests it was running are lost."""
+
+
+@dataclass
+class _Route:
+    """Where one engine request's outputs go, and what its metrics need."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    route: _Route
+    done: asyncio.Future
+
+
+@dataclass
+class _Call:
+    """Run `function(engine)` on the engine thread; its result resolves `done`."""
+
+    function: Callable[[Engine], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """The engine thread and the thread-safe ways in: `add`, `abort`, `call`, `watch_kv`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.stats: EngineStats = engine.stats  # latest published; replaced, never mutated
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, _Route] = {}  # engine thread only
+        self._watchers: dict[int, tuple[asyncio.AbstractEventLoop, KVWatch]] = {}
+        self._watchers_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._kv_dirty = True
+        self._last_frame = 0.0
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything in flight and wait for the engine thread to end."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join()
+
+    async def add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, outputs: asyncio.Queue
+    ) -> None:
+        """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`.
+
+        Raises what `Engine.add_request` raises (RequestRejected) or `Overloaded`; nothing
+        is left queued then. If the caller is cancelled while waiting, the request is aborted.
+        Several requests may share one `outputs` queue (one per prompt of a batch).
+        """
+        loop = asyncio.get_running_loop()
+        route = _Route(loop, outputs)
+        done = loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, route, done))
+        try:
+            await done
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed before the next step); unknown ids are ignored."""
+        self._commands.put(request_id)
+
+    async def call(self, function: Callable[[Engine], Any]) -> Any:
+        """Run `function(engine)` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(_Call(function, loop, done))
+        return await done
+
+    def watch_kv(self) -> KVWatch:
+        """Subscribe to page-map frames; call `unwatch_kv` when done."""
+        watch = KVWatch()
+        with self._watchers_lock:
+            self._watchers[id(watch)] = (asyncio.get_running_loop(), watch)
+        self._commands.put(None)  # wake the thread so the first frame comes at once
+        return watch
+
+    def unwatch_kv(self, watch: KVWatch) -> None:
+        """Stop sending frames to `watch`."""
+        with self._watchers_lock:
+            self._watchers.pop(id(watch), None)
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            if not self._drain_commands(block=not busy):
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            self.stats = self.engine.stats
+            self._maybe_publish_frame()
+        self._abort_all()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Process queued commands (waiting for one if `block`); False once told to stop."""
+        timeout = self._frame_wait() if block else None
+        try:
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, command: object) -> None:
+        if isinstance(command, str):
+            if self._routes.pop(command, None) is not None:
+                self.engine.abort(command)
+                self._kv_dirty = True
+        elif isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Call):
+            try:
+                result = command.function(self.engine)
+            except Exception as error:  # handed to the caller, which decides what it means
+                _resolve(command.loop, command.done, error=error)
+            else:
+                _resolve(command.loop, command.done, result=result)
+
+    def _add(self, command: _Add) -> None:
+        if self.max_waiting is not None:
+            num_waiting = self.engine.stats.num_waiting
+            if num_waiting >= self.max_waiting:
+                _resolve(
+                    command.route.loop,
+                    command.done,
+                    error=Overloaded(num_waiting, self.max_waiting),
+                )
+                return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
+            _resolve(command.route.loop, command.done, error=error)
+            return
+        self._routes[command.request_id] = command.route
+        self._kv_dirty = True
+        _resolve(command.route.loop, command.done, result=None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            logger.exception("engine step failed; failing every request in flight")
+            self._fail_all(EngineFailed(f"engine step failed: {error}"))
+            return
+        self._kv_dirty = True
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for output in outputs:
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue
+            for completion in output.outputs:
+                route.num_tokens[completion.index] = route.num_tokens.get(
+                    completion.index, 0
+                ) + len(completion.token_ids)
+            if output.finished:
+                del self._routes[output.request_id]
+                if self.metrics is not None:
+                    self.metrics.observe_finished(output, max(route.num_tokens.values(), default=0))
+            deliveries.setdefault(route.loop, []).append((route.outputs, output))
+        for loop, items in deliveries.items():
+            _call_soon(loop, _deliver, items)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, route in list(self._routes.items()):
+            _call_soon(route.loop, _deliver, [(route.outputs, error)])
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("abort of %s failed after an engine error", request_id)
+        self._routes.clear()
+
+    def _abort_all(self) -> None:
+        self._fail_all(EngineFailed("server shutting down"))
+
+    def _frame_wait(self) -> float:
+        """How long an idle thread may sleep before the next page-map frame is due."""
+        with self._watchers_lock:
+            watched = bool(self._watchers)
+        if not watched:
+            return IDLE_FRAME_INTERVAL_S
+        since = time.monotonic() - self._last_frame
+        interval = 1.0 / KV_FRAMES_PER_S if self._kv_dirty else IDLE_FRAME_INTERVAL_S
+        return max(0.0, interval - since)
+
+    def _maybe_publish_frame(self) -> None:
+        with self._watchers_lock:
+            watchers = list(self._watchers.values())
+        if not watchers:
+            return
+        since = time.monotonic() - self._last_frame
+        due = 1.0 / KV_FRAMES_PER_S if self._kv_dirty else IDLE_FRAME_INTERVAL_S
+        if since < due:
+            return
+        frame = KVFrame.capture(self.engine.kv_snapshot(), self.stats)
+        self._last_frame = time.monotonic()
+        self._kv_dirty = False
+        for loop, watch in watchers:
+            _call_soon(loop, watch.put, frame)
+
+
+class KVWatch:
+    """The latest page-map frame for one watcher; older unread frames are dropped."""
+
+    def __init__(self) -> None:
+        self._frame: KVFrame | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, frame: KVFrame) -> None:
+        """Replace the pending frame (event-loop thread only)."""
+        self._frame = frame
+        self._ready.set()
+
+    async def next(self) -> KVFrame:
+        """Wait for a frame newer than the last one returned."""
+        await self._ready.wait()
+        self._ready.clear()
+        assert self._frame is not None
+        return self._frame
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop,
+    done: asyncio.Future,
+    *,
+    result: object = None,
+    error: BaseException | None = None,
+) -> None:
+    def settle() -> None:
+        if done.done():  # the waiting handler was cancelled
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    _call_soon(loop, settle)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+        loop.call_soon_threadsafe(callback, *args)

@@ -1,0 +1,70 @@
+"""Errors in OpenAI's JSON shape, so every client library reports them the same way.
+
+Every failure a client can cause becomes an `APIError` carrying the HTTP status and the
+fields of `{"error": {"message", "type", "param", "code"}}`; the handlers installed by
+`install_error_handlers` also turn FastAPI's own 404/405 and stray exceptions into that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """A request the server refuses: status code plus OpenAI's error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """A JSON response holding one OpenAI error."""
+    info = ErrorInfo(message=message, type=type, param=param, code=code)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route APIError, Starlette's HTTP errors and unexpected exceptions to OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        body = ErrorResponse(error=error.info).model_dump()
+        return JSONResponse(body, error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+        code = "not_found" if error.status_code == 404 else None
+        return error_response(error.status_code, str(error.detail), code=code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return error_response(500, f"internal error: {error}", type="server_error")

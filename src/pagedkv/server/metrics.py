@@ -1,0 +1,143 @@
+"""`GET /metrics`: Prometheus metrics under vLLM's names, with `pagedkv:` for `vllm:`.
+
+Gauges and counters are read from the engine's latest published `EngineStats` at scrape time
+(a custom collector), so the engine keeps one source of truth and the server never counts
+tokens twice. Latency histograms are observed by the engine thread when a request finishes.
+Each app gets its own registry, so several servers can live in one process (the tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from pagedkv.engine import EngineStats, RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, so dashboards built for it read ours unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class ServerMetrics:
+    """The registry of one server: engine-stats collector plus latency histograms."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(model_name, stats))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "pagedkv:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "pagedkv:time_per_output_token_seconds",
+            "Mean time between output tokens of a request, after the first.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "pagedkv:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "pagedkv:request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe_finished(self, output: RequestOutput, num_output_tokens: int) -> None:
+        """Record a finished request's latencies (engine thread; prometheus-client is safe)."""
+        metrics = output.metrics
+        reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
+        self.request_success.labels(self.model_name, reason).inc()
+        if metrics.first_token_time is None or metrics.finished_time is None:
+            return
+        first_token = metrics.first_token_time - metrics.arrival_time
+        self.time_to_first_token.labels(self.model_name).observe(first_token)
+        self.e2e_request_latency.labels(self.model_name).observe(
+            metrics.finished_time - metrics.arrival_time
+        )
+        if num_output_tokens > 1:
+            decode_time = metrics.finished_time - metrics.first_token_time
+            self.time_per_output_token.labels(self.model_name).observe(
+                decode_time / (num_output_tokens - 1)
+            )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters straight from the latest EngineStats, read at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        """One metric family per engine figure."""
+        stats = self.stats()
+        model = [self.model_name]
+
+        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"pagedkv:{name}", documentation, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"pagedkv:{name}", documentation, labels=["model_name"])
+            family.add_metric(model, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("num_requests_swapped", "Requests swapped out to CPU.", stats.num_swapped)
+        yield gauge(
+            "kv_cache_usage_perc", "Fraction of GPU KV blocks held (1 = full).", stats.kv_usage
+        )
+        yield gauge(
+            "kv_cache_utilisation_perc",
+            "Fraction of held KV block capacity filled with token state.",
+            stats.kv_utilisation,
+        )
+        cpu_usage = stats.num_swapped_blocks / stats.num_cpu_blocks if stats.num_cpu_blocks else 0
+        yield gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks held.", cpu_usage)
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_queried_tokens,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens
+        )
+        preemptions = CounterMetricFamily(
+            "pagedkv:num_preemptions",
+            "Preemptions by kind: swap (blocks moved to CPU) or recompute (blocks dropped).",
+            labels=["model_name", "kind"],
+        )
+        preemptions.add_metric([self.model_name, "swap"], stats.num_swap_preemptions)
+        preemptions.add_metric([self.model_name, "recompute"], stats.num_recompute_preemptions)
+        yield preemptions
+        yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)

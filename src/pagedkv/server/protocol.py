@@ -1,0 +1,296 @@
+"""Request and response bodies of the OpenAI API, as pydantic models.
+
+Requests are strict: wrong types are not coerced ("5" is not an int), NaN and infinity are
+refused, and unknown fields are errors rather than silently ignored, so a client learns at
+once that a parameter it relies on does nothing here. Besides OpenAI's fields the requests
+accept vLLM's sampling extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`). Range checks that need the model
+(prompt length, token ids) live in `serving`, next to the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+MAX_PROMPTS = 64  # prompts in one completions request
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    """`stream_options`: whether the last chunk before [DONE] carries the usage."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share; names and ranges follow OpenAI's, then vLLM's extensions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user tag: accepted for compatibility, unused
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> list[str] | None:
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`."""
+
+    prompt: Any
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
+        """One prompt (text or token ids) or a non-empty list of them."""
+        if _is_single_prompt(prompt):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(_is_single_prompt(p) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+            return prompt
+        raise ValueError(
+            "must be a string, a non-empty list of token ids, or a non-empty list of those"
+        )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list, one entry per prompt."""
+        return [self.prompt] if _is_single_prompt(self.prompt) else list(self.prompt)
+
+
+def _is_single_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+class TextPart(_Request):
+    """One part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message of the conversation, rendered by the model's chat template."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens`, else the older `max_tokens`, else None (the model's room)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# Responses: plain models, serialised with OpenAI's field names and nulls.
+
+
+class ErrorInfo(BaseModel):
+    """The body of OpenAI's `{"error": ...}`."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """`{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    """Prompt tokens read from the prefix cache instead of being computed."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token counts of a whole request (all prompts, all choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion, or one choice's delta in a stream chunk."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (with `usage` usually None) one chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    """One alternative token and its log probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token, its log probability and the most likely alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of one chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What one stream chunk adds to a choice's message."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's part of a chat stream chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of `GET /v1/models`."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedkv"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`: the one model this server runs."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

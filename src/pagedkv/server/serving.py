@@ -1,0 +1,249 @@
+"""What the completions and chat endpoints share: limits, sampling, submission, logprobs.
+
+A `Generation` is one HTTP request's engine requests (one per prompt, each with `n` samples)
+read back as one stream of per-choice deltas. It aborts whatever is still running when it is
+closed early (client gone, handler cancelled), which frees the blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedkv.engine import SamplingParams
+from pagedkv.engine.errors import PromptTooLong, RequestRejected
+from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded
+from pagedkv.server.errors import APIError
+from pagedkv.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+
+if TYPE_CHECKING:
+    from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
+    from pagedkv.model.tokenizer import Tokenizer
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What every endpoint needs to know about the model being served."""
+
+    engine_loop: EngineLoop
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+
+    def check_model(self, requested: str | None) -> None:
+        """Refuse a request naming another model (None means this one)."""
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                400,
+                f"model '{requested}' is not served here; this server runs '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """OpenAI's completions default of 16 tokens, cut to the room the context leaves.
+
+        Without the cut a long prompt would be refused for a limit the client never asked
+        for; a prompt with no room at all is refused by the engine (PromptTooLong).
+        """
+        return max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, self.max_model_len - prompt_len))
+
+
+def sampling_params(
+    request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The engine's SamplingParams (max_tokens None: all the room the context leaves).
+
+    The engine checks values again and its ValueErrors (naming the parameter) become 400s.
+    """
+    try:
+        return SamplingParams(
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=max(request.top_k, 0),  # OpenAI-style -1 and our 0 both mean "off"
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            seed=request.seed,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
+
+
+def parse_body(body: bytes, model: type[T]) -> T:
+    """Validate a JSON body against a protocol model; every failure is a 400 naming the field."""
+    try:
+        return model.model_validate_json(body)  # type: ignore[attr-defined]
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "json_invalid":
+            raise APIError(
+                400, f"malformed JSON body: {first['msg']}", code="json_invalid"
+            ) from None
+        if first["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown field '{param}'", param=param) from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style response id."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """`created`: seconds since the epoch."""
+    return int(time.time())
+
+
+@dataclass
+class ChoiceDelta:
+    """What one step added to one choice."""
+
+    index: int
+    output: CompletionOutput
+
+
+class Generation:
+    """One HTTP request's engine requests, merged into one stream of choice deltas."""
+
+    def __init__(self, engine_loop: EngineLoop, request_id: str, n: int) -> None:
+        self.engine_loop = engine_loop
+        self.request_id = request_id
+        self.n = n
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._prompt_index: dict[str, int] = {}
+        self._unfinished: set[str] = set()
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+
+    async def start(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Submit every prompt; refusals become 4xx/503 and abort the prompts already queued."""
+        try:
+            for index, prompt in enumerate(prompts):
+                engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id
+                self._prompt_index[engine_id] = index
+                self._unfinished.add(engine_id)
+                await self.engine_loop.add(engine_id, prompt, params, self._outputs)
+                self.prompt_tokens += len(prompt)
+        except BaseException as error:
+            self.close()
+            if isinstance(error, Overloaded):
+                raise APIError(
+                    503,
+                    str(error),
+                    type="server_error",
+                    code="overloaded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                ) from error
+            if isinstance(error, RequestRejected):
+                code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
+                raise APIError(400, str(error), code=code) from error
+            raise
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas as they arrive, until all requests have finished."""
+        while self._unfinished:
+            item = await self._outputs.get()
+            if isinstance(item, EngineFailed):
+                self._unfinished.clear()
+                raise APIError(500, str(item), type="server_error")
+            output: RequestOutput = item
+            base = self._prompt_index[output.request_id] * self.n
+            for completion in output.outputs:
+                self.completion_tokens += len(completion.token_ids)
+                yield ChoiceDelta(base + completion.index, completion)
+            if output.finished:
+                self._unfinished.discard(output.request_id)
+                self.cached_tokens += output.metrics.num_cached_tokens
+
+    def close(self) -> None:
+        """Abort whatever has not finished (safe to call more than once)."""
+        for engine_id in self._unfinished:
+            self.engine_loop.abort(engine_id)
+        self._unfinished.clear()
+
+    def usage(self) -> Usage:
+        """Token counts so far, over every prompt and choice."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client hangs up first (non-streaming responses)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result()  # CancelledError if the client left: nobody reads the response
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that runs `on_close` however it ends.
+
+    When the client disconnects, Starlette cancels the task sending the stream; a generator
+    suspended at `yield` is then only finalised whenever it is garbage collected, so its
+    `finally` cannot be trusted to abort the request. This response's own `finally` can.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream, then always run `on_close`."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(data: str) -> str:
+    """One server-sent event carrying `data`."""
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def top_logprobs(position: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The `k` most likely alternatives at one position (the engine adds the chosen token)."""
+    return sorted(position.values(), key=lambda logprob: logprob.logprob, reverse=True)[:k]

@@ -1,0 +1,117 @@
+"""Servers for the server tests: a tiny seeded model, uvicorn in a thread, a free loopback port.
+
+Each test module starts one server (module scope) with the engine settings it needs; the
+model folder is built once per session with `tests.model.tiny_models`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+import uvicorn
+
+from pagedkv.engine import Engine, EngineArgs
+from pagedkv.server import ServerConfig, build_app
+from tests.model.tiny_models import build_model_folder
+
+STARTUP_TIMEOUT_S = 30.0
+# The engine's default 1 GiB of swap is 131,072 CPU blocks of the tiny model: every snapshot
+# would walk them all. A few thousand keep swap in play and the snapshots cheap.
+SWAP_SPACE_GB = 0.02
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seeded tiny Llama folder every server test serves."""
+    return build_model_folder("llama", tmp_path_factory.mktemp("server_model") / "llama")
+
+
+@dataclass
+class RunningServer:
+    """A uvicorn server on 127.0.0.1 in a background thread."""
+
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+    api_key: str | None
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        """The official OpenAI client pointed at this server, with no retries."""
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs
+        )
+
+    def http(self) -> httpx2.Client:
+        """A raw HTTP client carrying the API key, for what the OpenAI client cannot send."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx2.Client(base_url=self.url, headers=headers, timeout=30.0)
+
+    def stop(self) -> None:
+        """Ask uvicorn to exit and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_server(
+    model: Path, config: ServerConfig | None = None, **engine_args: Any
+) -> RunningServer:
+    """Build an Engine for `model` and serve it on a free loopback port."""
+    engine_args.setdefault("swap_space_gb", SWAP_SPACE_GB)
+    engine = Engine(EngineArgs(model=str(model), **engine_args))
+    app = build_app(engine, config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    api_key = config.api_key if config else None
+    return RunningServer(f"http://127.0.0.1:{port}", server, thread, api_key)
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_model: Path) -> Iterator[Any]:
+    """`serve(config, **engine_args)` starts a server that is stopped after the module."""
+    servers: list[RunningServer] = []
+
+    def start(config: ServerConfig | None = None, **engine_args: Any) -> RunningServer:
+        servers.append(start_server(tiny_model, config, **engine_args))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def all_blocks_free(server: RunningServer) -> bool:
+    """True when no GPU or CPU block is held (cached-but-free counts as free)."""
+    with server.http() as http:
+        snapshot = http.get("/v1/kv").json()
+    return all(block["ref_count"] == 0 for block in snapshot["gpu"] + snapshot["cpu"])
+
+
+def wait_until(condition: Any, timeout: float, interval: float = 0.02) -> float:
+    """Poll `condition()` until it holds; return the seconds it took (fail after `timeout`)."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - started

@@ -1,0 +1,37 @@
+"""Over `--max-waiting`, new requests get 503 with Retry-After; the queued ones are unaffected."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.server import ServerConfig
+from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+
+LONG = {"max_tokens": 1000, "stream": True, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> RunningServer:
+    # One sequence runs at a time, one may wait: the third concurrent request is one too many.
+    return serve(ServerConfig(max_waiting=1), num_gpu_blocks=256, max_num_seqs=1)
+
+
+def test_request_over_max_waiting_gets_503_with_retry_after(server: RunningServer) -> None:
+    with server.client() as client:
+        model = client.models.list().data[0].id
+        running = client.completions.create(model=model, prompt="Hello", **LONG)
+        next(iter(running))  # scheduled and generating
+        waiting = client.completions.create(model=model, prompt="Hello", **LONG)
+        with server.http() as http:
+            response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert response.status_code == 503
+        assert int(response.headers["Retry-After"]) >= 1
+        error = response.json()["error"]
+        assert "max-waiting" in error["message"] and error["code"] == "overloaded"
+        running.close()
+        next(iter(waiting))  # the waiting request gets the freed slot and runs
+        waiting.close()
+    wait_until(lambda: all_blocks_free(server), timeout=5.0)
+    with server.client() as client:
+        completion = client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert completion.usage.completion_tokens >= 1

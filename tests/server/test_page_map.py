@@ -1,0 +1,119 @@
+"""The page map in a real headless browser: Debian's chromium driven by playwright.
+
+Playwright's own browser download is not reachable here, so the test drives the system
+chromium through `executable_path`. A missing browser is a failure that says what to install,
+not a skip: a skipped test would hide that the page was never checked.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+NUM_GPU_BLOCKS = 12_000  # past 10,000: the page must stay smooth on a canvas
+NUM_REQUESTS = 4
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> RunningServer:
+    return serve(num_gpu_blocks=NUM_GPU_BLOCKS, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if shutil.which(CHROMIUM) is None:
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium; "
+            "`make test` does this when run as root) to check the page map in a browser"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True
+        )
+        yield browser
+        browser.close()
+
+
+def test_page_map_draws_the_pool_follows_requests_and_names_owners_on_hover(
+    server: RunningServer, browser, tmp_path: Path
+) -> None:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(server.url + "/")
+    page.wait_for_function("Number(document.body.dataset.frames) >= 1", timeout=10_000)
+    assert page.evaluate("pagemap.gpu.blocks.length") == NUM_GPU_BLOCKS
+    assert page.evaluate("pagemap.gpu.heldBlocks().length") == 0
+    redraw_ms = page.evaluate(
+        "(() => { const t = performance.now(); pagemap.gpu.draw();"
+        " return performance.now() - t; })()"
+    )
+    assert redraw_ms < 250, f"a full redraw of {NUM_GPU_BLOCKS} blocks took {redraw_ms:.0f} ms"
+    idle = page.locator("#gpu").screenshot()
+
+    request_ids: list[str] = []
+    workers = [
+        threading.Thread(target=_stream, args=(server, i, request_ids)) for i in range(NUM_REQUESTS)
+    ]
+    for worker in workers:
+        worker.start()
+    page.wait_for_function("pagemap.gpu.heldBlocks().length > 8", timeout=20_000)
+    assert page.locator("#gpu").screenshot() != idle
+    assert page.locator("#kv-usage").inner_text() != "0.0%"
+
+    block = page.evaluate("pagemap.gpu.heldBlocks()[0]")
+    centre = page.evaluate(f"pagemap.gpu.blockCentre({block})")
+    page.mouse.move(centre["x"], centre["y"])
+    tooltip = page.locator("#tooltip")
+    tooltip.wait_for(state="visible", timeout=5_000)
+    text = tooltip.inner_text()
+    assert f"GPU block {block}" in text and "ref count" in text and "prefix cache" in text
+    assert any(request_id in text for request_id in request_ids), text
+    page.screenshot(path=str(tmp_path / "pagemap.png"))
+
+    for worker in workers:
+        worker.join(timeout=60)
+    page.wait_for_function("pagemap.gpu.heldBlocks().length === 0", timeout=10_000)
+    assert all_blocks_free(server)
+    page.close()
+
+
+def _stream(server: RunningServer, index: int, request_ids: list[str]) -> None:
+    """A long streamed completion (n=2 on odd ones, so blocks are shared)."""
+    with server.client() as client:
+        stream = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=f"Request {index}: " + "Paged attention stores keys and values. " * 12,
+            max_tokens=400,
+            n=1 + index % 2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if chunk.id not in request_ids:
+                request_ids.append(chunk.id)
+
+
+def test_page_assets_are_served_from_the_package(server: RunningServer) -> None:
+    with server.http() as http:
+        index = http.get("/")
+        assert index.status_code == 200 and '<canvas id="gpu">' in index.text
+        for asset in ("/static/pagemap.js", "/static/pagemap.css"):
+            assert http.get(asset).status_code == 200
+    wait_until(lambda: all_blocks_free(server), timeout=5.0)
