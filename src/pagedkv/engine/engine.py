@@ -327,10 +327,9 @@ class Engine:
 
     def _tokenize(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-            if not token_ids:
+            if not prompt:  # the tokenizer may still add BOS, but there is nothing to continue
                 raise EmptyPrompt()
-            return prompt, token_ids
+            return prompt, self.tokenizer.encode(prompt)
         token_ids = list(prompt)
         if not token_ids:
             raise EmptyPrompt()

@@ -29,7 +29,10 @@ class ModelRunner:
         self.forward_seconds = 0.0  # time inside plan + forward, for the outside-forward share
 
     def execute(self, output: SchedulerOutput) -> Tensor | None:
-        """Run the plan and the forward pass; float32 logits of the sampling chunks, in order."""
+        """Run the plan and the forward pass; float32 logits of the sampling chunks, in order.
+
+        None when no chunk samples (nothing scheduled, or only prompt chunks mid-prompt).
+        """
         started = time.perf_counter()
         self.kv_cache.execute(output.plan)
         if not output.chunks:
@@ -45,9 +48,9 @@ class ModelRunner:
         )
         logits = self.model(batch, self.kv_cache)
         rows = [index for index, chunk in enumerate(output.chunks) if chunk.sample]
-        if len(rows) < len(output.chunks):
-            logits = logits[torch.tensor(rows, device=logits.device)]
+        if len(rows) < len(output.chunks):  # prompt chunks that do not reach the end
+            logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - started
-        return logits
+        return logits if rows else None

@@ -1,0 +1,122 @@
+"""Bad input gets a clear error naming the problem, and the other requests still finish."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.engine import (
+    EmptyPrompt,
+    EngineArgs,
+    PromptTooLong,
+    RequestTooLarge,
+    SamplingParams,
+    TokenOutOfVocabulary,
+)
+from pagedkv.engine.errors import DuplicateRequest
+from tests.engine.conftest import make_engine, make_llm, run_to_completion
+from tests.model.tiny_models import VOCAB_SIZE, random_prompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "message"),
+    [
+        ([], GREEDY, EmptyPrompt, "empty"),
+        ("", GREEDY, EmptyPrompt, "empty"),
+        ([5, VOCAB_SIZE], GREEDY, TokenOutOfVocabulary, f"{VOCAB_SIZE} is outside"),
+        ([5, -1], GREEDY, TokenOutOfVocabulary, "-1 is outside"),
+        ([5, "x"], GREEDY, TokenOutOfVocabulary, "'x' is outside"),
+        (random_prompt(200, 0), GREEDY, PromptTooLong, "prompt has 200 tokens, model allows 200"),
+        (
+            random_prompt(190, 0),
+            SamplingParams(max_tokens=20),
+            PromptTooLong,
+            "max_tokens is 20: 210 tokens, model allows 200",
+        ),
+        (random_prompt(10, 0), SamplingParams(n=20, max_tokens=150), RequestTooLarge, "pool"),
+    ],
+)
+def test_bad_requests_are_rejected_and_the_others_finish(
+    engine_zoo, prompt, params, error, message
+):
+    engine = make_engine(engine_zoo, "llama", num_gpu_blocks=64, max_model_len=200)
+    engine.add_request("good-1", random_prompt(20, 1), GREEDY)
+    with pytest.raises(error, match=message):
+        engine.add_request("bad", prompt, params)
+    engine.add_request("good-2", random_prompt(30, 2), GREEDY)
+    finished = [d.request_id for ds in run_to_completion(engine) for d in ds if d.finished]
+    assert sorted(finished) == ["good-1", "good-2"]
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
+def test_duplicate_request_ids_are_rejected(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    with pytest.raises(DuplicateRequest, match="'a' is already in use"):
+        engine.add_request("a", [5, 6, 7], GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.5, "temperature must be in"),
+        ("top_p", 0.0, "top_p must be in"),
+        ("top_p", 1.5, "top_p must be in"),
+        ("top_k", -2, "top_k must be"),
+        ("min_p", 2.0, "min_p must be in"),
+        ("n", 0, "n must be in"),
+        ("max_tokens", 0, "max_tokens must be"),
+        ("max_tokens", -3, "max_tokens must be"),
+        ("min_tokens", 99, "min_tokens must be <= max_tokens"),
+        ("presence_penalty", 3.0, "presence_penalty must be in"),
+        ("frequency_penalty", float("nan"), "frequency_penalty must be a finite number"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+        ("logprobs", 50, "logprobs must be in"),
+        ("stop", [""], "stop strings must not be empty"),
+        ("stop", 5, "stop must be a string or a list"),
+        ("stop_token_ids", [-1], "stop_token_ids must be"),
+        ("seed", "7", "seed must be an integer"),
+        ("ignore_eos", "yes", "ignore_eos must be a bool"),
+        ("temperature", True, "temperature must be a finite number"),
+    ],
+)
+def test_invalid_sampling_values_name_the_parameter(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("block_size", 0, "block_size must be a positive integer"),
+        ("max_num_seqs", -1, "max_num_seqs must be a positive integer"),
+        ("swap_space_gb", -1, "swap_space_gb must be >= 0"),
+        ("preemption_mode", "drop", "preemption_mode must be one of"),
+        ("dtype", "int8", "dtype must be one of"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in"),
+    ],
+)
+def test_invalid_engine_settings_name_the_setting(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="unused", **{field: value})
+
+
+def test_swap_mode_without_swap_space_is_an_error():
+    with pytest.raises(ValueError, match="needs swap_space_gb > 0"):
+        EngineArgs(model="unused", preemption_mode="swap", swap_space_gb=0)
+
+
+def test_max_model_len_beyond_the_model_is_an_error(engine_zoo):
+    with pytest.raises(ValueError, match="max_model_len 5000 is beyond the model's context"):
+        make_engine(engine_zoo, "llama", max_model_len=5000)
+
+
+def test_generate_with_one_bad_prompt_leaves_nothing_behind(engine_zoo):
+    llm = make_llm(engine_zoo, "llama")
+    with pytest.raises(TokenOutOfVocabulary):
+        llm.generate([[5, 6], [5, 10**9], [7, 8]], GREEDY)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_gpu_blocks
+    outputs = llm.generate([[5, 6], [7, 8]], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
