@@ -116,11 +116,32 @@ def triton_paged_attention(
                 f"max_query_len 1 needs one token per sequence: {query.shape[0]} tokens, "
                 f"{block_tables.shape[0]} sequences"
             )
-        _decode(out, query, k_cache, v_cache, block_tables, context_lens,
-                min(max_context_len, window), scale, window, decode_config)  # fmt: skip
+        _decode(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            min(max_context_len, window),
+            scale,
+            window,
+            decode_config,
+        )
     else:
-        _prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                 max_query_len, scale, window, prefill_config)  # fmt: skip
+        _prefill(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            max_query_len,
+            scale,
+            window,
+            prefill_config,
+        )
     return out
 
 
