@@ -200,7 +200,7 @@ def _decode(
         BLOCK_N=config.block_n,
         BLOCK_SIZE=k_cache.shape[1],
         PARTITION_SIZE=config.partition_size,
-        SEQS_P=triton.next_power_of_2(num_seqs),
+        SEQS_P=_seqs_bucket(num_seqs),
         SPLIT=split,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=config.num_warps,
@@ -269,11 +269,21 @@ def _prefill(
         BLOCK_M=max(16, block_q * group_p),
         BLOCK_N=config.block_n,
         BLOCK_SIZE=k_cache.shape[1],
-        SEQS_P=triton.next_power_of_2(num_seqs),
+        SEQS_P=_seqs_bucket(num_seqs),
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _seqs_bucket(num_seqs: int) -> int:
+    """Lanes the kernels hold per-sequence lengths in: a power of two, at least 256.
+
+    It is a compile-time constant, so a size per batch would recompile the kernels each time
+    the number of running sequences crosses a power of two; one size up to 256 sequences costs
+    each program a vector of 256 lengths, loaded once (1 KiB, cached).
+    """
+    return max(256, triton.next_power_of_2(num_seqs))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
