@@ -61,8 +61,13 @@ class Model:
 
 
 def _llama(layers, hidden, heads, kv_heads, ffn, vocab, context, dtype="bfloat16", **extra):
-    """The config fields of a LLaMA-family (LLaMA, Mistral, Qwen2) decoder."""
+    """The config fields of a LLaMA-family (LLaMA, Mistral, Qwen2) decoder.
+
+    `model_type` (llama unless `extra` says otherwise) picks the family's sliding-window rule,
+    the same one the model loader applies (`spec.layer_windows`).
+    """
     return {
+        "model_type": "llama",
         "num_hidden_layers": layers,
         "hidden_size": hidden,
         "num_attention_heads": heads,
@@ -80,6 +85,15 @@ _QWEN2 = {"model_type": "qwen2", "use_sliding_window": False}
 MODEL_PRESETS: dict[str, ModelPreset] = {
     preset.name: preset
     for preset in (
+        ModelPreset(
+            # The built-in default model (`pagedkv pull`); its GGUF file is Q4_1, but the
+            # engine runs it dequantised, so its weights are counted in bf16 like the others.
+            "smollm2-135m-instruct",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            _llama(30, 576, 9, 3, 1536, 49152, 8192, rope_theta=100000.0, tie_word_embeddings=True),
+            134_515_008,
+            "bf16",
+        ),
         ModelPreset(
             "llama-2-7b",
             "meta-llama/Llama-2-7b-hf",
@@ -132,7 +146,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ModelPreset(
             "mistral-7b",
             "mistralai/Mistral-7B-v0.1",
-            _llama(32, 4096, 32, 8, 14336, 32000, 32768, sliding_window=4096),
+            _llama(32, 4096, 32, 8, 14336, 32000, 32768, model_type="mistral", sliding_window=4096),
             7_241_732_096,
             "bf16",
         ),
@@ -242,7 +256,7 @@ def load_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
             f"presets: {', '.join(MODEL_PRESETS)}"
         )
     config = load_config(path)
-    spec = KVSpec.from_hf_config(path, kv_dtype)
+    spec = KVSpec.from_hf_config(config, kv_dtype, source=path)
     name = path.name if path.is_dir() else path.parent.name or path.name
     shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if shards:

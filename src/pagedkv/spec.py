@@ -52,6 +52,15 @@ class ConfigError(ValueError):
     """A model config lacks a field KV sizing needs, or holds an impossible value."""
 
 
+class ConfigFileError(ConfigError):
+    """A config file is missing, unreadable or not a JSON object; names the file."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """How many bytes of KV cache one token of one request costs, and how many tokens it keeps.
@@ -157,14 +166,17 @@ class KVSpec:
 
     @classmethod
     def from_hf_config(
-        cls, config: str | Path | Mapping[str, object], kv_dtype: str | None = None
+        cls,
+        config: str | Path | Mapping[str, object],
+        kv_dtype: str | None = None,
+        source: str | Path | None = None,
     ) -> KVSpec:
         """Read a spec from a `config.json` path, a model folder holding one, or a loaded dict.
 
         `kv_dtype` overrides the config's `torch_dtype` (a server may store KV in fp8 while the
-        weights stay in bf16).
+        weights stay in bf16); `source` names a loaded dict's file in errors.
         """
-        source = "config"
+        source = "config" if source is None else str(source)
         if not isinstance(config, Mapping):
             source = str(config)
             config = load_config(config)
@@ -172,9 +184,13 @@ class KVSpec:
         field = _FieldReader(fields, source)
         num_layers = field.positive_int("num_hidden_layers", "n_layer", "num_layers")
         dtype = normalize_dtype(kv_dtype or fields.get("torch_dtype") or fields.get("dtype"))
-        window = None
-        if fields.get("use_sliding_window", True) is not False:
-            window = field.optional_positive_int("sliding_window")
+        try:
+            windows = set(layer_windows(fields, num_layers))
+        except ConfigError as error:
+            raise ConfigError(f"{source}: {error}") from error
+        # One block table serves every layer, so a request keeps all its tokens unless every
+        # layer forgets the same ones.
+        window = windows.pop() if len(windows) == 1 else None
         max_len = field.optional_positive_int("max_position_embeddings", "n_positions")
         kv_lora_rank = field.optional_positive_int("kv_lora_rank")
         if kv_lora_rank is not None:
@@ -208,19 +224,86 @@ class KVSpec:
 
 
 def load_config(path: str | Path) -> dict[str, object]:
-    """Load a `config.json`, given as the file or the model folder that holds it."""
+    """Load a `config.json`, given as the file or the model folder that holds it.
+
+    The one reader of config.json in pagedkv: the planner's KVSpec and the model's
+    ModelConfig are both derived from what it returns.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
+        raise ConfigFileError(path, "no such config file")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict[str, object]:
+    """Parse the JSON object in `path` (a config, or another model file such as a shard index)."""
     try:
-        config = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
+        raise ConfigFileError(path, f"not valid JSON ({exc})") from exc
+    except OSError as exc:
+        raise ConfigFileError(path, f"cannot be read ({exc.strerror})") from exc
+    if not isinstance(data, dict):
+        raise ConfigFileError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# Families with their own window rule; any other config (the planner's presets include
+# several) windows every layer when it names a window.
+_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
+
+
+def model_family(config: Mapping[str, object]) -> str | None:
+    """`llama`, `mistral`, `qwen2` or another `model_type`, from architectures or model_type."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures and architectures[0] in _FAMILIES:
+        return _FAMILIES[architectures[0]]
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) else None
+
+
+def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of every layer (None: full attention), as transformers applies it.
+
+    The one rule both the planner and the model follow: Llama ignores a stray
+    `sliding_window`; Mistral windows every layer; Qwen2 windows only with
+    `use_sliding_window`, and then only the layers `layer_types` marks "sliding_attention"
+    (or, without it, the layers from `max_window_layers` on). Raises ConfigError naming the
+    field.
+    """
+    family = model_family(config)
+    full: tuple[int | None, ...] = (None,) * num_layers
+    window = config.get("sliding_window")
+    if window is None or family == "llama":
+        return full
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"sliding_window must be an integer >= 1, got {window!r}")
+    use_window = config.get("use_sliding_window")
+    if use_window is not None and not isinstance(use_window, bool):
+        raise ConfigError(f"use_sliding_window must be true or false, got {use_window!r}")
+    if family == "mistral":
+        return (window,) * num_layers
+    if family != "qwen2":
+        return full if use_window is False else (window,) * num_layers
+    if not use_window:
+        return full
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = config.get("max_window_layers")
+        first = _QWEN2_MAX_WINDOW_LAYERS if first is None else first
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError(f"max_window_layers must be an integer >= 0, got {first!r}")
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types must list {num_layers} layer types, got {layer_types!r}")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def normalize_dtype(name: object) -> str:

@@ -6,9 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from pagedkv.model.config import ModelConfig, RopeConfig, load_config
+from pagedkv.model.config import ModelConfig, RopeConfig, load_config, read_config
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
+from pagedkv.model.kv_cache import bytes_per_block
+from pagedkv.presets import MODEL_PRESETS
+from pagedkv.spec import KVSpec
+from tests.model.tiny_models import TINY_MODELS
 
 SOURCE = Path("model/config.json")
 LLAMA = {
@@ -199,3 +204,78 @@ def test_load_config_errors_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "rms_norm_eps": float("nan")}))
     with pytest.raises(MalformedModelFile, match=r"config\.json: rms_norm_eps must be a finite"):
         load_config(tmp_path)
+
+
+# --- One reader: the planner's KVSpec and the model's ModelConfig agree on every config ---
+
+_PLANNER_SUPPORTED = [
+    name for name, preset in MODEL_PRESETS.items() if "kv_lora_rank" not in preset.config
+]
+_WINDOW_CASES = {
+    # Llama ignores a stray window (transformers does); the planner once windowed it.
+    "llama with stray window": {**LLAMA, "sliding_window": 4096},
+    "mistral": {**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+    # Qwen2 windows only layers >= max_window_layers; the planner once windowed all of them.
+    "qwen2 upper layers": {
+        **LLAMA,
+        "architectures": ["Qwen2ForCausalLM"],
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "max_window_layers": 16,
+    },
+    "qwen2 window off": {
+        **LLAMA,
+        "architectures": ["Qwen2ForCausalLM"],
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+    },
+    "qwen2 every layer": {
+        **LLAMA,
+        "architectures": ["Qwen2ForCausalLM"],
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "max_window_layers": 0,
+    },
+}
+
+
+def _assert_planner_and_model_agree(raw: dict, source: Path) -> None:
+    spec = KVSpec.from_hf_config(raw)
+    model = ModelConfig.from_dict(raw, source)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
+    )
+    assert spec.max_model_len == model.max_position_embeddings
+    windows = set(model.sliding_windows)
+    assert spec.sliding_window == (windows.pop() if len(windows) == 1 else None)
+    for dtype, name in ((torch.float16, "fp16"), (torch.float32, "fp32")):
+        planned = KVSpec.from_hf_config(raw, name).bytes_per_block(16)
+        assert planned == bytes_per_block(model, 16, dtype)
+
+
+@pytest.mark.parametrize("name", _PLANNER_SUPPORTED)
+def test_planner_and_model_agree_on_every_llama_family_preset(name):
+    _assert_planner_and_model_agree(dict(MODEL_PRESETS[name].config), SOURCE)
+
+
+@pytest.mark.parametrize("case", list(_WINDOW_CASES))
+def test_planner_and_model_agree_on_sliding_windows(case):
+    _assert_planner_and_model_agree(_WINDOW_CASES[case], SOURCE)
+
+
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_planner_and_model_agree_on_every_tiny_model(zoo, name):
+    folder = zoo.folder(name)
+    raw = read_config(folder)
+    _assert_planner_and_model_agree(raw, folder / "config.json")
+    assert KVSpec.from_hf_config(folder) == KVSpec.from_hf_config(raw)
+
+
+def test_qwen2_partial_window_is_not_a_per_request_cap_for_the_planner():
+    spec = KVSpec.from_hf_config(_WINDOW_CASES["qwen2 upper layers"])
+    assert spec.sliding_window is None  # the lower layers keep every token
+    assert ModelConfig.from_dict(_WINDOW_CASES["qwen2 upper layers"], SOURCE).sliding_windows == (
+        (None,) * 16 + (4096,) * 16
+    )

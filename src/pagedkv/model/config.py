@@ -7,13 +7,13 @@ older `rope_theta` + `rope_scaling` keys and the newer `rope_parameters` form ar
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
+from pagedkv.spec import ConfigError, ConfigFileError, layer_windows, read_json_object
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCHITECTURE_OF_MODEL_TYPE = {
@@ -101,27 +101,29 @@ class ModelConfig:
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=fields.boolean("mlp_bias", False),
             tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
-            sliding_windows=_sliding_windows(raw, fields, architecture, num_layers),
+            sliding_windows=_sliding_windows(raw, source, num_layers),
         )
 
 
 def load_config(folder: str | Path) -> ModelConfig:
     """Read and validate `folder/config.json`."""
     path = Path(folder) / "config.json"
-    return ModelConfig.from_dict(read_json(path, what="the model's config.json"), path)
+    return ModelConfig.from_dict(read_config(folder), path)
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """The parsed config.json of `folder`: what ModelConfig, KVSpec and the eos ids come from."""
+    return read_json(Path(folder) / "config.json", what="the model's config.json")
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Parse a JSON object from `path`, or raise an error naming the file and the problem."""
+    """Parse a JSON object from `path` with the planner's reader, raising model errors."""
     if not path.is_file():
         raise ModelFileMissing(path, what)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise MalformedModelFile(path, f"not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise MalformedModelFile(path, f"expected a JSON object, got {type(data).__name__}")
-    return data
+        return read_json_object(path)
+    except ConfigFileError as error:
+        raise MalformedModelFile(path, error.problem) from error
 
 
 class _Fields:
@@ -248,24 +250,8 @@ def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> Ro
     )
 
 
-def _sliding_windows(
-    raw: dict[str, Any], fields: _Fields, architecture: str, num_layers: int
-) -> tuple[int | None, ...]:
-    if architecture == "LlamaForCausalLM" or raw.get("sliding_window") is None:
-        return (None,) * num_layers
-    window = fields.integer("sliding_window")
-    if architecture == "MistralForCausalLM":
-        return (window,) * num_layers
-    # Qwen2: the window is off unless use_sliding_window, and then applies only to the layers
-    # named "sliding_attention" (or, without layer_types, those from max_window_layers on).
-    if not fields.boolean("use_sliding_window", False):
-        return (None,) * num_layers
-    layer_types = raw.get("layer_types")
-    if layer_types is None:
-        first_windowed = fields.integer("max_window_layers", 28, minimum=0)  # transformers' default
-        return tuple(window if i >= first_windowed else None for i in range(num_layers))
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        raise MalformedModelFile(
-            fields.source, f"layer_types must list {num_layers} layer types, got {layer_types!r}"
-        )
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+def _sliding_windows(raw: dict[str, Any], source: Path, num_layers: int) -> tuple[int | None, ...]:
+    try:
+        return layer_windows(raw, num_layers)  # the planner's rule too
+    except ConfigError as error:
+        raise MalformedModelFile(source, str(error)) from error

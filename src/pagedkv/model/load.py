@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, read_config
 from pagedkv.model.errors import ConvertTargetExists, UnknownModelName
 from pagedkv.model.gguf_loader import GGUFModel, convert_gguf
 from pagedkv.model.llama import LlamaModel
@@ -67,11 +67,12 @@ def load(
         if name not in BUILTIN_MODELS:
             raise UnknownModelName(name, list(BUILTIN_MODELS))
         path = converted_folder(name, progress=progress)
-    llama = load_model(path, dtype=dtype, device=device)
+    raw_config = read_config(path)  # parsed once: the model and the eos ids both read it
+    config = ModelConfig.from_dict(raw_config, path / "config.json")
     return LoadedModel(
-        model=llama,
-        tokenizer=Tokenizer.from_folder(path),
-        config=llama.config,
+        model=load_model(path, dtype=dtype, device=device, config=config),
+        tokenizer=Tokenizer.from_folder(path, config=raw_config),
+        config=config,
         name=name,
         path=path,
     )

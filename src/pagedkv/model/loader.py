@@ -33,13 +33,16 @@ def load_model(
     *,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
+    config: ModelConfig | None = None,
 ) -> LlamaModel:
     """Read config.json and the safetensors weights of `folder` into an eval-mode model.
 
-    `dtype` is float32 (the CPU default), bfloat16 or float16, as a torch dtype or its name.
+    `dtype` is float32 (the CPU default), bfloat16 or float16, as a torch dtype or its name;
+    `config`, when the caller has already parsed config.json, saves reading it again.
     """
     folder = Path(folder)
-    config = load_config(folder)
+    if config is None:
+        config = load_config(folder)
     return build_model(
         config, _checkpoint_tensors(folder), _weights_source(folder), dtype=dtype, device=device
     )

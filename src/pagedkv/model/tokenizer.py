@@ -43,9 +43,15 @@ class Tokenizer:
         self._template = None if chat_template is None else _ENVIRONMENT.from_string(chat_template)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> Tokenizer:
-        """Load tokenizer.json, generation_config.json and tokenizer_config.json of `folder`."""
+    def from_folder(cls, folder: str | Path, config: Mapping[str, Any] | None = None) -> Tokenizer:
+        """Load tokenizer.json, generation_config.json and tokenizer_config.json of `folder`.
+
+        `config` is the folder's parsed config.json when the caller already holds it (read by
+        `pagedkv.model.config.read_config`, the one reader); otherwise it is read here.
+        """
         folder = Path(folder)
+        if config is None:
+            config = _optional_json(folder / "config.json")
         tokenizer_config = _optional_json(folder / "tokenizer_config.json")
         template_path = folder / "chat_template.jinja"
         if tokenizer_config.get("chat_template") is None and template_path.is_file():
@@ -54,7 +60,7 @@ class Tokenizer:
             _load_tokenizer_json(folder / "tokenizer.json"),
             tokenizer_config,
             generation_config=_optional_json(folder / "generation_config.json"),
-            config=_optional_json(folder / "config.json"),
+            config=config,
             source=folder,
         )
 
