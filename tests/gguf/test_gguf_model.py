@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from pagedkv.model.config import RopeConfig
 from pagedkv.model.errors import (
     MalformedModelFile,
     MissingTensor,
@@ -19,6 +22,7 @@ from pagedkv.model.errors import (
 from pagedkv.model.gguf_loader import GGUFModel, convert_gguf
 from pagedkv.model.load import load
 from pagedkv.model.loader import load_model
+from pagedkv.model.rope import inverse_frequencies
 from pagedkv.model.tokenizer import Tokenizer
 from tests.gguf.writer import folder_weights
 from tests.model.tiny_models import random_prompt
@@ -184,3 +188,38 @@ def test_float32_metadata_reads_as_the_decimal_it_was_written_from(tiny_gguf, tm
     assert config.rms_norm_eps == 1e-6  # stored as float32 9.99999997e-07
     folder = convert_gguf(tiny_gguf("llama"), tmp_path / "converted")
     assert json.loads((folder / "config.json").read_text())["rms_norm_eps"] == 1e-6
+
+
+def _llama3_divisors_by_hand(theta: float, head_dim: int, factor: float) -> np.ndarray:
+    """llama.cpp's converter loop for Llama 3 scaling (low 1, high 4, 8,192-token context)."""
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < 8192 / 4:
+            divisors.append(1.0)
+        elif wavelen > 8192 / 1:
+            divisors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_tensor_becomes_llama3_scaling(tiny_gguf):
+    divisors = _llama3_divisors_by_hand(10000.0, 16, 8.0)
+    assert len(set(divisors.tolist())) > 2  # high, low and blended frequencies all present
+    gguf_model = GGUFModel.open(tiny_gguf("llama", extra_tensors={"rope_freqs.weight": divisors}))
+    rope = gguf_model.config.rope
+    assert (rope.scaling, rope.factor, rope.original_max_position_embeddings) == ("llama3", 8, 8192)
+    scaled = inverse_frequencies(rope, 16)
+    plain = inverse_frequencies(RopeConfig(theta=10000.0), 16)
+    torch.testing.assert_close(scaled, plain / torch.from_numpy(divisors), rtol=1e-5, atol=0)
+    assert gguf_model.model().lm_head is not None  # the extra tensor is not taken for a weight
+
+
+def test_rope_freqs_of_another_scheme_are_refused(tiny_gguf):
+    divisors = _llama3_divisors_by_hand(10000.0, 16, 8.0)
+    divisors[0] = 2.0
+    path = tiny_gguf("llama", extra_tensors={"rope_freqs.weight": divisors})
+    with pytest.raises(UnsupportedModel, match="rope_freqs.weight is not Llama 3 scaling"):
+        GGUFModel.open(path)

@@ -109,11 +109,12 @@ def write_model_gguf(
     qtype: QType = QType.F32,
     metadata: Mapping[str, Any] | None = None,
     drop_tensors: tuple[str, ...] = (),
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Write tiny model `folder` as a GGUF file; 2-D weights stored as `qtype`.
 
     `metadata` overrides or adds keys (a value of None removes one); `drop_tensors` names
-    Hugging Face tensors to leave out.
+    Hugging Face tensors to leave out; `extra_tensors` are added under their GGUF names.
     """
     config = json.loads((folder / "config.json").read_text())
     keys = gguf_metadata(config, arch) | tokenizer_metadata(folder / "tokenizer.json")
@@ -127,6 +128,7 @@ def write_model_gguf(
         elif arch == "llama" and ".k_proj." in name:
             weight = permute_rows(weight, config["num_key_value_heads"])
         tensors[gguf_name(name)] = weight
+    tensors |= dict(extra_tensors or {})
     return write_gguf(path, keys.pop("general.architecture", arch), keys, tensors, qtype)
 
 

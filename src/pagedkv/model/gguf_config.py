@@ -7,7 +7,10 @@ when a GGUF file is converted, so a loaded and a converted GGUF model cannot dis
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from pagedkv.model.errors import MalformedModelFile, UnsupportedModel
 from pagedkv.model.gguf_file import GGUFFile
@@ -42,6 +45,7 @@ def config_dict(file: GGUFFile) -> dict[str, Any]:
             f"key length {head_dim}, value length {value_dim} and rope dimension {rope_dim} "
             "differ (only full-rotary attention with equal key and value sizes is supported)",
         )
+    theta = file.number(f"{arch}.rope.freq_base", DEFAULT_ROPE_THETA)
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -55,8 +59,8 @@ def config_dict(file: GGUFFile) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": file.number(f"{arch}.attention.layer_norm_rms_epsilon", DEFAULT_RMS_EPS),
         "max_position_embeddings": file.integer(f"{arch}.context_length"),
-        "rope_theta": file.number(f"{arch}.rope.freq_base", DEFAULT_ROPE_THETA),
-        "rope_scaling": _rope_scaling(file, arch),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(file, arch, theta, head_dim),
         # llama.cpp drops the output matrix of tied models; its absence is the only sign.
         "tie_word_embeddings": "output.weight" not in file.tensors,
         "torch_dtype": "float32",
@@ -95,12 +99,57 @@ def _vocab_size(file: GGUFFile, arch: str) -> int:
     return int(embedding.shape[-1])  # GGUF lists dimensions innermost first
 
 
-def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(file: GGUFFile, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
     kind = file.string(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
-        return None
+        return _llama3_scaling(file, theta, head_dim)
     if kind == "linear":
         return {"rope_type": "linear", "factor": file.number(f"{arch}.rope.scaling.factor")}
     raise UnsupportedModel(
         file.path, f"rope scaling {kind!r} is not supported (supported: none, linear)"
+    )
+
+
+def _llama3_scaling(file: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Llama 3.1+ files carry their rope scaling only as `rope_freqs.weight`, one divisor per
+    frequency. Every published Llama 3.x uses low 1, high 4 and an 8,192-token original
+    context, varying only the factor (the largest divisor): rebuild those parameters and check
+    they reproduce the tensor, else refuse rather than run with the wrong positions.
+    """
+    tensor = file.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    stored = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    if stored.shape != (head_dim // 2,) or not np.all(stored > 0):
+        raise MalformedModelFile(
+            file.path, f"rope_freqs.weight must hold {head_dim // 2} positive divisors"
+        )
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(stored.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if scaling["factor"] == 1.0:
+        return None
+    if not np.allclose(llama3_divisors(scaling, theta, head_dim), stored, rtol=1e-5):
+        raise UnsupportedModel(
+            file.path,
+            "rope_freqs.weight is not Llama 3 scaling with low_freq_factor 1, high_freq_factor "
+            f"4 and an 8192-token original context (factor {scaling['factor']})",
+        )
+    return scaling
+
+
+def llama3_divisors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter stores for Llama 3 rope scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    context = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (context / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, blended)
     )
