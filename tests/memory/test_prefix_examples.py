@@ -9,6 +9,13 @@ from pagedkv.memory import KVCacheManager
 PROMPT_A = list(range(1000, 1100))
 
 
+class Collide:
+    """A hash under which every block collides."""
+
+    def digest(self) -> bytes:
+        return b"collide"
+
+
 @pytest.fixture
 def manager() -> KVCacheManager:
     manager = KVCacheManager(num_gpu_blocks=64, block_size=16)
@@ -33,7 +40,7 @@ def test_an_identical_96_token_prompt_gets_80_cached(manager: KVCacheManager) ->
 
 
 def test_a_hash_collision_is_not_a_hit(manager: KVCacheManager, monkeypatch) -> None:
-    monkeypatch.setattr("pagedkv.memory.hashing.hash_block", lambda parent, tokens: b"collide")
+    monkeypatch.setattr("hashlib.sha256", lambda data: Collide())
     manager.allocate("X", [5] * 40)
     manager.mark_computed("X", 40)
     assert manager.allocate("Y", [6] * 40) == 0

@@ -113,7 +113,7 @@ def test_freeing_releases_a_table_tail_first() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(3)
     for i, block in enumerate(blocks):
-        pool.cache(block, block_hash := bytes([100 + i]), token_bytes := bytes([i]))
+        pool.cache([block], [(block_hash := bytes([100 + i]), token_bytes := bytes([i]))])
         assert pool.lookup(block_hash, token_bytes) is block
     pool.release(reversed(blocks))
     order = [block.block_id for block in pool.free_queue]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from pagedkv.memory import InvalidTokenIds, KVCacheManager
 
 from .test_rules import snapshot
 
+SHA256 = hashlib.sha256
 BAD_IDS = [2**70, 2**63, -1, -(2**70), "x", None, 1.5, True, False, 3.0]
 
 
@@ -54,18 +57,23 @@ def test_the_extreme_valid_ids_are_stored_hashed_and_hit() -> None:
     assert manager.allocate("b", prompt) == 4
 
 
+class FailingHash:
+    """SHA-256 that runs out of memory on its second call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, data: bytes) -> object:
+        self.calls += 1
+        if self.calls == 2:
+            raise MemoryError("out of memory while hashing")
+        return SHA256(data)
+
+
 def test_mark_computed_records_nothing_if_hashing_a_block_fails(monkeypatch) -> None:
     manager = KVCacheManager(num_gpu_blocks=8, block_size=2)
     manager.allocate("a", [1, 2, 3, 4, 5])
-    calls = []
-
-    def fail_on_the_second_block(parent: bytes, tokens: bytes) -> bytes:
-        calls.append(tokens)
-        if len(calls) == 2:
-            raise MemoryError("out of memory while hashing")
-        return bytes(32)
-
-    monkeypatch.setattr("pagedkv.memory.hashing.hash_block", fail_on_the_second_block)
+    monkeypatch.setattr("hashlib.sha256", FailingHash())
     before = snapshot(manager)
     with pytest.raises(MemoryError):
         manager.mark_computed("a", 5)

@@ -34,20 +34,17 @@ def root_hash(cache_salt: str | None) -> BlockHash:
     return hashlib.sha256(_SALT_PREFIX + cache_salt.encode()).digest()
 
 
-def hash_block(parent_hash: BlockHash, block_tokens: bytes) -> BlockHash:
-    """Hash of one full block given the hash of the block before it (the root for the first)."""
-    return hashlib.sha256(parent_hash + block_tokens).digest()
-
-
 def chain_hashes(
     parent_hash: BlockHash, token_bytes: bytes, block_size: int
 ) -> Iterator[tuple[BlockHash, bytes]]:
     """(hash, token bytes) of each full block of `token_bytes`, chained from `parent_hash`.
 
-    Lazy, so a caller that stops at the first prefix-cache miss hashes one block only.
+    A block's hash is SHA-256 of its parent's hash followed by its token bytes. Lazy, so a
+    caller that stops at the first prefix-cache miss hashes one block only.
     """
+    sha256 = hashlib.sha256  # looked up once: this loop runs once per block
     block_bytes = block_size * BYTES_PER_TOKEN
     for offset in range(0, len(token_bytes) - block_bytes + 1, block_bytes):
         block_tokens = token_bytes[offset : offset + block_bytes]
-        parent_hash = hash_block(parent_hash, block_tokens)
+        parent_hash = sha256(parent_hash + block_tokens).digest()
         yield parent_hash, block_tokens

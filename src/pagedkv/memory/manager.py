@@ -184,9 +184,8 @@ class KVCacheManager:
         new_blocks = self._hash_new_full_blocks(seq, num_tokens)
         seq.num_computed = num_tokens
         first_new = len(seq.block_hashes)
-        for index, (block_hash, block_tokens) in enumerate(new_blocks, start=first_new):
-            seq.block_hashes.append(block_hash)
-            self._pool.cache(seq.blocks[index], block_hash, block_tokens)
+        seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
+        self._pool.cache(seq.blocks[first_new : first_new + len(new_blocks)], new_blocks)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and release its blocks, tail first so chain tails evict first."""
@@ -228,10 +227,13 @@ class KVCacheManager:
         seq = self._get(seq_id)
         if seq.cpu_blocks is None:
             raise SequenceNotSwappedOut(seq_id)
-        cached_tokens = [self._block_tokens(seq, index) for index in range(len(seq.block_hashes))]
+        hashed = [
+            (block_hash, self._block_tokens(seq, index))
+            for index, block_hash in enumerate(seq.block_hashes)
+        ]
         reused: dict[int, Block] = {}
-        for index, block_hash in enumerate(seq.block_hashes):
-            block = self._pool.lookup(block_hash, cached_tokens[index])
+        for index, (block_hash, token_bytes) in enumerate(hashed):
+            block = self._pool.lookup(block_hash, token_bytes)
             if block is not None:
                 reused[index] = block
         num_new = len(seq.cpu_blocks) - len(reused)
@@ -248,9 +250,8 @@ class KVCacheManager:
         self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
         seq.blocks = blocks
         seq.cpu_blocks = None
-        for index, block_hash in enumerate(seq.block_hashes):
-            if index not in reused:
-                self._pool.cache(blocks[index], block_hash, cached_tokens[index])
+        copied = [index for index in range(len(hashed)) if index not in reused]
+        self._pool.cache([blocks[index] for index in copied], [hashed[index] for index in copied])
         self._blocks_swapped_in += len(plan)
         return plan
 

@@ -55,13 +55,11 @@ class BlockPool:
         """Take `count` blocks from the head of the free queue, evicting cached data they held."""
         if count > len(self.free_queue):
             raise NoFreeBlocks(count, len(self.free_queue))
-        taken = []
-        for _ in range(count):
-            block = self.free_queue.popleft()
+        taken = self.free_queue.popleft_many(count)
+        for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
-            taken.append(block)
         return taken
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -91,18 +89,20 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: Block, block_hash: BlockHash, token_bytes: bytes) -> None:
-        """Register a full, computed block in the prefix cache.
+    def cache(self, blocks: list[Block], hashed: list[tuple[BlockHash, bytes]]) -> None:
+        """Register full, computed blocks in the prefix cache with their (hash, token bytes).
 
         A block already cached keeps its entry; a hash already served by another block keeps
         that block (two requests computed the same prefix at once), and this one stays
-        uncached, to be reused first when it is freed.
+        uncached, to be reused first when it is freed. One call per chain, not per block:
+        this runs for every block a sequence computes.
         """
-        if block.block_hash is not None or block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        block.token_bytes = token_bytes
-        self.cached[block_hash] = block
+        cached = self.cached
+        for block, (block_hash, token_bytes) in zip(blocks, hashed, strict=True):
+            if block.block_hash is None and block_hash not in cached:
+                block.block_hash = block_hash
+                block.token_bytes = token_bytes
+                cached[block_hash] = block
 
     def _evict(self, block: Block) -> None:
         del self.cached[block.block_hash]
@@ -171,21 +171,36 @@ class FreeBlockQueue:
             yield node
             node = node.next_free
 
-    def popleft(self) -> Block:
-        """Remove and return the block at the head (the next to be reused)."""
+    def popleft_many(self, count: int) -> list[Block]:
+        """Remove and return the `count` blocks at the head (the next to be reused), in order.
+
+        The run is unlinked as a whole: one relink of the head, not one per block.
+        """
+        if count > self._size:
+            raise IndexError(f"pop of {count} blocks from a free queue of {self._size}")
+        taken = []
         block = self._head.next_free
-        if block is self._tail:
-            raise IndexError("pop from an empty free queue")
-        self.remove(block)
-        return block
+        for _ in range(count):
+            taken.append(block)
+            block.prev_free, block.next_free, block = None, None, block.next_free
+        self._head.next_free = block
+        block.prev_free = self._head
+        self._size -= count
+        return taken
 
     def append(self, block: Block) -> None:
         """Put a block at the tail: reused last."""
-        self._link(block, self._tail.prev_free, self._tail)
+        before = self._tail.prev_free
+        block.prev_free, block.next_free = before, self._tail
+        before.next_free = self._tail.prev_free = block
+        self._size += 1
 
     def appendleft(self, block: Block) -> None:
         """Put a block at the head: reused first."""
-        self._link(block, self._head, self._head.next_free)
+        after = self._head.next_free
+        block.prev_free, block.next_free = self._head, after
+        self._head.next_free = after.prev_free = block
+        self._size += 1
 
     def remove(self, block: Block) -> None:
         """Unlink a block from wherever it is in the queue."""
@@ -193,10 +208,3 @@ class FreeBlockQueue:
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
         self._size -= 1
-
-    def _link(self, block: Block, before: Block, after: Block) -> None:
-        block.prev_free = before
-        block.next_free = after
-        before.next_free = block
-        after.prev_free = block
-        self._size += 1

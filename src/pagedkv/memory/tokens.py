@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Hashable, Sequence
+from operator import countOf
 
 from pagedkv.memory.errors import InvalidTokenIds
 
@@ -25,10 +26,10 @@ def token_array(seq_id: Hashable, token_ids: Sequence[int]) -> array:
     """`token_ids` as an int64 array; raises `InvalidTokenIds` naming the first bad id.
 
     The checks run at C speed over the whole input (one type pass, one conversion, one scan
-    of the sign bytes); only a rejected input is searched id by id for the message.
+    of the sign bytes); only a rejected input is searched id by id for the message. Counting
+    exact `int` types (an identity test per id) is the cheapest type pass and rules out bools.
     """
-    types = set(map(type, token_ids))
-    if types and types != {int}:
+    if countOf(map(type, token_ids), int) != len(token_ids):
         raise _first_invalid(seq_id, token_ids)
     try:
         tokens = array(TOKEN_TYPECODE, token_ids)
