@@ -1,15 +1,32 @@
-"""`pagedkv demo` runs the memory walk-through end to end."""
+"""`pagedkv demo`: the serving demo on a tiny model, and the memory walk-through."""
 
 from __future__ import annotations
 
 from pagedkv.cli import main
+from pagedkv.commands.serving_demo import QUESTIONS
 
 
-def test_demo_walks_through_every_stage_and_leaks_nothing(capsys) -> None:
-    assert main(["demo"]) == 0
+def test_memory_walkthrough_covers_every_stage_and_leaks_nothing(capsys) -> None:
+    assert main(["demo", "--memory"]) == 0
     out = capsys.readouterr().out
     # C's 10-token prompt repeats A's first 8 tokens: two blocks of 4 come from the cache.
     assert "8 were already computed" in out
     assert "copy-on-write [(" in out
     assert "swap_out plan" in out and "swap_in plan" in out
     assert "invariants hold, no block leaked" in out
+
+
+def test_serving_demo_answers_every_request_and_frees_every_block(capsys, tmp_path) -> None:
+    from tests.model.tiny_models import build_model_folder
+
+    folder = build_model_folder("llama", tmp_path / "llama")
+    # 40 blocks of 16 hold a few of the requests at once: they queue, share and preempt.
+    argv = ["demo", "--model", str(folder), "--num-gpu-blocks", "40", "--max-tokens", "24"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for question, _, _ in QUESTIONS:
+        assert question in out
+    for figure in ("KV utilisation", "peak concurrency", "prefix cache", "forks", "preemptions"):
+        assert figure in out
+    assert "slab allocator, same pool" in out
+    assert "every block is free again, invariants hold" in out
