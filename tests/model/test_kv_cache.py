@@ -255,3 +255,14 @@ def test_a_kv_dtype_mismatch_is_an_error_naming_both_dtypes():
     cache.check_dtype(torch.float32)
     with pytest.raises(KVCacheDtypeMismatch, match="K/V are torch.float16 .* holds torch.float32"):
         cache.check_dtype(torch.float16)
+
+
+def test_a_long_swap_is_copied_in_bounded_runs(monkeypatch):
+    monkeypatch.setattr("pagedkv.model.kv_cache.MAX_BLOCKS_PER_SWAP_COPY", 2)
+    cache = random_cache(num_blocks=8, num_cpu_blocks=6)
+    original = cache.cache[:, :, [7, 6, 5, 4, 3]].clone()
+    cache.execute(MemoryPlan.of(MoveKind.SWAP_OUT, zip([7, 6, 5, 4, 3], range(5), strict=True)))
+    assert torch.equal(cpu_blocks(cache, list(range(5))), original)
+    cache.cache.zero_()
+    cache.execute(MemoryPlan.of(MoveKind.SWAP_IN, zip(range(5), [0, 1, 2, 3, 4], strict=True)))
+    assert torch.equal(cache.cache[:, :, [0, 1, 2, 3, 4]], original)

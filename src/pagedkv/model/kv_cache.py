@@ -3,7 +3,9 @@
 The memory manager (`pagedkv.memory`) decides which block ids hold what; this class owns the
 bytes. All layers' K and V live in one tensor `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`, so a copy-on-write or a swap of a block moves it in every layer with
-one indexing op. A CPU-side pool of the same block shape receives swapped-out blocks.
+one indexing op. A CPU-side swap space receives swapped-out blocks; it is block-major
+(`[num_cpu_blocks, num_layers, 2, ...]`) so that consecutive CPU blocks are one contiguous
+range a swap copies in one go.
 
 A step's `MemoryPlan` runs as a whole through `execute`, in the order the memory manager
 produced it, before the next forward pass: a block that a swap-out releases can be the
@@ -28,6 +30,9 @@ if TYPE_CHECKING:  # llama.py imports this module
     from pagedkv.model.llama import LlamaModel
 
 _KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# A swap packs its blocks in device scratch memory first; capping a copy's length bounds that
+# scratch, which matters because swapping happens when device memory is scarce.
+MAX_BLOCKS_PER_SWAP_COPY = 64
 
 
 class KVCache:
@@ -191,10 +196,17 @@ class KVCache:
 
 
 def _consecutive_runs(block_ids: list[int]) -> Iterator[tuple[int, int, int]]:
-    """`(start, stop, first_id)` of each maximal slice of `block_ids` counting up by one."""
+    """`(start, stop, first_id)` of each slice of `block_ids` counting up by one.
+
+    A slice longer than `MAX_BLOCKS_PER_SWAP_COPY` is split into runs of at most that length.
+    """
     start = 0
     for position in range(1, len(block_ids) + 1):
-        if position == len(block_ids) or block_ids[position] != block_ids[position - 1] + 1:
+        if (
+            position == len(block_ids)
+            or block_ids[position] != block_ids[position - 1] + 1
+            or position - start == MAX_BLOCKS_PER_SWAP_COPY
+        ):
             yield start, position, block_ids[start]
             start = position
 
