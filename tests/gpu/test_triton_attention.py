@@ -17,8 +17,9 @@ pytest.importorskip("triton")
 from pagedkv.model.triton_attention import DecodeConfig, triton_paged_attention  # noqa: E402
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-# Small partitions, so short test contexts still split into several and get merged.
-SMALL_PARTITIONS = DecodeConfig(partition_size=64, block_n=32)
+# Small partitions, so short test contexts still split into several and get merged; several
+# programs per KV head stride through the work list (on the CPU the "SM count" is 1).
+SMALL_PARTITIONS = DecodeConfig(partition_size=64, block_n=32, programs_per_sm=6)
 
 
 def run_both(
@@ -102,14 +103,14 @@ def test_prefill_matches_reference(
 
 
 @pytest.mark.parametrize("max_query_len", [1, 5])
-def test_head_dim_not_a_power_of_two(device: torch.device, max_query_len: int) -> None:
-    """head_dim 40 is padded to 64 inside the kernels and masked on load and store."""
+def test_group_and_head_dim_not_powers_of_two(device: torch.device, max_query_len: int) -> None:
+    """3 query heads per KV head (Qwen2 has 7) and head_dim 40: padded, masked on load/store."""
     batch = make_batch(
         [70, 5],
         [max_query_len, 1],
         block_size=16,
-        num_kv_heads=1,
-        group=4,
+        num_kv_heads=2,
+        group=3,
         head_dim=40,
         dtype=torch.float32,
     )
