@@ -128,3 +128,19 @@ def test_abort_mid_run_frees_blocks_at_once_and_reports_abort(engine_zoo):
                 finished[delta.request_id] = delta.outputs[0].finish_reason
     assert finished == {"1": "abort", "0": "length", "2": "length"}
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
+def test_cache_salt_keeps_prefix_blocks_apart(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    prompt = random_prompt(70, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    outputs, cached = {}, {}
+    for request_id, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")):
+        engine.add_request(request_id, prompt, params, cache_salt=salt)
+        for deltas in run_to_completion(engine):
+            for delta in deltas:
+                outputs.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+                cached[delta.request_id] = delta.metrics.num_cached_tokens
+    assert outputs["a"] == outputs["b"] == outputs["c"]
+    # Only "c" found blocks: the four full ones "a" (the same tenant) left in the cache.
+    assert cached == {"a": 0, "b": 0, "c": 64}

@@ -40,10 +40,11 @@ class KVBudget:
     def describe(self, block_size: int, max_model_len: int) -> str:
         """vLLM-style start-up line: pool size and how many full-length requests fit."""
         tokens = self.num_gpu_blocks * block_size
+        gib = self.num_gpu_blocks * self.bytes_per_block / GIB
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
-            f"({format_bytes(self.num_gpu_blocks * self.bytes_per_block)}); "
-            f"max concurrency at max_model_len {max_model_len}: {tokens / max_model_len:.2f}"
+            f"({gib:.2f} GiB); max concurrency at max_model_len ({max_model_len} tokens): "
+            f"{tokens / max_model_len:.2f}"
         )
 
 

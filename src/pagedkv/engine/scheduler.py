@@ -181,7 +181,9 @@ class Scheduler:
         allocated: list[Sequence] = []
         try:
             for seq in seqs:
-                num_cached = self.manager.allocate(seq.seq_id, seq.token_ids)  # SALT-TODO
+                num_cached = self.manager.allocate(
+                    seq.seq_id, seq.token_ids, cache_salt=request.cache_salt
+                )
                 allocated.append(seq)
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.num_cached_tokens = num_cached
