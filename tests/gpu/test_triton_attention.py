@@ -57,13 +57,16 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("sliding_window", [None, 100])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference(
     device: torch.device, block_size: int, group: int, sliding_window: int | None, dtype
 ) -> None:
-    """One token per sequence; mixed lengths from 1 key to several partitions."""
+    """One token per sequence; mixed lengths from 1 key to several partitions.
+
+    The window (100 keys) spans two 64-key partitions, starting mid-block, for the longer ones.
+    """
     context_lens = [1, 17, 64, 300, 33, 129]
     batch = make_batch(
         context_lens,
