@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -239,6 +240,15 @@ def test_aborted_stream_frees_its_blocks_at_once(
         pass
     assert not all_blocks_free(server)
     stream.close()
+    assert wait_until(lambda: all_blocks_free(server), timeout=5.0) < 2.0
+
+
+def test_abandoned_request_is_aborted_when_its_client_hangs_up(
+    model_name: str, server: RunningServer
+) -> None:
+    body = {"model": model_name, "prompt": LONG_PROMPT, "max_tokens": 900, "ignore_eos": True}
+    with server.http() as http, pytest.raises(httpx2.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=0.5)  # not streamed: gives up waiting
     assert wait_until(lambda: all_blocks_free(server), timeout=5.0) < 2.0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+from tests.server.conftest import RunningServer, all_blocks_free
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -68,46 +68,55 @@ def test_page_map_draws_the_pool_follows_requests_and_names_owners_on_hover(
     idle = page.locator("#gpu").screenshot()
 
     request_ids: list[str] = []
+    stop = threading.Event()
     workers = [
-        threading.Thread(target=_stream, args=(server, i, request_ids)) for i in range(NUM_REQUESTS)
+        threading.Thread(target=_stream, args=(server, i, request_ids, stop))
+        for i in range(NUM_REQUESTS)
     ]
     for worker in workers:
         worker.start()
-    page.wait_for_function("pagemap.gpu.heldBlocks().length > 8", timeout=20_000)
-    assert page.locator("#gpu").screenshot() != idle
-    assert page.locator("#kv-usage").inner_text() != "0.0%"
+    try:
+        page.wait_for_function("pagemap.gpu.heldBlocks().length > 8", timeout=20_000)
+        assert page.locator("#gpu").screenshot() != idle
+        assert page.locator("#kv-usage").inner_text() != "0.0%"
 
-    block = page.evaluate("pagemap.gpu.heldBlocks()[0]")
-    centre = page.evaluate(f"pagemap.gpu.blockCentre({block})")
-    page.mouse.move(centre["x"], centre["y"])
-    tooltip = page.locator("#tooltip")
-    tooltip.wait_for(state="visible", timeout=5_000)
-    text = tooltip.inner_text()
-    assert f"GPU block {block}" in text and "ref count" in text and "prefix cache" in text
-    assert any(request_id in text for request_id in request_ids), text
-    page.screenshot(path=str(tmp_path / "pagemap.png"))
-
-    for worker in workers:
-        worker.join(timeout=60)
+        block = page.evaluate("pagemap.gpu.heldBlocks()[0]")
+        centre = page.evaluate(f"pagemap.gpu.blockCentre({block})")
+        page.mouse.move(centre["x"], centre["y"])
+        tooltip = page.locator("#tooltip")
+        tooltip.wait_for(state="visible", timeout=5_000)
+        text = tooltip.inner_text()
+        assert f"GPU block {block}" in text and "ref count" in text and "prefix cache" in text
+        assert any(request_id in text for request_id in request_ids), text
+        page.screenshot(path=str(tmp_path / "pagemap.png"))
+    finally:
+        stop.set()  # the clients hang up: their requests are aborted and their blocks freed
+        for worker in workers:
+            worker.join(timeout=30)
     page.wait_for_function("pagemap.gpu.heldBlocks().length === 0", timeout=10_000)
     assert all_blocks_free(server)
     page.close()
 
 
-def _stream(server: RunningServer, index: int, request_ids: list[str]) -> None:
-    """A long streamed completion (n=2 on odd ones, so blocks are shared)."""
+def _stream(
+    server: RunningServer, index: int, request_ids: list[str], stop: threading.Event
+) -> None:
+    """A long streamed completion (n=2 on odd ones, so blocks are shared) until `stop`."""
     with server.client() as client:
         stream = client.completions.create(
             model=client.models.list().data[0].id,
             prompt=f"Request {index}: " + "Paged attention stores keys and values. " * 12,
-            max_tokens=400,
+            max_tokens=600,  # the prompt is ~350 tokens of the 1024 the tiny model allows
             n=1 + index % 2,
             stream=True,
             extra_body={"ignore_eos": True},
         )
-        for chunk in stream:
-            if chunk.id not in request_ids:
-                request_ids.append(chunk.id)
+        with stream:
+            for chunk in stream:
+                if chunk.id not in request_ids:
+                    request_ids.append(chunk.id)
+                if stop.is_set():
+                    break
 
 
 def test_page_assets_are_served_from_the_package(server: RunningServer) -> None:
@@ -116,4 +125,3 @@ def test_page_assets_are_served_from_the_package(server: RunningServer) -> None:
         assert index.status_code == 200 and '<canvas id="gpu">' in index.text
         for asset in ("/static/pagemap.js", "/static/pagemap.css"):
             assert http.get(asset).status_code == 200
-    wait_until(lambda: all_blocks_free(server), timeout=5.0)

@@ -97,6 +97,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._kv_dirty = True
         self._last_frame = 0.0
+        self._added_since_stats = 0
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -161,6 +162,7 @@ class EngineLoop:
             if self.engine.has_unfinished():
                 self._step()
             self.stats = self.engine.stats
+            self._added_since_stats = 0
             self._maybe_publish_frame()
         self._abort_all()
 
@@ -197,7 +199,9 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         if self.max_waiting is not None:
-            num_waiting = self.engine.stats.num_waiting
+            # Every request added since the last step is still waiting; reading the published
+            # stats avoids recomputing them (they walk every block table) once per add.
+            num_waiting = self.stats.num_waiting + self._added_since_stats
             if num_waiting >= self.max_waiting:
                 _resolve(
                     command.route.loop,
@@ -211,6 +215,7 @@ class EngineLoop:
             _resolve(command.route.loop, command.done, error=error)
             return
         self._routes[command.request_id] = command.route
+        self._added_since_stats += 1
         self._kv_dirty = True
         _resolve(command.route.loop, command.done, result=None)
 

@@ -1,0 +1,278 @@
+"""Load test of `pagedkv serve`: many concurrent streaming clients on loopback.
+
+Starts `pagedkv serve` (or targets `--url`), sends `--num-requests` streamed completions of
+mixed prompt and output lengths from `--concurrency` clients at once, each with `ignore_eos`
+so it must produce exactly the tokens it asked for, and prints requests/s, output tokens/s,
+time to first token and time per output token (p50 / p99). It then checks through
+`GET /v1/kv` that every KV block is free again. Exits non-zero if any check fails.
+
+    .venv/bin/python bench/serve_load.py                      # the built-in model
+    .venv/bin/python bench/serve_load.py --model PATH --serve-arg=--num-gpu-blocks=2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+
+from pagedkv.models import DEFAULT_MODEL
+
+WORDS = [
+    *("memory", "block", "table", "page", "cache", "token", "sequence", "prefix", "share"),
+    *("copy", "write", "swap", "host", "device", "attention", "key", "value", "layer", "head"),
+    *("batch", "request", "stream", "model", "engine", "paged", "fragment", "pool", "free"),
+    *("hold", "reference", "count", "evict", "recent", "chain", "hash", "prompt", "sample"),
+]
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Result:
+    """One request's outcome and timings (seconds)."""
+
+    requested_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    ttft: float
+    tpot: float | None
+
+
+def main() -> int:
+    """Run the load, print the figures, check completeness and that the pool is empty."""
+    args = parse_args()
+    rng = random.Random(args.seed)
+    system_prompt = " ".join(rng.choices(WORDS, k=args.shared_prefix_words))
+    workload = []
+    for index in range(args.num_requests):
+        prompt = " ".join(rng.choices(WORDS, k=rng.randint(*args.prompt_words)))
+        if index % 2 == 0:  # half the requests share a system prompt: prefix-cache hits
+            prompt = f"{system_prompt}\n{prompt}"
+        workload.append((prompt, rng.randint(*args.output_tokens)))
+    server = None if args.url else start_server(args)
+    url = args.url or server[0]
+    try:
+        wait_for_health(url, STARTUP_TIMEOUT_S)
+        model = httpx2.get(f"{url}/v1/models", headers=auth(args)).json()["data"][0]["id"]
+        started = time.perf_counter()
+        results = asyncio.run(run_load(url, model, workload, args))
+        elapsed = time.perf_counter() - started
+        pool = pool_after(url, args)
+    finally:
+        if server is not None:
+            stop_server(server[1])
+    return report(results, elapsed, args, pool)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="model to serve (default: %(default)s)"
+    )
+    parser.add_argument("--url", help="load an already running server instead of starting one")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY"))
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--prompt-words", type=int, nargs=2, default=(8, 128), metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-tokens", type=int, nargs=2, default=(8, 64), metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--shared-prefix-words",
+        type=int,
+        default=64,
+        help="words of the system prompt every other request starts with (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `pagedkv serve` argument, e.g. --serve-arg=--num-gpu-blocks=4096 (repeatable)",
+    )
+    return parser.parse_args()
+
+
+def auth(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def start_server(args: argparse.Namespace) -> tuple[str, subprocess.Popen]:
+    """`pagedkv serve` on a free loopback port, its log in a temporary file."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log_path = Path(tempfile.mkdtemp(prefix="serve_load_")) / "serve.log"
+    print(f"starting pagedkv serve --model {args.model} on port {port} (log: {log_path})")
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", args.model]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--max-waiting", "100000"]
+    with log_path.open("w") as log:  # the child keeps its own handle
+        process = subprocess.Popen(command + args.serve_arg, stdout=log, stderr=subprocess.STDOUT)
+    return f"http://127.0.0.1:{port}", process
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def wait_for_health(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx2.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx2.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"server at {url} not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+async def run_load(
+    url: str, model: str, workload: list[tuple[str, int]], args: argparse.Namespace
+) -> list[Result]:
+    """Every request of `workload`, at most `--concurrency` in flight."""
+    limits = httpx2.Limits(
+        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
+    )
+    timeout = httpx2.Timeout(None)
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in workload:
+        queue.put_nowait(item)
+    results: list[Result] = []
+    async with httpx2.AsyncClient(
+        base_url=url, limits=limits, timeout=timeout, headers=auth(args)
+    ) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                prompt, max_tokens = queue.get_nowait()
+                results.append(await one_request(client, model, prompt, max_tokens))
+                done = len(results)
+                if done % 32 == 0:
+                    print(f"  {done}/{len(workload)} requests done", flush=True)
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return results
+
+
+async def one_request(
+    client: httpx2.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> Result:
+    """One streamed completion; token times are taken as each chunk arrives."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = last = None
+    finish_reason = None
+    completion_tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise SystemExit(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                finish_reason = choice["finish_reason"] or finish_reason
+    assert first is not None and last is not None
+    tpot = (last - first) / (completion_tokens - 1) if completion_tokens > 1 else None
+    return Result(max_tokens, completion_tokens, finish_reason, first - sent, tpot)
+
+
+@dataclass
+class PoolAfter:
+    """The KV pool once the load is over."""
+
+    free: bool
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    prefix_hit_rate: float
+    preemptions: int
+
+
+def pool_after(url: str, args: argparse.Namespace) -> PoolAfter:
+    snapshot = httpx2.get(f"{url}/v1/kv", headers=auth(args), timeout=60).json()
+    stats = snapshot["stats"]
+    return PoolAfter(
+        free=all(b["ref_count"] == 0 for b in snapshot["gpu"] + snapshot["cpu"]),
+        num_gpu_blocks=len(snapshot["gpu"]),
+        num_cpu_blocks=len(snapshot["cpu"]),
+        prefix_hit_rate=stats["prefix_hit_rate"],
+        preemptions=stats["num_swap_preemptions"] + stats["num_recompute_preemptions"],
+    )
+
+
+def report(results: list[Result], elapsed: float, args: argparse.Namespace, pool: PoolAfter) -> int:
+    """Print the figures; 0 if every request got its tokens and the pool is empty."""
+    complete = [
+        r
+        for r in results
+        if r.completion_tokens == r.requested_tokens and r.finish_reason == "length"
+    ]
+    output_tokens = sum(r.completion_tokens for r in results)
+    ttfts = [r.ttft for r in results]
+    tpots = [r.tpot for r in results if r.tpot is not None]
+    print(
+        f"\n{len(results)} requests, {args.concurrency} concurrent streaming clients, "
+        f"prompts {args.prompt_words[0]}-{args.prompt_words[1]} words, "
+        f"outputs {args.output_tokens[0]}-{args.output_tokens[1]} tokens, half after a shared "
+        f"{args.shared_prefix_words}-word system prompt, {args.model}"
+    )
+    print(f"wall time           {elapsed:8.1f} s")
+    print(f"requests/s          {len(results) / elapsed:8.2f}")
+    print(f"output tokens/s     {output_tokens / elapsed:8.1f}   ({output_tokens} tokens)")
+    ttft = [percentile(ttfts, q) * 1e3 for q in (50, 99)]
+    tpot = [percentile(tpots, q) * 1e3 for q in (50, 99)]
+    print(f"TTFT p50 / p99      {ttft[0]:8.0f} / {ttft[1]:.0f} ms")
+    print(f"TPOT p50 / p99      {tpot[0]:8.1f} / {tpot[1]:.1f} ms")
+    print(f"complete            {len(complete)}/{len(results)} with exactly the requested tokens")
+    print(f"prefix cache hits   {pool.prefix_hit_rate:8.1%} of prompt tokens")
+    print(f"preemptions         {pool.preemptions:8d}")
+    verdict = "yes" if pool.free else "NO"
+    print(
+        f"blocks free after   {verdict:>8} "
+        f"({pool.num_gpu_blocks} GPU, {pool.num_cpu_blocks} CPU blocks, all ref counts 0)"
+    )
+    return 0 if pool.free and len(complete) == len(results) == args.num_requests else 1
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

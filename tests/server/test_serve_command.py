@@ -1,0 +1,64 @@
+"""`pagedkv serve` as a user runs it: a subprocess on loopback, the key from the environment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+
+from pagedkv.cli import main
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+def test_serve_help_lists_engine_and_server_options(capsys) -> None:
+    try:
+        main(["serve", "--help"])
+    except SystemExit as exit:
+        assert exit.code == 0
+    help_text = capsys.readouterr().out
+    for option in ("--model", "--num-gpu-blocks", "--host", "--port", "--api-key", "--max-waiting"):
+        assert option in help_text
+
+
+def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
+    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
+    env = dict(os.environ, PAGEDKV_API_KEY="from-env")
+    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(url, server)
+        body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+        assert httpx2.post(f"{url}/v1/completions", json=body).status_code == 401
+        response = httpx2.post(
+            f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer from-env"}
+        )
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.send_signal(signal.SIGINT)
+        output = server.communicate(timeout=30)[0].decode()
+    assert server.returncode == 0, output
+    assert f"http://127.0.0.1:{port}/" in output  # where the page map is
+
+
+def _wait_for_health(url: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.communicate()[0].decode()
+        try:
+            if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx2.TransportError:
+            time.sleep(0.2)
+    raise AssertionError(f"pagedkv serve did not answer /health within {STARTUP_TIMEOUT_S} s")
