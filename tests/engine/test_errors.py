@@ -11,6 +11,7 @@ from pagedkv.engine import (
     RequestTooLarge,
     SamplingParams,
     TokenOutOfVocabulary,
+    TooManySamples,
 )
 from pagedkv.engine.errors import DuplicateRequest
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
@@ -48,6 +49,12 @@ def test_bad_requests_are_rejected_and_the_others_finish(
     finished = [d.request_id for ds in run_to_completion(engine) for d in ds if d.finished]
     assert sorted(finished) == ["good-1", "good-2"]
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
+def test_more_samples_than_a_step_can_run_are_rejected(engine_zoo):
+    engine = make_engine(engine_zoo, "llama", max_num_seqs=4)
+    with pytest.raises(TooManySamples, match="n is 5, but one step runs at most 4"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(n=5))
 
 
 def test_duplicate_request_ids_are_rejected(engine_zoo):

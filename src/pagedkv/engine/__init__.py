@@ -9,6 +9,7 @@ from pagedkv.engine.errors import (
     RequestRejected,
     RequestTooLarge,
     TokenOutOfVocabulary,
+    TooManySamples,
 )
 from pagedkv.engine.llm import LLM
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -33,4 +34,5 @@ __all__ = [
     "RequestTooLarge",
     "SamplingParams",
     "TokenOutOfVocabulary",
+    "TooManySamples",
 ]

@@ -23,6 +23,7 @@ from pagedkv.engine.errors import (
     PromptTooLong,
     RequestTooLarge,
     TokenOutOfVocabulary,
+    TooManySamples,
 )
 from pagedkv.engine.kv_budget import kv_budget
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -349,12 +350,15 @@ class Engine:
             max_tokens = self.max_model_len - num_prompt
         if num_prompt >= self.max_model_len or num_prompt + max_tokens > self.max_model_len:
             raise PromptTooLong(num_prompt, max_tokens, self.max_model_len)
-        block_size = self.manager.block_size
-        shared = num_prompt // block_size
-        per_sample = -(-(num_prompt + max_tokens) // block_size) - shared
-        needed = shared + params.n * per_sample
+        # Samples share the prompt's blocks while they run, but after a preemption each one
+        # may come back (swapped in, or recomputed) with blocks of its own: the request must
+        # fit the whole pool in that worst case too, or it could wait forever.
+        needed = params.n * -(-(num_prompt + max_tokens) // self.manager.block_size)
         if needed > self.manager.num_gpu_blocks:
             raise RequestTooLarge(needed, self.manager.num_gpu_blocks)
+        max_samples = min(self.args.max_num_seqs, self.args.max_num_batched_tokens)
+        if params.n > max_samples:
+            raise TooManySamples(params.n, max_samples)
         return max_tokens
 
     def _new_sequence(

@@ -57,6 +57,16 @@ class RequestTooLarge(RequestRejected):
         )
 
 
+class TooManySamples(RequestRejected):
+    """The request's samples could never all run in one step."""
+
+    def __init__(self, n: int, limit: int) -> None:
+        super().__init__(
+            f"n is {n}, but one step runs at most {limit} sequences "
+            "(max_num_seqs / max_num_batched_tokens)"
+        )
+
+
 class DuplicateRequest(RequestRejected):
     """A request with this id is already in the engine."""
 
