@@ -127,3 +127,11 @@ def test_generate_with_one_bad_prompt_leaves_nothing_behind(engine_zoo):
     assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_gpu_blocks
     outputs = llm.generate([[5, 6], [7, 8]], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
+
+
+def test_unbounded_max_tokens_stops_where_the_pool_ends(engine_zoo):
+    engine = make_engine(engine_zoo, "llama", num_gpu_blocks=4, block_size=4, max_model_len=200)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    tokens = [t for ds in run_to_completion(engine) for d in ds for t in d.outputs[0].token_ids]
+    assert len(tokens) == 4 * 4 - 3  # the whole pool of 16 slots, less the prompt

@@ -346,8 +346,9 @@ class Engine:
         """max_tokens after checking the request fits the context and the whole pool."""
         num_prompt = len(token_ids)
         max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
+        if max_tokens is None:  # as long as the context, and the pool, allow
+            pool_tokens = self.manager.num_gpu_blocks // params.n * self.manager.block_size
+            max_tokens = max(1, min(self.max_model_len, pool_tokens) - num_prompt)
         if num_prompt >= self.max_model_len or num_prompt + max_tokens > self.max_model_len:
             raise PromptTooLong(num_prompt, max_tokens, self.max_model_len)
         # Samples share the prompt's blocks while they run, but after a preemption each one
