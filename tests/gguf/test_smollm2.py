@@ -96,7 +96,7 @@ def test_config_matches_the_published_model(ours):
 def test_every_tensor_equals_transformers_gguf_loader(ours, hf_model):
     theirs = hf_model.state_dict()
     mine = ours.model.state_dict()
-    assert len(mine) == 272  # 271 tensors in the file, plus nothing invented
+    assert len(mine) == 272  # the 272 tensors of the file, none invented
     for name, tensor in mine.items():
         assert torch.equal(tensor, theirs[f"model.{name}"]), name
 
