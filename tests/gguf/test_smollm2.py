@@ -158,6 +158,16 @@ def test_token_ids_match_the_reference(ours, text):
     assert ours.tokenizer.decode(REFERENCE_IDS[text]) == text
 
 
+def test_converted_folder_tokenises_the_same_in_transformers(ours):
+    """The folder `load` cached is a plain HF folder: transformers reads its tokenizer.json
+    with the smollm pre-tokeniser, so it matches llama.cpp where its GGUF conversion did not."""
+    import transformers
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(ours.path)
+    for text, ids in REFERENCE_IDS.items():
+        assert hf_tokenizer(text)["input_ids"] == ids, text
+
+
 def test_special_tokens_and_eos(ours):
     tokenizer = ours.tokenizer
     assert tokenizer.eos_token_ids == (2,)
