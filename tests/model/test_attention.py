@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.model import attention
-from pagedkv.model.attention import paged_attention, write_kv
+from pagedkv.model import attention_metadata
+from pagedkv.model.attention import key_bytes_per_block, paged_attention, write_kv
+from pagedkv.model.attention_metadata import AttentionMetadata
 
 
 @dataclass
@@ -103,6 +104,22 @@ def dense_attention(batch: Batch, scale: float, sliding_window: int | None) -> t
     return torch.cat(outputs)
 
 
+def attend(
+    batch: Batch, scale: float, sliding_window: int | None = None, query: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`paged_attention` over the batch, its step planned as a forward pass plans it."""
+    metadata = AttentionMetadata.build(
+        batch.block_tables,
+        batch.context_lens.tolist(),
+        batch.query_lens.tolist(),
+        batch.k_cache.shape[1],
+        sliding_window,
+        key_bytes_per_block(batch.k_cache),
+    )
+    query = batch.query if query is None else query
+    return paged_attention(query, batch.k_cache, batch.v_cache, metadata, scale)
+
+
 @st.composite
 def sequences(draw: st.DrawFn) -> list[tuple[int, int]]:
     """A mixed batch: decodes, whole prompts, and chunks after a cached prefix."""
@@ -135,16 +152,7 @@ def test_paged_attention_equals_dense_attention(
     seed: int,
 ) -> None:
     batch = make_batch(seqs, num_kv_heads, group, 16, block_size, seed, index_dtype=index_dtype)
-    out = paged_attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_lens,
-        scale=0.25,
-        sliding_window=sliding_window,
-    )
+    out = attend(batch, 0.25, sliding_window)
     expected = dense_attention(batch, 0.25, sliding_window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -155,7 +163,7 @@ def test_paged_attention_equals_dense_attention(
     context_len=st.integers(1, 200),
     block_size=st.sampled_from([1, 16, 32]),
     sliding_window=st.one_of(st.none(), st.integers(1, 64)),
-    chunk_bytes=st.sampled_from([1, 50_000, attention.DECODE_CHUNK_BYTES]),
+    chunk_bytes=st.sampled_from([1, 50_000, attention_metadata.DECODE_CHUNK_BYTES]),
     seed=st.integers(0, 2**16),
 )
 def test_decode_batch_equals_dense_attention(
@@ -172,17 +180,8 @@ def test_decode_batch_equals_dense_attention(
     )
     seqs = [(int(n), 1) for n in lens]
     batch = make_batch(seqs, num_kv_heads=2, group=4, head_dim=32, block_size=block_size, seed=seed)
-    with patch.object(attention, "DECODE_CHUNK_BYTES", chunk_bytes):
-        out = paged_attention(
-            batch.query,
-            batch.k_cache,
-            batch.v_cache,
-            batch.block_tables,
-            batch.context_lens,
-            batch.query_lens,
-            scale=32**-0.5,
-            sliding_window=sliding_window,
-        )
+    with patch.object(attention_metadata, "DECODE_CHUNK_BYTES", chunk_bytes):
+        out = attend(batch, 32**-0.5, sliding_window)
     expected = dense_attention(batch, 32**-0.5, sliding_window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -195,8 +194,7 @@ def test_half_precision_matches_float32_reference(
     batch = make_batch(
         seqs, num_kv_heads=2, group=2, head_dim=16, block_size=16, seed=0, dtype=dtype
     )
-    args = (batch.block_tables, batch.context_lens, batch.query_lens)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, *args, scale=0.25)
+    out = attend(batch, 0.25)
     assert out.dtype == dtype
     expected = dense_attention(batch, 0.25, None)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
@@ -259,7 +257,15 @@ def test_bad_shapes_are_clear_errors(name: str, bad, message: str) -> None:
     args = _valid_args()
     args[name] = bad(args[name])
     with pytest.raises(ValueError, match=message):
-        paged_attention(**args)
+        metadata = AttentionMetadata.build(
+            args.pop("block_tables"),
+            args.pop("context_lens").tolist(),
+            args.pop("query_lens").tolist(),
+            block_size=16,
+            sliding_window=None,
+            key_bytes_per_block=1 << 10,
+        )
+        paged_attention(metadata=metadata, **args)
 
 
 def test_write_kv_bad_shapes_are_clear_errors() -> None:
@@ -277,6 +283,43 @@ def test_query_may_be_a_strided_view(seqs: list[tuple[int, int]]) -> None:
     fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)
     strided = fused[:, : batch.query.shape[1]]
     assert not strided.is_contiguous()
-    args = (batch.block_tables, batch.context_lens, batch.query_lens)
-    out = paged_attention(strided, batch.k_cache, batch.v_cache, *args, scale=0.5)
+    out = attend(batch, 0.5, query=strided)
     torch.testing.assert_close(out, dense_attention(batch, 0.5, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_a_query_is_computed_alike_on_every_path(
+    dtype: torch.dtype, sliding_window: int | None
+) -> None:
+    """A whole prompt, its tail after a cached prefix, or its last token decoding among other
+    sequences: the same query over the same keys gives the same output, bit for bit in 16-bit
+    dtypes (so prefix caching cannot change outputs), to float32 rounding in float32."""
+    context, scale = 70, 32**-0.5
+    batch = make_batch([(context, context)], 2, 4, 32, block_size=16, seed=7, dtype=dtype)
+    table = batch.block_tables[:1]
+    whole = attend(batch, scale, sliding_window)
+
+    def same(out: torch.Tensor, expected: torch.Tensor) -> None:
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(out, expected)
+
+    for tail in (1, 2, 5, 16, 33):
+        metadata = AttentionMetadata.build(
+            table, [context], [tail], 16, sliding_window, key_bytes_per_block(batch.k_cache)
+        )
+        out = paged_attention(batch.query[-tail:], batch.k_cache, batch.v_cache, metadata, scale)
+        same(out, whole[-tail:])
+    # Decoding beside shorter and longer sequences (their blocks: any of the pool's).
+    gen = torch.Generator().manual_seed(8)
+    tables = torch.randint(0, batch.k_cache.shape[0], (4, 16), generator=gen, dtype=table.dtype)
+    tables[1, : table.shape[1]] = table[0]
+    queries = torch.randn(4, *whole.shape[1:], generator=gen).to(dtype)
+    queries[1] = batch.query[-1]
+    metadata = AttentionMetadata.build(
+        tables, [150, context, 3, 200], [1, 1, 1, 1], 16, sliding_window, 1 << 16
+    )
+    out = paged_attention(queries, batch.k_cache, batch.v_cache, metadata, scale)
+    same(out[1:2], whole[-1:])

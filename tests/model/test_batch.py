@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagedkv.model.batch import ForwardBatch, SequenceInput
-from pagedkv.model.errors import InvalidBatch
+from pagedkv.model.errors import InvalidBatch, PositionOutOfRange, TokenIdOutOfRange
+from pagedkv.model.kv_cache import KVCache
 
 
 def test_mixed_prefill_cached_prefix_and_decode():
@@ -28,6 +29,9 @@ def test_mixed_prefill_cached_prefix_and_decode():
     assert batch.query_lens.tolist() == [3, 3, 1]
     assert batch.logits_indices.tolist() == [2, 5, 6]
     assert batch.num_seqs == 3
+    # Python copies, so nothing per step has to read lengths back from the device.
+    assert (batch.host_context_lens, batch.host_query_lens) == ((3, 7, 7), (3, 3, 1))
+    assert batch.host_token_id_ranges == ((10, 12), (20, 22), (30, 30))
     assert (batch.input_ids.dtype, batch.slot_mapping.dtype) == (torch.int64, torch.int64)
     assert batch.block_tables.dtype == torch.int32
 
@@ -53,3 +57,34 @@ def test_a_prompt_chunk_starts_mid_block():
 def test_inconsistent_sequences_are_rejected(sequences, message):
     with pytest.raises(InvalidBatch, match=message):
         ForwardBatch.build(sequences, block_size=4)
+
+
+def test_token_ids_that_do_not_fit_int64_are_rejected():
+    with pytest.raises(InvalidBatch, match="64-bit integers"):
+        ForwardBatch.build([SequenceInput([2**70], 0, [0])], block_size=4)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "num_computed", "error", "message"),
+    [
+        ([3, 320], 0, TokenIdOutOfRange, r"sequence 1 has token id 320, outside \[0, 320\)"),
+        ([-1, 5], 0, TokenIdOutOfRange, r"sequence 1 has token id -1"),
+        (
+            [5],
+            1024,
+            PositionOutOfRange,
+            "sequence 1 reaches position 1024, but the model allows 1024 positions",
+        ),
+    ],
+)
+def test_model_rejects_token_ids_and_positions_before_the_embedding(
+    zoo, token_ids, num_computed, error, message
+):
+    model = zoo.ours("llama")  # vocab_size 320, max_position_embeddings 1024
+    cache = KVCache.for_model(model.config, block_size=16, num_blocks=70)
+    batch = ForwardBatch.build(
+        [SequenceInput([3], 0, [0]), SequenceInput(token_ids, num_computed, list(range(1, 66)))],
+        block_size=16,
+    )
+    with pytest.raises(error, match=message):
+        model(batch, cache)

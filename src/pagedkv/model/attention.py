@@ -6,27 +6,40 @@ slot ``block_table[p // block_size] * block_size + p % block_size``; the block t
 thing that says where a sequence's keys are, so blocks can be shared, copied and swapped without
 the model noticing.
 
-A batch is flat and unpadded: the new tokens of every sequence, concatenated. Sequences that
-decode (one new token) are attended together by a block-wise kernel, because that is the
-engine's steady state and it must not cost much more than attention over a contiguous cache.
-Sequences that prefill (a prompt, or a chunk of one after a cached prefix) are attended one at
-a time with ``scaled_dot_product_attention`` over their gathered keys; prefill is compute bound,
-so the gather is cheap next to the attention itself.
+A batch is flat and unpadded: the new tokens of every sequence, concatenated. What the step
+looks like (who decodes, who prefills, which blocks and keys each reads) is planned once per
+forward in `AttentionMetadata`; the functions here only run the plan on one layer's tensors.
+Sequences that decode (one new token) are attended together by a block-wise kernel whose cost
+follows the keys actually held; sequences that prefill are attended one at a time with
+``scaled_dot_product_attention`` over their gathered keys (prefill is compute bound, so the
+gather is cheap next to the attention itself).
+
+Precision: 16-bit caches are attended in float64. Decode and prefill compute a query in
+different orders, and so do a prompt prefilled whole and one whose prefix came from the cache;
+in float32 the two results differ in the last bits, and rounding them to 16 bits then differs
+for about one element in ten thousand, which is enough to flip a greedy token. In float64 the
+orders differ by ~1e-16, far below half a 16-bit ulp, so the rounded outputs agree bit for bit
+(tests/model/test_prefix_cache_precision.py): outputs do not depend on what was cached.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Bytes of keys (or values) the decode kernel gathers at a time: large enough that the Python
-# loop's per-chunk cost is small, small enough that a chunk stays in cache between its gather
-# and its matmuls. Of 2, 4, 8 and 16 MiB, 4 was fastest (2-core EPYC, bench/attention_bench.py).
-DECODE_CHUNK_BYTES = 4 << 20
+from pagedkv.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
+
+
+def compute_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention accumulates in for a cache of ``cache_dtype`` (see module doc)."""
+    return torch.float64 if cache_dtype.itemsize < 4 else cache_dtype
+
+
+def key_bytes_per_block(k_cache: Tensor) -> int:
+    """Bytes one block of keys takes once gathered in the compute dtype (sizes decode chunks)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return block_size * num_kv_heads * head_dim * compute_dtype(k_cache.dtype).itemsize
 
 
 def write_kv(
@@ -57,14 +70,7 @@ def write_kv(
 
 
 def paged_attention(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    query_lens: Tensor,
-    scale: float,
-    sliding_window: int | None = None,
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata, scale: float
 ) -> Tensor:
     """Attention of each sequence's new tokens over that sequence's keys in the paged cache.
 
@@ -72,99 +78,91 @@ def paged_attention(
         query: ``[num_tokens, num_heads, head_dim]``, the new tokens of all sequences in order.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding
             the new tokens' keys and values (see :func:`write_kv`).
-        block_tables: ``[num_seqs, max_blocks_per_seq]``; entries past a sequence's last block
-            are padding and never read.
-        context_lens: ``[num_seqs]``, tokens per sequence including the new ones.
-        query_lens: ``[num_seqs]``, new tokens per sequence; they sum to ``num_tokens``.
+        metadata: the step's plan (block tables, lengths, sliding window), built once per
+            forward; see `AttentionMetadata.build`.
         scale: multiplier of ``q @ k`` (usually ``head_dim ** -0.5``).
-        sliding_window: if set, a query at position ``i`` sees keys ``j`` with
-            ``i - j < sliding_window`` (the window counts the token itself, as in Mistral).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype. A query at position ``i``
-        attends to positions ``j <= i``: causal within the new tokens, all of the cached prefix.
+        attends to positions ``j <= i`` (and ``i - j < sliding_window`` when set, the window
+        counting the token itself, as in Mistral): causal within the new tokens, all of the
+        cached prefix.
     """
-    q_lens, ctx_lens = _check_shapes(
-        query, k_cache, v_cache, block_tables, context_lens, query_lens
-    )
-    args = (k_cache, v_cache, scale, sliding_window)
-    if all(n == 1 for n in q_lens):
-        return _decode_attention(query, block_tables, context_lens, *args)
-
+    _check_shapes(query, k_cache, v_cache, metadata)
     out = torch.empty_like(query)
-    starts = [0, *accumulate(q_lens[:-1])]
-    decoding = [s for s, n in enumerate(q_lens) if n == 1]
-    if decoding:
-        rows = torch.tensor([starts[s] for s in decoding])
-        seqs = torch.tensor(decoding)
-        out[rows] = _decode_attention(query[rows], block_tables[seqs], context_lens[seqs], *args)
-    for s, (start, q_len, ctx) in enumerate(zip(starts, q_lens, ctx_lens, strict=True)):
-        if q_len > 1:
-            out[start : start + q_len] = _prefill_attention(
-                query[start : start + q_len], block_tables[s], ctx, *args
-            )
+    if metadata.decode is not None:
+        rows = metadata.decode.rows
+        out[rows] = _decode_attention(query, k_cache, v_cache, metadata, scale)
+    for plan in metadata.prefills:
+        _prefill_attention(query, k_cache, v_cache, plan, scale, out)
     return out
 
 
 def _decode_attention(
-    query: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    scale: float,
-    sliding_window: int | None,
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata, scale: float
 ) -> Tensor:
-    """One new token per sequence, all sequences at once, a few block columns at a time.
+    """One new token per sequence, all sequences at once, a chunk of block columns at a time.
 
     Gathering every sequence's whole context into one tensor would write, then read back, a
-    copy as large as the cache itself. Instead the block table is walked a few columns at a
-    time: the chunk's blocks are copied into one reused buffer small enough to stay in cache,
-    and the matmuls read them from there. The query heads that share a KV head form one
-    ``[group, head_dim]`` matrix, so each key is multiplied once per KV head. Scores are small
-    next to K and V (``num_heads`` floats per token against ``2 * num_kv_heads * head_dim``),
-    so they are kept whole and the softmax is exact: a pass of ``q @ k``, a softmax, a pass of
-    ``p @ v``, with no running-max rescaling.
+    copy as large as the cache itself. Instead each chunk's blocks are copied into one reused
+    buffer small enough to stay in cache, and the matmuls read them from there. The query heads
+    that share a KV head form one ``[group, head_dim]`` matrix, so each key is multiplied once
+    per KV head. Scores are small next to K and V (``num_heads`` floats per key against
+    ``2 * num_kv_heads * head_dim``), so each chunk's are kept and the softmax is exact: a pass
+    of ``q @ k`` that also finds each query's maximum score, then a pass of ``exp`` and
+    ``p @ v``. Kept per chunk, they take memory in proportion to the keys read, never
+    num_seqs x longest context. Returns the outputs in decode order (longest context first).
     """
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    table, visible = _decode_blocks(block_tables, context_lens, block_size, sliding_window)
-    # float32 whatever the cache dtype: softmax and long sums lose too much in 16 bits.
-    q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float() * scale
-    scores = q.new_empty(*q.shape[:3], visible.shape[1])  # [seqs, kv_heads, group, keys]
+    plan = metadata.decode
+    assert plan is not None
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    dtype = compute_dtype(k_cache.dtype)
+    q = query.index_select(0, plan.rows).to(dtype) * scale
+    q = q.view(len(q), num_kv_heads, group, head_dim)
+    buffers = _Buffers.for_plan(metadata, plan, k_cache, dtype)
+    best = q.new_full((*q.shape[:3], 1), float("-inf"))  # each query head's maximum score
+    chunk_scores = []
+    for chunk in plan.chunks:
+        scores = q[chunk.rows] @ buffers.gather(k_cache, chunk.blocks).transpose(2, 3)
+        if chunk.hidden is not None:
+            scores.masked_fill_(chunk.hidden[:, None, None, :], float("-inf"))
+        best[chunk.rows] = torch.maximum(best[chunk.rows], scores.amax(dim=-1, keepdim=True))
+        chunk_scores.append(scores)
+    total = torch.zeros_like(best)  # sum of exp(score - best)
+    acc = torch.zeros_like(q)  # sum of exp(score - best) * value
+    for chunk, scores in zip(plan.chunks, chunk_scores, strict=True):
+        probs = scores.sub_(best[chunk.rows]).exp_()
+        total[chunk.rows] += probs.sum(dim=-1, keepdim=True)
+        values = buffers.gather(v_cache, chunk.blocks)
+        acc[chunk.rows].view(-1, group, head_dim).baddbmm_(
+            probs.view(-1, group, probs.shape[-1]), values.view(-1, *values.shape[2:])
+        )
+    return (acc / total).view(len(q), num_heads, head_dim).to(query.dtype)
 
-    cols_per_chunk = max(1, DECODE_CHUNK_BYTES // (num_seqs * k_cache[0].nbytes))
-    buffers = _Buffers.for_chunk(k_cache, num_seqs * cols_per_chunk)
-    chunks = [  # (block ids [seqs, cols], the chunk's span of the key axis)
-        (table[:, c : c + cols_per_chunk], slice(c * block_size, (c + cols_per_chunk) * block_size))
-        for c in range(0, table.shape[1], cols_per_chunk)
-    ]
-    for blocks, span in chunks:
-        k = buffers.gather(k_cache, blocks)  # [seqs, kv_heads, tokens, head_dim]
-        scores[..., span] = q @ k.transpose(2, 3)
-    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.zeros_like(q)
-    for blocks, span in chunks:
-        out += probs[..., span] @ buffers.gather(v_cache, blocks)
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
-
-@dataclass
 class _Buffers:
     """Scratch memory the decode kernel gathers each chunk of blocks into, reused per chunk.
 
     Writing into memory that is already mapped and warm is what keeps the gather cheap: a
-    fresh tensor per chunk would be page-faulted in on every call.
+    fresh tensor per chunk would be page-faulted in on every call. The buffers live in the
+    step's metadata, so every layer of the forward pass reuses the first layer's.
     """
 
-    rows: Tensor  # [blocks, block_size, kv_heads, head_dim], as the cache stores them
-    head_major: Tensor  # the same values, flat, as float32 [seqs, kv_heads, tokens, head_dim]
+    def __init__(self, rows: Tensor, head_major: Tensor) -> None:
+        self.rows = rows  # [blocks, block_size, kv_heads, head_dim], as the cache stores them
+        self.head_major = head_major  # the same values, flat, in the compute dtype
 
     @classmethod
-    def for_chunk(cls, cache: Tensor, num_blocks: int) -> _Buffers:
-        rows = cache.new_empty(num_blocks, *cache.shape[1:])
-        return cls(rows, torch.empty(rows.numel(), dtype=torch.float32))
+    def for_plan(
+        cls, metadata: AttentionMetadata, plan: DecodePlan, cache: Tensor, dtype: torch.dtype
+    ) -> _Buffers:
+        key = (cache.dtype, dtype, cache.device, tuple(cache.shape[1:]))
+        if key not in metadata.scratch:
+            rows = cache.new_empty(plan.max_chunk_blocks, *cache.shape[1:])
+            metadata.scratch[key] = (rows, rows.new_empty(rows.numel(), dtype=dtype))
+        return cls(*metadata.scratch[key])
 
     def gather(self, cache: Tensor, blocks: Tensor) -> Tensor:
         """``cache[blocks]`` for ``blocks [seqs, cols]``, laid out for batched matmuls."""
@@ -177,85 +175,39 @@ class _Buffers:
         return head_major.copy_(per_seq.transpose(1, 2))
 
 
-def _decode_blocks(
-    block_tables: Tensor, context_lens: Tensor, block_size: int, sliding_window: int | None
-) -> tuple[Tensor, Tensor]:
-    """The block columns the decode kernel walks, and which of their keys each query sees.
-
-    Column ``c`` of sequence ``s`` is its logical block ``first[s] + c``, where ``first`` is 0,
-    or with a sliding window the block holding the oldest key still in the window; so a long
-    context under a short window costs only the window. Columns past a sequence's last block
-    point at block 0 (any real block would do) and their keys are masked out, which keeps the
-    gather in bounds whatever the table's padding holds.
-
-    Returns ``table [num_seqs, num_cols]`` (int64 block ids) and
-    ``visible [num_seqs, num_cols * block_size]`` (bool).
-    """
-    context_lens = context_lens.long()
-    last = (context_lens - 1) // block_size
-    first = torch.zeros_like(last)
-    if sliding_window is not None:
-        first = (context_lens - sliding_window).clamp(min=0) // block_size
-    num_cols = int((last - first).max()) + 1
-    cols = first[:, None] + torch.arange(num_cols)
-    owned = cols <= last[:, None]
-    blocks = block_tables.long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))
-    table = torch.where(owned, blocks, 0)
-
-    key_pos = (cols[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
-    query_pos = context_lens[:, None] - 1
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= query_pos - key_pos < sliding_window
-    return table, visible
-
-
 def _prefill_attention(
-    query: Tensor,
-    block_table: Tensor,
-    context_len: int,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    scale: float,
-    sliding_window: int | None,
-) -> Tensor:
-    """Several new tokens of one sequence: gather the keys they can see, then masked SDPA."""
-    q_len, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    first_key = 0
-    if sliding_window is not None:
-        first_key = max(0, context_len - q_len - sliding_window + 1)
-    key_pos = torch.arange(first_key, context_len)
-    slots = block_table.long()[key_pos // block_size] * block_size + key_pos % block_size
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: PrefillPlan, scale: float, out: Tensor
+) -> None:
+    """Several new tokens of one sequence: gather the keys they can see, then SDPA per chunk."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    dtype = compute_dtype(k_cache.dtype)
 
-    query_pos = torch.arange(context_len - q_len, context_len)[:, None]
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= query_pos - key_pos < sliding_window
-    # A leading batch dimension of 1: with 3-d inputs SDPA on CPU falls back to its math
-    # kernel, which materialises [num_heads, q_len, keys] scores (gigabytes for long prompts).
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None],
-        keys[None],
-        values[None],
-        attn_mask=visible,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
+    def gathered(cache: Tensor) -> Tensor:  # [1, kv_heads, keys, head_dim]
+        keys = cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
+        return keys.transpose(0, 1)[None].to(dtype)
+
+    keys, values = gathered(k_cache), gathered(v_cache)
+    for chunk in plan.chunks:
+        # A leading batch dimension of 1: with 3-d inputs SDPA on CPU falls back to its math
+        # kernel, which materialises [num_heads, q_len, keys] scores (gigabytes for long prompts).
+        rows = slice(chunk.query_start, chunk.query_stop)
+        attended = slice(chunk.key_start, chunk.key_stop)
+        result = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1)[None].to(dtype),
+            keys[:, :, attended],
+            values[:, :, attended],
+            attn_mask=chunk.mask,
+            is_causal=chunk.causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = result[0].transpose(0, 1)
 
 
 def _check_shapes(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    query_lens: Tensor,
-) -> tuple[list[int], list[int]]:
-    """Raise ValueError naming the first mismatch; return query and context lengths as lists."""
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata
+) -> None:
+    """Raise ValueError naming the first mismatch between the tensors and the plan."""
     if query.dim() != 3:
         raise ValueError(
             f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
@@ -275,26 +227,14 @@ def _check_shapes(
         raise ValueError(
             f"query ({query.dtype}) and caches ({k_cache.dtype}, {v_cache.dtype}) differ in dtype"
         )
-    if block_tables.dim() != 2:
+    if not query.device == k_cache.device == v_cache.device == metadata.device:
         raise ValueError(
-            f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}"
+            f"query ({query.device}), caches ({k_cache.device}, {v_cache.device}) and the "
+            f"batch's block tables ({metadata.device}) must be on one device"
         )
-    num_seqs = block_tables.shape[0]
-    for name, lens in (("context_lens", context_lens), ("query_lens", query_lens)):
-        if lens.shape != (num_seqs,):
-            raise ValueError(
-                f"{name} must be [{num_seqs}] (num_seqs of block_tables), got {tuple(lens.shape)}"
-            )
-    q_lens, ctx_lens = query_lens.tolist(), context_lens.tolist()
-    if sum(q_lens) != num_tokens:
-        raise ValueError(f"query_lens sum to {sum(q_lens)} but query has {num_tokens} tokens")
-    max_context = block_tables.shape[1] * block_size
-    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-        if not 1 <= q_len <= ctx:
-            raise ValueError(f"sequence {s}: query_len {q_len} must be in [1, context_len {ctx}]")
-        if ctx > max_context:
-            raise ValueError(
-                f"sequence {s}: context_len {ctx} needs {-(-ctx // block_size)} blocks, "
-                f"block_tables has {block_tables.shape[1]}"
-            )
-    return q_lens, ctx_lens
+    if num_tokens != metadata.num_tokens:
+        raise ValueError(
+            f"query has {num_tokens} tokens but the batch's query_lens sum to {metadata.num_tokens}"
+        )
+    if block_size != metadata.block_size:
+        raise ValueError(f"cache block_size {block_size} != the batch's {metadata.block_size}")

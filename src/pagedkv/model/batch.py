@@ -4,17 +4,24 @@ The tokens of all sequences are laid end to end, whatever each sequence is doing
 prompt, the uncached rest of a prompt after a prefix-cache hit, one chunk of a long prompt,
 or one decode token. Per sequence, `num_computed` tokens already have K/V in the cache and
 the new tokens follow them; the block table says where all of them live.
+
+The batch keeps each sequence's lengths and token-id range as Python ints besides the device
+tensors, so the model can validate inputs and attention can plan the step without reading
+anything back from the device; the attention plan itself is built on first use and shared by
+every layer (`attention_metadata`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 from torch import Tensor
 
-from pagedkv.model.errors import InvalidBatch
+from pagedkv.model.attention_metadata import AttentionMetadata
+from pagedkv.model.errors import InvalidBatch, PositionOutOfRange, TokenIdOutOfRange
 
 
 @dataclass(frozen=True)
@@ -41,11 +48,18 @@ class ForwardBatch:
     context_lens: Tensor  # [num_seqs] int32, cached + new tokens
     query_lens: Tensor  # [num_seqs] int32, new tokens
     logits_indices: Tensor  # [num_seqs] int64, each sequence's last token in the flat batch
+    block_size: int
+    host_context_lens: tuple[int, ...]  # context_lens as Python ints
+    host_query_lens: tuple[int, ...]  # query_lens as Python ints
+    host_token_id_ranges: tuple[tuple[int, int], ...]  # (min, max) new token id per sequence
+    _attention: dict[tuple[int | None, int], AttentionMetadata] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
         """Number of sequences in the batch."""
-        return self.query_lens.shape[0]
+        return len(self.host_query_lens)
 
     @classmethod
     def build(
@@ -54,39 +68,89 @@ class ForwardBatch:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> ForwardBatch:
-        """Lay the sequences end to end and compute positions and cache slots."""
+        """Lay the sequences end to end and compute positions and cache slots.
+
+        The per-token arithmetic is vectorised on the CPU and the results moved to `device`
+        once; Python touches each sequence and each block-table entry, not each token.
+        """
         if not sequences:
             raise InvalidBatch("a forward batch needs at least one sequence")
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
         for index, seq in enumerate(sequences):
             _check(index, seq, block_size)
-            for position in range(seq.num_computed, seq.num_computed + len(seq.token_ids)):
-                block = seq.block_table[position // block_size]
-                slot_mapping.append(block * block_size + position % block_size)
-                positions.append(position)
-            input_ids.extend(seq.token_ids)
+        query_lens = [len(seq.token_ids) for seq in sequences]
+        context_lens = [seq.num_computed + n for seq, n in zip(sequences, query_lens, strict=True)]
         max_blocks = max(len(seq.block_table) for seq in sequences)
-        block_tables = [
-            list(seq.block_table) + [0] * (max_blocks - len(seq.block_table)) for seq in sequences
-        ]
-        query_lens = torch.tensor([len(seq.token_ids) for seq in sequences], dtype=torch.int32)
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return cls(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slot_mapping, torch.int64),
-            block_tables=tensor(block_tables, torch.int32),
-            context_lens=tensor(
-                [s.num_computed + len(s.token_ids) for s in sequences], torch.int32
-            ),
-            query_lens=query_lens.to(device),
-            logits_indices=(query_lens.cumsum(0) - 1).to(device=device, dtype=torch.int64),
+        block_tables = torch.tensor(
+            [[*seq.block_table, *[0] * (max_blocks - len(seq.block_table))] for seq in sequences],
+            dtype=torch.int64,
         )
+        input_ids = _token_tensor(sequences)
+        q_lens = torch.tensor(query_lens)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), q_lens)
+        first_row = q_lens.cumsum(0) - q_lens
+        num_computed = torch.tensor([seq.num_computed for seq in sequences])
+        positions = (
+            torch.arange(len(input_ids)) - first_row[seq_of_token] + num_computed[seq_of_token]
+        )
+        slots = block_tables[seq_of_token, positions // block_size] * block_size
+        slots += positions % block_size
+        return cls(
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            block_tables=block_tables.to(device=device, dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_lens=q_lens.to(device=device, dtype=torch.int32),
+            logits_indices=(first_row + q_lens - 1).to(device),
+            block_size=block_size,
+            host_context_lens=tuple(context_lens),
+            host_query_lens=tuple(query_lens),
+            host_token_id_ranges=tuple(
+                (min(seq.token_ids), max(seq.token_ids)) for seq in sequences
+            ),
+        )
+
+    def check_inputs(self, vocab_size: int, max_positions: int) -> None:
+        """Reject token ids outside `[0, vocab_size)` and positions past `max_positions`.
+
+        Runs on the host copies, before the embedding: an out-of-range id would otherwise be
+        an IndexError on the CPU and a device-side assert (a dead context) on a GPU.
+        """
+        for index, (low, high) in enumerate(self.host_token_id_ranges):
+            if low < 0 or high >= vocab_size:
+                raise TokenIdOutOfRange(index, low if low < 0 else high, vocab_size)
+        for index, context_len in enumerate(self.host_context_lens):
+            if context_len > max_positions:
+                raise PositionOutOfRange(index, context_len, max_positions)
+
+    def attention_metadata(
+        self, sliding_window: int | None, key_bytes_per_block: int
+    ) -> AttentionMetadata:
+        """The step's attention plan for one sliding window, built by the first layer asking.
+
+        `key_bytes_per_block` (one block of keys in attention's compute dtype) sizes the decode
+        kernel's chunks; layers of one model share it, so a forward builds one plan per window.
+        """
+        key = (sliding_window, key_bytes_per_block)
+        if key not in self._attention:
+            self._attention[key] = AttentionMetadata.build(
+                self.block_tables,
+                self.host_context_lens,
+                self.host_query_lens,
+                self.block_size,
+                sliding_window,
+                key_bytes_per_block,
+            )
+        return self._attention[key]
+
+
+def _token_tensor(sequences: Sequence[SequenceInput]) -> Tensor:
+    try:
+        return torch.tensor(
+            list(chain.from_iterable(seq.token_ids for seq in sequences)), dtype=torch.int64
+        )
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise InvalidBatch(f"token ids must be 64-bit integers: {error}") from None
 
 
 def _check(index: int, seq: SequenceInput, block_size: int) -> None:

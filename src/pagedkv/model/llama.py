@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv.model.attention import paged_attention, write_kv
+from pagedkv.model.attention import key_bytes_per_block, paged_attention, write_kv
 from pagedkv.model.batch import ForwardBatch
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.kv_cache import KVCache
@@ -49,8 +49,10 @@ class LlamaModel(nn.Module):
         """Run one step; returns float32 logits `[num_seqs, vocab_size]` of each last token.
 
         Every layer writes the new tokens' K/V into `kv_cache` at `batch.slot_mapping` before
-        attending, so the cache holds their K/V afterwards.
+        attending, so the cache holds their K/V afterwards. Token ids outside the vocabulary and
+        positions past `max_position_embeddings` raise `InvalidBatch` subclasses first.
         """
+        batch.check_inputs(self.config.vocab_size, self.config.max_position_embeddings)
         hidden = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)
         for layer in self.layers:
@@ -105,16 +107,8 @@ class Attention(nn.Module):
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         k_cache, v_cache = kv_cache.layer(self.index)
         write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
-        out = paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.context_lens,
-            batch.query_lens,
-            self.scale,
-            self.sliding_window,
-        )
+        metadata = batch.attention_metadata(self.sliding_window, key_bytes_per_block(k_cache))
+        out = paged_attention(query, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

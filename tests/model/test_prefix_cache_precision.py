@@ -1,0 +1,98 @@
+"""Prefix caching changes no output, in float32, bfloat16 and float16.
+
+Each of 20 prompts runs twice: once to fill the cache, then again, so that with caching on the
+second run reads every full block of its prompt from the cache and computes only the rest (one
+token, through the decode path, when the prompt is one past a block boundary; up to 16, through
+the prefill path with a cached prefix, otherwise). With caching off it prefills the whole
+prompt. Greedy tokens and logits of the second run must not depend on which happened.
+
+In 16-bit dtypes the logits must be identical bit for bit: attention accumulates in float64
+(see `pagedkv.model.attention`) and the CPU's 16-bit matmuls treat each row alike whatever
+the row count. In float32 the CPU BLAS itself computes a row differently for 1-5 rows than for
+many (measured: `F.linear(x[-m:], w)` differs from `F.linear(x, w)[-m:]` for m <= 5 in the
+last bits), so float32 logits agree to 1e-4 (as with transformers) and greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.memory import KVCacheManager
+from pagedkv.model.batch import ForwardBatch, SequenceInput
+from pagedkv.model.kv_cache import KVCache
+from pagedkv.model.llama import LlamaModel
+from pagedkv.model.loader import load_model
+from tests.model.tiny_models import random_prompt
+
+BLOCK_SIZE = 16
+NEW_TOKENS = 4
+# Tokens left to compute after a hit (length - full blocks before the last token): 1 for 17,
+# 33, 49, 65, 97 and 129 (the decode path), 2 to 16 for the others (prefill after a prefix).
+PROMPT_LENGTHS = [17, 18, 20, 31, 32, 33, 40, 47, 49, 57, 64, 65, 70, 81, 90, 97, 100, 113, 120]
+PROMPT_LENGTHS.append(129)
+NUM_BLOCKS = 2 * sum(-(-(n + NEW_TOKENS) // BLOCK_SIZE) for n in PROMPT_LENGTHS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_prefix_caching_changes_no_token_and_no_logit(zoo, dtype: torch.dtype) -> None:
+    model = load_model(zoo.folder("llama"), dtype=dtype)
+    off, hits_off = second_runs(model, enable_prefix_caching=False)
+    on, hits_on = second_runs(model, enable_prefix_caching=True)
+
+    assert hits_off == [0] * len(PROMPT_LENGTHS)
+    assert hits_on == [(n - 1) // BLOCK_SIZE * BLOCK_SIZE for n in PROMPT_LENGTHS]
+    for n, (tokens_off, logits_off), (tokens_on, logits_on) in zip(
+        PROMPT_LENGTHS, off, on, strict=True
+    ):
+        assert tokens_on == tokens_off, f"prompt of {n} tokens"
+        if dtype == torch.float32:
+            torch.testing.assert_close(logits_on, logits_off, atol=1e-4, rtol=0)
+        else:
+            assert torch.equal(logits_on, logits_off), f"prompt of {n} tokens"
+
+
+def second_runs(
+    model: LlamaModel, enable_prefix_caching: bool
+) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+    """Run each prompt twice; return the second run's tokens and logits, and its cache hits."""
+    manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, 0, enable_prefix_caching)
+    cache = KVCache.for_model(
+        model.config,
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        dtype=model.embed_tokens.weight.dtype,
+    )
+    runs, hits = [], []
+    for index, length in enumerate(PROMPT_LENGTHS):
+        prompt = random_prompt(length, seed=500 + index)
+        greedy(model, manager, cache, f"fill{index}", prompt)
+        hits.append(manager.allocate(f"again{index}", prompt))
+        runs.append(greedy(model, manager, cache, f"again{index}", prompt, hits[-1]))
+    return runs, hits
+
+
+def greedy(
+    model: LlamaModel,
+    manager: KVCacheManager,
+    cache: KVCache,
+    seq_id: str,
+    prompt: list[int],
+    num_cached: int | None = None,
+) -> tuple[list[int], torch.Tensor]:
+    """Generate NEW_TOKENS greedily, one sequence per forward; returns tokens and logits."""
+    if num_cached is None:
+        num_cached = manager.allocate(seq_id, prompt)
+    tokens, computed = list(prompt), num_cached
+    new_tokens, all_logits = [], []
+    while len(new_tokens) < NEW_TOKENS:
+        step = SequenceInput(tokens[computed:], computed, manager.block_table(seq_id))
+        logits = model(ForwardBatch.build([step], BLOCK_SIZE), cache)[0]
+        computed = len(tokens)
+        manager.mark_computed(seq_id, computed)
+        new_tokens.append(int(logits.argmax()))
+        all_logits.append(logits)
+        cache.execute(manager.append(seq_id, new_tokens[-1:]))
+        tokens.append(new_tokens[-1])
+    manager.free(seq_id)
+    return new_tokens, torch.stack(all_logits)
