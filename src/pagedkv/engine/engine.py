@@ -59,13 +59,11 @@ class Engine:
         self.max_model_len = _max_model_len(args, loaded.config.max_position_embeddings)
         budget = kv_budget(args, loaded.model, loaded.config, dtype)
         print(budget.describe(args.block_size, self.max_model_len), file=sys.stderr)
-        self.kv_cache = KVCache.for_model(
-            loaded.config,
+        self.kv_cache = KVCache.for_model(  # the model's dtype and device
+            loaded.model,
             block_size=args.block_size,
             num_blocks=budget.num_gpu_blocks,
             num_cpu_blocks=budget.num_cpu_blocks,
-            dtype=dtype,
-            device=self.device,
         )
         self.manager = KVCacheManager(
             budget.num_gpu_blocks,

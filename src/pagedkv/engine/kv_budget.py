@@ -91,13 +91,8 @@ def _profile_activations(args: EngineArgs, model: LlamaModel, device: torch.devi
         [num_tokens % seq_len] * (num_tokens % seq_len > 0)
     )
     blocks_per_seq = -(-seq_len // args.block_size)
-    dtype = next(model.parameters()).dtype
     cache = KVCache.for_model(
-        config,
-        block_size=args.block_size,
-        num_blocks=blocks_per_seq * len(lengths),
-        dtype=dtype,
-        device=device,
+        model, block_size=args.block_size, num_blocks=blocks_per_seq * len(lengths)
     )
     sequences = [
         SequenceInput(
