@@ -91,15 +91,22 @@ def paged_attention(
     _check_shapes(query, k_cache, v_cache, metadata)
     out = torch.empty_like(query)
     if metadata.decode is not None:
-        rows = metadata.decode.rows
-        out[rows] = _decode_attention(query, k_cache, v_cache, metadata, scale)
+        buffers = _Buffers.for_plan(metadata, metadata.decode, k_cache)
+        out[metadata.decode.rows] = _decode_attention(
+            query, k_cache, v_cache, metadata.decode, buffers, scale
+        )
     for plan in metadata.prefills:
         _prefill_attention(query, k_cache, v_cache, plan, scale, out)
     return out
 
 
 def _decode_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata, scale: float
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: DecodePlan,
+    buffers: _Buffers,
+    scale: float,
 ) -> Tensor:
     """One new token per sequence, all sequences at once, a chunk of block columns at a time.
 
@@ -113,15 +120,12 @@ def _decode_attention(
     ``p @ v``. Kept per chunk, they take memory in proportion to the keys read, never
     num_seqs x longest context. Returns the outputs in decode order (longest context first).
     """
-    plan = metadata.decode
-    assert plan is not None
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     dtype = compute_dtype(k_cache.dtype)
     q = query.index_select(0, plan.rows).to(dtype) * scale
     q = q.view(len(q), num_kv_heads, group, head_dim)
-    buffers = _Buffers.for_plan(metadata, plan, k_cache, dtype)
     best = q.new_full((*q.shape[:3], 1), float("-inf"))  # each query head's maximum score
     chunk_scores = []
     for chunk in plan.chunks:
@@ -155,10 +159,10 @@ class _Buffers:
         self.head_major = head_major  # the same values, flat, in the compute dtype
 
     @classmethod
-    def for_plan(
-        cls, metadata: AttentionMetadata, plan: DecodePlan, cache: Tensor, dtype: torch.dtype
-    ) -> _Buffers:
-        key = (cache.dtype, dtype, cache.device, tuple(cache.shape[1:]))
+    def for_plan(cls, metadata: AttentionMetadata, plan: DecodePlan, cache: Tensor) -> _Buffers:
+        """The step's buffers for caches shaped like ``cache``, made by the first layer."""
+        dtype = compute_dtype(cache.dtype)
+        key = (cache.dtype, cache.device, tuple(cache.shape[1:]))
         if key not in metadata.scratch:
             rows = cache.new_empty(plan.max_chunk_blocks, *cache.shape[1:])
             metadata.scratch[key] = (rows, rows.new_empty(rows.numel(), dtype=dtype))
