@@ -57,16 +57,11 @@ def second_runs(
 ) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
     """Run each prompt twice; return the second run's tokens and logits, and its cache hits."""
     manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, 0, enable_prefix_caching)
-    cache = KVCache.for_model(
-        model.config,
-        block_size=BLOCK_SIZE,
-        num_blocks=NUM_BLOCKS,
-        dtype=model.embed_tokens.weight.dtype,
-    )
+    cache = KVCache.for_model(model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     runs, hits = [], []
     for index, length in enumerate(PROMPT_LENGTHS):
         prompt = random_prompt(length, seed=500 + index)
-        greedy(model, manager, cache, f"fill{index}", prompt)
+        greedy(model, manager, cache, f"fill{index}", prompt, new_tokens=1)
         hits.append(manager.allocate(f"again{index}", prompt))
         runs.append(greedy(model, manager, cache, f"again{index}", prompt, hits[-1]))
     return runs, hits
@@ -79,20 +74,21 @@ def greedy(
     seq_id: str,
     prompt: list[int],
     num_cached: int | None = None,
+    new_tokens: int = NEW_TOKENS,
 ) -> tuple[list[int], torch.Tensor]:
-    """Generate NEW_TOKENS greedily, one sequence per forward; returns tokens and logits."""
+    """Generate greedily, one sequence per forward, then free; returns tokens and logits."""
     if num_cached is None:
         num_cached = manager.allocate(seq_id, prompt)
     tokens, computed = list(prompt), num_cached
-    new_tokens, all_logits = [], []
-    while len(new_tokens) < NEW_TOKENS:
+    generated, all_logits = [], []
+    while len(generated) < new_tokens:
         step = SequenceInput(tokens[computed:], computed, manager.block_table(seq_id))
         logits = model(ForwardBatch.build([step], BLOCK_SIZE), cache)[0]
         computed = len(tokens)
         manager.mark_computed(seq_id, computed)
-        new_tokens.append(int(logits.argmax()))
+        generated.append(int(logits.argmax()))
         all_logits.append(logits)
-        cache.execute(manager.append(seq_id, new_tokens[-1:]))
-        tokens.append(new_tokens[-1])
+        cache.execute(manager.append(seq_id, generated[-1:]))
+        tokens.append(generated[-1])
     manager.free(seq_id)
-    return new_tokens, torch.stack(all_logits)
+    return generated, torch.stack(all_logits)

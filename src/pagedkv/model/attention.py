@@ -14,12 +14,14 @@ follows the keys actually held; sequences that prefill are attended one at a tim
 ``scaled_dot_product_attention`` over their gathered keys (prefill is compute bound, so the
 gather is cheap next to the attention itself).
 
-Precision: 16-bit caches are attended in float64. Decode and prefill compute a query in
-different orders, and so do a prompt prefilled whole and one whose prefix came from the cache;
-in float32 the two results differ in the last bits, and rounding them to 16 bits then differs
-for about one element in ten thousand, which is enough to flip a greedy token. In float64 the
-orders differ by ~1e-16, far below half a 16-bit ulp, so the rounded outputs agree bit for bit
-(tests/model/test_prefix_cache_precision.py): outputs do not depend on what was cached.
+Precision: on the CPU, 16-bit caches are attended in float64. Decode and prefill sum a
+query's terms in different orders, and so do a prompt prefilled whole and one whose prefix came
+from the cache. In float32 the results differ in their last bits, and rounded to 16 bits they
+then differ now and then (a 0.125 logit difference and a flipped greedy token in 20 bf16
+prompts of a tiny Llama, issue 7). In float64 they differ by ~1e-16, far below half a 16-bit
+ulp, so the rounded outputs agree bit for bit unless an exact value lies within ~1e-16 of a
+rounding boundary: outputs do not depend on what was cached
+(tests/model/test_prefix_cache_precision.py).
 """
 
 from __future__ import annotations
@@ -31,15 +33,22 @@ from torch import Tensor
 from pagedkv.model.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
 
 
-def compute_dtype(cache_dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention accumulates in for a cache of ``cache_dtype`` (see module doc)."""
-    return torch.float64 if cache_dtype.itemsize < 4 else cache_dtype
+def compute_dtype(cache: Tensor) -> torch.dtype:
+    """The dtype attention accumulates in over ``cache`` (see the module doc).
+
+    float64 only for 16-bit caches on the CPU, where SDPA's flash kernel takes float64. On a
+    GPU this module is the fallback of the Triton kernels, and float64 SDPA there would fall
+    back to a kernel that materialises every score, so it accumulates in float32.
+    """
+    if cache.dtype.itemsize >= 4:
+        return cache.dtype
+    return torch.float64 if cache.device.type == "cpu" else torch.float32
 
 
 def key_bytes_per_block(k_cache: Tensor) -> int:
     """Bytes one block of keys takes once gathered in the compute dtype (sizes decode chunks)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return block_size * num_kv_heads * head_dim * compute_dtype(k_cache.dtype).itemsize
+    return block_size * num_kv_heads * head_dim * compute_dtype(k_cache).itemsize
 
 
 def write_kv(
@@ -123,7 +132,7 @@ def _decode_attention(
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    dtype = compute_dtype(k_cache.dtype)
+    dtype = compute_dtype(k_cache)
     q = query.index_select(0, plan.rows).to(dtype) * scale
     q = q.view(len(q), num_kv_heads, group, head_dim)
     best = q.new_full((*q.shape[:3], 1), float("-inf"))  # each query head's maximum score
@@ -161,7 +170,7 @@ class _Buffers:
     @classmethod
     def for_plan(cls, metadata: AttentionMetadata, plan: DecodePlan, cache: Tensor) -> _Buffers:
         """The step's buffers for caches shaped like ``cache``, made by the first layer."""
-        dtype = compute_dtype(cache.dtype)
+        dtype = compute_dtype(cache)
         key = (cache.dtype, cache.device, tuple(cache.shape[1:]))
         if key not in metadata.scratch:
             rows = cache.new_empty(plan.max_chunk_blocks, *cache.shape[1:])
@@ -184,7 +193,7 @@ def _prefill_attention(
 ) -> None:
     """Several new tokens of one sequence: gather the keys they can see, then SDPA per chunk."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    dtype = compute_dtype(k_cache.dtype)
+    dtype = compute_dtype(k_cache)
 
     def gathered(cache: Tensor) -> Tensor:  # [1, kv_heads, keys, head_dim]
         keys = cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
