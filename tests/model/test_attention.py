@@ -140,6 +140,7 @@ def sequences(draw: st.DrawFn) -> list[tuple[int, int]]:
     block_size=st.sampled_from([1, 16, 32]),
     sliding_window=st.one_of(st.none(), st.integers(1, 40)),
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    mask_elements=st.sampled_from([40, attention_metadata.PREFILL_MASK_ELEMENTS]),
     seed=st.integers(0, 2**16),
 )
 def test_paged_attention_equals_dense_attention(
@@ -149,10 +150,13 @@ def test_paged_attention_equals_dense_attention(
     block_size: int,
     sliding_window: int | None,
     index_dtype: torch.dtype,
+    mask_elements: int,
     seed: int,
 ) -> None:
+    """Mixed batches; prefill queries in one chunk, or in many small masked chunks."""
     batch = make_batch(seqs, num_kv_heads, group, 16, block_size, seed, index_dtype=index_dtype)
-    out = attend(batch, 0.25, sliding_window)
+    with patch.object(attention_metadata, "PREFILL_MASK_ELEMENTS", mask_elements):
+        out = attend(batch, 0.25, sliding_window)
     expected = dense_attention(batch, 0.25, sliding_window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -163,7 +167,8 @@ def test_paged_attention_equals_dense_attention(
     context_len=st.integers(1, 200),
     block_size=st.sampled_from([1, 16, 32]),
     sliding_window=st.one_of(st.none(), st.integers(1, 64)),
-    chunk_bytes=st.sampled_from([1, 50_000, attention_metadata.DECODE_CHUNK_BYTES]),
+    # One block per chunk; one sequence per group; groups of a few walked in several chunks.
+    chunk_bytes=st.sampled_from([1, 50_000, 100_000, attention_metadata.DECODE_CHUNK_BYTES]),
     seed=st.integers(0, 2**16),
 )
 def test_decode_batch_equals_dense_attention(
