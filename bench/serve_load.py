@@ -61,6 +61,7 @@ def main() -> int:
         if index % 2 == 0:  # half the requests share a system prompt: prefix-cache hits
             prompt = f"{system_prompt}\n{prompt}"
         workload.append((prompt, rng.randint(*args.output_tokens)))
+    print(f"load average {os.getloadavg()[0]:.1f} at the start ({os.cpu_count()} CPUs)")
     server = None if args.url else start_server(args)
     url = args.url or server[0]
     try:
@@ -73,10 +74,12 @@ def main() -> int:
     finally:
         if server is not None:
             stop_server(server[1])
-    return report(results, elapsed, args, pool)
+    baseline = None if args.url or args.no_baseline else engine_alone(workload, args)
+    return report(results, elapsed, args, pool, baseline)
 
 
 def parse_args() -> argparse.Namespace:
+    """The load's shape and where to send it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="model to serve (default: %(default)s)"
@@ -99,6 +102,17 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads of the server and the baseline (default: torch's); on a busy "
+        "machine 1 can be several times faster than oversubscribed OpenMP threads",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the same workload through the Engine in-process (the server's overhead)",
+    )
+    parser.add_argument(
         "--serve-arg",
         action="append",
         default=[],
@@ -108,6 +122,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def auth(args: argparse.Namespace) -> dict[str, str]:
+    """The Authorization header, when the server needs a key."""
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
@@ -120,12 +135,18 @@ def start_server(args: argparse.Namespace) -> tuple[str, subprocess.Popen]:
     print(f"starting pagedkv serve --model {args.model} on port {port} (log: {log_path})")
     command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", args.model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--max-waiting", "100000"]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the server
     with log_path.open("w") as log:  # the child keeps its own handle
-        process = subprocess.Popen(command + args.serve_arg, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command + args.serve_arg, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
     return f"http://127.0.0.1:{port}", process
 
 
 def stop_server(process: subprocess.Popen) -> None:
+    """Ask the server to shut down gracefully; kill it if it will not."""
     process.terminate()
     try:
         process.wait(timeout=30)
@@ -134,6 +155,7 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def wait_for_health(url: str, timeout: float) -> None:
+    """Wait while the server loads its model (the first run may also pull it)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -222,7 +244,42 @@ class PoolAfter:
     preemptions: int
 
 
+def engine_alone(workload: list[tuple[str, int]], args: argparse.Namespace) -> float:
+    """Output tokens/s of the same requests through an in-process Engine, as many in flight.
+
+    Run after the server has exited, with the same engine flags, so the ratio of the two
+    rates is the cost of HTTP, streaming and the engine thread on this machine and load.
+    """
+    import torch
+
+    from pagedkv.engine import Engine, EngineArgs, SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    engine_args, _ = parser.parse_known_args(["--model", args.model, *args.serve_arg])
+    engine = Engine(EngineArgs.from_cli_args(engine_args))
+    print(f"engine alone: the same {len(workload)} requests in-process", flush=True)
+    pending = list(enumerate(workload))
+    in_flight = output_tokens = 0
+    started = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and in_flight < args.concurrency:
+            index, (prompt, max_tokens) = pending.pop(0)
+            engine.add_request(
+                str(index), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            )
+            in_flight += 1
+        for output in engine.step():
+            output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+            in_flight -= output.finished
+    return output_tokens / (time.perf_counter() - started)
+
+
 def pool_after(url: str, args: argparse.Namespace) -> PoolAfter:
+    """Read the pool through `GET /v1/kv`."""
     snapshot = httpx2.get(f"{url}/v1/kv", headers=auth(args), timeout=60).json()
     stats = snapshot["stats"]
     return PoolAfter(
@@ -234,7 +291,13 @@ def pool_after(url: str, args: argparse.Namespace) -> PoolAfter:
     )
 
 
-def report(results: list[Result], elapsed: float, args: argparse.Namespace, pool: PoolAfter) -> int:
+def report(
+    results: list[Result],
+    elapsed: float,
+    args: argparse.Namespace,
+    pool: PoolAfter,
+    baseline: float | None,
+) -> int:
     """Print the figures; 0 if every request got its tokens and the pool is empty."""
     complete = [
         r
@@ -244,8 +307,12 @@ def report(results: list[Result], elapsed: float, args: argparse.Namespace, pool
     output_tokens = sum(r.completion_tokens for r in results)
     ttfts = [r.ttft for r in results]
     tpots = [r.tpot for r in results if r.tpot is not None]
+    load = f"\nload average {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)"
+    if not args.url:  # otherwise the server's threads are whatever it was started with
+        load += f", torch threads {args.threads or 'default'}"
+    print(load)
     print(
-        f"\n{len(results)} requests, {args.concurrency} concurrent streaming clients, "
+        f"{len(results)} requests, {args.concurrency} concurrent streaming clients, "
         f"prompts {args.prompt_words[0]}-{args.prompt_words[1]} words, "
         f"outputs {args.output_tokens[0]}-{args.output_tokens[1]} tokens, half after a shared "
         f"{args.shared_prefix_words}-word system prompt, {args.model}"
@@ -253,6 +320,9 @@ def report(results: list[Result], elapsed: float, args: argparse.Namespace, pool
     print(f"wall time           {elapsed:8.1f} s")
     print(f"requests/s          {len(results) / elapsed:8.2f}")
     print(f"output tokens/s     {output_tokens / elapsed:8.1f}   ({output_tokens} tokens)")
+    if baseline is not None:
+        ratio = output_tokens / elapsed / baseline
+        print(f"engine alone        {baseline:8.1f}   output tokens/s; server/engine {ratio:.2f}")
     ttft = [percentile(ttfts, q) * 1e3 for q in (50, 99)]
     tpot = [percentile(tpots, q) * 1e3 for q in (50, 99)]
     print(f"TTFT p50 / p99      {ttft[0]:8.0f} / {ttft[1]:.0f} ms")
@@ -269,6 +339,7 @@ def report(results: list[Result], elapsed: float, args: argparse.Namespace, pool
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (inclusive method, as most load tools report it)."""
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]

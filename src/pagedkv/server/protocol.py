@@ -32,7 +32,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields both endpoints share; names and ranges follow OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
@@ -67,7 +67,7 @@ class _SamplingFields(_Request):
         return stops
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Any
@@ -124,7 +124,7 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -23,7 +23,7 @@ from pagedkv.engine import SamplingParams
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import PromptTokensDetails, Usage, _SamplingFields
+from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, Usage
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
@@ -63,7 +63,7 @@ class ServingContext:
 
 
 def sampling_params(
-    request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
     """The engine's SamplingParams (max_tokens None: all the room the context leaves).
 

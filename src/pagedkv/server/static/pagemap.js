@@ -5,7 +5,14 @@
 // repaints only its blocks. The stream is read with fetch(), not EventSource, because
 // EventSource cannot send the Authorization header a server with --api-key needs.
 
-const COLORS = { free: "#242c3a", cached: "#3d5a73", text: "#ffffff", bg: "#181e28" };
+const COLORS = {
+  free: "#242c3a",
+  cached: "#3d5a73",
+  shared: "#b07ad8",
+  text: "#ffffff",
+  bg: "#181e28",
+};
+const TOOLTIP_HOLDERS = 6; // a prompt shared by hundreds of requests would fill the screen
 const CHART_SECONDS = 300;
 const KEY_STORAGE = "pagedkv-api-key";
 
@@ -76,7 +83,9 @@ class Pool {
     ctx.fillStyle = COLORS.bg;
     ctx.fillRect(x, y, this.cell * scale, this.cell * scale);
     const [ref, cached] = block;
-    ctx.fillStyle = ref > 0 ? ownerColor(block[2], block[3]) : cached ? COLORS.cached : COLORS.free;
+    if (ref > 1) ctx.fillStyle = COLORS.shared;
+    else if (ref === 1) ctx.fillStyle = ownerColor(block[2], block[3]);
+    else ctx.fillStyle = cached ? COLORS.cached : COLORS.free;
     ctx.fillRect(x, y, size, size);
     if (ref > 0 && cached && size >= 6) {
       ctx.fillStyle = "#ffffff88"; // held and reusable by later prompts: a light base line
@@ -213,7 +222,8 @@ function describe(pool, id) {
   const lines = [`${pool.name} block ${id}`, `ref count ${ref}${ref > 1 ? " (shared)" : ""}`];
   lines.push(`prefix cache: ${cached ? "yes" : "no"}`);
   if (ref === 0) lines.push(cached ? "free, KV kept for reuse" : "free");
-  for (let i = 0; i < holders.length; i += 3) {
+  const shown = Math.min(holders.length, 3 * TOOLTIP_HOLDERS);
+  for (let i = 0; i < shown; i += 3) {
     const [name, sample, position] = holders.slice(i, i + 3);
     const first = position * state.blockSize;
     lines.push(
@@ -221,6 +231,7 @@ function describe(pool, id) {
         `tokens ${first}–${first + state.blockSize - 1}`,
     );
   }
+  if (shown < holders.length) lines.push(`… and ${(holders.length - shown) / 3} more`);
   return lines.join("\n");
 }
 
