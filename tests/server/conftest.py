@@ -18,6 +18,7 @@ import httpx2
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from pagedkv.engine import Engine, EngineArgs
 from pagedkv.server import ServerConfig, build_app
@@ -40,6 +41,7 @@ class RunningServer:
     """A uvicorn server on 127.0.0.1 in a background thread."""
 
     url: str
+    app: FastAPI
     server: uvicorn.Server
     thread: threading.Thread
     api_key: str | None
@@ -83,7 +85,7 @@ def start_server(
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     api_key = config.api_key if config else None
-    return RunningServer(f"http://127.0.0.1:{port}", server, thread, api_key)
+    return RunningServer(f"http://127.0.0.1:{port}", app, server, thread, api_key)
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,7 @@ class EngineLoop:
         self._kv_dirty = True
         self._last_frame = 0.0
         self._added_since_stats = 0
+        self.failure: str | None = None  # why the engine thread stopped serving, if it did
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -118,6 +119,7 @@ class EngineLoop:
         is left queued then. If the caller is cancelled while waiting, the request is aborted.
         Several requests may share one `outputs` queue (one per prompt of a batch).
         """
+        self._check_alive()
         loop = asyncio.get_running_loop()
         route = _Route(loop, outputs)
         done = loop.create_future()
@@ -128,12 +130,17 @@ class EngineLoop:
             self.abort(request_id)
             raise
 
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step); unknown ids are ignored."""
         self._commands.put(request_id)
 
     async def call(self, function: Callable[[Engine], Any]) -> Any:
         """Run `function(engine)` on the engine thread between steps and return its result."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._commands.put(_Call(function, loop, done))
@@ -155,16 +162,33 @@ class EngineLoop:
     # The engine thread.
 
     def _run(self) -> None:
-        while True:
-            busy = self.engine.has_unfinished()
-            if not self._drain_commands(block=not busy):
-                break
-            if self.engine.has_unfinished():
-                self._step()
-            self.stats = self.engine.stats
-            self._added_since_stats = 0
-            self._maybe_publish_frame()
+        try:
+            while True:
+                busy = self.engine.has_unfinished()
+                if not self._drain_commands(block=not busy):
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self.stats = self.engine.stats
+                self._added_since_stats = 0
+                self._maybe_publish_frame()
+        except Exception as error:  # a bug outside engine.step(): nothing can run any more
+            logger.exception("the engine thread failed")
+            self.failure = f"engine thread failed: {error}"
+            self._refuse_queued()
         self._abort_all()
+
+    def _refuse_queued(self) -> None:
+        """Fail every command still queued once the thread can no longer serve them."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                _resolve(command.route.loop, command.done, error=EngineFailed(self.failure))
+            elif isinstance(command, _Call):
+                _resolve(command.loop, command.done, error=EngineFailed(self.failure))
 
     def _drain_commands(self, block: bool) -> bool:
         """Process queued commands (waiting for one if `block`); False once told to stop."""
@@ -275,8 +299,13 @@ class EngineLoop:
         due = 1.0 / KV_FRAMES_PER_S if self._kv_dirty else IDLE_FRAME_INTERVAL_S
         if since < due:
             return
-        frame = KVFrame.capture(self.engine.kv_snapshot(), self.stats)
-        self._last_frame = time.monotonic()
+        try:
+            frame = KVFrame.capture(self.engine.kv_snapshot(), self.stats)
+        except Exception:  # the page map is not worth stopping the engine for
+            logger.exception("page-map snapshot failed")
+            return
+        finally:
+            self._last_frame = time.monotonic()
         self._kv_dirty = False
         for loop, watch in watchers:
             _call_soon(loop, watch.put, frame)

@@ -160,6 +160,8 @@ class Generation:
                     code="overloaded",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from error
+            if isinstance(error, EngineFailed):
+                raise APIError(503, str(error), type="server_error") from error
             if isinstance(error, RequestRejected):
                 code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
                 raise APIError(400, str(error), code=code) from error

@@ -1,0 +1,51 @@
+"""When the engine fails, requests get errors instead of hanging, and health says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+
+BODY = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> RunningServer:
+    return serve(num_gpu_blocks=128)
+
+
+def test_a_failed_step_fails_its_requests_and_the_next_ones_run(server: RunningServer) -> None:
+    engine = server.app.state.engine_loop.engine
+    real_step = engine.step
+
+    def failing_step():
+        engine.step = real_step  # fail once
+        raise RuntimeError("simulated kernel fault")
+
+    engine.step = failing_step
+    with server.http() as http:
+        failed = http.post("/v1/completions", json=BODY)
+        assert failed.status_code == 500
+        assert "simulated kernel fault" in failed.json()["error"]["message"]
+        streamed = http.post("/v1/completions", json=BODY | {"stream": True})
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        assert http.post("/v1/completions", json=BODY).json()["usage"]["completion_tokens"] == 4
+        assert http.get("/health").status_code == 200
+    wait_until(lambda: all_blocks_free(server), timeout=5.0)
+
+
+def test_a_dead_engine_thread_turns_health_and_requests_into_503(server: RunningServer) -> None:
+    engine_loop = server.app.state.engine_loop
+
+    def broken() -> bool:
+        raise RuntimeError("simulated scheduler bug")
+
+    engine_loop.engine.has_unfinished = broken
+    with server.http() as http:
+        first = http.post("/v1/completions", json=BODY)  # wakes the thread, which dies
+        assert first.status_code in (500, 503)
+        wait_until(lambda: http.get("/health").status_code == 503, timeout=5.0)
+        assert "simulated scheduler bug" in http.get("/health").json()["error"]["message"]
+        refused = http.post("/v1/completions", json=BODY)
+        assert refused.status_code == 503
+        assert "engine thread failed" in refused.json()["error"]["message"]
