@@ -29,6 +29,7 @@ from pagedkv.server.protocol import (
     TopLogprob,
 )
 from pagedkv.server.serving import (
+    CLIENT_CLOSED_REQUEST,
     SSE_DONE,
     ChoiceDelta,
     EventStream,
@@ -63,6 +64,8 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
         body = await until_disconnect(raw, response.collect())
     finally:
         generation.close()
+    if body is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(body.model_dump())
 
 

@@ -23,6 +23,7 @@ from pagedkv.server.protocol import (
     ErrorResponse,
 )
 from pagedkv.server.serving import (
+    CLIENT_CLOSED_REQUEST,
     SSE_DONE,
     ChoiceDelta,
     EventStream,
@@ -56,6 +57,8 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
         body = await until_disconnect(raw, response.collect())
     finally:
         generation.close()
+    if body is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(body.model_dump())
 
 

@@ -8,6 +8,7 @@ closed early (client gone, handler cancelled), which frees the blocks before the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -199,8 +200,12 @@ class Generation:
         )
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client hangs up first (non-streaming responses)."""
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work` (a non-streamed response); None if the client hung up first.
+
+    The work is cancelled then, so the caller's `finally` can abort the engine requests
+    at once instead of computing an answer nobody will read.
+    """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -209,7 +214,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return task.result()  # CancelledError if the client left: nobody reads the response
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody receives it
 
 
 async def _disconnected(request: Request) -> None:
