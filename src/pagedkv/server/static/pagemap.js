@@ -214,6 +214,10 @@ function drawChart(now) {
   line(1, "#5ab0e0", []);
   line(2, "#8fd18f", [4, 3]);
   ctx.setLineDash([]);
+  ctx.fillStyle = "#8a94a6";
+  ctx.font = `${11 * scale}px system-ui, sans-serif`;
+  ctx.textBaseline = "top";
+  ctx.fillText("KV usage (solid), utilisation (dashed), last 5 minutes", 2 * pad, 2 * pad);
 }
 
 // Hover: the block's owner(s), position in each sequence, ref count and cache state.
