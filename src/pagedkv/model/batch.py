@@ -52,8 +52,10 @@ class ForwardBatch:
     host_context_lens: tuple[int, ...]  # context_lens as Python ints
     host_query_lens: tuple[int, ...]  # query_lens as Python ints
     host_token_id_ranges: tuple[tuple[int, int], ...]  # (min, max) new token id per sequence
+    # Plans by (sliding window, key bytes per block); not an init field, so `replace` makes a
+    # batch that plans afresh.
     _attention: dict[tuple[int | None, int], AttentionMetadata] = field(
-        default_factory=dict, compare=False, repr=False
+        default_factory=dict, init=False, compare=False, repr=False
     )
 
     @property
