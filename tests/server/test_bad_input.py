@@ -120,6 +120,17 @@ def test_missing_or_wrong_api_key_gets_401(server: RunningServer, model_name: st
         wrong.completions.create(model=model_name, prompt="hi", max_tokens=1)
 
 
+def test_page_map_stream_needs_the_key_and_starts_with_a_full_frame(server: RunningServer) -> None:
+    with httpx2.Client(base_url=server.url) as http:
+        assert http.get("/").status_code == 200  # the page itself asks for the key
+        assert_openai_error(http.get("/v1/kv/stream"), 401)
+    with server.http() as http, http.stream("GET", "/v1/kv/stream") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        data = next(line for line in stream.iter_lines() if line.startswith("data: "))
+    frame = json.loads(data.removeprefix("data: "))
+    assert frame["type"] == "full" and len(frame["gpu"]) == frame["num_gpu_blocks"] == 256
+
+
 def test_unknown_route_gets_404_in_openai_shape(server: RunningServer) -> None:
     with server.http() as http:
         assert_openai_error(http.get("/v1/nothing"), 404)

@@ -90,8 +90,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @v1.get("/kv")
-    async def kv() -> JSONResponse:
-        return JSONResponse(await page_map.snapshot(engine_loop))
+    async def kv() -> Response:
+        return Response(await page_map.snapshot_json(engine_loop), media_type="application/json")
 
     @v1.get("/kv/stream")
     async def kv_stream() -> Response:
