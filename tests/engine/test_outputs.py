@@ -144,3 +144,28 @@ def test_cache_salt_keeps_prefix_blocks_apart(engine_zoo):
     assert outputs["a"] == outputs["b"] == outputs["c"]
     # Only "c" found blocks: the four full ones "a" (the same tenant) left in the cache.
     assert cached == {"a": 0, "b": 0, "c": 64}
+
+
+def test_kv_snapshot_names_every_holder_of_every_block(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    prompt = random_prompt(40, seed=8)  # two full blocks and a partial third
+    engine.add_request("r", prompt, SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1))
+    engine.step()  # prefill and fork: both samples hold all three blocks
+    snapshot = engine.kv_snapshot()
+    held = [block for block in snapshot.gpu if block.ref_count > 0]
+    assert len(held) == 3 and all(block.ref_count == 2 for block in held)
+    for block in held:
+        assert sorted(block.holders) == [
+            ("r", 0, block.holders[0][2]),
+            ("r", 1, block.holders[0][2]),
+        ]
+    assert sorted(b.holders[0][2] for b in held) == [0, 1, 2]
+    assert [b.cached for b in sorted(held, key=lambda b: b.holders[0][2])] == [True, True, False]
+    # Swapped out, the same request is found in the CPU pool instead.
+    request = engine.scheduler.running[0]
+    plan = engine.scheduler.manager.swap_out(request.sequences[0].seq_id)
+    engine.kv_cache.execute(plan)
+    snapshot = engine.kv_snapshot()
+    on_cpu = [block for block in snapshot.cpu if block.ref_count > 0]
+    assert sorted(b.holders[0] for b in on_cpu) == [("r", 0, 0), ("r", 0, 1), ("r", 0, 2)]
+    assert snapshot.to_dict()["cpu"][on_cpu[0].block_id]["holders"] == [list(on_cpu[0].holders[0])]

@@ -262,7 +262,8 @@ class Engine:
         while self._recent_tokens and now - self._recent_tokens[0][0] > THROUGHPUT_WINDOW_S:
             self._recent_tokens.popleft()
         recent = sum(count for _, count in self._recent_tokens)
-        span = now - self._recent_tokens[0][0] if self._recent_tokens else 0.0
+        # At least a second: right after a burst the span is tiny and the rate meaningless.
+        span = max(now - self._recent_tokens[0][0], 1.0) if self._recent_tokens else 1.0
         return EngineStats(
             num_running=sum(len(r.live_sequences) for r in self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -277,7 +278,7 @@ class Engine:
             num_swapped_blocks=self.manager.num_cpu_blocks - self.manager.num_free_cpu_blocks,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
-            tokens_per_s=recent / span if span > 0 else 0.0,
+            tokens_per_s=recent / span,
             num_gpu_blocks=self.manager.num_gpu_blocks,
             num_cpu_blocks=self.manager.num_cpu_blocks,
             block_size=self.manager.block_size,
@@ -305,13 +306,11 @@ class Engine:
             )
             for block in range(self.manager.num_gpu_blocks)
         ]
+        no_holders: list[tuple[str, int, int]] = []  # shared by every free CPU block
         cpu = [
-            BlockState(
-                block_id=block,
-                ref_count=len(cpu_holders.get(block, [])),
-                cached=False,
-                holders=cpu_holders.get(block, []),
-            )
+            BlockState(block, 0, False, no_holders)
+            if block not in cpu_holders
+            else BlockState(block, len(cpu_holders[block]), False, cpu_holders[block])
             for block in range(self.manager.num_cpu_blocks)
         ]
         return KVSnapshot(
