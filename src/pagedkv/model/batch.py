@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -82,28 +83,31 @@ class ForwardBatch:
         query_lens = [len(seq.token_ids) for seq in sequences]
         context_lens = [seq.num_computed + n for seq, n in zip(sequences, query_lens, strict=True)]
         max_blocks = max(len(seq.block_table) for seq in sequences)
-        block_tables = torch.tensor(
+        block_tables = np.array(
             [[*seq.block_table, *[0] * (max_blocks - len(seq.block_table))] for seq in sequences],
-            dtype=torch.int64,
+            dtype=np.int64,
         )
         input_ids = _token_tensor(sequences)
-        q_lens = torch.tensor(query_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), q_lens)
-        first_row = q_lens.cumsum(0) - q_lens
-        num_computed = torch.tensor([seq.num_computed for seq in sequences])
-        positions = (
-            torch.arange(len(input_ids)) - first_row[seq_of_token] + num_computed[seq_of_token]
-        )
+        # Index arithmetic in numpy: torch.repeat_interleave costs milliseconds on the CPU.
+        q_lens = np.array(query_lens, dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(len(sequences)), q_lens)
+        first_row = np.cumsum(q_lens) - q_lens
+        num_computed = np.array([seq.num_computed for seq in sequences], dtype=np.int64)
+        positions = np.arange(len(input_ids)) - first_row[seq_of_token] + num_computed[seq_of_token]
         slots = block_tables[seq_of_token, positions // block_size] * block_size
         slots += positions % block_size
+
+        def tensor(values: np.ndarray, dtype: torch.dtype) -> Tensor:
+            return torch.from_numpy(values).to(device=device, dtype=dtype)
+
         return cls(
             input_ids=input_ids.to(device),
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
-            block_tables=block_tables.to(device=device, dtype=torch.int32),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(block_tables, torch.int32),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            query_lens=q_lens.to(device=device, dtype=torch.int32),
-            logits_indices=(first_row + q_lens - 1).to(device),
+            query_lens=tensor(q_lens, torch.int32),
+            logits_indices=tensor(first_row + q_lens - 1, torch.int64),
             block_size=block_size,
             host_context_lens=tuple(context_lens),
             host_query_lens=tuple(query_lens),
