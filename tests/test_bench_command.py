@@ -1,0 +1,104 @@
+"""`pagedkv bench`: runs end to end on a tiny model, prints every figure, counts every token.
+
+A smoke test: no timing thresholds (the machine is shared), only that the three systems run
+the same workload, that each reports exactly the tokens the workload asked for, and that the
+tables carry every figure the benchmark promises.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedkv.benchmark import WORKLOADS, WorkloadSpec, make_workload
+from pagedkv.cli import main
+from tests.model.tiny_models import build_model_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model_folder("llama", tmp_path_factory.mktemp("bench_model") / "llama")
+
+
+def test_workloads_are_the_issues_and_seeded() -> None:
+    uniform = make_workload("uniform", WORKLOADS["uniform"], vocab_size=1000, seed=0)
+    mixed = make_workload("mixed", WORKLOADS["mixed"], vocab_size=1000, seed=0)
+    assert len(uniform.prompts) == 32 and set(uniform.output_lens) == {128}
+    assert len(mixed.prompts) == 48
+    assert all(16 <= n <= 512 for n in mixed.output_lens) and len(set(mixed.output_lens)) > 10
+    for workload in (uniform, mixed):
+        assert all(32 <= len(p) <= 256 for p in workload.prompts)
+        assert all(3 <= t < 1000 for p in workload.prompts for t in p)
+    assert make_workload("mixed", WORKLOADS["mixed"], 1000, 0) == mixed
+    assert make_workload("mixed", WORKLOADS["mixed"], 1000, 1) != mixed
+
+
+def test_bench_runs_prints_every_figure_and_counts_requested_tokens(
+    tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    figures_path = tmp_path / "bench.json"
+    exit_code = main(
+        [
+            "bench",
+            "--model",
+            str(tiny_folder),
+            "--workload",
+            "mixed",
+            "--rounds",
+            "1",
+            "--num-prompts",
+            "5",
+            "--prompt-len",
+            "4",
+            "20",
+            "--output-len",
+            "2",
+            "9",
+            "--kv-tokens",
+            "192",
+            "--max-model-len",
+            "64",
+            "--threads",
+            "1",
+            "--json",
+            str(figures_path),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert exit_code == 0, printed
+    for figure in (
+        "pagedkv",
+        "transformers generate (static)",
+        "transformers continuous batching",
+        "tok/s",
+        "pagedkv/this",
+        "per round",
+        "peak concurrency",
+        "KV utilisation",
+        "preemptions swap",
+        "outside the model forward",
+        "goals:",
+    ):
+        assert figure in printed, figure
+    figures = json.loads(figures_path.read_text())
+    assert set(figures["workloads"]) == {"mixed"}
+    for name, workload in figures["workloads"].items():
+        requested = workload["requested_tokens"]
+        expected = make_workload(
+            name,
+            WorkloadSpec(num_prompts=5, prompt_len=(4, 20), output_len=(2, 9)),
+            vocab_size=320,
+            seed=0,
+        ).requested_tokens
+        assert requested == expected
+        assert set(workload["systems"]) == {"pagedkv", "hf-generate", "hf-cb"}
+        for system, per_system in workload["systems"].items():
+            assert per_system["useful_tokens"] == [requested], system
+            assert per_system["tokens_per_s"] > 0, system
+        # Static batches pad every request to its batch's longest output.
+        assert workload["systems"]["hf-generate"]["generated_tokens"][0] >= requested
+        assert workload["systems"]["pagedkv"]["generated_tokens"] == [requested]
+        assert workload["engine"]["peak_running"] >= 1
+        assert 0.0 <= workload["engine"]["outside_forward_share"] <= 1.0
