@@ -57,8 +57,9 @@ def test_one_long_context_among_short_ones_reads_its_own_length() -> None:
     assert decode.rows[0] == 63  # longest first
 
 
-def test_a_whole_prompt_is_causal_with_no_mask() -> None:
-    (prefill,) = plan([5000], [5000], block_size=16).prefills
+@pytest.mark.parametrize("window", [None, 5000])
+def test_a_whole_prompt_is_causal_with_no_mask(window: int | None) -> None:
+    (prefill,) = plan([5000], [5000], block_size=16, window=window).prefills
     (chunk,) = prefill.chunks
     assert chunk.causal and chunk.mask is None
     assert (chunk.query_start, chunk.query_stop, chunk.key_start, chunk.key_stop) == (

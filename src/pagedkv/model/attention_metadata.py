@@ -14,9 +14,10 @@ their keys fit ``DECODE_CHUNK_BYTES``. A chunk ends where its shortest sequence 
 reading on (masked) wastes little, so the blocks read are within ``1 / (WASTE_DIVISOR - 1)``
 of the blocks held: cost follows the sum of the contexts, not num_seqs x longest context.
 
-Prefill planning. A whole prompt with no window attends causally (``is_causal``, no mask).
-Otherwise (a cached prefix, or a window) the queries are cut into chunks whose boolean mask
-holds at most ``PREFILL_MASK_ELEMENTS``, each chunk reading only the keys it can see.
+Prefill planning. A whole prompt that fits its window (if any) attends causally (``is_causal``,
+no mask). Otherwise (a cached prefix, or a window shorter than the prompt) the queries are cut
+into chunks whose boolean mask holds at most ``PREFILL_MASK_ELEMENTS``, each chunk reading only
+the keys it can see; the masks are built with the plan, once per forward.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def _plan_prefill(
     first_key = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
     key_pos = torch.arange(first_key, context_len, device=device)
     key_slots = block_tables[seq].long()[key_pos // block_size] * block_size + key_pos % block_size
-    if sliding_window is None and first_query == 0:
+    if first_query == 0 and (sliding_window is None or context_len <= sliding_window):
         whole = PrefillChunk(row_start, row_start + query_len, 0, context_len, None, causal=True)
         return PrefillPlan(key_slots, (whole,))
     rows_per_chunk = max(1, PREFILL_MASK_ELEMENTS // (context_len - first_key))
