@@ -79,7 +79,7 @@ def test_bench_runs_prints_every_figure_and_counts_requested_tokens(
         "KV utilisation",
         "preemptions swap",
         "outside the model forward",
-        "goals:",
+        "goals",
     ):
         assert figure in printed, figure
     figures = json.loads(figures_path.read_text())

@@ -661,6 +661,10 @@ def _goals(
     verdicts.append(
         f"outside-forward share {where} <= {GOAL_OUTSIDE_FORWARD:.0%}: {verdict} ({share:.1%})"
     )
+    if workload.spec != WORKLOADS.get(workload.name):
+        return "goals (set for the issue's workload, not this overridden one): " + "; ".join(
+            verdicts
+        )
     return "goals: " + "; ".join(verdicts)
 
 
