@@ -49,6 +49,7 @@ class ForwardBatch:
     context_lens: Tensor  # [num_seqs] int32, cached + new tokens
     query_lens: Tensor  # [num_seqs] int32, new tokens
     logits_indices: Tensor  # [num_seqs] int64, each sequence's last token in the flat batch
+    query_start_loc: Tensor  # [num_seqs + 1] int32, where each sequence's tokens start (GPU)
     block_size: int
     host_context_lens: tuple[int, ...]  # context_lens as Python ints
     host_query_lens: tuple[int, ...]  # query_lens as Python ints
@@ -108,6 +109,7 @@ class ForwardBatch:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             query_lens=tensor(q_lens, torch.int32),
             logits_indices=tensor(first_row + q_lens - 1, torch.int64),
+            query_start_loc=tensor(np.append(first_row, len(input_ids)), torch.int32),
             block_size=block_size,
             host_context_lens=tuple(context_lens),
             host_query_lens=tuple(query_lens),

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv.model.attention import key_bytes_per_block, paged_attention, write_kv
+from pagedkv.model import triton_dispatch
+from pagedkv.model.attention import key_bytes_per_block
 from pagedkv.model.batch import ForwardBatch
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.kv_cache import KVCache
@@ -53,6 +54,7 @@ class LlamaModel(nn.Module):
         positions past `max_position_embeddings` raise `InvalidBatch` subclasses first.
         """
         batch.check_inputs(self.config.vocab_size, self.config.max_position_embeddings)
+        kv_cache.check_dtype(self.embed_tokens.weight.dtype)
         hidden = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)
         for layer in self.layers:
@@ -106,9 +108,23 @@ class Attention(nn.Module):
         value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         k_cache, v_cache = kv_cache.layer(self.index)
-        write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+        triton_dispatch.write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+        # Triton kernels on CUDA read the batch's tensors; the PyTorch path (CPU, and CUDA
+        # without triton) reads the step's plan, built once per forward by the first layer.
         metadata = batch.attention_metadata(self.sliding_window, key_bytes_per_block(k_cache))
-        out = paged_attention(query, k_cache, v_cache, metadata, self.scale)
+        out = triton_dispatch.paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.context_lens,
+            batch.query_start_loc,
+            max(batch.host_query_lens),
+            max(batch.host_context_lens),
+            self.scale,
+            self.sliding_window,
+            metadata=metadata,
+        )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
