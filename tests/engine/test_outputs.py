@@ -169,3 +169,17 @@ def test_kv_snapshot_names_every_holder_of_every_block(engine_zoo):
     on_cpu = [block for block in snapshot.cpu if block.ref_count > 0]
     assert sorted(b.holders[0] for b in on_cpu) == [("r", 0, 0), ("r", 0, 1), ("r", 0, 2)]
     assert snapshot.to_dict()["cpu"][on_cpu[0].block_id]["holders"] == [list(on_cpu[0].holders[0])]
+
+
+def test_stats_count_prompt_and_generated_tokens(engine_zoo):
+    engine = make_engine(engine_zoo, "llama", enable_prefix_caching=False)
+    prompts = [random_prompt(length, seed=length) for length in (3, 17, 40)]
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, SamplingParams(max_tokens=5, ignore_eos=True, n=2))
+    for _ in run_to_completion(engine):
+        pass
+    stats = engine.stats
+    assert stats.prompt_tokens_total == 3 + 17 + 40  # each prompt computed once, then forked
+    assert stats.generation_tokens_total == 3 * 2 * 5
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+    assert stats.kv_usage == 0.0

@@ -204,9 +204,7 @@ class Engine:
         seq.token_ids.append(token_id)
         seq.new_token_ids.append(token_id)
         if logprobs is not None:
-            entry = self._logprob_entry(token_id, logprobs)
-            seq.new_logprobs.append(entry)
-            seq.logprobs = (seq.logprobs or []) + [entry]
+            seq.new_logprobs.append(self._logprob_entry(token_id, logprobs))
             seq.cumulative_logprob += logprobs[0]
         apply_stops(request, seq, token_id, self._stop_ids, self.max_model_len)
 
@@ -400,8 +398,11 @@ class Engine:
         return entry
 
     def _prompt_share(self, chunk: ScheduledChunk) -> int:
-        """Prompt tokens among a chunk's tokens (recomputed outputs count as prompt work)."""
-        return len(chunk.token_ids) if len(chunk.token_ids) > 1 or not chunk.sample else 0
+        """Prompt tokens computed by a chunk (cached prompt tokens are not computed)."""
+        request_id, index = chunk.seq_id
+        num_prompt = self._requests[request_id].sequences[index].num_prompt_tokens
+        end = chunk.num_computed + len(chunk.token_ids)
+        return max(0, min(end, num_prompt) - chunk.num_computed)
 
     def _utilisation(self) -> float:
         """Filled token slots over the slots of every held GPU block (a shared block once)."""

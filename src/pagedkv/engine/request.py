@@ -44,7 +44,6 @@ class Sequence:
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float = 0.0
     # What this step produced, handed out as a delta and then cleared.
     new_token_ids: list[int] = field(default_factory=list)
