@@ -12,7 +12,7 @@ import sys
 
 # A pool small enough that the demo's requests contend for it: blocks come and go, forks
 # share, and requests sometimes give way. --num-gpu-blocks overrides it.
-DEMO_NUM_GPU_BLOCKS = 128
+DEMO_NUM_GPU_BLOCKS = 64
 DEMO_SWAP_SPACE_GB = 0.25
 
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature",
         type=float,
-        default=0.8,
+        default=0.7,
         help="for the requests with two samples; the others are greedy (default: %(default)s)",
     )
     EngineArgs.add_cli_args(parser)

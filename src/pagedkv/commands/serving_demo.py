@@ -28,16 +28,16 @@ SYSTEM_PROMPT = (
 )
 # (question, uses the shared system prompt, samples)
 QUESTIONS: list[tuple[str, bool, int]] = [
-    ("What is the capital of France?", True, 1),
+    ("What is the capital of France?", False, 1),
     ("Explain what a KV cache is in a language model.", True, 2),
     ("Give three tips for writing readable Python code.", True, 1),
     ("Why is the sky blue?", True, 1),
-    ("Write a haiku about memory.", True, 2),
+    ("Suggest two names for a pet cat.", True, 2),
     ("What is the difference between a process and a thread?", True, 1),
     ("Summarise the plot of Romeo and Juliet.", True, 1),
     ("How do vaccines train the immune system?", True, 1),
     ("Translate 'good morning' into Spanish, French and German.", True, 1),
-    ("What are the health benefits of walking every day?", False, 1),
+    ("What are the health benefits of walking every day?", True, 1),
     ("Name the planets of the solar system in order.", False, 1),
     ("What does a compiler do?", True, 2),
 ]
