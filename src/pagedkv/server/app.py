@@ -23,7 +23,7 @@ from pagedkv.server import page_map
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.engine_loop import EngineLoop
-from pagedkv.server.errors import APIError, error_response, install_error_handlers
+from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
@@ -102,7 +102,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine_loop.failure is not None:
-            return error_response(503, engine_loop.failure, type="server_error")
+            return APIError(503, engine_loop.failure, type="server_error").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -36,19 +36,10 @@ class APIError(Exception):
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
         self.headers = headers
 
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    """A JSON response holding one OpenAI error."""
-    info = ErrorInfo(message=message, type=type, param=param, code=code)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status, headers=headers)
+    def response(self) -> JSONResponse:
+        """The JSON response reporting this error, whether raised or built to be returned."""
+        body = ErrorResponse(error=self.info).model_dump()
+        return JSONResponse(body, self.status, headers=self.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -56,15 +47,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        body = ErrorResponse(error=error.info).model_dump()
-        return JSONResponse(body, error.status, headers=error.headers)
+        return error.response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         code = "not_found" if error.status_code == 404 else None
-        return error_response(error.status_code, str(error.detail), code=code)
+        return APIError(error.status_code, str(error.detail), code=code).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error serving %s", request.url.path)
-        return error_response(500, f"internal error: {error}", type="server_error")
+        return APIError(500, f"internal error: {error}", type="server_error").response()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedkv.server.errors import error_response
+from pagedkv.server.errors import APIError
 
 MAX_BODY_BYTES = 2 * 1024 * 1024  # ~500k tokens of text: far past any context we serve
 DRAIN_BYTES = 64 * 1024 * 1024
@@ -63,10 +63,10 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
             more_body = message.get("more_body", False)
-        response = error_response(
+        response = APIError(
             413,
             f"request body is larger than {self.max_bytes} bytes",
             code="request_too_large",
             headers={"Connection": "close"},
-        )
+        ).response()
         await response(scope, receive, send)

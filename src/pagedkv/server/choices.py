@@ -1,0 +1,135 @@
+"""A Generation's choice deltas assembled into one OpenAI response, collected or streamed.
+
+Completions and chat differ only in the objects they build and in how they report logprobs.
+What they share lives here: folding each delta into its choice, the order of a stream's events
+(opening chunks, a chunk per non-empty delta, usage if asked, an error event if the engine
+fails mid-stream, then [DONE]) and closing the generation however the response ends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedkv.server.errors import APIError
+from pagedkv.server.protocol import ErrorResponse, SamplingFields
+from pagedkv.server.serving import (
+    CLIENT_CLOSED_REQUEST,
+    SSE_DONE,
+    ChoiceDelta,
+    EventStream,
+    Generation,
+    ServingContext,
+    now,
+    sse,
+    until_disconnect,
+)
+
+if TYPE_CHECKING:
+    from pagedkv.engine import CompletionOutput
+
+ChoiceT = TypeVar("ChoiceT", bound="ChoiceState")
+RequestT = TypeVar("RequestT", bound=SamplingFields)
+LogprobsT = TypeVar("LogprobsT")
+
+
+class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
+    """Turns a Generation's deltas into one response object or its stream chunks.
+
+    A subclass names its `choice_type` and builds the endpoint's objects: `_logprobs` (a
+    delta's logprobs, also folded into its choice), `_chunk_choice` and `_chunk` (a stream
+    chunk), `_response` (the whole answer) and, if its stream opens with chunks, `_opening`.
+    """
+
+    choice_type: type[ChoiceT]
+
+    def __init__(self, context: ServingContext, request: RequestT, generation: Generation) -> None:
+        self.context = context
+        self.request = request
+        self.generation = generation
+        self.created = now()
+        self.choices: dict[int, ChoiceT] = {}
+
+    async def respond(self, raw: Request) -> Response:
+        """Stream or collect, as the request asks; the generation is closed however it ends."""
+        if self.request.stream:
+            return EventStream(self.stream(), on_close=self.generation.close)
+        try:
+            body = await until_disconnect(raw, self.collect())
+        finally:
+            self.generation.close()
+        if body is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(body.model_dump())
+
+    async def collect(self) -> BaseModel:
+        """The whole response, once every choice has finished."""
+        async for delta in self.generation.deltas():
+            self._update(delta)
+        return self._response(sorted(self.choices.values(), key=lambda choice: choice.index))
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Opening chunks, a chunk per non-empty delta, usage if asked, then [DONE]."""
+        try:
+            for event in self._opening():
+                yield event
+            async for delta in self.generation.deltas():
+                output = delta.output
+                if not (output.text or output.token_ids or output.finish_reason):
+                    continue
+                yield self._chunk([self._chunk_choice(delta, self._update(delta))])
+            options = self.request.stream_options
+            if options is not None and options.include_usage:
+                yield self._chunk([], usage=True)
+        except APIError as error:
+            yield sse(ErrorResponse(error=error.info).model_dump_json())
+        yield SSE_DONE
+
+    def _update(self, delta: ChoiceDelta) -> LogprobsT:
+        """Fold a delta into its choice; return the delta's own logprobs."""
+        choice = self.choices.setdefault(delta.index, self.choice_type(delta.index))
+        choice.fold(delta.output)
+        return self._logprobs(choice, delta.output)
+
+    def _opening(self) -> list[str]:
+        """Events a stream starts with, before any delta (none unless overridden)."""
+        return []
+
+    @abstractmethod
+    def _logprobs(self, choice: ChoiceT, output: CompletionOutput) -> LogprobsT:
+        """The delta's logprobs in the endpoint's shape, also added to `choice`."""
+
+    @abstractmethod
+    def _chunk_choice(self, delta: ChoiceDelta, logprobs: LogprobsT) -> BaseModel:
+        """One choice's part of a stream chunk."""
+
+    @abstractmethod
+    def _chunk(self, choices: list, usage: bool = False) -> str:
+        """One server-sent stream chunk holding `choices` (and the usage so far, if asked)."""
+
+    @abstractmethod
+    def _response(self, choices: list[ChoiceT]) -> BaseModel:
+        """The whole response from the finished choices, in index order."""
+
+
+@dataclass
+class ChoiceState:
+    """One choice being assembled from its deltas; subclasses add their logprobs."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def fold(self, output: CompletionOutput) -> None:
+        """Append a delta's text; keep its finish reason once it has one."""
+        self.text.append(output.text)
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
