@@ -11,7 +11,8 @@ import importlib
 import sys
 
 COMMANDS: dict[str, str] = {
-    "demo": "walk through paged KV memory on a small example",
+    "demo": "serve chat requests through the engine with a live KV pool view (--memory: "
+    "the memory walk-through)",
     "plan": "KV-cache capacity per token, per request and per GPU for a model",
     "simulate": "simulate serving a workload under slab and paged KV allocation",
     "generate": "generate a completion for one prompt, streamed to the terminal",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagedkv.engine import (
@@ -13,7 +14,7 @@ from pagedkv.engine import (
     TokenOutOfVocabulary,
     TooManySamples,
 )
-from pagedkv.engine.errors import DuplicateRequest
+from pagedkv.engine.errors import DuplicateRequest, InvalidTokenId, StepFailed
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
 from tests.model.tiny_models import VOCAB_SIZE, random_prompt
 
@@ -27,7 +28,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
         ("", GREEDY, EmptyPrompt, "empty"),
         ([5, VOCAB_SIZE], GREEDY, TokenOutOfVocabulary, f"{VOCAB_SIZE} is outside"),
         ([5, -1], GREEDY, TokenOutOfVocabulary, "-1 is outside"),
-        ([5, "x"], GREEDY, TokenOutOfVocabulary, "'x' is outside"),
+        ([5, "x"], GREEDY, InvalidTokenId, "position 1 is str 'x', expected an int"),
+        ([1.0, 2], GREEDY, InvalidTokenId, "position 0 is float 1.0, expected an int"),
+        ([5, True], GREEDY, InvalidTokenId, "position 1 is bool True"),
+        (
+            [5, 6],
+            SamplingParams(min_tokens=1, stop_token_ids=[10**6]),
+            TokenOutOfVocabulary,
+            f"stop_token_ids has 1000000 is outside the model's vocabulary \\[0, {VOCAB_SIZE}\\)",
+        ),
         (random_prompt(200, 0), GREEDY, PromptTooLong, "prompt has 200 tokens, model allows 200"),
         (
             random_prompt(190, 0),
@@ -135,3 +144,45 @@ def test_unbounded_max_tokens_stops_where_the_pool_ends(engine_zoo):
     engine.add_request("a", [5, 6, 7], params)
     tokens = [t for ds in run_to_completion(engine) for d in ds for t in d.outputs[0].token_ids]
     assert len(tokens) == 4 * 4 - 3  # the whole pool of 16 slots, less the prompt
+
+
+def test_numpy_integer_token_ids_are_plain_ints(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    engine.add_request("a", np.array([5, 6, 7], dtype=np.int64), GREEDY)
+    tokens = [t for ds in run_to_completion(engine) for d in ds for t in d.outputs[0].token_ids]
+    assert len(tokens) == 8 and all(type(t) is int for t in tokens)
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(engine_zoo, monkeypatch):
+    engine = make_engine(engine_zoo, "llama")
+    engine.add_request("a", random_prompt(20, 1), GREEDY)
+    engine.add_request("b", random_prompt(30, 2), GREEDY)
+    engine.step()
+    real_execute = engine.runner.execute
+
+    def broken(output):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(
+        StepFailed, match="device lost.*aborted 2 request\\(s\\) it was running: a, b"
+    ):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+    reported = {d.request_id: d.outputs[0].finish_reason for d in engine.step() if d.finished}
+    assert reported == {"a": "abort", "b": "abort"}
+    engine.add_request("c", random_prompt(10, 3), GREEDY)
+    finished = [d.request_id for ds in run_to_completion(engine) for d in ds if d.finished]
+    assert finished == ["c"]
+
+
+def test_generate_leaves_nothing_behind_when_a_step_fails(engine_zoo, monkeypatch):
+    llm = make_llm(engine_zoo, "llama")
+    real_execute = llm.engine.runner.execute
+    monkeypatch.setattr(llm.engine.runner, "execute", lambda output: 1 / 0)
+    with pytest.raises(StepFailed, match="ZeroDivisionError"):
+        llm.generate([[5, 6], [7, 8]], GREEDY)
+    assert not llm.engine.has_unfinished()
+    monkeypatch.setattr(llm.engine.runner, "execute", real_execute)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([[5, 6]], GREEDY)] == [8]

@@ -5,9 +5,11 @@ from pagedkv.engine.engine import Engine
 from pagedkv.engine.errors import (
     DuplicateRequest,
     EmptyPrompt,
+    InvalidTokenId,
     PromptTooLong,
     RequestRejected,
     RequestTooLarge,
+    StepFailed,
     TokenOutOfVocabulary,
     TooManySamples,
 )
@@ -25,6 +27,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineStats",
+    "InvalidTokenId",
     "KVSnapshot",
     "Logprob",
     "PromptTooLong",
@@ -33,6 +36,7 @@ __all__ = [
     "RequestRejected",
     "RequestTooLarge",
     "SamplingParams",
+    "StepFailed",
     "TokenOutOfVocabulary",
     "TooManySamples",
 ]

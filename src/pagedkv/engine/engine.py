@@ -8,6 +8,7 @@ one thread owns it (the server runs it in its engine thread).
 
 from __future__ import annotations
 
+import operator
 import sys
 import time
 from collections import deque
@@ -20,8 +21,10 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import (
     DuplicateRequest,
     EmptyPrompt,
+    InvalidTokenId,
     PromptTooLong,
     RequestTooLarge,
+    StepFailed,
     TokenOutOfVocabulary,
     TooManySamples,
 )
@@ -31,7 +34,7 @@ from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler, SamplingRow
-from pagedkv.engine.scheduler import ScheduledChunk, Scheduler
+from pagedkv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pagedkv.engine.stats import BlockState, EngineStats, KVSnapshot
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
@@ -140,18 +143,30 @@ class Engine:
         """Run one scheduled step; return a delta for every request that changed."""
         started = time.perf_counter()
         output = self.scheduler.schedule()
-        logits = self.runner.execute(output)
-        for chunk in output.chunks:
-            self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
-            self._prompt_tokens_total += self._prompt_share(chunk)
-        touched: dict[str, Request] = {}
-        if logits is not None:
-            touched = self._sample([c for c in output.chunks if c.sample], logits)
+        try:
+            touched = self._run(output)
+        except Exception as error:
+            # A request whose step failed may be half-updated: abort it rather than leave it
+            # running with nothing to compute. The other requests are not touched.
+            request_ids = sorted({chunk.seq_id[0] for chunk in output.chunks})
+            for request_id in request_ids:
+                self.abort(request_id)
+            raise StepFailed(request_ids, error) from error
         deltas = [self._delta(request) for request in touched.values()]
         deltas += [self._delta(request) for request in self._aborted]
         self._aborted.clear()
         self._step_seconds += time.perf_counter() - started
         return deltas
+
+    def _run(self, output: SchedulerOutput) -> dict[str, Request]:
+        """Forward pass, bookkeeping and sampling of one step; the requests it touched."""
+        logits = self.runner.execute(output)
+        for chunk in output.chunks:
+            self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
+            self._prompt_tokens_total += self._prompt_share(chunk)
+        if logits is None:
+            return {}
+        return self._sample([chunk for chunk in output.chunks if chunk.sample], logits)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[str, Request]:
         """Fork where a prompt just finished, sample every row, apply stops; touched requests."""
@@ -326,19 +341,26 @@ class Engine:
             if not prompt:  # the tokenizer may still add BOS, but there is nothing to continue
                 raise EmptyPrompt()
             return prompt, self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
+        token_ids = []
+        for position, value in enumerate(prompt):
+            if isinstance(value, bool):
+                raise InvalidTokenId(position, value)
+            try:  # ints, and integer types such as numpy's, become plain ints
+                token_ids.append(operator.index(value))
+            except TypeError:
+                raise InvalidTokenId(position, value) from None
         if not token_ids:
             raise EmptyPrompt()
-        vocab_size = self.config.vocab_size
         for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool):
-                raise TokenOutOfVocabulary(token_id, vocab_size)
-            if not 0 <= token_id < vocab_size:
-                raise TokenOutOfVocabulary(token_id, vocab_size)
+            if not 0 <= token_id < self.config.vocab_size:
+                raise TokenOutOfVocabulary(token_id, self.config.vocab_size)
         return None, token_ids
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> int:
         """max_tokens after checking the request fits the context and the whole pool."""
+        for token_id in params.stop_token_ids or []:
+            if token_id >= self.config.vocab_size:
+                raise TokenOutOfVocabulary(token_id, self.config.vocab_size, "stop_token_ids has")
         num_prompt = len(token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:  # as long as the context, and the pool, allow

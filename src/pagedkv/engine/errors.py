@@ -19,11 +19,19 @@ class EmptyPrompt(RequestRejected):
 
 
 class TokenOutOfVocabulary(RequestRejected):
-    """A prompt token id is outside the model's vocabulary."""
+    """A token id in the prompt (or in stop_token_ids) is outside the model's vocabulary."""
 
-    def __init__(self, token_id: object, vocab_size: int) -> None:
+    def __init__(self, token_id: int, vocab_size: int, where: str = "prompt token id") -> None:
+        super().__init__(f"{where} {token_id} is outside the model's vocabulary [0, {vocab_size})")
+
+
+class InvalidTokenId(RequestRejected):
+    """A prompt given as token ids holds something that is not an integer."""
+
+    def __init__(self, position: int, value: object) -> None:
         super().__init__(
-            f"prompt token id {token_id!r} is outside the model's vocabulary [0, {vocab_size})"
+            f"prompt token at position {position} is {type(value).__name__} {value!r}, "
+            "expected an int"
         )
 
 
@@ -72,3 +80,14 @@ class DuplicateRequest(RequestRejected):
 
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request id {request_id!r} is already in use")
+
+
+class StepFailed(RuntimeError):
+    """A step raised; the requests it was running were aborted, the others are untouched."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(
+            f"engine step failed ({type(error).__name__}: {error}); aborted "
+            f"{len(request_ids)} request(s) it was running: {', '.join(request_ids)}"
+        )
+        self.request_ids = request_ids

@@ -82,7 +82,15 @@ class LLM:
         progress = _Progress(len(prompts), enabled=use_tqdm)
         num_finished = 0
         while num_finished < len(prompts):
-            for delta in engine.step():
+            try:
+                deltas = engine.step()
+            except Exception:
+                for request_id in request_ids:  # leave nothing of this call behind
+                    engine.abort(request_id)
+                engine.step()
+                progress.close()
+                raise
+            for delta in deltas:
                 whole = results.setdefault(delta.request_id, _empty_like(delta))
                 _accumulate(whole, delta)
                 if delta.finished:
