@@ -160,6 +160,8 @@ class Engine:
 
     def _run(self, output: SchedulerOutput) -> dict[str, Request]:
         """Forward pass, bookkeeping and sampling of one step; the requests it touched."""
+        if not output.chunks and not output.plan:
+            return {}  # nothing to run: e.g. a step that only reports aborts
         logits = self.runner.execute(output)
         for chunk in output.chunks:
             self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
