@@ -110,57 +110,82 @@ def triton_paged_attention(
     if query.shape[0] == 0:
         return out
     window = NO_WINDOW if sliding_window is None else sliding_window
+    batch = _Batch(out, query, k_cache, v_cache, block_tables, context_lens, scale, window)
     if max_query_len == 1:
         if block_tables.shape[0] != query.shape[0]:
             raise ValueError(
                 f"max_query_len 1 needs one token per sequence: {query.shape[0]} tokens, "
                 f"{block_tables.shape[0]} sequences"
             )
-        _decode(
-            out,
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            min(max_context_len, window),
-            scale,
-            window,
-            decode_config,
-        )
+        _decode(batch, min(max_context_len, window), decode_config)
     else:
-        _prefill(
-            out,
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            context_lens,
-            query_start_loc,
-            max_query_len,
-            scale,
-            window,
-            prefill_config,
-        )
+        _prefill(batch, query_start_loc, max_query_len, prefill_config)
     return out
 
 
-def _decode(
-    out: Tensor,
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    max_keys: int,
-    scale: float,
-    window: int,
-    config: DecodeConfig,
-) -> None:
+@dataclass(frozen=True)
+class _Batch:
+    """One call's tensors and scalars, as both attention kernels take them."""
+
+    out: Tensor
+    query: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    block_tables: Tensor
+    context_lens: Tensor
+    scale: float
+    window: int
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch (rows of the block table)."""
+        return self.block_tables.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of the cache: the launch grid's second axis."""
+        return self.k_cache.shape[2]
+
+    @property
+    def group(self) -> int:
+        """Query heads sharing one KV head."""
+        return self.query.shape[1] // self.num_kv_heads
+
+    def shared_args(self) -> tuple:
+        """Both kernels' arguments from the scale on: scale, window and every stride.
+
+        The kernels exponentiate with exp2, so the scale arrives multiplied by log2(e).
+        """
+        return (
+            self.scale * math.log2(math.e),
+            self.window,
+            *self.query.stride()[:2],
+            *self.out.stride()[:2],
+            *self.k_cache.stride()[:3],
+            *self.v_cache.stride()[:3],
+            self.block_tables.stride(0),
+        )
+
+    def shared_constants(self, config: DecodeConfig | PrefillConfig) -> dict:
+        """The compile-time constants and launch options both kernels take."""
+        head_dim = self.query.shape[2]
+        return {
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_P": triton.next_power_of_2(head_dim),
+            "GROUP": self.group,
+            "BLOCK_N": config.block_n,
+            "BLOCK_SIZE": self.k_cache.shape[1],
+            "SEQS_P": _seqs_bucket(self.num_seqs),
+            "DOT_PRECISION": _dot_precision(self.query.dtype),
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+        }
+
+
+def _decode(batch: _Batch, max_keys: int, config: DecodeConfig) -> None:
     """Launch the split-KV decode kernel, then the merge if any sequence has several parts."""
+    out, query = batch.out, batch.query
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_parts = max(1, math.ceil(max_keys / config.partition_size))
     split = max_parts > 1
     if split:
@@ -171,40 +196,26 @@ def _decode(
         part_acc = part_max = part_sum = out
     num_programs = min(
         num_seqs * max_parts,
-        max(1, config.programs_per_sm * _sm_count(query.device) // num_kv_heads),
+        max(1, config.programs_per_sm * _sm_count(query.device) // batch.num_kv_heads),
     )
-    _decode_kernel[(num_programs, num_kv_heads)](
+    _decode_kernel[(num_programs, batch.num_kv_heads)](
         out,
         part_acc,
         part_max,
         part_sum,
         query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.context_lens,
         num_seqs,
         num_heads,
         max_parts,
-        scale * math.log2(math.e),
-        window,
-        *query.stride()[:2],
-        *out.stride()[:2],
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_tables.stride(0),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
-        GROUP=group,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=config.block_n,
-        BLOCK_SIZE=k_cache.shape[1],
+        *batch.shared_args(),
+        BLOCK_M=max(16, triton.next_power_of_2(batch.group)),
         PARTITION_SIZE=config.partition_size,
-        SEQS_P=_seqs_bucket(num_seqs),
         SPLIT=split,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **batch.shared_constants(config),
     )
     if split:
         _merge_partitions_kernel[(num_seqs, num_heads)](
@@ -212,10 +223,10 @@ def _decode(
             part_acc,
             part_max,
             part_sum,
-            context_lens,
+            batch.context_lens,
             num_heads,
             max_parts,
-            window,
+            batch.window,
             *out.stride()[:2],
             HEAD_DIM=head_dim,
             HEAD_DIM_P=triton.next_power_of_2(head_dim),
@@ -225,54 +236,26 @@ def _decode(
 
 
 def _prefill(
-    out: Tensor,
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    query_start_loc: Tensor,
-    max_query_len: int,
-    scale: float,
-    window: int,
-    config: PrefillConfig,
+    batch: _Batch, query_start_loc: Tensor, max_query_len: int, config: PrefillConfig
 ) -> None:
     """Launch the varlen prefill kernel: one program per (query tile, KV head)."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_seqs = block_tables.shape[0]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
+    group_p = triton.next_power_of_2(batch.group)
     block_q = max(1, min(config.block_m // group_p, triton.next_power_of_2(max_query_len)))
-    num_tiles = num_tokens // block_q + num_seqs
-    _prefill_kernel[(num_tiles, num_kv_heads)](
-        out,
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
+    num_tiles = batch.query.shape[0] // block_q + batch.num_seqs
+    _prefill_kernel[(num_tiles, batch.num_kv_heads)](
+        batch.out,
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.context_lens,
         query_start_loc,
-        num_seqs,
-        scale * math.log2(math.e),
-        window,
-        *query.stride()[:2],
-        *out.stride()[:2],
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_tables.stride(0),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim),
-        GROUP=group,
+        batch.num_seqs,
+        *batch.shared_args(),
         GROUP_P=group_p,
         BLOCK_Q=block_q,
         BLOCK_M=max(16, block_q * group_p),
-        BLOCK_N=config.block_n,
-        BLOCK_SIZE=k_cache.shape[1],
-        SEQS_P=_seqs_bucket(num_seqs),
-        DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **batch.shared_constants(config),
     )
 
 
