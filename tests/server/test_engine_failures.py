@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedkv.engine.errors import StepFailed
 from tests.server.conftest import RunningServer, all_blocks_free, wait_until
 
 BODY = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
@@ -31,6 +32,30 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_run(server: RunningS
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         assert http.post("/v1/completions", json=BODY).json()["usage"]["completion_tokens"] == 4
         assert http.get("/health").status_code == 200
+    wait_until(lambda: all_blocks_free(server), timeout=5.0)
+
+
+def test_a_step_failure_fails_only_the_requests_it_names(server: RunningServer) -> None:
+    engine = server.app.state.engine_loop.engine
+    real_step = engine.step
+    steps = 0
+
+    def step_failing_for_someone_else():
+        nonlocal steps
+        steps += 1
+        if steps == 3:  # mid-stream, a step fails for another request only
+            raise StepFailed(["another-client"], RuntimeError("simulated fault"))
+        return real_step()
+
+    engine.step = step_failing_for_someone_else
+    try:
+        with server.http() as http:
+            body = BODY | {"max_tokens": 12, "stream": True}
+            streamed = http.post("/v1/completions", json=body)
+    finally:
+        engine.step = real_step
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    assert "error" not in streamed.text and steps > 3
     wait_until(lambda: all_blocks_free(server), timeout=5.0)
 
 

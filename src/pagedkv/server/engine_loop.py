@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.engine.errors import StepFailed
 from pagedkv.server.kv_frames import KVFrame
 
 if TYPE_CHECKING:
@@ -246,6 +247,10 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except StepFailed as error:  # the engine aborted the step's requests; the rest go on
+            logger.exception("engine step failed; failing the requests it was running")
+            self._fail(error.request_ids, EngineFailed(str(error)))
+            return
         except Exception as error:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(EngineFailed(f"engine step failed: {error}"))
@@ -267,6 +272,13 @@ class EngineLoop:
             deliveries.setdefault(route.loop, []).append((route.outputs, output))
         for loop, items in deliveries.items():
             _call_soon(loop, _deliver, items)
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """Hand `error` to these requests' clients (the engine has already aborted them)."""
+        for request_id in request_ids:
+            route = self._routes.pop(request_id, None)
+            if route is not None:
+                _call_soon(route.loop, _deliver, [(route.outputs, error)])
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, route in list(self._routes.items()):
