@@ -16,6 +16,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.models import DEFAULT_MODEL
 
 Prompt = str | Sequence[int]
@@ -29,7 +30,7 @@ class LLM:
         self.engine = Engine(EngineArgs(model=str(model), **engine_args))
         self._request_ids = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (encode, decode, chat template)."""
         return self.engine.tokenizer
 
