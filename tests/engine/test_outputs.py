@@ -183,3 +183,21 @@ def test_stats_count_prompt_and_generated_tokens(engine_zoo):
     assert stats.generation_tokens_total == 3 * 2 * 5
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
     assert stats.kv_usage == 0.0
+
+
+def test_chat_renders_the_template_and_answers_each_conversation(llm):
+    conversations = [
+        [{"role": "user", "content": "Hello world"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paged?"}],
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    chats = llm.chat(conversations, params)
+    tokenizer = llm.get_tokenizer()
+    # The tiny template: <s><|user|>\nHello world</s>\n<|assistant|>\n
+    assert tokenizer.decode(chats[0].prompt_token_ids, skip_special_tokens=False) == (
+        "<s><|user|>\nHello world</s>\n<|assistant|>\n"
+    )
+    direct = llm.generate([c.prompt_token_ids for c in chats], params)
+    assert [c.outputs[0].token_ids for c in chats] == [d.outputs[0].token_ids for d in direct]
+    single = llm.chat(conversations[0], params)
+    assert single[0].outputs[0].token_ids == chats[0].outputs[0].token_ids
