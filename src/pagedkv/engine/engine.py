@@ -322,12 +322,10 @@ class Engine:
             for block in range(self.manager.num_gpu_blocks)
         ]
         no_holders: list[tuple[str, int, int]] = []  # shared by every free CPU block
-        cpu = [
-            BlockState(block, 0, False, no_holders)
-            if block not in cpu_holders
-            else BlockState(block, len(cpu_holders[block]), False, cpu_holders[block])
-            for block in range(self.manager.num_cpu_blocks)
-        ]
+        cpu = []
+        for block in range(self.manager.num_cpu_blocks):
+            holders = cpu_holders.get(block, no_holders)
+            cpu.append(BlockState(block, len(holders), False, holders))
         return KVSnapshot(
             block_size=self.manager.block_size,
             num_gpu_blocks=self.manager.num_gpu_blocks,

@@ -9,7 +9,6 @@ CPU backend reserves 4 GiB by default), so a laptop keeps room for everything el
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +86,8 @@ def _profile_activations(args: EngineArgs, model: LlamaModel, device: torch.devi
     config = model.config
     num_tokens = args.max_num_batched_tokens
     seq_len = min(num_tokens, args.max_model_len or config.max_position_embeddings)
-    lengths = [seq_len] * (num_tokens // seq_len) + (
-        [num_tokens % seq_len] * (num_tokens % seq_len > 0)
-    )
+    num_full, rest = divmod(num_tokens, seq_len)
+    lengths = [seq_len] * num_full + ([rest] if rest else [])
     blocks_per_seq = -(-seq_len // args.block_size)
     cache = KVCache.for_model(
         model, block_size=args.block_size, num_blocks=blocks_per_seq * len(lengths)
@@ -113,7 +111,7 @@ def _profile_activations(args: EngineArgs, model: LlamaModel, device: torch.devi
 
 
 def _available_host_memory() -> int:
-    """MemAvailable from /proc/meminfo, else physical memory (non-Linux)."""
+    """MemAvailable from /proc/meminfo, else physical memory (POSIX systems without it)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
@@ -121,6 +119,4 @@ def _available_host_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    if sys.platform != "win32":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return CPU_KV_CACHE_BYTES * 2
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

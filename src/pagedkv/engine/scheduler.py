@@ -153,34 +153,20 @@ class Scheduler:
 
     def _try_resume(self, request: Request, step: _Step) -> bool:
         """Swap a request back in if its blocks and this step's tokens fit; schedule it."""
-        seqs = request.live_sequences
-        needed = sum(self._blocks_for(len(seq.token_ids)) for seq in seqs)
-        if (
-            step.num_seqs + len(seqs) > self.max_num_seqs
-            or step.budget < len(seqs)
-            or needed + self._watermark() > self.manager.num_free_blocks
-        ):
+        if not self._fits(request, step):
             return False
-        for seq in seqs:
+        for seq in request.live_sequences:
             step.output.plan.extend(self.manager.swap_in(seq.seq_id))
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        self._schedule_new(request, step)
+        self._start(request, step)
         return True
 
     def _try_admit(self, request: Request, step: _Step) -> bool:
         """Allocate a waiting request's blocks if they fit with the watermark; schedule it."""
-        seqs = request.live_sequences
-        needed = sum(self._blocks_for(len(seq.token_ids)) for seq in seqs)
-        if (
-            step.num_seqs + request.num_samples_to_run > self.max_num_seqs
-            or step.budget < len(seqs)
-            or needed + self._watermark() > self.manager.num_free_blocks
-        ):
+        if not self._fits(request, step):
             return False
         allocated: list[Sequence] = []
         try:
-            for seq in seqs:
+            for seq in request.live_sequences:
                 num_cached = self.manager.allocate(
                     seq.seq_id, seq.token_ids, cache_salt=request.cache_salt
                 )
@@ -193,10 +179,25 @@ class Scheduler:
             return False
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()
+        self._start(request, step)
+        return True
+
+    def _fits(self, request: Request, step: _Step) -> bool:
+        """Room in this step for the request's samples and tokens, and in the pool for its
+        blocks (all its tokens, with the watermark kept free while others run)."""
+        seqs = request.live_sequences
+        needed = sum(self._blocks_for(len(seq.token_ids)) for seq in seqs)
+        return (
+            step.num_seqs + request.num_samples_to_run <= self.max_num_seqs
+            and step.budget >= len(seqs)
+            and needed + self._watermark() <= self.manager.num_free_blocks
+        )
+
+    def _start(self, request: Request, step: _Step) -> None:
+        """A request that just got its blocks runs from this step on."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._schedule_new(request, step)
-        return True
 
     def _schedule_new(self, request: Request, step: _Step) -> None:
         """Chunks for a request that just got its blocks; they fit by the caller's check."""
