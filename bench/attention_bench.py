@@ -34,8 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedkv.model.attention import key_bytes_per_block, paged_attention
-from pagedkv.model.attention_metadata import AttentionMetadata
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.torch_backend import key_bytes_per_block, paged_attention
 from pagedkv.sim.workloads import generate_requests, workload
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -124,7 +124,7 @@ def main() -> None:
 
 def run_kernels(setup: Setup, device: torch.device) -> None:
     """Decode bandwidth against a copy, paged vs dense, launch configurations, prefill."""
-    from pagedkv.model.triton_attention import DecodeConfig, PrefillConfig
+    from pagedkv.attention.triton.attention import DecodeConfig, PrefillConfig
 
     copy_bw = copy_bandwidth(setup, device)
     print(f"device-to-device copy: {fmt_bw(copy_bw)} (bytes read + written)")
@@ -209,7 +209,7 @@ class DecodeCase:
 
     def paged(self, config: object | None = None) -> torch.Tensor:
         """The Triton decode kernel (``config`` a DecodeConfig, or the default)."""
-        from pagedkv.model.triton_attention import DecodeConfig, triton_paged_attention
+        from pagedkv.attention.triton.attention import DecodeConfig, triton_paged_attention
 
         return triton_paged_attention(
             self.query,
@@ -280,7 +280,7 @@ class PrefillCase:
 
     def paged(self, config: object) -> torch.Tensor:
         """The Triton prefill kernel with ``config`` (a PrefillConfig)."""
-        from pagedkv.model.triton_attention import triton_paged_attention
+        from pagedkv.attention.triton.attention import triton_paged_attention
 
         return triton_paged_attention(
             self.query,
@@ -435,7 +435,7 @@ def run_engine(setup: Setup, device: torch.device) -> None:
             f"  pagedkv LLM.generate: {requested:,} tokens in {pagedkv_s:.2f} s = "
             f"{requested / pagedkv_s:,.0f} tokens/s = {ratio:.2f}x transformers' requested "
             f"tokens/s (goal >= 3x: {'met' if ratio >= 3 else 'missed'}); attention through "
-            f"{'Triton' if 'pagedkv.model.triton_attention' in sys.modules else 'PyTorch'}"
+            f"{'Triton' if 'pagedkv.attention.triton.attention' in sys.modules else 'PyTorch'}"
         )
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx2
 
-from pagedkv.models import DEFAULT_MODEL
+from pagedkv.hub import DEFAULT_MODEL
 
 WORDS = [
     *("memory", "block", "table", "page", "cache", "token", "sequence", "prefix", "share"),

@@ -689,7 +689,7 @@ def random_model_folder(seed: int = 0, root: Path | None = None) -> Path:
     8 layers of width 384 (6 heads, 2 KV heads of 64), MLP 1152, and a byte-level BPE tokenizer
     of 8192 ids trained on seeded pseudo-words, so every id the model can emit decodes.
     """
-    from pagedkv.models import cache_dir
+    from pagedkv.hub import cache_dir
 
     root = root if root is not None else cache_dir() / "bench"
     folder = root / f"{RANDOM_MODEL}-seed{seed}"
@@ -888,7 +888,7 @@ def _model_folder(model: str, seed: int) -> tuple[Path, str]:
     path = Path(model)
     if path.is_dir():
         return path, path.name
-    from pagedkv.model.load import converted_folder
+    from pagedkv.weights.load import converted_folder
 
     if path.suffix == ".gguf":
         raise SystemExit(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pagedkv.engine import LLM, Engine, EngineArgs
-from tests.model.conftest import TinyZoo
+from tests.conftest import TinyZoo
 
 
 @pytest.fixture(scope="session")

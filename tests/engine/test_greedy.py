@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.engine import Engine, SamplingParams
+from tests.conftest import TinyZoo
 from tests.engine.conftest import make_engine, run_to_completion
-from tests.model.conftest import TinyZoo
 from tests.model.tiny_models import TINY_MODELS, random_prompt
 
 FAMILIES = list(TINY_MODELS)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
+from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.memory import KVCacheManager, MemoryPlan
-from pagedkv.model.batch import ForwardBatch, SequenceInput
-from pagedkv.model.kv_cache import KVCache
-from pagedkv.model.llama import LlamaModel
+from pagedkv.model.decoder import DecoderModel
+from pagedkv.worker.kv_cache import KVCache
 
 # `between_steps(step, next_tokens) -> ids of sequences it added`; see `decode`.
 BetweenSteps = Callable[[int, dict[Hashable, int]], Iterable[Hashable]]
@@ -23,7 +23,7 @@ class GreedyRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         *,
         block_size: int,
         num_blocks: int,

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedkv.kvmath.presets import MODEL_PRESETS
+from pagedkv.kvmath.spec import KVSpec
 from pagedkv.model.config import ModelConfig, RopeConfig, load_config, read_config
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
-from pagedkv.model.kv_cache import bytes_per_block
-from pagedkv.presets import MODEL_PRESETS
-from pagedkv.spec import KVSpec
+from pagedkv.worker.kv_cache import bytes_per_block
 from tests.model.tiny_models import TINY_MODELS
 
 SOURCE = Path("model/config.json")

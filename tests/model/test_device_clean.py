@@ -14,18 +14,18 @@ from dataclasses import fields, is_dataclass
 import pytest
 import torch
 
-from pagedkv.model.attention import paged_attention
-from pagedkv.model.attention_metadata import AttentionMetadata
-from pagedkv.model.batch import ForwardBatch, SequenceInput
-from pagedkv.model.kv_cache import KVCache
-from pagedkv.model.llama import LlamaModel
-from pagedkv.model.loader import load_config
+from pagedkv.attention.batch import ForwardBatch, SequenceInput
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.torch_backend import paged_attention
+from pagedkv.model.registry import ARCHITECTURES
+from pagedkv.weights.hf_folder import load_config
+from pagedkv.worker.kv_cache import KVCache
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
 def test_forward_on_the_meta_device(zoo, name: str) -> None:
     config = load_config(zoo.folder(name))
-    model = LlamaModel(config).to("meta")
+    model = ARCHITECTURES[config.architecture].model_class()(config).to("meta")
     cache = KVCache(
         num_layers=config.num_layers,
         num_blocks=64,
@@ -46,8 +46,8 @@ def test_forward_on_the_meta_device(zoo, name: str) -> None:
 
     assert logits.device.type == "meta"
     assert logits.shape == (len(sequences), config.vocab_size)
-    plans = list(batch._attention.values())
-    assert {window for window, _ in batch._attention} == set(config.sliding_windows)
+    plans = list(batch._step_state.values())
+    assert {window for _, window, _ in batch._step_state} == set(config.sliding_windows)
     assert all(tensor.device.type == "meta" for tensor in tensors_in((batch, *plans)))
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.model.batch import ForwardBatch, SequenceInput
-from pagedkv.model.errors import KVCacheDtypeMismatch
-from pagedkv.model.kv_cache import KVCache
+from pagedkv.attention.batch import ForwardBatch, SequenceInput
+from pagedkv.attention.errors import KVCacheDtypeMismatch
+from pagedkv.worker.kv_cache import KVCache
 
 
 def test_forward_rejects_a_cache_of_another_dtype(zoo):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.model.batch import ForwardBatch, SequenceInput
-from pagedkv.model.kv_cache import KVCache
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.attention.batch import ForwardBatch, SequenceInput
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.worker.kv_cache import KVCache
 from tests.model.greedy import GreedyRunner, decode, generate
 from tests.model.tiny_models import TINY_MODELS, random_prompt
 

@@ -62,6 +62,11 @@ class TinyModel:
     max_shard_size: str | None = None
     # Rewrite config.json in the older `rope_theta` + `rope_scaling` form after saving.
     legacy_rope: dict[str, Any] | None = None
+    # Draw every RMSNorm weight from N(1, 0.5) instead of transformers' ones.
+    random_norms: bool = False
+    # Added to the build seed: a model whose greedy output ends at EOS within a few tokens of
+    # a test prompt cannot show a fork or a swap that comes later, so it is drawn again.
+    seed_offset: int = 0
 
 
 TINY_MODELS: dict[str, TinyModel] = {
@@ -103,6 +108,21 @@ TINY_MODELS: dict[str, TinyModel] = {
         ),
         max_shard_size="60KB",
     ),
+    # Qwen3: per-head q/k RMSNorm and a head_dim (32) that is not hidden_size / heads (16);
+    # tied, and untied with attention biases. Norm weights are randomised (transformers
+    # initialises them to ones), so a q/k norm loaded wrongly or skipped changes the logits.
+    "qwen3": TinyModel(
+        "Qwen3ForCausalLM",
+        dict(_COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
+        random_norms=True,
+    ),
+    "qwen3_untied": TinyModel(
+        "Qwen3ForCausalLM",
+        dict(_COMMON, head_dim=32, tie_word_embeddings=False, attention_bias=True),
+        max_shard_size="60KB",
+        random_norms=True,
+        seed_offset=2,
+    ),
 }
 
 
@@ -113,8 +133,13 @@ def build_model_folder(name: str, folder: Path, seed: int = 0) -> Path:
     spec = TINY_MODELS[name]
     config_class = getattr(transformers, spec.architecture.replace("ForCausalLM", "Config"))
     model_class = getattr(transformers, spec.architecture)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + spec.seed_offset)
     model = model_class(config_class(**spec.config)).eval()
+    if spec.random_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.5)
     if spec.max_shard_size is None:
         model.save_pretrained(folder)
     else:

@@ -1,8 +1,8 @@
 """Sharing one prompt among sequences: the issue's 13 blocks instead of 130, 936 MiB."""
 
-from pagedkv.presets import load_model
+from pagedkv.kvmath.presets import load_model
+from pagedkv.kvmath.spec import MiB
 from pagedkv.sim.sharing import shared_prompt_blocks
-from pagedkv.spec import MiB
 
 
 def test_ten_sequences_of_a_200_token_prompt_on_gpt_tutorial():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from pagedkv.spec import GB
+from pagedkv.kvmath.spec import GB
 
 
 def positive_int(text: str) -> int:

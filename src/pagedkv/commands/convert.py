@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedkv.models import BUILTIN_MODELS
+from pagedkv.hub import BUILTIN_MODELS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert; print where the folder is and how long it took; exit 1 with the reason."""
+    from pagedkv.hub import HubError, pull
     from pagedkv.model.errors import ModelError
-    from pagedkv.model.gguf_loader import convert_gguf
-    from pagedkv.models import pull
+    from pagedkv.weights.gguf.convert import convert_gguf
 
     start = time.perf_counter()
     try:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         if not source.exists() and args.source in BUILTIN_MODELS:
             source = pull(args.source)
         folder = convert_gguf(source, args.folder)
-    except ModelError as error:
+    except (ModelError, HubError) as error:
         print(f"pagedkv convert: {error}", file=sys.stderr)
         return 1
     print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")

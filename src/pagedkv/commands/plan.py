@@ -19,9 +19,9 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
-from pagedkv.plan import CapacityPlan, PoolBudget, plan_capacity
-from pagedkv.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, load_model
-from pagedkv.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
+from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
+from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, load_model
+from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 
 DEFAULT_LENGTHS = "2k,8k,32k,128k"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9

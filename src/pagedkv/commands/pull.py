@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedkv.models import BUILTIN_MODELS, DEFAULT_MODEL, cache_dir
+from pagedkv.hub import BUILTIN_MODELS, DEFAULT_MODEL, cache_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,16 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Pull (and convert) the model; print each step; exit 1 with the reason on failure."""
+    from pagedkv.hub import HubError, pull
     from pagedkv.model.errors import ModelError
-    from pagedkv.models import pull
 
     try:
         path = pull(args.name, force=args.force)
         if not args.no_convert:
-            from pagedkv.model.load import converted_folder
+            from pagedkv.weights.load import converted_folder
 
             path = converted_folder(args.name)
-    except ModelError as error:
+    except (ModelError, HubError) as error:
         print(f"pagedkv pull: {error}", file=sys.stderr)
         return 1
     print(f"{args.name}: ready in {path}")

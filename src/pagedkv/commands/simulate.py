@@ -25,7 +25,8 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
-from pagedkv.presets import MODEL_PRESETS, Model, load_model
+from pagedkv.kvmath.presets import MODEL_PRESETS, Model, load_model
+from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 from pagedkv.sim.report import SchemeSummary, summarize
 from pagedkv.sim.schemes import SCHEME_LABELS, make_scheme
 from pagedkv.sim.sharing import SharingReport, shared_prompt_blocks
@@ -39,7 +40,6 @@ from pagedkv.sim.workloads import (
     load_trace,
     workload,
 )
-from pagedkv.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 
 DEFAULT_BATCH_SIZES = "10,25,50,100,200"
 _SHORT = {

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedkv.models import DEFAULT_MODEL
+from pagedkv.hub import DEFAULT_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("swap", "recompute")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.tokenizer import Tokenizer
 
 # Tokens of context decoded before the new ones; enough for any space / byte merge to settle.
 CONTEXT_TOKENS = 5

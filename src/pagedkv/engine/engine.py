@@ -28,19 +28,20 @@ from pagedkv.engine.errors import (
     TokenOutOfVocabulary,
     TooManySamples,
 )
-from pagedkv.engine.kv_budget import kv_budget
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.engine.runner import ModelRunner
 from pagedkv.engine.sampler import Sampler, SamplingRow
-from pagedkv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.engine.stats import BlockState, EngineStats, KVSnapshot
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
-from pagedkv.model.kv_cache import KVCache
-from pagedkv.model.load import load
-from pagedkv.model.loader import DTYPES
+from pagedkv.weights.assemble import DTYPES
+from pagedkv.weights.load import load
+from pagedkv.worker.kv_budget import PoolRequest, kv_budget
+from pagedkv.worker.kv_cache import KVCache
+from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
 THROUGHPUT_WINDOW_S = 10.0
@@ -60,7 +61,18 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         self.max_model_len = _max_model_len(args, loaded.config.max_position_embeddings)
-        budget = kv_budget(args, loaded.model, loaded.config, dtype)
+        budget = kv_budget(
+            PoolRequest(
+                block_size=args.block_size,
+                swap_space_gb=args.swap_space_gb,
+                num_gpu_blocks=args.num_gpu_blocks,
+                kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            loaded.model,
+        )
         print(budget.describe(args.block_size, self.max_model_len), file=sys.stderr)
         self.kv_cache = KVCache.for_model(  # the model's dtype and device
             loaded.model,

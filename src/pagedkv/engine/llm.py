@@ -16,8 +16,8 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.params import SamplingParams
-from pagedkv.model.tokenizer import Tokenizer
-from pagedkv.models import DEFAULT_MODEL
+from pagedkv.hub import DEFAULT_MODEL
+from pagedkv.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[Mapping[str, Any]]

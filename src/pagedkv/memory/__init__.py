@@ -16,7 +16,7 @@ from pagedkv.memory.errors import (
     UnknownSequence,
 )
 from pagedkv.memory.manager import KVCacheManager, KVCacheStats
-from pagedkv.memory.plan import BlockMove, MemoryPlan, MoveBatch, MoveKind
+from pagedkv.memory.moves import BlockMove, MemoryPlan, MoveBatch, MoveKind
 from pagedkv.memory.slab import SlabAllocator, SlabReport
 
 __all__ = [

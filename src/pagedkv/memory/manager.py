@@ -29,7 +29,7 @@ from pagedkv.memory.errors import (
     UnknownSequence,
 )
 from pagedkv.memory.hashing import BlockHash, chain_hashes, root_hash
-from pagedkv.memory.plan import BlockMove, MemoryPlan, MoveKind
+from pagedkv.memory.moves import BlockMove, MemoryPlan, MoveKind
 from pagedkv.memory.pool import Block, BlockPool
 from pagedkv.memory.tokens import token_array
 

@@ -1,7 +1,8 @@
 """ModelConfig: the few numbers and switches of a Llama-style model, read from config.json.
 
-Llama, Mistral and Qwen2 are one architecture with small differences; this module turns each
-family's config.json into the same record so `llama.py` has a single code path. Both the
+Every family of the registry is the Llama decoder with small differences; this module turns
+each family's config.json into the same record (by the rules of its registry entry), so the
+decoder has a single code path. Both the
 older `rope_theta` + `rope_scaling` keys and the newer `rope_parameters` form are accepted.
 """
 
@@ -12,15 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv.kvmath.spec import ConfigError, ConfigFileError, layer_windows, read_json_object
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
-from pagedkv.spec import ConfigError, ConfigFileError, layer_windows, read_json_object
+from pagedkv.model.registry import architecture_of
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -66,7 +62,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], source: Path) -> ModelConfig:
         """Build from the parsed config.json; `source` names the file in error messages."""
         fields = _Fields(raw, source)
-        architecture = _architecture(raw, source)
+        architecture = architecture_of(raw, source)
         num_heads = fields.integer("num_attention_heads")
         hidden_size = fields.integer("hidden_size")
         num_kv_heads = fields.integer("num_key_value_heads", num_heads)
@@ -82,10 +78,9 @@ class ModelConfig:
             raise UnsupportedModel(source, f"hidden_act {hidden_act!r} (only 'silu' is supported)")
         num_layers = fields.integer("num_hidden_layers")
         max_position_embeddings = fields.integer("max_position_embeddings", 2048)
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = fields.boolean("attention_bias", False)
         return cls(
-            architecture=architecture,
+            architecture=architecture.name,
             vocab_size=fields.integer("vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=fields.integer("intermediate_size"),
@@ -96,12 +91,12 @@ class ModelConfig:
             rms_norm_eps=fields.number("rms_norm_eps", 1e-6, positive=True),
             max_position_embeddings=max_position_embeddings,
             rope=_rope(raw, fields, max_position_embeddings),
-            # Qwen2 always biases q/k/v and never o; Llama's attention_bias covers all four.
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
+            # Qwen2 always biases q/k/v and never o; elsewhere attention_bias covers all four.
+            qkv_bias=architecture.qkv_bias_always or attention_bias,
+            o_bias=attention_bias and not architecture.qkv_bias_always,
             mlp_bias=fields.boolean("mlp_bias", False),
             tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
-            sliding_windows=_sliding_windows(raw, source, num_layers),
+            sliding_windows=_sliding_windows(raw, source, num_layers, architecture.window_rule),
         )
 
 
@@ -182,26 +177,6 @@ class _Fields:
         return value
 
 
-def _architecture(raw: dict[str, Any], source: Path) -> str:
-    architectures = raw.get("architectures")
-    if architectures:
-        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
-            raise MalformedModelFile(
-                source, f"architectures must be a list of names, got {architectures!r}"
-            )
-        name = architectures[0]
-    elif raw.get("model_type") in _ARCHITECTURE_OF_MODEL_TYPE:
-        name = _ARCHITECTURE_OF_MODEL_TYPE[raw["model_type"]]
-    else:
-        raise MalformedModelFile(source, "neither 'architectures' nor a known 'model_type' is set")
-    if name not in ARCHITECTURES:
-        raise UnsupportedModel(
-            source,
-            f"architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})",
-        )
-    return name
-
-
 def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> RopeConfig:
     source = top.source
     # transformers lets the older `rope_scaling` win when both are present; so do we.
@@ -250,8 +225,10 @@ def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> Ro
     )
 
 
-def _sliding_windows(raw: dict[str, Any], source: Path, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(
+    raw: dict[str, Any], source: Path, num_layers: int, rule: str
+) -> tuple[int | None, ...]:
     try:
-        return layer_windows(raw, num_layers)  # the planner's rule too
+        return layer_windows(raw, num_layers, rule)  # the planner's rules too
     except ConfigError as error:
         raise MalformedModelFile(source, str(error)) from error

@@ -28,7 +28,7 @@ from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, Usage
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
-    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.tokenizer import Tokenizer
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1

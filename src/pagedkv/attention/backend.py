@@ -1,0 +1,158 @@
+"""The attention backend: one interface, chosen once for a device, used by every layer.
+
+Two implementations: `TorchAttention` (any device; `torch_backend.py`) and `TritonAttention`
+(the kernels of `attention/triton/`, CUDA only). `select_backend` picks one when a model is
+built for a device, so no layer asks again which path to take. Each backend builds the per-step
+metadata it reads, once per forward pass, and nothing else: the PyTorch backend plans the step
+(`AttentionMetadata`, one plan per sliding window, shared by every layer through the batch);
+the Triton kernels read the batch's own tensors and need no plan.
+
+Triton is imported only when a CUDA backend is selected, so `import pagedkv` and every CPU run
+work without it (it is the optional `pagedkv[gpu]` extra); on CUDA without triton the PyTorch
+path runs, with one warning, since it is correct there too, only slower.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from functools import cache
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from pagedkv.attention import torch_backend
+from pagedkv.attention.batch import ForwardBatch
+from pagedkv.attention.metadata import AttentionMetadata
+
+
+class PagedKVCache(Protocol):
+    """What attention needs of a KV cache: each layer's K and V block tensors."""
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        """`(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        ...
+
+    def check_dtype(self, kv_dtype: torch.dtype) -> None:
+        """Raise `KVCacheDtypeMismatch` unless K/V of `kv_dtype` can be written here."""
+        ...
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new K/V into the paged cache and attends over it."""
+
+    name: str
+
+    @abstractmethod
+    def write_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+    ) -> None:
+        """Store the new tokens' K/V `[num_tokens, num_kv_heads, head_dim]` at their slots."""
+
+    @abstractmethod
+    def attend(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Tensor:
+        """Attention output `[num_tokens, num_heads, head_dim]` of the batch's new tokens."""
+
+
+class TorchAttention(AttentionBackend):
+    """PyTorch on any device: a step plan built once per forward, then gathers and SDPA."""
+
+    name = "torch"
+
+    def write_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+    ) -> None:
+        torch_backend.write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+
+    def attend(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Tensor:
+        key_bytes = torch_backend.key_bytes_per_block(k_cache)
+        # Layers of one model share the window and key size, so a forward builds one plan
+        # per distinct window, with the first layer that asks.
+        metadata = batch.step_state(
+            ("torch-plan", sliding_window, key_bytes),
+            lambda: AttentionMetadata.build(
+                batch.block_tables,
+                batch.host_context_lens,
+                batch.host_query_lens,
+                batch.block_size,
+                sliding_window,
+                key_bytes,
+            ),
+        )
+        return torch_backend.paged_attention(query, k_cache, v_cache, metadata, scale)
+
+
+class TritonAttention(AttentionBackend):
+    """The Triton kernels on CUDA; they read the batch's tensors directly."""
+
+    name = "triton"
+
+    def write_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+    ) -> None:
+        from pagedkv.attention.triton.kv import triton_write_kv
+
+        triton_write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+
+    def attend(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Tensor:
+        from pagedkv.attention.triton.attention import triton_paged_attention
+
+        return triton_paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.context_lens,
+            batch.query_start_loc,
+            max(batch.host_query_lens),
+            max(batch.host_context_lens),
+            scale,
+            sliding_window,
+        )
+
+
+def select_backend(device: torch.device | str) -> AttentionBackend:
+    """Triton on CUDA when it imports, else PyTorch."""
+    if torch.device(device).type == "cuda" and triton_available():
+        return TritonAttention()
+    return TorchAttention()
+
+
+@cache
+def triton_available() -> bool:
+    """Whether triton imports; checked once per process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        warnings.warn(
+            f"triton is not importable ({error}): attention on CUDA falls back to PyTorch; "
+            "install pagedkv[gpu] for the Triton kernels",
+            stacklevel=3,
+        )
+        return False
+    return True

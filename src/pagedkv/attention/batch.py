@@ -1,0 +1,167 @@
+"""ForwardBatch: the flat, unpadded metadata of one forward pass over many sequences.
+
+The tokens of all sequences are laid end to end, whatever each sequence is doing: a whole
+prompt, the uncached rest of a prompt after a prefix-cache hit, one chunk of a long prompt,
+or one decode token. Per sequence, `num_computed` tokens already have K/V in the cache and
+the new tokens follow them; the block table says where all of them live.
+
+The batch keeps each sequence's lengths and token-id range as Python ints besides the device
+tensors, so the model can validate inputs and attention can plan the step without reading
+anything back from the device; what the attention backend plans from it is built on first use
+and shared by every layer (`step_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedkv.attention.errors import InvalidBatch, PositionOutOfRange, TokenIdOutOfRange
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's share of a forward pass.
+
+    `token_ids` are the new tokens, at positions `num_computed ..`; `block_table` must cover
+    all `num_computed + len(token_ids)` tokens.
+    """
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Tensors the model and attention read; build it with `ForwardBatch.build`."""
+
+    input_ids: Tensor  # [num_tokens] int64
+    positions: Tensor  # [num_tokens] int64, absolute position of each token
+    slot_mapping: Tensor  # [num_tokens] int64, flat cache slot each token's K/V goes to
+    block_tables: Tensor  # [num_seqs, max_blocks] int32, rows padded with block 0
+    context_lens: Tensor  # [num_seqs] int32, cached + new tokens
+    query_lens: Tensor  # [num_seqs] int32, new tokens
+    logits_indices: Tensor  # [num_seqs] int64, each sequence's last token in the flat batch
+    query_start_loc: Tensor  # [num_seqs + 1] int32, where each sequence's tokens start (GPU)
+    block_size: int
+    host_context_lens: tuple[int, ...]  # context_lens as Python ints
+    host_query_lens: tuple[int, ...]  # query_lens as Python ints
+    host_token_id_ranges: tuple[tuple[int, int], ...]  # (min, max) new token id per sequence
+    # Per-step state of the attention backend (see `step_state`); not an init field, so
+    # `replace` makes a batch that plans afresh.
+    _step_state: dict[Hashable, Any] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences in the batch."""
+        return len(self.host_query_lens)
+
+    @classmethod
+    def build(
+        cls,
+        sequences: Sequence[SequenceInput],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Lay the sequences end to end and compute positions and cache slots.
+
+        The per-token arithmetic is vectorised on the CPU and the results moved to `device`
+        once; Python touches each sequence and each block-table entry, not each token.
+        """
+        if not sequences:
+            raise InvalidBatch("a forward batch needs at least one sequence")
+        for index, seq in enumerate(sequences):
+            _check(index, seq, block_size)
+        query_lens = [len(seq.token_ids) for seq in sequences]
+        context_lens = [seq.num_computed + n for seq, n in zip(sequences, query_lens, strict=True)]
+        max_blocks = max(len(seq.block_table) for seq in sequences)
+        block_tables = np.array(
+            [[*seq.block_table, *[0] * (max_blocks - len(seq.block_table))] for seq in sequences],
+            dtype=np.int64,
+        )
+        input_ids = _token_tensor(sequences)
+        # Index arithmetic in numpy: torch.repeat_interleave costs milliseconds on the CPU.
+        q_lens = np.array(query_lens, dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(len(sequences)), q_lens)
+        first_row = np.cumsum(q_lens) - q_lens
+        num_computed = np.array([seq.num_computed for seq in sequences], dtype=np.int64)
+        positions = np.arange(len(input_ids)) - first_row[seq_of_token] + num_computed[seq_of_token]
+        slots = block_tables[seq_of_token, positions // block_size] * block_size
+        slots += positions % block_size
+
+        def tensor(values: np.ndarray, dtype: torch.dtype) -> Tensor:
+            return torch.from_numpy(values).to(device=device, dtype=dtype)
+
+        return cls(
+            input_ids=input_ids.to(device),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(block_tables, torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_lens=tensor(q_lens, torch.int32),
+            logits_indices=tensor(first_row + q_lens - 1, torch.int64),
+            query_start_loc=tensor(np.append(first_row, len(input_ids)), torch.int32),
+            block_size=block_size,
+            host_context_lens=tuple(context_lens),
+            host_query_lens=tuple(query_lens),
+            host_token_id_ranges=tuple(
+                (min(seq.token_ids), max(seq.token_ids)) for seq in sequences
+            ),
+        )
+
+    def check_inputs(self, vocab_size: int, max_positions: int) -> None:
+        """Reject token ids outside `[0, vocab_size)` and positions past `max_positions`.
+
+        Runs on the host copies, before the embedding: an out-of-range id would otherwise be
+        an IndexError on the CPU and a device-side assert (a dead context) on a GPU.
+        """
+        for index, (low, high) in enumerate(self.host_token_id_ranges):
+            if low < 0 or high >= vocab_size:
+                raise TokenIdOutOfRange(index, low if low < 0 else high, vocab_size)
+        for index, context_len in enumerate(self.host_context_lens):
+            if context_len > max_positions:
+                raise PositionOutOfRange(index, context_len, max_positions)
+
+    def step_state(self, key: Hashable, build: Callable[[], T]) -> T:
+        """What the attention backend derives from this batch once per forward, under `key`.
+
+        Built by the first layer that asks and shared by every later layer of the same pass
+        (the PyTorch backend keeps its step plan here).
+        """
+        if key not in self._step_state:
+            self._step_state[key] = build()
+        return self._step_state[key]
+
+
+def _token_tensor(sequences: Sequence[SequenceInput]) -> Tensor:
+    try:
+        return torch.tensor(
+            list(chain.from_iterable(seq.token_ids for seq in sequences)), dtype=torch.int64
+        )
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise InvalidBatch(f"token ids must be 64-bit integers: {error}") from None
+
+
+def _check(index: int, seq: SequenceInput, block_size: int) -> None:
+    if not seq.token_ids:
+        raise InvalidBatch(f"sequence {index} has no new tokens to compute")
+    if seq.num_computed < 0:
+        raise InvalidBatch(f"sequence {index} has num_computed {seq.num_computed} < 0")
+    context_len = seq.num_computed + len(seq.token_ids)
+    needed = -(-context_len // block_size)
+    if len(seq.block_table) < needed:
+        raise InvalidBatch(
+            f"sequence {index} holds {context_len} tokens, which need {needed} blocks of "
+            f"{block_size}, but its block table has {len(seq.block_table)}"
+        )

@@ -1,0 +1,47 @@
+"""Errors of a forward batch whose inputs cannot be computed.
+
+Checked on the host before anything reaches the device, where an out-of-range index would be a
+device-side assert (a dead CUDA context) instead of a message.
+"""
+
+from __future__ import annotations
+
+
+class InvalidBatch(ValueError):
+    """A sequence handed to the batch builder is inconsistent with its block table."""
+
+
+class TokenIdOutOfRange(InvalidBatch):
+    """A token id the embedding has no row for (checked before the lookup, not by it)."""
+
+    def __init__(self, sequence: int, token_id: int, vocab_size: int) -> None:
+        super().__init__(
+            f"sequence {sequence} has token id {token_id}, outside [0, {vocab_size}) "
+            f"(the model's vocab_size)"
+        )
+        self.token_id = token_id
+        self.vocab_size = vocab_size
+
+
+class PositionOutOfRange(InvalidBatch):
+    """A token position past the longest context the model was configured for."""
+
+    def __init__(self, sequence: int, context_len: int, max_positions: int) -> None:
+        super().__init__(
+            f"sequence {sequence} reaches position {context_len - 1}, but the model allows "
+            f"{max_positions} positions (max_position_embeddings)"
+        )
+        self.context_len = context_len
+        self.max_positions = max_positions
+
+
+class KVCacheDtypeMismatch(TypeError):
+    """K/V of one dtype meet a KV cache of another: the cache must be made in the model's dtype."""
+
+    def __init__(self, kv_dtype: object, cache_dtype: object) -> None:
+        super().__init__(
+            f"the model's K/V are {kv_dtype} but the KV cache holds {cache_dtype}; "
+            f"make the cache with KVCache.for_model(model) (it takes the model's dtype)"
+        )
+        self.kv_dtype = kv_dtype
+        self.cache_dtype = cache_dtype

@@ -1,0 +1,236 @@
+"""Scheduler: which sequences run this step, how many tokens each, and who gives way.
+
+One token budget per step (`max_num_batched_tokens`) is shared by everything, as in vLLM v1:
+there are no separate prefill and decode phases. Each step:
+1. running requests, oldest first: each live sequence gets its next tokens (one for a
+   decode, a chunk for a prompt), with budget kept back so every running decode gets a token;
+   when a sequence cannot get a block, the newest running request is preempted (swapped to
+   the CPU pool when it fits there and swap is on, else freed to be recomputed);
+2. swapped requests, first-come first-served, when nothing was preempted this step;
+3. waiting requests, first-come first-served, when nothing is swapped, while the pool keeps a
+   watermark of free blocks (so admitting does not force a preemption on the next decode).
+`KVCacheManager` decides where blocks live; every move it plans goes into one ordered
+`MemoryPlan` the runner executes before the forward pass. `SchedulerOutput` is plain data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedkv.engine.request import Request, RequestStatus, Sequence
+from pagedkv.memory import KVCacheManager, MemoryPlan, NoFreeBlocks
+from pagedkv.worker.step import PreemptionMode, ScheduledChunk, SchedulerOutput
+
+# Blocks kept free when admitting, as a share of the pool (at least one block).
+WATERMARK_FRACTION = 0.01
+
+
+@dataclass
+class _Step:
+    """Running totals while one step is being scheduled."""
+
+    budget: int
+    num_seqs: int = 0
+    output: SchedulerOutput = field(default_factory=SchedulerOutput)
+
+
+class Scheduler:
+    """Queues of requests over one `KVCacheManager`; `schedule()` builds each step."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: PreemptionMode,
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.watermark_blocks = max(1, int(manager.num_gpu_blocks * WATERMARK_FRACTION))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.swapped: deque[Request] = deque()
+        self.num_swap_preemptions = 0
+        self.num_recompute_preemptions = 0
+
+    # -- queues ----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request behind the waiting ones."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of its queue and free every block its samples hold."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.sequences:
+            self.free_sequence(seq)
+        request.status = RequestStatus.FINISHED
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release one sample's blocks (GPU or CPU) if it holds any."""
+        if seq.seq_id in self.manager:
+            self.manager.free(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting, running or swapped."""
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks; preempt, resume and admit as the pool allows."""
+        step = _Step(budget=self.max_num_batched_tokens)
+        for request in list(self.running):
+            if request.status is RequestStatus.RUNNING:
+                self._schedule_running(request, step)
+        if not step.output.preempted:
+            while self.swapped and self._try_resume(self.swapped[0], step):
+                self.swapped.popleft()
+        if not self.swapped and not step.output.preempted:
+            while self.waiting and self._try_admit(self.waiting[0], step):
+                self.waiting.popleft()
+        return step.output
+
+    def _schedule_running(self, request: Request, step: _Step) -> None:
+        chunks: list[ScheduledChunk] = []
+        for seq in request.live_sequences:
+            num_new = self._num_to_compute(seq)
+            if num_new > 1:  # a prompt chunk leaves budget for the decodes still to come
+                num_new = min(num_new, step.budget - self._decodes_after(request))
+            num_new = min(num_new, step.budget)
+            if num_new <= 0:
+                continue
+            while True:
+                try:
+                    chunks.append(self._chunk(seq, num_new, step.output.plan))
+                    break
+                except NoFreeBlocks:
+                    victim = self.running[-1]
+                    self._preempt(victim, step)
+                    if victim is request:
+                        return
+            step.budget -= num_new
+        step.num_seqs += len(chunks)
+        step.output.chunks.extend(chunks)
+
+    def _try_resume(self, request: Request, step: _Step) -> bool:
+        """Swap a request back in if its blocks and this step's tokens fit; schedule it."""
+        if not self._fits(request, step):
+            return False
+        for seq in request.live_sequences:
+            step.output.plan.extend(self.manager.swap_in(seq.seq_id))
+        self._start(request, step)
+        return True
+
+    def _try_admit(self, request: Request, step: _Step) -> bool:
+        """Allocate a waiting request's blocks if they fit with the watermark; schedule it."""
+        if not self._fits(request, step):
+            return False
+        allocated: list[Sequence] = []
+        try:
+            for seq in request.live_sequences:
+                num_cached = self.manager.allocate(
+                    seq.seq_id, seq.token_ids, cache_salt=request.cache_salt
+                )
+                allocated.append(seq)
+                if request.metrics.first_scheduled_time is None:
+                    request.metrics.num_cached_tokens = num_cached
+        except NoFreeBlocks:
+            for seq in allocated:
+                self.manager.free(seq.seq_id)
+            return False
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        self._start(request, step)
+        return True
+
+    def _fits(self, request: Request, step: _Step) -> bool:
+        """Room in this step for the request's samples and tokens, and in the pool for its
+        blocks (all its tokens, with the watermark kept free while others run)."""
+        seqs = request.live_sequences
+        needed = sum(self._blocks_for(len(seq.token_ids)) for seq in seqs)
+        return (
+            step.num_seqs + request.num_samples_to_run <= self.max_num_seqs
+            and step.budget >= len(seqs)
+            and needed + self._watermark() <= self.manager.num_free_blocks
+        )
+
+    def _start(self, request: Request, step: _Step) -> None:
+        """A request that just got its blocks runs from this step on."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._schedule_new(request, step)
+
+    def _schedule_new(self, request: Request, step: _Step) -> None:
+        """Chunks for a request that just got its blocks; they fit by the caller's check."""
+        for seq in request.live_sequences:
+            num_new = min(self._num_to_compute(seq), step.budget)
+            if num_new <= 0:
+                break
+            step.output.chunks.append(self._chunk(seq, num_new, step.output.plan))
+            step.budget -= num_new
+            step.num_seqs += 1
+
+    def _chunk(self, seq: Sequence, num_new: int, plan: MemoryPlan) -> ScheduledChunk:
+        """Make the manager hold the chunk's tokens (may raise NoFreeBlocks) and describe it."""
+        num_computed = self.manager.num_computed_tokens(seq.seq_id)
+        end = num_computed + num_new
+        held = self.manager.num_tokens(seq.seq_id)
+        if end > held:
+            plan.extend(self.manager.append(seq.seq_id, seq.token_ids[held:end]))
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[num_computed:end],
+            num_computed=num_computed,
+            block_table=self.manager.block_table(seq.seq_id),
+            sample=end == len(seq.token_ids),
+        )
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Move the request's blocks to the CPU pool, or free them to be recomputed."""
+        seqs = request.live_sequences
+        self.running.remove(request)
+        cpu_needed = sum(len(self.manager.block_table(seq.seq_id)) for seq in seqs)
+        if self.preemption_mode == "swap" and cpu_needed <= self.manager.num_free_cpu_blocks:
+            for seq in seqs:
+                step.output.plan.extend(self.manager.swap_out(seq.seq_id))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            request.metrics.num_swap_preemptions += 1
+            self.num_swap_preemptions += 1
+            step.output.preempted.append((request.request_id, "swap"))
+            return
+        for seq in seqs:
+            self.manager.free(seq.seq_id)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        request.metrics.num_recompute_preemptions += 1
+        self.num_recompute_preemptions += 1
+        step.output.preempted.append((request.request_id, "recompute"))
+
+    # -- arithmetic ------------------------------------------------------------------------
+
+    def _num_to_compute(self, seq: Sequence) -> int:
+        return len(seq.token_ids) - self.manager.num_computed_tokens(seq.seq_id)
+
+    def _decodes_after(self, request: Request) -> int:
+        """Running decodes behind `request` in this step's order, each owed one token."""
+        later = self.running[self.running.index(request) + 1 :]
+        return sum(
+            1 for other in later for seq in other.live_sequences if self._num_to_compute(seq) == 1
+        )
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.manager.block_size)
+
+    def _watermark(self) -> int:
+        """Free blocks to keep when resuming or admitting: none when nothing else runs."""
+        return self.watermark_blocks if self.running else 0

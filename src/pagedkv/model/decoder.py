@@ -1,0 +1,178 @@
+"""DecoderModel: the Llama-family decoder every architecture here is made of, written out plainly.
+
+Llama, Mistral and Qwen2 differ only in switches carried by `ModelConfig` (biases, tied
+embeddings, per-layer sliding windows); a family whose layers differ (Qwen3's q/k norms)
+subclasses a piece and names it in its own module (`qwen3.py`). Attention reads and writes K/V
+only through the paged cache, via the attention backend chosen when the model is built, so one
+forward pass serves any mix of prefills, prefix-cached prefills, prompt chunks and decodes.
+
+Parameter names are those of the Hugging Face checkpoints without their `model.` prefix, except
+that q/k/v are one fused `qkv_proj` and gate/up one `gate_up_proj` (`layers/linear.py` says how
+checkpoint tensors fill them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedkv.attention.backend import AttentionBackend, PagedKVCache, select_backend
+from pagedkv.attention.batch import ForwardBatch
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.layers.embedding import Embedding
+from pagedkv.model.layers.linear import Linear
+from pagedkv.model.layers.norm import RMSNorm
+from pagedkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over this layer's paged K/V cache."""
+
+    def __init__(self, config: ModelConfig, index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.index = index
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[index]
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            (self.q_size, self.kv_size, self.kv_size),
+            bias=config.qkv_bias,
+            parts=("q_proj", "k_proj", "v_proj"),
+        )
+        self.o_proj = Linear(self.q_size, (config.hidden_size,), bias=config.o_bias)
+
+    def forward(
+        self, hidden: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv_cache: PagedKVCache
+    ) -> Tensor:
+        num_tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj(hidden).split(
+            (self.q_size, self.kv_size, self.kv_size), dim=-1
+        )
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = self.normalize_qk(query, key)
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        k_cache, v_cache = kv_cache.layer(self.index)
+        self.backend.write_kv(key, value, k_cache, v_cache, batch)
+        out = self.backend.attend(query, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def normalize_qk(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-head transform of queries and keys before rope: none in the Llama family."""
+        return query, key
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size, (size, size), bias=config.mlp_bias, parts=("gate_proj", "up_proj")
+        )
+        self.down_proj = Linear(size, (config.hidden_size,), bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP, each added back to the residual stream."""
+
+    def __init__(self, attention: Attention, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv_cache: PagedKVCache
+    ) -> Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head of a Llama-style causal LM.
+
+    Built under a `torch.device(...)` context and a default dtype, its weights are allocated
+    there uninitialised (the loader fills them); `attention_backend` defaults to the one
+    `select_backend` picks for that device. Subclasses name their `attention_class`.
+    """
+
+    attention_class: type[Attention] = Attention
+
+    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None):
+        super().__init__()
+        self.config = config
+        backend = attention_backend or select_backend(torch.get_default_device())
+        self.attention_backend = backend
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(self.attention_class(config, index, backend), config)
+            for index in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied models read logits through the embedding matrix itself.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, (config.vocab_size,), bias=False)
+        )
+        # Not a weight: recomputed from the config, so it is never looked for in a checkpoint.
+        self.register_buffer(
+            "inv_freq",
+            inverse_frequencies(config.rope, config.head_dim).to(torch.get_default_device()),
+            persistent=False,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype, hence the dtype K/V are written in."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights (and so the KV cache) live."""
+        return self.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> Tensor:
+        """Run one step; returns float32 logits `[num_seqs, vocab_size]` of each last token.
+
+        Every layer writes the new tokens' K/V into `kv_cache` at `batch.slot_mapping` before
+        attending, so the cache holds their K/V afterwards. Token ids outside the vocabulary and
+        positions past `max_position_embeddings` raise `InvalidBatch` subclasses first.
+        """
+        batch.check_inputs(self.config.vocab_size, self.config.max_position_embeddings)
+        kv_cache.check_dtype(self.dtype)
+        hidden = self.embed_tokens(batch.input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, batch, kv_cache)
+        last = self.norm(hidden[batch.logits_indices])
+        if self.lm_head is None:
+            return F.linear(last, self.embed_tokens.weight).float()
+        return self.lm_head(last).float()
+
+    def checkpoint_name(self, name: str) -> str:
+        """The Hugging Face checkpoint's name for module path `name` (`layers.0.mlp.up_proj`)."""
+        return name if name.startswith("lm_head") else f"model.{name}"
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Checkpoint tensors deliberately not loaded: derived from the config, or redundant."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True  # older checkpoints saved the rope buffer; we recompute it
+        # Some tied checkpoints still carry a copy of the embedding as the head.
+        return name == "lm_head.weight" and self.config.tie_word_embeddings

@@ -1,0 +1,1 @@
+"""The building blocks every architecture is made of: projections, norms, embeddings."""

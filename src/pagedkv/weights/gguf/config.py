@@ -1,0 +1,146 @@
+"""GGUF metadata -> the keys of a Hugging Face config.json, so both formats share one config path.
+
+A GGUF file describes its model under `{architecture}.*` keys; this module renames them to the
+config.json fields `ModelConfig.from_dict` reads, and the same dict is written as config.json
+when a GGUF file is converted, so a loaded and a converted GGUF model cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from pagedkv.model.errors import MalformedModelFile, UnsupportedModel
+from pagedkv.model.registry import gguf_architecture
+from pagedkv.weights.gguf.file import GGUFFile
+
+DEFAULT_ROPE_THETA = 10_000.0
+DEFAULT_RMS_EPS = 1e-5  # llama.cpp's default when a file omits the key
+
+
+def config_dict(file: GGUFFile) -> dict[str, Any]:
+    """The config.json a Hugging Face checkpoint of this GGUF model would carry."""
+    arch = file.architecture
+    architecture = gguf_architecture(arch, file.path)
+    hidden_size = file.integer(f"{arch}.embedding_length")
+    num_heads = _per_model(file, f"{arch}.attention.head_count")
+    num_kv_heads = _per_model(file, f"{arch}.attention.head_count_kv", num_heads)
+    head_dim = file.integer(f"{arch}.attention.key_length", hidden_size // num_heads)
+    value_dim = file.integer(f"{arch}.attention.value_length", head_dim)
+    rope_dim = file.integer(f"{arch}.rope.dimension_count", head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise UnsupportedModel(
+            file.path,
+            f"key length {head_dim}, value length {value_dim} and rope dimension {rope_dim} "
+            "differ (only full-rotary attention with equal key and value sizes is supported)",
+        )
+    theta = file.number(f"{arch}.rope.freq_base", DEFAULT_ROPE_THETA)
+    config: dict[str, Any] = {
+        "architectures": [architecture.name],
+        "model_type": architecture.model_type,
+        "vocab_size": _vocab_size(file, arch),
+        "hidden_size": hidden_size,
+        "intermediate_size": _per_model(file, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": file.integer(f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": file.number(f"{arch}.attention.layer_norm_rms_epsilon", DEFAULT_RMS_EPS),
+        "max_position_embeddings": file.integer(f"{arch}.context_length"),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(file, arch, theta, head_dim),
+        # llama.cpp drops the output matrix of tied models; its absence is the only sign.
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "torch_dtype": "float32",
+        # GGUF files carry no sliding window; families without one ignore the key.
+        "use_sliding_window": False,
+        # Optional biases have no metadata key: the tensors' presence is the switch (a family
+        # that always biases q/k/v, and only those, has no switch).
+        "attention_bias": not architecture.qkv_bias_always and "blk.0.attn_q.bias" in file.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in file.tensors,
+    }
+    for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        token_id = file.optional_id(f"tokenizer.ggml.{gguf_key}", config["vocab_size"])
+        if token_id is not None:
+            config[key] = token_id
+    return config
+
+
+def _per_model(file: GGUFFile, key: str, default: int | None = None) -> int:
+    """A count that some files store per layer (an array): only uniform arrays are supported."""
+    value = file.value(key) if default is None else file.value(key, default)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedModel(file.path, f"metadata {key!r} varies per layer: {value!r}")
+        value = value[0]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MalformedModelFile(file.path, f"metadata {key!r} must be an integer >= 1: {value!r}")
+    return value
+
+
+def _vocab_size(file: GGUFFile, arch: str) -> int:
+    if file.has(f"{arch}.vocab_size"):
+        return file.integer(f"{arch}.vocab_size")
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise MalformedModelFile(file.path, "tensor 'token_embd.weight' is missing")
+    return int(embedding.shape[-1])  # GGUF lists dimensions innermost first
+
+
+def _rope_scaling(file: GGUFFile, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:
+    kind = file.string(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return _llama3_scaling(file, theta, head_dim)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": file.number(f"{arch}.rope.scaling.factor")}
+    raise UnsupportedModel(
+        file.path, f"rope scaling {kind!r} is not supported (supported: none, linear)"
+    )
+
+
+def _llama3_scaling(file: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Llama 3.1+ files carry their rope scaling only as `rope_freqs.weight`, one divisor per
+    frequency. Every published Llama 3.x uses low 1, high 4 and an 8,192-token original
+    context, varying only the factor (the largest divisor): rebuild those parameters and check
+    they reproduce the tensor, else refuse rather than run with the wrong positions.
+    """
+    tensor = file.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return None
+    stored = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    if stored.shape != (head_dim // 2,) or not np.all(stored > 0):
+        raise MalformedModelFile(
+            file.path, f"rope_freqs.weight must hold {head_dim // 2} positive divisors"
+        )
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(stored.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if scaling["factor"] == 1.0:
+        return None
+    if not np.allclose(llama3_divisors(scaling, theta, head_dim), stored, rtol=1e-5):
+        raise UnsupportedModel(
+            file.path,
+            "rope_freqs.weight is not Llama 3 scaling with low_freq_factor 1, high_freq_factor "
+            f"4 and an 8192-token original context (factor {scaling['factor']})",
+        )
+    return scaling
+
+
+def llama3_divisors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter stores for Llama 3 rope scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    context = scaling["original_max_position_embeddings"]
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (context / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, blended)
+    )

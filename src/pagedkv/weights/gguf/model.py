@@ -1,0 +1,65 @@
+"""GGUFModel: a GGUF file read as a model and a tokenizer.
+
+One reading of the file serves loading and `convert.py`: metadata -> config.json keys
+(`config.py`), tensors -> dequantised, un-permuted Hugging Face tensors (`tensors.py`),
+tokenizer metadata -> tokenizer files (`tokenizer.py`). A converted folder therefore loads to
+exactly the model that loading the GGUF file gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.decoder import DecoderModel
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.assemble import build_model
+from pagedkv.weights.gguf.config import config_dict
+from pagedkv.weights.gguf.file import GGUFFile
+from pagedkv.weights.gguf.tensors import gguf_tensors
+from pagedkv.weights.gguf.tokenizer import TokenizerFiles, tokenizer_files
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """A GGUF file read as far as its metadata: config and tokenizer, tensors still on disk."""
+
+    file: GGUFFile
+    config_json: dict[str, Any]
+    config: ModelConfig
+    tokenizer_files: TokenizerFiles
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFModel:
+        """Read the header and metadata of the GGUF file at `path`."""
+        file = GGUFFile(path)
+        config_json = config_dict(file)
+        return cls(
+            file=file,
+            config_json=config_json,
+            config=ModelConfig.from_dict(config_json, file.path),
+            tokenizer_files=tokenizer_files(file),
+        )
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer, built the way a converted folder's files would build it."""
+        files = self.tokenizer_files
+        return Tokenizer.from_parts(
+            files.tokenizer,
+            files.tokenizer_config,
+            files.generation_config,
+            self.config_json,
+            self.file.path,
+        )
+
+    def model(
+        self, *, dtype: torch.dtype | str = "float32", device: torch.device | str = "cpu"
+    ) -> DecoderModel:
+        """Dequantise the weights one tensor at a time into an eval-mode model."""
+        path = self.file.path
+        tensors = ((path, name, tensor) for name, tensor in gguf_tensors(self.file, self.config))
+        return build_model(self.config, tensors, path, dtype=dtype, device=device)

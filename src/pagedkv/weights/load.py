@@ -1,0 +1,92 @@
+"""One entry point from a `--model` argument to a ready model and tokenizer.
+
+`model` may be a Hugging Face folder, a `.gguf` file or a built-in name; the engine, the
+commands and the tests all go through `load`, so the three sources cannot drift apart.
+
+A built-in model is pulled on first use and converted once into a float32 Hugging Face folder
+beside its GGUF file, so later starts read safetensors (seconds) instead of dequantising again.
+A `.gguf` path given directly is dequantised on every load instead: caching a float32 copy of
+an arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, model_dir, pull
+from pagedkv.model.config import ModelConfig, read_config
+from pagedkv.model.decoder import DecoderModel
+from pagedkv.model.errors import ConvertTargetExists
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.gguf.convert import convert_gguf
+from pagedkv.weights.gguf.model import GGUFModel
+from pagedkv.weights.hf_folder import load_model
+
+CONVERTED_FOLDER = "hf"  # inside a built-in model's cache folder
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model in eval mode, its tokenizer and config, the name it was asked for, its files."""
+
+    model: DecoderModel
+    tokenizer: Tokenizer
+    config: ModelConfig
+    name: str
+    path: Path
+
+
+def load(
+    model: str | Path,
+    *,
+    dtype: torch.dtype | str = "float32",
+    device: torch.device | str = "cpu",
+    progress: Callable[[str], None] = print,
+) -> LoadedModel:
+    """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
+
+    An existing path wins over a built-in name of the same spelling. `progress` receives a
+    line per step of a first-use pull and conversion.
+    """
+    path = Path(model)
+    if path.is_file():
+        gguf_model = GGUFModel.open(path)
+        return LoadedModel(
+            model=gguf_model.model(dtype=dtype, device=device),
+            tokenizer=gguf_model.tokenizer(),
+            config=gguf_model.config,
+            name=path.stem,
+            path=path,
+        )
+    name = str(model)
+    if not path.is_dir():
+        if name not in BUILTIN_MODELS:
+            raise UnknownModelName(name, list(BUILTIN_MODELS))
+        path = converted_folder(name, progress=progress)
+    raw_config = read_config(path)  # parsed once: the model and the eos ids both read it
+    config = ModelConfig.from_dict(raw_config, path / "config.json")
+    return LoadedModel(
+        model=load_model(path, dtype=dtype, device=device, config=config),
+        tokenizer=Tokenizer.from_folder(path, config=raw_config),
+        config=config,
+        name=name,
+        path=path,
+    )
+
+
+def converted_folder(name: str, *, progress: Callable[[str], None] = print) -> Path:
+    """The cached Hugging Face folder of built-in model `name`, pulling and converting once."""
+    folder = model_dir(name) / CONVERTED_FOLDER
+    if folder.is_dir():
+        return folder
+    gguf_file = pull(name, progress=progress)
+    progress(f"{name}: converting to a float32 folder in {folder} (once)")
+    # ConvertTargetExists: another process converted it meanwhile; its folder is as good.
+    with contextlib.suppress(ConvertTargetExists):
+        convert_gguf(gguf_file, folder)
+    return folder

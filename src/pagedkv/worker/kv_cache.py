@@ -1,0 +1,219 @@
+"""KVCache: the key/value tensors of every layer, and the ops that execute memory plans.
+
+The memory manager (`pagedkv.memory`) decides which block ids hold what; this class owns the
+bytes. All layers' K and V live in one tensor `[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]`, so a copy-on-write or a swap of a block moves it in every layer with
+one indexing op. A CPU-side swap space receives swapped-out blocks; it is block-major
+(`[num_cpu_blocks, num_layers, 2, ...]`) so that consecutive CPU blocks are one contiguous
+range a swap copies in one go.
+
+A step's `MemoryPlan` runs as a whole through `execute`, in the order the memory manager
+produced it, before the next forward pass: a block that a swap-out releases can be the
+destination of a copy-on-write or a swap-in later in the same step, so running that later
+move first would overwrite KV before it is saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from pagedkv.attention.errors import KVCacheDtypeMismatch
+from pagedkv.kvmath.spec import KVSpec
+from pagedkv.memory.moves import MemoryPlan, MoveKind
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.decoder import DecoderModel
+from pagedkv.worker.errors import KVCacheTooSmall
+
+_KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# A swap packs its blocks in device scratch memory first; capping a copy's length bounds that
+# scratch, which matters because swapping happens when device memory is scarce.
+MAX_BLOCKS_PER_SWAP_COPY = 64
+
+
+class KVCache:
+    """Paged K/V storage on the model's device plus a CPU swap space of the same block shape."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        device = torch.device(device)
+        block_shape = (block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.cache = torch.zeros(
+            num_layers, 2, num_blocks, *block_shape, dtype=dtype, device=device
+        )
+        # Block-major, so one CPU block (all layers, K and V) is contiguous and a run of
+        # consecutive CPU blocks is one contiguous range that a swap copies in one go. Pinned
+        # host memory lets swaps overlap with compute on a GPU; plain memory otherwise.
+        self.swap_space = torch.zeros(
+            num_cpu_blocks,
+            num_layers,
+            2,
+            *block_shape,
+            dtype=dtype,
+            device="cpu",
+            pin_memory=device.type == "cuda",
+        )
+
+    @classmethod
+    def for_model(
+        cls,
+        model: DecoderModel | ModelConfig,
+        *,
+        block_size: int,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+        num_cpu_blocks: int = 0,
+        cpu_memory_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """A cache shaped for `model`, sized by `num_blocks` or by a byte budget (not both).
+
+        Given the model, the cache takes its dtype and device: K/V are written in the model's
+        dtype, so a `dtype` that differs is a `KVCacheDtypeMismatch` now rather than a failed
+        write later. Given only a config, float32 on the CPU unless told otherwise.
+        `cpu_memory_bytes`, when given, sizes the swap space instead of `num_cpu_blocks`.
+        """
+        if (num_blocks is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of num_blocks and memory_bytes")
+        if isinstance(model, ModelConfig):
+            config, model_dtype, model_device = model, torch.float32, torch.device("cpu")
+        else:
+            config, model_dtype, model_device = model.config, model.dtype, model.device
+            if dtype is not None and dtype != model_dtype:
+                raise KVCacheDtypeMismatch(model_dtype, dtype)
+        dtype = model_dtype if dtype is None else dtype
+        device = model_device if device is None else device
+        per_block = bytes_per_block(config, block_size, dtype)
+        if memory_bytes is not None:
+            num_blocks = memory_bytes // per_block
+            if num_blocks == 0:
+                raise KVCacheTooSmall(memory_bytes, per_block)
+        if cpu_memory_bytes is not None:
+            num_cpu_blocks = cpu_memory_bytes // per_block
+        return cls(
+            num_layers=config.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks on the model's device (the memory manager's `num_gpu_blocks`)."""
+        return self.cache.shape[2]
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks in the CPU swap space."""
+        return self.swap_space.shape[0]
+
+    def layer(self, index: int) -> tuple[Tensor, Tensor]:
+        """Views `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        return self.cache[index, 0], self.cache[index, 1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype K/V are stored in (and must be written in)."""
+        return self.cache.dtype
+
+    def check_dtype(self, kv_dtype: torch.dtype) -> None:
+        """Raise `KVCacheDtypeMismatch` unless K/V of `kv_dtype` can be written here.
+
+        Meant for the start of a forward pass: one comparison, instead of a bare indexing
+        error from the first layer's write.
+        """
+        if kv_dtype != self.cache.dtype:
+            raise KVCacheDtypeMismatch(kv_dtype, self.cache.dtype)
+
+    def execute(self, plan: MemoryPlan) -> None:
+        """Run a step's whole plan, in order, before the forward pass that needs it.
+
+        Consecutive moves of one kind run as one indexed copy (`MemoryPlan.batches` splits
+        them where that would differ from running them one by one). There is no per-kind entry
+        point: a block a swap-out saves may be a later copy's destination, so only the plan's
+        own order is safe.
+        """
+        for batch in plan.batches():
+            if batch.kind is MoveKind.COPY:
+                self._copy(batch.srcs, batch.dsts)
+            elif batch.kind is MoveKind.SWAP_OUT:
+                self._swap_out(batch.srcs, batch.dsts)
+            else:
+                self._swap_in(batch.srcs, batch.dsts)
+
+    def _copy(self, srcs: list[int], dsts: list[int]) -> None:
+        """Copy-on-write: device blocks to device blocks, in every layer, K and V."""
+        src, dst = self._device_index(srcs), self._device_index(dsts)
+        self.cache.index_copy_(2, dst, self.cache.index_select(2, src))
+
+    def _swap_out(self, device_blocks: list[int], cpu_blocks: list[int]) -> None:
+        """Device blocks into the swap space, one copy per run of consecutive CPU blocks.
+
+        On the same device the gather writes straight into the swap space; across devices
+        the blocks are packed on the device, then copied into the pinned swap space without
+        waiting (the copy is ordered on the stream before any later swap-in reads it).
+        """
+        blocks = self.cache.movedim(2, 0)  # [num_blocks, num_layers, 2, ...], a view
+        index = self._device_index(device_blocks)
+        for start, stop, first_cpu in _consecutive_runs(cpu_blocks):
+            target = self.swap_space[first_cpu : first_cpu + stop - start]
+            if blocks.device == target.device:
+                torch.index_select(blocks, 0, index[start:stop], out=target)
+            else:
+                target.copy_(blocks.index_select(0, index[start:stop]), non_blocking=True)
+
+    def _swap_in(self, cpu_blocks: list[int], device_blocks: list[int]) -> None:
+        """Swap-space blocks back into device blocks, one copy per run of consecutive CPU blocks."""
+        index = self._device_index(device_blocks)
+        for start, stop, first_cpu in _consecutive_runs(cpu_blocks):
+            source = self.swap_space[first_cpu : first_cpu + stop - start]
+            source = source.to(self.cache.device, non_blocking=True)
+            self.cache.index_copy_(2, index[start:stop], source.movedim(0, 2))
+
+    def _device_index(self, block_ids: list[int]) -> Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
+
+
+def _consecutive_runs(block_ids: list[int]) -> Iterator[tuple[int, int, int]]:
+    """`(start, stop, first_id)` of each slice of `block_ids` counting up by one.
+
+    A slice longer than `MAX_BLOCKS_PER_SWAP_COPY` is split into runs of at most that length.
+    """
+    start = 0
+    for position in range(1, len(block_ids) + 1):
+        if (
+            position == len(block_ids)
+            or block_ids[position] != block_ids[position - 1] + 1
+            or position - start == MAX_BLOCKS_PER_SWAP_COPY
+        ):
+            yield start, position, block_ids[start]
+            start = position
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V together (arithmetic from KVSpec)."""
+    spec = KVSpec(
+        num_layers=config.num_layers,
+        kv_dtype=_KV_DTYPE_NAMES[dtype],
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+    )
+    return spec.bytes_per_block(block_size)

@@ -1,0 +1,44 @@
+"""The plain data of one step, as the scheduler hands it to the runner.
+
+Defined beside the runner, which executes it, and below the engine, which makes it: ints,
+lists and small dataclasses only, so a step can later be broadcast from one scheduler to a
+runner per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pagedkv.memory import MemoryPlan
+
+PreemptionMode = Literal["swap", "recompute"]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """New tokens of one sequence to compute this step.
+
+    `sample` is True when the chunk ends at the sequence's last token: its logits choose the
+    sequence's next token.
+    """
+
+    seq_id: tuple[str, int]
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: the chunks to compute and the memory plan to execute first."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    plan: MemoryPlan = field(default_factory=MemoryPlan)
+    preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens the forward pass computes."""
+        return sum(len(chunk.token_ids) for chunk in self.chunks)

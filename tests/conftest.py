@@ -1,0 +1,77 @@
+"""Session-wide tiny model folders, their transformers oracles, our loaded models, and the
+same models written as GGUF files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.model.decoder import DecoderModel
+from pagedkv.weights.hf_folder import load_model
+from tests.model.tiny_models import TINY_MODELS, build_model_folder
+from tests.weights.gguf.writer import write_model_gguf
+
+
+class TinyZoo:
+    """Folders built once per session; models and oracle outputs loaded on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.folders = {name: build_model_folder(name, root / name) for name in TINY_MODELS}
+
+    def folder(self, name: str) -> Path:
+        """The saved Hugging Face folder of tiny model `name`."""
+        return self.folders[name]
+
+    @cache  # noqa: B019 - one instance per session, so the cache lives as long as the zoo
+    def ours(self, name: str) -> DecoderModel:
+        """Our float32 model, loaded through the real loader."""
+        return load_model(self.folders[name])
+
+    @cache  # noqa: B019
+    def hf(self, name: str):
+        """The transformers model of the same folder, eager attention, float32."""
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            self.folders[name], attn_implementation="eager", dtype=torch.float32
+        ).eval()
+
+    def hf_logits(self, name: str, token_ids: Sequence[int]) -> torch.Tensor:
+        """transformers' logits `[len, vocab]` at every position, computed without a cache."""
+        with torch.no_grad():
+            return self.hf(name)(torch.tensor([list(token_ids)])).logits[0]
+
+    @cache  # noqa: B019
+    def hf_greedy(self, name: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        """transformers `generate(do_sample=False)` new tokens for one unpadded prompt."""
+        with torch.no_grad():
+            out = self.hf(name).generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> TinyZoo:
+    """Every tiny model of `TINY_MODELS`, saved with save_pretrained into a session folder."""
+    return TinyZoo(tmp_path_factory.mktemp("tiny_models"))
+
+
+# llama.cpp writes every other family here (Mistral included) as `llama`.
+GGUF_ARCH = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+@pytest.fixture
+def tiny_gguf(zoo, tmp_path) -> Callable[..., Path]:
+    """`tiny_gguf(name, **options)`: zoo model `name` written as a GGUF file (see writer)."""
+
+    def write(name: str, **options) -> Path:
+        arch = GGUF_ARCH.get(TINY_MODELS[name].architecture, "llama")
+        path = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.gguf"
+        return write_model_gguf(path, zoo.folder(name), arch=arch, **options)
+
+    return write

@@ -1,0 +1,283 @@
+"""Capacity planning: the issue's figures, the GPU pool terms, presets, and the command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.cli import main
+from pagedkv.kvmath.capacity import PlanError, PoolBudget, plan_capacity
+from pagedkv.kvmath.presets import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    UnknownPreset,
+    dense_param_count,
+    gpu_preset,
+    load_model,
+)
+from pagedkv.kvmath.spec import GB, ConfigError, KVSpec, MiB
+from pagedkv.memory import KVCacheManager, NoContiguousSpace, NoFreeBlocks, SlabAllocator
+
+LLAMA_3_8B = KVSpec.from_hf_config(MODEL_PRESETS["llama-3-8b"].config, kv_dtype="fp16")
+LENGTHS = [2048, 8192, 32_768, 131_072]
+
+
+def test_pool_of_53_gb_holds_about_404k_tokens_of_llama_3_8b():
+    plan = plan_capacity(LLAMA_3_8B, PoolBudget.given(53 * GB), LENGTHS)
+    assert plan.pool_tokens == 53 * GB // 131_072 == 404_357
+    assert plan.pool_blocks == 53 * GB // (16 * 131_072) == 25_272
+
+
+def test_pool_of_53_gb_concurrency_per_length():
+    plan = plan_capacity(LLAMA_3_8B, PoolBudget.given(53 * GB), LENGTHS)
+    # 25,272 blocks over 128, 512, 2,048 and 8,192 blocks per request.
+    assert [row.max_concurrency for row in plan.rows] == [197, 49, 12, 3]
+    assert [row.blocks_per_request for row in plan.rows] == [128, 512, 2048, 8192]
+    assert [row.beyond_context for row in plan.rows] == [False, False, True, True]
+
+
+def test_slab_at_8192_against_paged_at_1000_tokens_in_50_gb():
+    plan = plan_capacity(
+        LLAMA_3_8B, PoolBudget.given(50 * GB), LENGTHS, avg_tokens=1000, max_model_len=8192
+    )
+    comparison = plan.comparison
+    # Slab: 50e9 / (8,192 x 131,072 B) = 46.6 reservations.
+    assert comparison.slab_concurrency == 46
+    # Paged: 1,000 tokens fill 63 blocks; 23,841 blocks / 63 = 378.4 ("about 380").
+    assert comparison.paged_blocks_per_request == 63
+    assert comparison.paged_concurrency == 378
+    assert comparison.gain == pytest.approx(378 / 46)
+
+
+def test_plan_concurrency_is_what_the_memory_allocators_actually_admit():
+    pool = PoolBudget.given(50 * GB)
+    plan = plan_capacity(LLAMA_3_8B, pool, [2048], avg_tokens=1000, max_model_len=8192)
+    manager = KVCacheManager(plan.pool_blocks, 16, enable_prefix_caching=False)
+    for seq in range(plan.rows[0].max_concurrency):
+        manager.allocate(seq, [0] * 2048)
+    with pytest.raises(NoFreeBlocks):
+        manager.allocate("one more", [0] * 2048)
+    slab = SlabAllocator(pool.pool_bytes // LLAMA_3_8B.bytes_per_token)
+    for req in range(plan.comparison.slab_concurrency):
+        slab.reserve(req, 8192)
+    with pytest.raises(NoContiguousSpace):
+        slab.reserve("one more", 8192)
+
+
+def test_sliding_window_rows_hold_only_the_window():
+    spec = KVSpec.from_hf_config(MODEL_PRESETS["mistral-7b"].config)
+    plan = plan_capacity(spec, PoolBudget.given(10 * GB), [2048, 32_768])
+    assert [row.tokens_held for row in plan.rows] == [2048, 4096]
+    assert plan.longest_request == 32_768  # the context: a window of 4,096 always fits
+
+
+def test_longest_request_is_capped_by_pool_and_context():
+    small = plan_capacity(LLAMA_3_8B, PoolBudget.given(GB // 2), [1024])
+    assert small.longest_request == small.pool_blocks * 16 == 3808
+    large = plan_capacity(LLAMA_3_8B, PoolBudget.given(53 * GB), [1024])
+    assert large.longest_request == 8192
+
+
+def test_gpu_pool_is_memory_times_utilization_minus_weights_and_activations():
+    gpu = gpu_preset("h100-80gb")
+    assert gpu.memory_bytes == 81_559 * MiB
+    weights = load_model("llama-3-8b").weight_bytes
+    assert weights == 8_030_261_248 * 2
+    pool = PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 0.9, weights, 2 * GB)
+    assert pool.pool_bytes == int(81_559 * MiB * 0.9) - 16_060_522_496 - 2 * GB
+
+
+def test_gpu_pool_with_no_room_left_is_an_error():
+    gpu = gpu_preset("l4")
+    weights = load_model("llama-3-70b").weight_bytes
+    with pytest.raises(PlanError, match="no room for KV cache on l4"):
+        PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 0.9, weights, 2 * GB)
+    with pytest.raises(PlanError, match="utilization"):
+        PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 1.5, 0, 0)
+
+
+def test_a_pool_smaller_than_one_block_is_an_error_naming_both():
+    # One block of llama-3-8b at 16 tokens is 16 x 131,072 B = 2 MiB.
+    with pytest.raises(
+        PlanError,
+        match=r"KV pool of 1.00 MB / 0.95 MiB holds no block: "
+        r"one block of 16 tokens is 2.10 MB / 2.00 MiB",
+    ):
+        plan_capacity(LLAMA_3_8B, PoolBudget.given(10**6), [1024])
+
+
+def test_bad_pool_and_lengths_are_errors():
+    with pytest.raises(PlanError, match="positive"):
+        PoolBudget.given(-1)
+    with pytest.raises(PlanError, match="request length"):
+        plan_capacity(LLAMA_3_8B, PoolBudget.given(GB), [0])
+    with pytest.raises(PlanError, match="--avg-tokens"):
+        plan_capacity(LLAMA_3_8B, PoolBudget.given(GB), [1], avg_tokens=9000, max_model_len=8192)
+
+
+@pytest.mark.parametrize(
+    "name", [name for name, preset in MODEL_PRESETS.items() if name != "deepseek-v3"]
+)
+def test_dense_presets_parameter_count_matches_their_config(name):
+    # The published count and the config's shapes agree exactly: the preset values are
+    # consistent with each other.
+    preset = MODEL_PRESETS[name]
+    assert dense_param_count(preset.config) == preset.num_params
+
+
+def test_every_preset_loads_with_its_published_shape():
+    for name in MODEL_PRESETS:
+        model = load_model(name)
+        assert model.spec.bytes_per_token > 0
+        assert model.weight_bytes > 0
+    assert load_model("llama-2-70b").spec.num_kv_heads == 8
+    assert load_model("qwen2.5-0.5b").spec.bytes_per_token == 2 * 24 * 2 * 64 * 2
+    assert load_model("deepseek-v3").weight_bytes == 671 * GB  # FP8 checkpoint
+
+
+def test_gpu_presets_are_driver_reported_mib():
+    assert set(GPU_PRESETS) == {
+        "h100-80gb",
+        "h200",
+        "a100-80gb",
+        "a100-40gb",
+        "l40s",
+        "l4",
+        "rtx-4090",
+    }
+    assert GPU_PRESETS["a100-80gb"].memory_bytes == 80 * 2**30
+    with pytest.raises(UnknownPreset, match="unknown GPU 'v100'"):
+        gpu_preset("v100")
+
+
+def test_model_folder_weights_come_from_its_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["llama-3-8b"].config))
+    (tmp_path / "model-1.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 24)
+    model = load_model(str(tmp_path))
+    assert model.weight_bytes == 1024
+    assert model.spec.bytes_per_token == 131_072
+
+
+def test_config_file_weights_are_counted_from_the_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MODEL_PRESETS["mistral-7b"].config))
+    assert load_model(str(path)).weight_bytes == 7_241_732_096 * 2
+
+
+def test_unknown_model_is_an_error_listing_presets():
+    with pytest.raises(UnknownPreset, match="neither a preset nor an existing path.*llama-3-8b"):
+        load_model("llama-9b")
+
+
+def test_mixture_of_experts_config_without_checkpoint_has_unknown_weights(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MODEL_PRESETS["deepseek-v3"].config))
+    assert load_model(str(path)).weight_bytes is None
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        dense_param_count(MODEL_PRESETS["deepseek-v3"].config)
+
+
+def test_plan_command_json_has_the_issue_figures(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--pool-gb", "53", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["spec"]["bytes_per_token"] == 131_072
+    assert out["pool_tokens"] == 404_357
+    assert [row["max_concurrency"] for row in out["rows"]] == [197, 49, 12, 3]
+
+
+def test_plan_command_tables_show_pool_terms_and_comparison(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--avg-tokens", "1000"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "81,559 MiB" in out
+    assert "16.06" in out  # weights, GB
+    assert "= KV pool" in out
+    assert "paging fits" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "llama-9b", "--pool-gb", "1"], "neither a preset"),
+        (["--model", "llama-3-70b", "--gpu", "l4"], "no room for KV cache"),
+        (["--model", "llama-3-8b", "--gpu", "v100"], "unknown GPU"),
+    ],
+)
+def test_plan_command_bad_input_is_a_one_line_error(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv plan: error:")
+    assert message in err
+
+
+def test_plan_command_refuses_gpu_terms_beside_a_given_pool(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "50"]
+    assert main([*argv, "--gpu-memory-utilization", "0.5"]) == 2
+    assert capsys.readouterr().err == (
+        "pagedkv plan: error: --gpu-memory-utilization applies only with --gpu, to size the "
+        "pool from a GPU; --pool-gb 50 gives the pool directly\n"
+    )
+    assert main([*argv, "--weights-gb", "16", "--activation-gb", "1"]) == 2
+    assert "--weights-gb and --activation-gb apply only with --gpu" in capsys.readouterr().err
+
+
+def test_plan_command_pool_smaller_than_a_block_is_a_one_line_error(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--pool-gb", "0.001"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv plan: error: a KV pool of 1.00 MB")
+    assert "one block of 16 tokens is 2.10 MB / 2.00 MiB" in err
+
+
+def test_plan_command_says_when_one_slab_does_not_fit(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "1", "--avg-tokens", "1000"]
+    assert main([*argv, "--max-model-len", "100000"]) == 0
+    assert "a slab of 100,000 tokens does not fit the pool" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        (option, value)
+        for option in ("--pool-gb", "--weights-gb", "--gpu-memory-utilization")
+        for value in ("inf", "-inf", "nan", "-1", "0")
+    ]
+    + [("--activation-gb", value) for value in ("inf", "nan", "-1")]
+    + [
+        (option, value)
+        for option in ("--block-size", "--avg-tokens", "--max-model-len", "--lengths")
+        for value in ("inf", "nan", "-1", "0")
+    ]
+    + [("--gpu-memory-utilization", "1.5"), ("--pool-gb", "1e300"), ("--weights-gb", "1e300")],
+)
+def test_plan_command_refuses_numbers_out_of_range_when_parsed(capsys, option, value):
+    pool = [] if option == "--pool-gb" else ["--gpu", "h100-80gb"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-3-8b", *pool, f"{option}={value}"])
+    assert exit_info.value.code == 2
+    assert f"error: argument {option}: " in capsys.readouterr().err
+
+
+def test_plan_command_rejects_negative_numbers(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-3-8b", "--pool-gb", "-5"])
+    assert exit_info.value.code == 2
+    assert "must be a positive number, got -5" in capsys.readouterr().err
+
+
+def test_plan_command_reads_a_bad_config_and_names_the_problem(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_hidden_layers": 0, "hidden_size": 64}))
+    assert main(["plan", "--model", str(path), "--pool-gb", "1"]) == 2
+    assert "num_hidden_layers must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_plan_imports_nothing_heavy():
+    # `pagedkv plan` must answer instantly: no torch, numpy or matplotlib behind it.
+    code = (
+        "import sys, pagedkv.commands.plan; "
+        "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr

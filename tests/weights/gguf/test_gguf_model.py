@@ -1,0 +1,230 @@
+"""GGUF models: a tiny Llama or Qwen2 written to GGUF comes back as the weights it came from."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from pagedkv.model.config import RopeConfig
+from pagedkv.model.errors import (
+    MalformedModelFile,
+    MissingTensor,
+    ModelFileMissing,
+    TensorShapeMismatch,
+    UnsupportedModel,
+)
+from pagedkv.model.rope import inverse_frequencies
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.assemble import checkpoint_state
+from pagedkv.weights.gguf.convert import convert_gguf
+from pagedkv.weights.gguf.model import GGUFModel
+from pagedkv.weights.hf_folder import load_model
+from pagedkv.weights.load import load
+from tests.model.tiny_models import random_prompt
+from tests.weights.gguf.writer import folder_weights
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return checkpoint_state(model)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_linear", "qwen2", "qwen3", "qwen3_untied"])
+def test_f32_gguf_gives_back_the_exact_weights(zoo, tiny_gguf, name):
+    """Un-permuting q/k (llama only) and renaming restore every tensor bit for bit."""
+    gguf_model = GGUFModel.open(tiny_gguf(name))
+    ours = gguf_model.model()
+    reference = zoo.ours(name)
+    # GGUF has no key for Qwen2's sliding window (llama.cpp attends over the full context).
+    full = (None,) * reference.config.num_layers
+    assert gguf_model.config == replace(reference.config, sliding_windows=full)
+    assert _state(ours).keys() == _state(reference).keys()
+    for key, tensor in _state(reference).items():
+        assert torch.equal(_state(ours)[key], tensor), key
+
+
+def test_qwen2_biases_are_not_permuted(zoo, tiny_gguf):
+    ours = GGUFModel.open(tiny_gguf("qwen2")).model()
+    weights = folder_weights(zoo.folder("qwen2"))
+    bias = checkpoint_state(ours)["model.layers.0.self_attn.q_proj.bias"]
+    assert torch.equal(bias, torch.from_numpy(weights["model.layers.0.self_attn.q_proj.bias"]))
+
+
+def test_tied_head_when_output_weight_is_absent(tiny_gguf):
+    tied = GGUFModel.open(tiny_gguf("llama", drop_tensors=("lm_head.weight",)))
+    assert tied.config.tie_word_embeddings
+    assert tied.model().lm_head is None
+    untied = GGUFModel.open(tiny_gguf("llama"))
+    assert not untied.config.tie_word_embeddings
+    assert untied.model().lm_head is not None
+
+
+def test_quantised_gguf_loads_the_dequantised_values(zoo, tiny_gguf):
+    """Q8_0 weights: close to the originals, and exactly what the quantiser's inverse gives."""
+    model = GGUFModel.open(tiny_gguf("llama", qtype=QType.Q8_0)).model()
+    original = zoo.ours("llama").layers[1].mlp.down_proj.weight
+    got = model.layers[1].mlp.down_proj.weight
+    assert not torch.equal(got, original)
+    torch.testing.assert_close(got, original, atol=0.02, rtol=0.02)
+
+
+def test_load_accepts_a_gguf_file_in_any_dtype(tiny_gguf):
+    path = tiny_gguf("llama")
+    loaded = load(path, dtype="bfloat16")
+    assert loaded.path == path
+    assert loaded.name == path.stem
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.tokenizer.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_converted_folder_loads_in_transformers_with_the_same_logits(
+    zoo, tiny_gguf, tmp_path, name
+):
+    import transformers
+
+    folder = convert_gguf(tiny_gguf(name), tmp_path / "converted")
+    prompt = torch.tensor([random_prompt(12, seed=5)])
+    with torch.no_grad():
+        converted = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        expected = zoo.hf(name)(prompt).logits
+        torch.testing.assert_close(converted(prompt).logits, expected, atol=1e-5, rtol=1e-5)
+    assert _state(load_model(folder)).keys() == _state(zoo.ours(name)).keys()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "Paged attention stores keys 42 times."
+    assert hf_tokenizer(text)["input_ids"] == Tokenizer.from_folder(folder).encode(text)
+
+
+def test_converted_folder_tokenises_like_the_gguf_file(tiny_gguf, tmp_path):
+    path = tiny_gguf("llama")
+    from_file = GGUFModel.open(path).tokenizer()
+    from_folder = Tokenizer.from_folder(convert_gguf(path, tmp_path / "converted"))
+    text = "Copy on write lets forked sequences share a prompt."
+    assert from_file.encode(text) == from_folder.encode(text)
+    assert from_file.encode(text)[0] == 1  # add_bos_token
+    assert from_file.eos_token_ids == from_folder.eos_token_ids == (2,)
+    assert from_file.chat_template == from_folder.chat_template
+    assert from_file.special_tokens == from_folder.special_tokens
+
+
+def test_convert_refuses_a_folder_that_holds_files(tiny_gguf, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(MalformedModelFile.__base__, match="already exists"):
+        convert_gguf(tiny_gguf("llama"), tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def test_convert_leaves_nothing_when_it_fails(tiny_gguf, tmp_path):
+    path = tiny_gguf("llama", qtype=QType.Q8_0)
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor is cut short
+    with pytest.raises(MalformedModelFile):
+        convert_gguf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize(
+    ("key", "pattern"),
+    [
+        ("llama.block_count", "metadata key 'llama.block_count' is missing"),
+        ("llama.embedding_length", "metadata key 'llama.embedding_length' is missing"),
+        ("tokenizer.ggml.tokens", "metadata key 'tokenizer.ggml.tokens' is missing"),
+        ("tokenizer.ggml.model", "metadata key 'tokenizer.ggml.model' is missing"),
+    ],
+)
+def test_missing_metadata_names_the_key(tiny_gguf, key, pattern):
+    with pytest.raises(MalformedModelFile, match=pattern):
+        GGUFModel.open(tiny_gguf("llama", metadata={key: None}))
+
+
+@pytest.mark.parametrize(
+    ("metadata", "pattern"),
+    [
+        ({"general.architecture": "gpt2"}, "architecture 'gpt2' is not supported"),
+        ({"llama.rope.dimension_count": 8}, "rope dimension 8 differ"),
+        ({"llama.rope.scaling.type": "yarn"}, "rope scaling 'yarn' is not supported"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
+        ({"tokenizer.ggml.pre": "made-up"}, "tokenizer.ggml.pre 'made-up' is not supported"),
+    ],
+)
+def test_unsupported_metadata_is_named(tiny_gguf, metadata, pattern):
+    with pytest.raises(UnsupportedModel, match=pattern):
+        GGUFModel.open(tiny_gguf("llama", metadata=metadata))
+
+
+def test_bad_metadata_values_are_named(tiny_gguf):
+    with pytest.raises(MalformedModelFile, match="'tokenizer.ggml.eos_token_id' is token id 999"):
+        GGUFModel.open(tiny_gguf("llama", metadata={"tokenizer.ggml.eos_token_id": 999}))
+
+
+def test_missing_and_misshapen_tensors_are_named(tiny_gguf):
+    path = tiny_gguf("llama", drop_tensors=("model.layers.1.mlp.up_proj.weight",))
+    with pytest.raises(MissingTensor, match="model.layers.1.mlp.up_proj.weight"):
+        GGUFModel.open(path).model()
+    path = tiny_gguf("llama", metadata={"llama.feed_forward_length": 64})
+    with pytest.raises(TensorShapeMismatch, match=r"mlp\..*has shape \[64, 128\]"):
+        GGUFModel.open(path).model()
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(MalformedModelFile, match="not a valid GGUF file"):
+        GGUFModel.open(path)
+    with pytest.raises(ModelFileMissing):
+        GGUFModel.open(tmp_path / "absent.gguf")
+
+
+def test_linear_rope_scaling_maps_to_the_config(tiny_gguf):
+    path = tiny_gguf(
+        "llama", metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    )
+    config = GGUFModel.open(path).config
+    assert (config.rope.scaling, config.rope.factor, config.rope.theta) == ("linear", 2.0, 1e4)
+
+
+def test_float32_metadata_reads_as_the_decimal_it_was_written_from(tiny_gguf, tmp_path):
+    config = GGUFModel.open(tiny_gguf("llama")).config
+    assert config.rms_norm_eps == 1e-6  # stored as float32 9.99999997e-07
+    folder = convert_gguf(tiny_gguf("llama"), tmp_path / "converted")
+    assert json.loads((folder / "config.json").read_text())["rms_norm_eps"] == 1e-6
+
+
+def _llama3_divisors_by_hand(theta: float, head_dim: int, factor: float) -> np.ndarray:
+    """llama.cpp's converter loop for Llama 3 scaling (low 1, high 4, 8,192-token context)."""
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < 8192 / 4:
+            divisors.append(1.0)
+        elif wavelen > 8192 / 1:
+            divisors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_tensor_becomes_llama3_scaling(tiny_gguf):
+    divisors = _llama3_divisors_by_hand(10000.0, 16, 8.0)
+    assert len(set(divisors.tolist())) > 2  # high, low and blended frequencies all present
+    gguf_model = GGUFModel.open(tiny_gguf("llama", extra_tensors={"rope_freqs.weight": divisors}))
+    rope = gguf_model.config.rope
+    assert (rope.scaling, rope.factor, rope.original_max_position_embeddings) == ("llama3", 8, 8192)
+    scaled = inverse_frequencies(rope, 16)
+    plain = inverse_frequencies(RopeConfig(theta=10000.0), 16)
+    torch.testing.assert_close(scaled, plain / torch.from_numpy(divisors), rtol=1e-5, atol=0)
+    assert gguf_model.model().lm_head is not None  # the extra tensor is not taken for a weight
+
+
+def test_rope_freqs_of_another_scheme_are_refused(tiny_gguf):
+    divisors = _llama3_divisors_by_hand(10000.0, 16, 8.0)
+    divisors[0] = 2.0
+    path = tiny_gguf("llama", extra_tensors={"rope_freqs.weight": divisors})
+    with pytest.raises(UnsupportedModel, match="rope_freqs.weight is not Llama 3 scaling"):
+        GGUFModel.open(path)

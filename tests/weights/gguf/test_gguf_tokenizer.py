@@ -1,0 +1,110 @@
+"""Tokenizers rebuilt from GGUF metadata: SentencePiece-style scores, pre-tokenisers, specials."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.weights.gguf.file import GGUFFile
+from pagedkv.weights.gguf.model import GGUFModel
+from pagedkv.weights.gguf.tokenizer import tokenizer_files
+from tests.weights.gguf.writer import write_gguf
+
+UNKNOWN, CONTROL, USER_DEFINED, BYTE, NORMAL = 2, 3, 4, 6, 1
+# A hand-made SentencePiece vocabulary: pieces and scores (higher merges first).
+PIECES = {
+    "\u2581": -10.0,
+    "h": -11.0,
+    "e": -12.0,
+    "l": -13.0,
+    "o": -14.0,
+    "w": -15.0,
+    "r": -16.0,
+    "d": -17.0,
+    "he": -3.0,
+    "el": -1.0,
+    "\u2581h": -2.0,
+    "ll": -4.0,
+    "\u2581he": -5.0,
+    "\u2581hell": -6.0,
+    "\u2581hello": -7.0,
+    "or": -8.0,
+    "\u2581w": -8.5,
+    "\u2581wor": -9.0,
+    "ld": -9.5,
+    "\u2581world": -9.7,
+}
+
+
+def _spm_file(tmp_path, **extra):
+    tokens = ["<unk>", "<s>", "</s>", "<|user|>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [UNKNOWN, CONTROL, CONTROL, USER_DEFINED] + [BYTE] * 256
+    scores = [0.0] * len(tokens)
+    for piece, score in PIECES.items():
+        tokens.append(piece)
+        types.append(NORMAL)
+        scores.append(score)
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    } | extra
+    path = write_gguf(tmp_path / "spm.gguf", "llama", metadata, {"x": np.zeros(1, np.float32)})
+    return tokenizer_files(GGUFFile(path)).tokenizer, tokens.index
+
+
+def test_sentencepiece_merges_the_highest_scoring_pair_first(tmp_path):
+    tokenizer, piece_id = _spm_file(tmp_path)
+    # "▁hel": pairs ▁h (-2), he (-3), el (-1): "el" first, then "▁h"; "▁he" never forms.
+    assert tokenizer.encode("hel").ids == [1, piece_id("\u2581h"), piece_id("el")]
+    # "▁hello": "el" wins again, so "▁he", "ll" and "▁hello" are out of reach; "▁world" forms
+    # through or -> ▁w -> ▁wor -> ▁wor+ld.
+    expected = ["\u2581h", "el", "l", "o", "\u2581world"]
+    assert tokenizer.encode("hello world").ids == [1, *map(piece_id, expected)]
+
+
+def test_sentencepiece_falls_back_to_bytes_and_decodes_back(tmp_path):
+    tokenizer, piece_id = _spm_file(tmp_path)
+    ids = tokenizer.encode("he\u00e9").ids
+    assert ids == [1, piece_id("\u2581he"), piece_id("<0xC3>"), piece_id("<0xA9>")]
+    assert tokenizer.decode(ids) == "he\u00e9"
+    assert tokenizer.decode(tokenizer.encode("hello  world").ids) == "hello  world"
+
+
+def test_sentencepiece_without_space_prefix(tmp_path):
+    tokenizer, piece_id = _spm_file(
+        tmp_path,
+        **{"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False},
+    )
+    assert tokenizer.encode("hel").ids == [piece_id("h"), piece_id("el")]
+
+
+def test_control_tokens_are_special_and_user_defined_tokens_are_text(tmp_path):
+    tokenizer, _ = _spm_file(tmp_path)
+    ids = tokenizer.encode("<|user|>hello</s>", add_special_tokens=False).ids
+    assert ids[0] == 3 and ids[-1] == 2
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<|user|> hello"
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt-2", ["Ġ12345", "Ġok"]),
+        ("smollm", ["Ġ", "1", "2", "3", "4", "5", "Ġok"]),
+        ("llama-bpe", ["Ġ", "123", "45", "Ġok"]),
+        ("qwen2", ["Ġ", "1", "2", "3", "4", "5", "Ġok"]),
+    ],
+)
+def test_pre_tokenisers_split_digits_like_llama_cpp(tiny_gguf, pre, pieces):
+    path = tiny_gguf("llama", metadata={"tokenizer.ggml.pre": pre})
+    pre_tokenizer = GGUFModel.open(path).tokenizer().tokenizer.pre_tokenizer
+    assert [piece for piece, _ in pre_tokenizer.pre_tokenize_str(" 12345 ok")] == pieces
+
+
+def test_eos_ids_gather_eos_eot_and_eom(tiny_gguf):
+    path = tiny_gguf("llama", metadata={"tokenizer.ggml.eot_token_id": 0})
+    assert GGUFModel.open(path).tokenizer().eos_token_ids == (2, 0)
