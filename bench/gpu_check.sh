@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of issue 11, on one NVIDIA GPU (H100 / H200 class): unattended, under 5 minutes
 # after set-up, every figure in one results file (default gpu_check_results.txt, or $1):
-#   1. the kernel tests (tests/gpu) compiled and run on the device, no interpreter;
+#   1. the kernel tests (tests/attention/triton) compiled and run on the device, no interpreter;
 #   2. decode attention bandwidth against a device-to-device copy (64 x 4,096 and mixed
 #      63 x 256 + 1 x 32,768), paged vs dense SDPA, decode launch configurations, prefill;
 #   3. engine tokens/s (pagedkv.LLM, random ~1B Llama, bf16) against transformers generate.
@@ -34,9 +34,9 @@ run_part() {
 # The kernel tests in three processes at once: on the device their time is Triton compiling
 # ~40 kernel variants, one CPU core each (compiled kernels are shared through Triton's cache).
 kernel_tests() {
-    local attention=tests/gpu/test_triton_attention.py shards pids=() status=0 i
+    local attention=tests/attention/triton/test_triton_attention.py shards pids=() status=0 i
     shards=("$attention::test_decode_matches_reference" "$attention::test_prefill_matches_reference"
-        "tests/gpu --deselect $attention::test_decode_matches_reference --deselect $attention::test_prefill_matches_reference")
+        "tests/attention/triton --deselect $attention::test_decode_matches_reference --deselect $attention::test_prefill_matches_reference")
     for i in "${!shards[@]}"; do
         # shellcheck disable=SC2086 # each shard is a list of pytest arguments
         timeout "$test_limit" "$PYTHON" -m pytest ${shards[$i]} -q -p no:cacheprovider \

@@ -1,0 +1,1 @@
+"""Torch-free KV arithmetic: bytes per token from a config, capacity planning, presets."""

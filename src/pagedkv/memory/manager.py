@@ -12,6 +12,10 @@ Plans must be executed in the order they were returned (join a step's plans with
 `MemoryPlan.extend`). Blocks are released at once, so a block that `swap_out` is saving can
 be the destination of a copy-on-write or `swap_in` returned later in the same step; running
 the plans in order reads it before it is overwritten.
+
+The file runs past 400 lines because the lifecycle is one idea: allocation, prefix hits,
+growth with copy-on-write, forks, swaps and frees all keep the same per-sequence table and
+the same reference counts, and each operation's all-or-nothing check reads the others' state.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Model runtime: loading, Llama-style modules, KV cache tensors and paged attention."""
+"""The decoder, one module per model family, the architecture registry and the layers."""

@@ -1,0 +1,1 @@
+"""The tensor side of a step: KV cache tensors, pool sizing, the model runner."""

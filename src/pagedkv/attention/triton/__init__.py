@@ -1,0 +1,1 @@
+"""The Triton kernels of the CUDA attention backend (importing this imports triton)."""

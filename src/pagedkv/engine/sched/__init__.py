@@ -1,0 +1,1 @@
+"""Which requests run each step, and in what order (the scheduler and its policy)."""
