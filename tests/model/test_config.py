@@ -236,6 +236,19 @@ _WINDOW_CASES = {
         "sliding_window": 4096,
         "max_window_layers": 0,
     },
+    "qwen3 upper layers": {
+        **LLAMA,
+        "architectures": ["Qwen3ForCausalLM"],
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+        "max_window_layers": 20,
+    },
+    "qwen3 window off": {
+        **LLAMA,
+        "architectures": ["Qwen3ForCausalLM"],
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+    },
 }
 
 
@@ -279,3 +292,15 @@ def test_qwen2_partial_window_is_not_a_per_request_cap_for_the_planner():
     assert ModelConfig.from_dict(_WINDOW_CASES["qwen2 upper layers"], SOURCE).sliding_windows == (
         (None,) * 16 + (4096,) * 16
     )
+
+
+@pytest.mark.parametrize("case", ["qwen3 upper layers", "qwen3 window off"])
+def test_qwen3_windows_the_layers_transformers_windows(case):
+    """The oracle: transformers' own Qwen3Config marks each layer sliding or full."""
+    import transformers
+
+    raw = _WINDOW_CASES[case]
+    fields = {key: value for key, value in raw.items() if key != "architectures"}
+    theirs = transformers.Qwen3Config(**fields).layer_types
+    expected = tuple(4096 if kind == "sliding_attention" else None for kind in theirs)
+    assert ModelConfig.from_dict(raw, SOURCE).sliding_windows == expected

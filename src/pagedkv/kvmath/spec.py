@@ -256,6 +256,7 @@ _FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen2",  # Qwen3 windows its layers by Qwen2's rule
 }
 _QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
 
@@ -269,19 +270,16 @@ def model_family(config: Mapping[str, object]) -> str | None:
     return model_type if isinstance(model_type, str) else None
 
 
-def layer_windows(
-    config: Mapping[str, object], num_layers: int, rule: str | None = None
-) -> tuple[int | None, ...]:
+def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | None, ...]:
     """The attention window of every layer (None: full attention), as transformers applies it.
 
-    The rules both the planner and the model follow: "llama" ignores a stray
-    `sliding_window`; "mistral" windows every layer; "qwen2" windows only with
+    The one rule both the planner and the model follow: Llama ignores a stray
+    `sliding_window`; Mistral windows every layer; Qwen2 and Qwen3 window only with
     `use_sliding_window`, and then only the layers `layer_types` marks "sliding_attention"
-    (or, without it, the layers from `max_window_layers` on). `rule` is the model registry's
-    choice for the config's architecture; without it, the config's family picks (any other
-    family windows every layer when it names a window). Raises ConfigError naming the field.
+    (or, without it, the layers from `max_window_layers` on). Raises ConfigError naming the
+    field.
     """
-    family = rule or model_family(config)
+    family = model_family(config)
     full: tuple[int | None, ...] = (None,) * num_layers
     window = config.get("sliding_window")
     if window is None or family == "llama":

@@ -96,7 +96,7 @@ class ModelConfig:
             o_bias=attention_bias and not architecture.qkv_bias_always,
             mlp_bias=fields.boolean("mlp_bias", False),
             tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
-            sliding_windows=_sliding_windows(raw, source, num_layers, architecture.window_rule),
+            sliding_windows=_sliding_windows(raw, source, num_layers),
         )
 
 
@@ -225,10 +225,8 @@ def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> Ro
     )
 
 
-def _sliding_windows(
-    raw: dict[str, Any], source: Path, num_layers: int, rule: str
-) -> tuple[int | None, ...]:
+def _sliding_windows(raw: dict[str, Any], source: Path, num_layers: int) -> tuple[int | None, ...]:
     try:
-        return layer_windows(raw, num_layers, rule)  # the planner's rules too
+        return layer_windows(raw, num_layers)  # the planner's rule too
     except ConfigError as error:
         raise MalformedModelFile(source, str(error)) from error

@@ -1,9 +1,10 @@
 """The architecture registry: every model family pagedkv runs, and nothing else branches on one.
 
-An entry says how to read a family's config (which layers a `sliding_window` covers, whether
-q/k/v always carry biases), which module class runs it, and how its GGUF files name it (the
-llama.cpp architecture, extra per-layer tensor names, whether q/k rows are permuted). Adding a
-family is one module beside `llama.py` plus one entry here.
+An entry says how to read a family's config (whether q/k/v always carry biases), which module
+class runs it, and how its GGUF files name it (the llama.cpp architecture, extra per-layer
+tensor names, whether q/k rows are permuted). Adding a family is one module beside `llama.py`
+plus one entry here; a family with its own sliding-window rule also names it in
+`kvmath/spec.py`, the torch-free arithmetic the capacity planner shares with the model.
 
 Classes are named by import path and imported when a model is built, so reading a config (the
 loader, the planner's checks) needs no torch and the family modules may import the config.
@@ -27,8 +28,6 @@ class Architecture:
     name: str  # config.json `architectures[0]`
     model_type: str  # config.json `model_type`
     model_class_path: str  # "module:Class" of the DecoderModel subclass that runs it
-    # Which layers a `sliding_window` applies to, by the rule of `kvmath.spec.layer_windows`.
-    window_rule: str
     qkv_bias_always: bool = False  # q/k/v biased whatever `attention_bias` says (o never)
     gguf_arch: str | None = None  # llama.cpp's `general.architecture`, when it has files
     # GGUF per-layer tensor names (`blk.N.<name>`) beyond the Llama set, -> checkpoint module.
@@ -48,7 +47,6 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="LlamaForCausalLM",
             model_type="llama",
             model_class_path="pagedkv.model.llama:LlamaModel",
-            window_rule="llama",
             gguf_arch="llama",
             gguf_permutes_qk=True,
         ),
@@ -56,13 +54,11 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="MistralForCausalLM",
             model_type="mistral",
             model_class_path="pagedkv.model.llama:LlamaModel",
-            window_rule="mistral",
         ),
         Architecture(
             name="Qwen2ForCausalLM",
             model_type="qwen2",
             model_class_path="pagedkv.model.llama:LlamaModel",
-            window_rule="qwen2",
             qkv_bias_always=True,
             gguf_arch="qwen2",
         ),
@@ -70,7 +66,6 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="Qwen3ForCausalLM",
             model_type="qwen3",
             model_class_path="pagedkv.model.qwen3:Qwen3Model",
-            window_rule="qwen2",
             gguf_arch="qwen3",
             gguf_layer_tensors={
                 "attn_q_norm": "self_attn.q_norm",
