@@ -8,6 +8,11 @@ sequence must read back exactly its own computed tokens. Pools are tiny so NoFre
 frequent; a failed operation, or one given an invalid token id, must change nothing. Prompts
 carry one of a few cache salts: a prefix hit must be a prefix some sequence of the same salt
 computed.
+
+Some sequences are driven as the engine drives them: their owner keeps a `SequenceTokens`
+record that the manager shares (no copy), appends to it and asks the manager to `grow`; the
+record's computed count must always be the manager's. A mirror of the runner's block tables is
+kept from `take_table_update` alone and must equal the manager's tables whenever it is synced.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedkv.memory import InvalidTokenIds, KVCacheManager, MemoryPlan, NoFreeBlocks
+from pagedkv.memory.tokens import SequenceTokens
 
 from .kv_oracle import SlotStore
 from .test_rules import snapshot
@@ -39,10 +45,11 @@ bad_ids = st.sampled_from([-1, 2**63, 2**70, True, 1.5, "7", None])
 
 @dataclass
 class ModelSeq:
-    token_ids: list[int]
+    token_ids: list[int]  # the tokens the manager holds slots for
     num_computed: int
     salt: str | None
     swapped: bool = False
+    record: SequenceTokens | None = None  # the owner's record, shared with the manager
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -59,6 +66,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.model: dict[int, ModelSeq] = {}
         self.computed_prefixes: set[tuple[str | None, tuple[int, ...]]] = set()
         self.next_id = 0
+        self.runner_tables: dict[int, list[int]] = {}  # built from table updates only
+        self.freed_records: list[SequenceTokens] = []
 
     def _pick(self, pick: int) -> tuple[int, ModelSeq | None]:
         """A live sequence chosen by `pick` (rules do nothing while there is none)."""
@@ -93,11 +102,12 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.computed_prefixes.add((seq.salt, tuple(seq.token_ids[:end])))
         self.manager.mark_computed(seq_id, upto)
 
-    @rule(prompt=prompts, salt=salts, compute=st.booleans())
-    def allocate(self, prompt, salt, compute):
+    @rule(prompt=prompts, salt=salts, compute=st.booleans(), shared=st.booleans())
+    def allocate(self, prompt, salt, compute, shared):
         seq_id = self.next_id
         self.next_id += 1
-        if self._fails_cleanly(self.manager.allocate, seq_id, prompt, salt):
+        record = SequenceTokens(seq_id, prompt) if shared else None
+        if self._fails_cleanly(self.manager.allocate, seq_id, record or prompt, salt):
             return
         num_cached = self.result
         size = self.manager.block_size
@@ -106,7 +116,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert num_cached == 0
         elif num_cached:
             assert (salt, tuple(prompt[:num_cached])) in self.computed_prefixes
-        seq = self.model[seq_id] = ModelSeq(list(prompt), num_cached, salt)
+        seq = self.model[seq_id] = ModelSeq(list(prompt), num_cached, salt, record=record)
         if compute:
             self._compute(seq_id, seq, len(seq.token_ids))
 
@@ -129,7 +139,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     )
     def append(self, pick, tokens, compute):
         seq_id, seq = self._pick(pick)
-        if seq is None or seq.swapped:
+        if seq is None or seq.swapped or seq.record is not None:
             return
         if not self._fails_cleanly(self.manager.append, seq_id, tokens):
             self.step_plan.extend(self.result)
@@ -137,10 +147,40 @@ class KVCacheMachine(RuleBasedStateMachine):
             if compute:
                 self._compute(seq_id, seq, len(seq.token_ids))
 
+    @rule(
+        pick=picks,
+        tokens=st.lists(st.integers(0, 3), max_size=5),
+        compute=st.booleans(),
+    )
+    def owner_appends_then_grows(self, pick, tokens, compute):
+        """The engine's way: the owner appends to its record, then the manager gives slots."""
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped or seq.record is None:
+            return
+        seq.record.extend(tokens)
+        if not self._fails_cleanly(self.manager.grow, seq_id, len(seq.record)):
+            self.step_plan.extend(self.result)
+            seq.token_ids = list(seq.record.token_ids)
+            if compute:
+                self._compute(seq_id, seq, len(seq.token_ids))
+
+    @rule(pick=picks)
+    def sync_runner_table(self, pick):
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        update = self.manager.take_table_update(seq_id)
+        if update is not None:
+            first, block_ids = update
+            assert first == 0 or seq_id in self.runner_tables
+            self.runner_tables[seq_id] = self.runner_tables.get(seq_id, [])[:first] + block_ids
+        assert self.runner_tables[seq_id] == self.manager.block_table(seq_id)
+        assert self.manager.take_table_update(seq_id) is None
+
     @rule(pick=picks, bad=bad_ids)
     def append_invalid(self, pick, bad):
         seq_id, seq = self._pick(pick)
-        if seq is None or seq.swapped:
+        if seq is None or seq.swapped or seq.record is not None:
             return
         before = snapshot(self.manager)
         try:
@@ -164,8 +204,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         child = self.next_id
         self.next_id += 1
-        self.manager.fork(parent, child)
-        self.model[child] = ModelSeq(list(seq.token_ids), seq.num_computed, seq.salt)
+        record = None if seq.record is None else seq.record.copy(child)
+        self.manager.fork(parent, child, record)
+        self.model[child] = ModelSeq(list(seq.token_ids), seq.num_computed, seq.salt, record=record)
 
     @rule(pick=picks)
     def free(self, pick):
@@ -173,7 +214,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         if seq is None:
             return
         del self.model[seq_id]
+        self.runner_tables.pop(seq_id, None)
         self.manager.free(seq_id)
+        if seq.record is not None:
+            self.freed_records.append(seq.record)
 
     @rule(pick=picks)
     def swap_out(self, pick):
@@ -219,6 +263,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert manager.num_free_blocks == manager.num_gpu_blocks - len(refs)
         cpu_held = sum(len(manager.block_table(s)) for s, q in self.model.items() if q.swapped)
         assert manager.num_free_cpu_blocks == manager.num_cpu_blocks - cpu_held
+
+    @invariant()
+    def shared_records_are_the_one_truth(self):
+        for seq_id, seq in self.model.items():
+            if seq.record is not None:
+                assert seq.record.num_computed == self.manager.num_computed_tokens(seq_id)
+                assert list(seq.record.token_ids[: len(seq.token_ids)]) == seq.token_ids
+        assert all(record.num_computed == 0 for record in self.freed_records)
 
     @invariant()
     def every_sequence_reads_back_its_own_computed_tokens(self):

@@ -35,7 +35,7 @@ from pagedkv.memory.errors import (
 from pagedkv.memory.hashing import BlockHash, chain_hashes, root_hash
 from pagedkv.memory.moves import BlockMove, MemoryPlan, MoveKind
 from pagedkv.memory.pool import Block, BlockPool
-from pagedkv.memory.tokens import token_array
+from pagedkv.memory.tokens import SequenceTokens, token_array
 
 SeqId = Hashable
 
@@ -63,12 +63,14 @@ class KVCacheStats:
 
 @dataclass
 class _Sequence:
-    token_ids: array  # int64, checked on entry
+    tokens: SequenceTokens  # the caller's record when it passed one: ids and computed count
+    num_held: int  # leading tokens that have a slot in the table
     blocks: list[Block]
     root_hash: BlockHash  # parent of the first block's hash: carries the cache salt
     cpu_blocks: list[int] | None = None  # set while swapped out; `blocks` is then empty
-    num_computed: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)  # computed full blocks, chained
+    # First table entry changed since `take_table_update` last reported it (None: none).
+    table_changed_from: int | None = 0
 
 
 class KVCacheManager:
@@ -102,71 +104,93 @@ class KVCacheManager:
     # -- lifecycle -------------------------------------------------------------------------
 
     def allocate(
-        self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        seq_id: SeqId,
+        tokens: SequenceTokens | Sequence[int],
+        cache_salt: str | None = None,
     ) -> int:
         """Create the block table for a prompt; return how many leading tokens are cached.
 
-        The cached count is a whole number of blocks and always leaves at least one prompt
-        token to compute, because the forward pass needs it to produce the next-token logits.
-        With a `cache_salt`, only blocks computed under the same salt are hits (and this
-        sequence's blocks serve only that salt), so tenants cannot probe each other's prompts.
+        `tokens` is the sequence's `SequenceTokens` record (kept, not copied: the manager
+        reads ids from it and sets its `num_computed`), or plain ids for a record of its own.
+        Every token it holds gets a slot. The cached count is a whole number of blocks and
+        always leaves at least one token to compute, because the forward pass needs it to
+        produce the next-token logits. With a `cache_salt`, only blocks computed under the
+        same salt are hits (and this sequence's blocks serve only that salt), so tenants
+        cannot probe each other's prompts.
         """
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id)
-        if len(token_ids) == 0:
+        record = tokens if isinstance(tokens, SequenceTokens) else SequenceTokens(seq_id, tokens)
+        if len(record) == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
-        tokens = token_array(seq_id, token_ids)
         root = root_hash(cache_salt)
-        hits, hashes = self._find_cached_prefix(tokens, root)
-        self._take(hits, self._blocks_for(len(tokens)) - len(hits))
-        blocks = hits + self._pool.allocate(self._blocks_for(len(tokens)) - len(hits))
+        hits, hashes = self._find_cached_prefix(record.token_ids, root)
+        num_blocks = self._blocks_for(len(record))
+        self._take(hits, num_blocks - len(hits))
+        blocks = hits + self._pool.allocate(num_blocks - len(hits))
         num_cached = len(hits) * self.block_size
         if self.enable_prefix_caching:
-            self._prefix_queried_tokens += len(tokens)
+            self._prefix_queried_tokens += len(record)
             self._prefix_hit_tokens += num_cached
-        self._seqs[seq_id] = _Sequence(
-            tokens, blocks, root, num_computed=num_cached, block_hashes=hashes
-        )
+        record.num_computed = num_cached
+        self._seqs[seq_id] = _Sequence(record, len(record), blocks, root, block_hashes=hashes)
         return num_cached
 
     def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> MemoryPlan:
-        """Grow a sequence by `token_ids`; return the copy-on-write plan to run before writing.
+        """Add `token_ids` to the sequence and give them slots; return the copy-on-write plan.
 
-        New blocks are taken only at block boundaries. When the last block is partly filled
-        and shared (after a fork), the sequence gets a private copy of it first.
+        For a caller that keeps its own ids; an owner of the record who appended to it already
+        calls `grow` instead.
         """
         seq = self._resident(seq_id, "appending")
         tokens = token_array(seq_id, token_ids)
         if not tokens:
             return MemoryPlan()
-        num_tokens = len(seq.token_ids)
-        last = seq.blocks[-1]
-        needs_copy = num_tokens % self.block_size != 0 and last.ref_count > 1
-        num_new = self._blocks_for(num_tokens + len(tokens)) - len(seq.blocks)
-        if num_new + needs_copy > self._pool.num_free_blocks:
-            raise NoFreeBlocks(num_new + needs_copy, self._pool.num_free_blocks)
-        plan = MemoryPlan()
-        if needs_copy:
-            [private] = self._pool.allocate(1)
-            self._pool.release([last])
-            seq.blocks[-1] = private
-            plan.moves.append(BlockMove(MoveKind.COPY, last.block_id, private.block_id))
-            self._cow_copies += 1
-        seq.blocks.extend(self._pool.allocate(num_new))
-        seq.token_ids.extend(tokens)
+        if len(seq.tokens) != seq.num_held:
+            raise ValueError(
+                f"sequence {seq_id!r} has {len(seq.tokens) - seq.num_held} tokens without a "
+                "slot: grow it to them before appending more"
+            )
+        plan = self._grow(seq, seq.num_held + len(tokens))
+        seq.tokens.token_ids.extend(tokens)
         return plan
 
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
-        """Give `child_id` the parent's tokens, blocks (shared, no copies) and cache salt."""
+    def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan:
+        """Give slots to the record's first `num_tokens` tokens; return the copy-on-write plan.
+
+        New blocks are taken only at block boundaries. When the last block is partly filled
+        and shared (after a fork), the sequence gets a private copy of it first.
+        """
+        seq = self._resident(seq_id, "growing")
+        if not seq.num_held <= num_tokens <= len(seq.tokens):
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot hold {num_tokens} tokens, it holds "
+                f"{seq.num_held} of its {len(seq.tokens)}"
+            )
+        return self._grow(seq, num_tokens)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens | None = None) -> None:
+        """Give `child_id` the parent's blocks (shared, no copies), cache salt and tokens.
+
+        `tokens` is the child's own record (its owner made it from the parent's: the ids the
+        parent holds must begin it); without it the manager copies the parent's.
+        """
         parent = self._resident(parent_id, "forking")
         if child_id in self._seqs:
             raise DuplicateSequence(child_id)
+        if tokens is None:
+            tokens = parent.tokens.copy(child_id)
+        held = parent.num_held
+        if len(tokens) < held or tokens.token_ids[:held] != parent.tokens.token_ids[:held]:
+            raise ValueError(f"sequence {child_id!r}: its tokens do not begin with its parent's")
         self._pool.touch(parent.blocks)
+        tokens.num_computed = parent.tokens.num_computed
         self._seqs[child_id] = _Sequence(
-            array(parent.token_ids.typecode, parent.token_ids),
+            tokens,
+            held,
             list(parent.blocks),
             parent.root_hash,
-            num_computed=parent.num_computed,
             block_hashes=list(parent.block_hashes),
         )
 
@@ -178,23 +202,27 @@ class KVCacheManager:
         hashed before anything is recorded.
         """
         seq = self._resident(seq_id, "marking tokens computed")
-        if not 0 <= num_tokens <= len(seq.token_ids):
+        if not 0 <= num_tokens <= seq.num_held:
             raise ValueError(
                 f"sequence {seq_id!r}: cannot mark {num_tokens} tokens computed, "
-                f"it has {len(seq.token_ids)}"
+                f"it holds {seq.num_held}"
             )
-        if num_tokens <= seq.num_computed:
+        if num_tokens <= seq.tokens.num_computed:
             return
         new_blocks = self._hash_new_full_blocks(seq, num_tokens)
-        seq.num_computed = num_tokens
+        seq.tokens.num_computed = num_tokens
         first_new = len(seq.block_hashes)
         seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
         self._pool.cache(seq.blocks[first_new : first_new + len(new_blocks)], new_blocks)
 
     def free(self, seq_id: SeqId) -> None:
-        """Drop the sequence and release its blocks, tail first so chain tails evict first."""
+        """Drop the sequence and release its blocks, tail first so chain tails evict first.
+
+        Its record keeps its ids and says no KV is computed any more.
+        """
         seq = self._get(seq_id)
         del self._seqs[seq_id]
+        seq.tokens.num_computed = 0
         if seq.cpu_blocks is not None:
             # Reversed, so the next swap_out pops them in ascending order: consecutive CPU
             # blocks let the runner move a sequence with one contiguous copy.
@@ -254,10 +282,24 @@ class KVCacheManager:
         self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
         seq.blocks = blocks
         seq.cpu_blocks = None
+        seq.table_changed_from = 0
         copied = [index for index in range(len(hashed)) if index not in reused]
         self._pool.cache([blocks[index] for index in copied], [hashed[index] for index in copied])
         self._blocks_swapped_in += len(plan)
         return plan
+
+    def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None:
+        """`(first, block_ids)`: the table from entry `first` on, if it changed since last taken.
+
+        A runner that keeps each sequence's table applies `table[first:] = block_ids` instead
+        of receiving the whole table every step; None when nothing changed.
+        """
+        seq = self._resident(seq_id, "reading its table changes")
+        first = seq.table_changed_from
+        if first is None:
+            return None
+        seq.table_changed_from = None
+        return first, [block.block_id for block in seq.blocks[first:]]
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -269,12 +311,12 @@ class KVCacheManager:
         return [block.block_id for block in seq.blocks]
 
     def num_tokens(self, seq_id: SeqId) -> int:
-        """Tokens the sequence holds (prompt plus appended)."""
-        return len(self._get(seq_id).token_ids)
+        """Tokens the sequence holds a slot for (prompt plus grown)."""
+        return self._get(seq_id).num_held
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         """Leading tokens whose KV is written (cached prefix included)."""
-        return self._get(seq_id).num_computed
+        return self._get(seq_id).tokens.num_computed
 
     def is_swapped_out(self, seq_id: SeqId) -> bool:
         """True while the sequence's blocks are in the CPU pool."""
@@ -330,11 +372,13 @@ class KVCacheManager:
         held_cpu: list[int] = []
         for seq_id, seq in self._seqs.items():
             table = seq.cpu_blocks if seq.cpu_blocks is not None else seq.blocks
-            if len(table) != self._blocks_for(len(seq.token_ids)):
+            if len(table) != self._blocks_for(seq.num_held):
                 raise AssertionError(
-                    f"sequence {seq_id!r} has {len(seq.token_ids)} tokens in {len(table)} blocks, "
-                    f"expected {self._blocks_for(len(seq.token_ids))}"
+                    f"sequence {seq_id!r} holds {seq.num_held} tokens in {len(table)} blocks, "
+                    f"expected {self._blocks_for(seq.num_held)}"
                 )
+            if seq.num_held > len(seq.tokens):
+                raise AssertionError(f"sequence {seq_id!r} holds slots for tokens it lacks")
             if seq.cpu_blocks is not None:
                 if seq.blocks:
                     raise AssertionError(f"swapped sequence {seq_id!r} still holds GPU blocks")
@@ -343,9 +387,10 @@ class KVCacheManager:
                 if len({id(block) for block in seq.blocks}) != len(seq.blocks):
                     raise AssertionError(f"sequence {seq_id!r} holds a block twice")
                 expected_refs.update(block.block_id for block in seq.blocks)
-            if not 0 <= seq.num_computed <= len(seq.token_ids):
-                raise AssertionError(f"sequence {seq_id!r} has {seq.num_computed} computed tokens")
-            if len(seq.block_hashes) > seq.num_computed // self.block_size:
+            num_computed = seq.tokens.num_computed
+            if not 0 <= num_computed <= seq.num_held:
+                raise AssertionError(f"sequence {seq_id!r} has {num_computed} computed tokens")
+            if len(seq.block_hashes) > num_computed // self.block_size:
                 raise AssertionError(f"sequence {seq_id!r} hashed blocks that are not computed")
         for block in self._pool.blocks:
             if block.ref_count != expected_refs[block.block_id]:
@@ -403,11 +448,40 @@ class KVCacheManager:
             return []
         first_new = len(seq.block_hashes)
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.root_hash
-        new_tokens = seq.token_ids[first_new * self.block_size : num_computed].tobytes()
+        new_tokens = seq.tokens.token_ids[first_new * self.block_size : num_computed].tobytes()
         return list(chain_hashes(parent, new_tokens, self.block_size))
 
     def _block_tokens(self, seq: _Sequence, index: int) -> bytes:
-        return seq.token_ids[index * self.block_size : (index + 1) * self.block_size].tobytes()
+        start = index * self.block_size
+        return seq.tokens.token_ids[start : start + self.block_size].tobytes()
+
+    def _grow(self, seq: _Sequence, num_tokens: int) -> MemoryPlan:
+        """Slots up to `num_tokens`, copying a shared partial last block first; all or nothing."""
+        if num_tokens == seq.num_held:
+            return MemoryPlan()
+        last = seq.blocks[-1]
+        needs_copy = seq.num_held % self.block_size != 0 and last.ref_count > 1
+        num_new = self._blocks_for(num_tokens) - len(seq.blocks)
+        if num_new + needs_copy > self._pool.num_free_blocks:
+            raise NoFreeBlocks(num_new + needs_copy, self._pool.num_free_blocks)
+        plan = MemoryPlan()
+        if needs_copy:
+            [private] = self._pool.allocate(1)
+            self._pool.release([last])
+            seq.blocks[-1] = private
+            plan.moves.append(BlockMove(MoveKind.COPY, last.block_id, private.block_id))
+            self._cow_copies += 1
+            self._mark_table_changed(seq, len(seq.blocks) - 1)
+        if num_new:
+            self._mark_table_changed(seq, len(seq.blocks))
+        seq.blocks.extend(self._pool.allocate(num_new))
+        seq.num_held = num_tokens
+        return plan
+
+    @staticmethod
+    def _mark_table_changed(seq: _Sequence, first: int) -> None:
+        if seq.table_changed_from is None or first < seq.table_changed_from:
+            seq.table_changed_from = first
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,4 +1,4 @@
-"""Token ids as the manager keeps them: checked once where they enter, stored as int64 arrays.
+"""A sequence's tokens as one record (`SequenceTokens`), and the check every token id passes.
 
 Every id must be a Python int (not a bool: `True` is no token) in [0, 2**63), the range block
 hashes encode. Checking in every call that takes ids, whether prefix caching is on or off,
@@ -20,6 +20,37 @@ TOKEN_TYPECODE = "q"
 BYTES_PER_TOKEN = array(TOKEN_TYPECODE).itemsize
 # The byte of each int64 that holds its sign bit, in the machine's byte order.
 _SIGN_BYTE = BYTES_PER_TOKEN - 1 if sys.byteorder == "little" else 0
+
+
+class SequenceTokens:
+    """One sequence's token ids and how many of them have their KV written: the one record of both.
+
+    The engine's sequence owns it and appends each sampled token; `KVCacheManager.allocate` is
+    handed the same object and keeps no copy: it reads a block's ids from it to hash the block,
+    advances `num_computed` as KV is written and resets it when the KV is freed. The scheduler
+    reads `num_computed`, the detokenizer the ids. Ids are checked as they enter.
+    """
+
+    __slots__ = ("seq_id", "token_ids", "num_computed")
+
+    def __init__(self, seq_id: Hashable, token_ids: Sequence[int] = ()) -> None:
+        self.seq_id = seq_id  # names the sequence in errors
+        self.token_ids = token_array(seq_id, token_ids)
+        self.num_computed = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append token ids; raises `InvalidTokenIds` (and appends none) on a bad one."""
+        self.token_ids.extend(token_array(self.seq_id, token_ids))
+
+    def copy(self, seq_id: Hashable) -> SequenceTokens:
+        """A record of the same ids and computed count for another sequence (a fork)."""
+        twin = SequenceTokens(seq_id)
+        twin.token_ids = array(TOKEN_TYPECODE, self.token_ids)
+        twin.num_computed = self.num_computed
+        return twin
 
 
 def token_array(seq_id: Hashable, token_ids: Sequence[int]) -> array:
