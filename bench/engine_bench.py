@@ -1,7 +1,7 @@
 """Engine throughput against transformers: `python bench/engine_bench.py [flags]`.
 
-The same as `pagedkv bench [flags]`; the code lives in `pagedkv.benchmark` so the installed
-command has it. Quick run: `--workload mixed --rounds 1`; the built-in model:
+The same as `pagedkv bench [flags]`; the code lives in the `pagedkv.bench` package so the
+installed command has it. Quick run: `--workload mixed --rounds 1`; the built-in model:
 `--model smollm2-135m-instruct`. `--help` lists every flag.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from pagedkv.benchmark import main
+from pagedkv.bench.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

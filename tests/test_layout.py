@@ -30,7 +30,6 @@ RANKS = {
     "server": 7,
     "sim": 7,
     "bench": 7,
-    "benchmark": 7,
     "commands": 8,
     "cli": 9,
     "__init__": 9,

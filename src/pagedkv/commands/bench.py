@@ -1,4 +1,4 @@
-"""`pagedkv bench`: engine throughput against transformers (the code: pagedkv.benchmark)."""
+"""`pagedkv bench`: engine throughput against transformers (the code: pagedkv.bench)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Workload, rounds, systems and KV budget flags, then every engine flag."""
-    from pagedkv.benchmark import add_arguments as add_bench_arguments
+    from pagedkv.bench.main import add_arguments as add_bench_arguments
 
     add_bench_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print its tables; 1 if a system's token count is wrong."""
-    from pagedkv.benchmark import run as run_bench
+    from pagedkv.bench.main import run as run_bench
 
     return run_bench(args)

@@ -13,10 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 from pagedkv.commands.arguments import (
     fraction,
     non_negative_int,
@@ -27,11 +23,20 @@ from pagedkv.commands.arguments import (
 )
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model, load_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
-from pagedkv.sim.report import SchemeSummary, summarize
-from pagedkv.sim.schemes import SCHEME_LABELS, make_scheme
-from pagedkv.sim.sharing import SharingReport, shared_prompt_blocks
-from pagedkv.sim.simulator import SimResult, SimulationError, simulate
-from pagedkv.sim.sweep import SweepPoint, fillable_batch_sizes, utilisation_by_batch_size
+from pagedkv.sim.render import (
+    Comparison,
+    as_json,
+    print_report,
+    progress_bars,
+    run_scheme,
+    run_sweep,
+    write_plots,
+)
+from pagedkv.sim.report import summarize
+from pagedkv.sim.schemes import SCHEME_LABELS
+from pagedkv.sim.sharing import shared_prompt_blocks
+from pagedkv.sim.simulator import SimulationError
+from pagedkv.sim.sweep import fillable_batch_sizes
 from pagedkv.sim.workloads import (
     WORKLOADS,
     Request,
@@ -42,12 +47,6 @@ from pagedkv.sim.workloads import (
 )
 
 DEFAULT_BATCH_SIZES = "10,25,50,100,200"
-_SHORT = {
-    "slab-max": "(a) slab",
-    "slab-exact": "(b) slab",
-    "paged": "(c) paged",
-    "paged-shared": "(d) paged",
-}
 SHARING_SEQUENCES = 10
 # The simulator builds every block of the pool as an object: past this, a pool costs
 # gigabytes and minutes before the first step.
@@ -122,12 +121,26 @@ def run(args: argparse.Namespace) -> int:
             _check_plot_folder(args.plot)
         sweep_requests = _sweep_requests(args, requests)
         batch_sizes = fillable_batch_sizes(args.batch_sizes, len(sweep_requests))
-        with _progress() as progress:
+        with progress_bars() as progress:
             results = [
-                _run_scheme(progress, name, requests, num_blocks, args, max_model_len)
+                run_scheme(
+                    progress,
+                    name,
+                    requests,
+                    num_blocks=num_blocks,
+                    block_size=args.block_size,
+                    max_model_len=max_model_len,
+                    max_running=args.max_running,
+                )
                 for name in SCHEME_LABELS
             ]
-            sweep = _run_sweep(progress, sweep_requests, batch_sizes, args, max_model_len)
+            sweep = run_sweep(
+                progress,
+                sweep_requests,
+                batch_sizes,
+                block_size=args.block_size,
+                max_model_len=max_model_len,
+            )
         sharing = None
         if args.system_prompt:
             sharing = shared_prompt_blocks(
@@ -137,20 +150,39 @@ def run(args: argparse.Namespace) -> int:
                 model.spec.bytes_per_block(args.block_size),
             )
         summaries = [summarize(result) for result in results]
-        plots = _write_plots(args, requests, num_blocks, max_model_len, results, sweep)
+        plots = []
+        if args.plot is not None:
+            plots = write_plots(
+                args.plot,
+                requests,
+                results,
+                sweep,
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                max_model_len=max_model_len,
+                max_running=args.max_running,
+            )
     except (ConfigError, WorkloadError, SimulationError) as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
         return 2
+    comparison = Comparison(
+        trace=args.trace,
+        workload_name=args.workload,
+        rate=args.rate,
+        model=model,
+        requests=requests,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        batch_sizes=args.batch_sizes,
+        summaries=summaries,
+        sweep=sweep,
+        sharing=sharing,
+        plots=plots,
+    )
     if args.json:
-        print(
-            json.dumps(
-                _as_json(args, model, num_blocks, summaries, sweep, sharing, plots), indent=2
-            )
-        )
+        print(json.dumps(as_json(comparison), indent=2))
     else:
-        _print_report(Console(), args, model, requests, num_blocks, summaries, sweep, sharing)
-        for path in plots:
-            print(f"wrote {path}")
+        print_report(comparison)
     return 0
 
 
@@ -226,295 +258,3 @@ def _sweep_requests(args: argparse.Namespace, requests: list[Request]) -> list[R
     if args.trace or len(requests) >= max(args.batch_sizes):
         return requests
     return _generate(args, max(args.batch_sizes), rate=None)
-
-
-def _progress() -> Progress:
-    console = Console(stderr=True)
-    return Progress(
-        TextColumn("{task.description:<34}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    )
-
-
-def _run_scheme(
-    progress: Progress,
-    name: str,
-    requests: list[Request],
-    num_blocks: int,
-    args: argparse.Namespace,
-    max_model_len: int,
-    snapshot_step: int | None = None,
-) -> SimResult:
-    total = sum(request.n * request.output_len for request in requests)
-    task = progress.add_task(SCHEME_LABELS[name], total=total)
-    result = simulate(
-        requests,
-        make_scheme(name, num_blocks, args.block_size, max_model_len),
-        max_running=args.max_running,
-        snapshot_step=snapshot_step,
-        on_step=lambda tokens: progress.advance(task, tokens),
-    )
-    progress.remove_task(task)
-    return result
-
-
-def _run_sweep(
-    progress: Progress,
-    requests: list[Request],
-    batch_sizes: list[int],
-    args: argparse.Namespace,
-    max_model_len: int,
-) -> list[SweepPoint]:
-    schemes = ("slab-max", "paged")
-    total = len(schemes) * sum(
-        request.n * request.output_len for size in batch_sizes for request in requests[:size]
-    )
-    task = progress.add_task("utilisation vs batch size", total=total)
-    points = utilisation_by_batch_size(
-        requests,
-        batch_sizes,
-        block_size=args.block_size,
-        max_model_len=max_model_len,
-        schemes=schemes,
-        on_step=lambda tokens: progress.advance(task, tokens),
-    )
-    progress.remove_task(task)
-    return points
-
-
-def _write_plots(
-    args: argparse.Namespace,
-    requests: list[Request],
-    num_blocks: int,
-    max_model_len: int,
-    results: list[SimResult],
-    sweep: list[SweepPoint],
-) -> list[Path]:
-    """Write the three figures; the memory maps rerun (a) and (d) to catch one common step.
-
-    The step is where (d) holds the most memory: the busiest moment of the paged pool.
-    """
-    if args.plot is None:
-        return []
-    from pagedkv.sim import plots  # matplotlib is slow to import: only when plotting
-
-    by_name = {result.scheme: result for result in results}
-    step = by_name["paged-shared"].peak_held_step
-    with _progress() as progress:
-        maps = [
-            _run_scheme(progress, name, requests, num_blocks, args, max_model_len, step).memory_map
-            for name in ("slab-max", "paged-shared")
-        ]
-    try:
-        return [
-            plots.plot_utilisation_vs_batch_size(
-                sweep, args.plot / "utilisation_vs_batch_size.png"
-            ),
-            plots.plot_concurrency(results, args.plot / "concurrency_over_time.png"),
-            plots.plot_memory_maps(maps, args.plot / "memory_map.png"),
-        ]
-    except OSError as exc:
-        raise ConfigError(f"--plot {args.plot}: cannot write a figure ({exc})") from None
-
-
-def _print_report(
-    console: Console,
-    args: argparse.Namespace,
-    model: Model,
-    requests: list[Request],
-    num_blocks: int,
-    summaries: list[SchemeSummary],
-    sweep: list[SweepPoint],
-    sharing: SharingReport | None,
-) -> None:
-    spec = model.spec
-    source = str(args.trace) if args.trace else f"workload {args.workload}"
-    arrivals = f"Poisson {args.rate:g}/step" if args.rate else "at step 0"
-    prompt_mean = sum(request.prompt_len for request in requests) / len(requests)
-    output_mean = sum(request.output_len for request in requests) / len(requests)
-    console.print(
-        f"[bold]{source}[/]: {len(requests):,} requests {arrivals}; mean "
-        f"{prompt_mean:,.0f} prompt + {output_mean:,.0f} output tokens"
-    )
-    if not args.trace:
-        console.print(f"  {workload(args.workload).description}", style="dim", highlight=False)
-    pool_bytes = num_blocks * spec.bytes_per_block(args.block_size)
-    console.print(
-        f"[bold]{model.name}[/]: {spec.bytes_per_token:,} B/token; pool {format_bytes(pool_bytes)}"
-        f" = {num_blocks:,} blocks of {args.block_size}"
-    )
-    if spec.sliding_window:
-        console.print(
-            f"[yellow]note[/]: {model.name} has a {spec.sliding_window:,}-token sliding window; "
-            "the simulator keeps every token (pagedkv.memory does not drop blocks outside it)"
-        )
-    console.print()
-    console.print(_scheme_table(summaries))
-    stats = next(summary for summary in summaries if summary.scheme == "paged-shared").stats
-    _notes(
-        console,
-        ", ".join(list(SCHEME_LABELS.values())[:2]),
-        ", ".join(list(SCHEME_LABELS.values())[2:]) + " (prefix caching, forks)",
-        "utilisation = token state / held KV memory; mean = over every step;",
-        "  at completion = each request at its largest; peak = the fullest step",
-        "waste, saved by sharing = time-averaged share of the pool",
-        f"(d): {stats['prefix_hit_tokens']:,} of {stats['prefix_queried_tokens']:,} prompt "
-        "tokens hit the prefix cache;",
-        f"     {stats['cow_copies']:,} blocks copied on write",
-    )
-    console.print(_sweep_table(sweep))
-    _notes(
-        console,
-        "each batch arrives at once into a pool of batch x max_model_len tokens",
-        "at completion = each request at its largest: token state / memory held then;",
-        "mean = averaged over every step",
-        *_left_out_notes(args, sweep, len(requests)),
-    )
-    if sharing is not None:
-        console.print(_sharing_table(sharing))
-        _notes(
-            console,
-            f"blocks of {sharing.block_size} tokens, "
-            f"{format_bytes(sharing.bytes_per_block)} each on {model.name}",
-            f"prefix caching ({sharing.num_sequences} separate requests) shares full blocks "
-            "only: each",
-            "  request keeps its own partial last block",
-            f"fork (1 request, n={sharing.num_sequences}: parallel sampling) shares that block "
-            "too, until",
-            "  each sample's first token copies it on write",
-        )
-
-
-def _left_out_notes(
-    args: argparse.Namespace, sweep: list[SweepPoint], num_requests: int
-) -> list[str]:
-    """Batch sizes the stream (a trace: a workload draws enough) was too short to fill."""
-    left_out = _left_out(args, sweep)
-    if not left_out:
-        return []
-    sizes = ", ".join(f"{size:,}" for size in left_out)
-    notes = [f"batch sizes {sizes} left out: the trace has only {num_requests:,} requests"]
-    if sweep[0].batch_size not in args.batch_sizes:
-        notes.append(f"swept at {sweep[0].batch_size:,} instead, the whole trace")
-    return notes
-
-
-def _left_out(args: argparse.Namespace, sweep: list[SweepPoint]) -> list[int]:
-    swept = {point.batch_size for point in sweep}
-    return [size for size in args.batch_sizes if size not in swept]
-
-
-def _notes(console: Console, *lines: str) -> None:
-    for line in lines:
-        console.print(f"  {line}", style="dim", highlight=False)
-    console.print()
-
-
-def _scheme_table(summaries: list[SchemeSummary]) -> Table:
-    table = Table(title="Schemes: same requests, same pool", title_justify="left")
-    table.add_column("")
-    for summary in summaries:
-        table.add_column(_SHORT[summary.scheme], justify="right")
-    for metric, cell in (
-        ("utilisation, mean", lambda s: f"{s.mean_utilisation:.1%}"),
-        ("utilisation, at completion", lambda s: f"{s.utilisation_at_completion:.1%}"),
-        ("utilisation, peak over time", lambda s: f"{s.peak_utilisation_over_time:.1%}"),
-        ("peak requests running", lambda s: f"{s.peak_running:,}"),
-        ("waste: reservation", lambda s: f"{s.reservation_waste:.1%}"),
-        ("waste: internal frag.", lambda s: f"{s.internal_fragmentation:.1%}"),
-        ("waste: external frag.", lambda s: f"{s.external_fragmentation:.1%}"),
-        ("saved by sharing", lambda s: f"{s.sharing_saving:.1%}"),
-        ("finished / 1,000 steps", lambda s: f"{s.finished_per_1000_steps:,.1f}"),
-        ("mean queueing (steps)", lambda s: f"{s.mean_queue_delay:,.0f}"),
-        ("preemptions", lambda s: f"{s.preemptions:,}"),
-        ("steps to finish all", lambda s: f"{s.steps:,}"),
-    ):
-        table.add_row(metric, *(cell(summary) for summary in summaries))
-    return table
-
-
-def _sweep_table(points: list[SweepPoint]) -> Table:
-    table = Table(title="Utilisation vs batch size", title_justify="left")
-    table.add_column("batch size", justify="right")
-    schemes = list(dict.fromkeys(point.scheme for point in points))
-    for kind in ("at completion", "mean"):
-        for scheme in schemes:
-            table.add_column(f"{_SHORT[scheme]}\n{kind}", justify="right")
-    for size in dict.fromkeys(point.batch_size for point in points):
-        by_scheme = {point.scheme: point for point in points if point.batch_size == size}
-        table.add_row(
-            f"{size:,}",
-            *(f"{by_scheme[scheme].utilisation_at_completion:.1%}" for scheme in schemes),
-            *(f"{by_scheme[scheme].mean_utilisation:.1%}" for scheme in schemes),
-        )
-    return table
-
-
-def _sharing_table(report: SharingReport) -> Table:
-    table = Table(
-        title=f"{report.num_sequences} sequences, one {report.prompt_tokens}-token prompt",
-        title_justify="left",
-    )
-    table.add_column("shared by")
-    table.add_column("blocks", justify="right")
-    table.add_column("saved vs unshared", justify="right")
-    after_first = (
-        report.unshared_blocks - report.forked_after_first_token_blocks
-    ) * report.bytes_per_block
-    sequences = report.num_sequences
-    for how, blocks, saving in (
-        (f"nothing: {sequences} copies", report.unshared_blocks, 0),
-        (
-            f"prefix caching: {sequences} requests",
-            report.prefix_cached_blocks,
-            report.prefix_cached_bytes_saved,
-        ),
-        (
-            f"fork: 1 request, n={sequences}, prefilled",
-            report.forked_blocks,
-            report.forked_bytes_saved,
-        ),
-        ("  the same, after 1st tokens", report.forked_after_first_token_blocks, after_first),
-    ):
-        table.add_row(how, f"{blocks:,}", format_bytes(saving) if saving else "-")
-    return table
-
-
-def _as_json(
-    args: argparse.Namespace,
-    model: Model,
-    num_blocks: int,
-    summaries: list[SchemeSummary],
-    sweep: list[SweepPoint],
-    sharing: SharingReport | None,
-    plots: list[Path],
-) -> dict[str, object]:
-    return {
-        "source": str(args.trace) if args.trace else args.workload,
-        "description": None if args.trace else workload(args.workload).description,
-        "model": model.name,
-        "spec": model.spec.to_dict(),
-        "block_size": args.block_size,
-        "num_blocks": num_blocks,
-        "pool_bytes": num_blocks * model.spec.bytes_per_block(args.block_size),
-        "schemes": [summary.to_dict() for summary in summaries],
-        "batch_sweep": [
-            {
-                "batch_size": point.batch_size,
-                "scheme": point.scheme,
-                "utilisation_at_completion": point.utilisation_at_completion,
-                "mean_utilisation": point.mean_utilisation,
-                "peak_utilisation_over_time": point.peak_utilisation_over_time,
-            }
-            for point in sweep
-        ],
-        "batch_sizes_left_out": _left_out(args, sweep),
-        "sharing": sharing.to_dict() if sharing else None,
-        "plots": [str(path) for path in plots],
-    }

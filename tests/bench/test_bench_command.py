@@ -7,13 +7,16 @@ tables carry every figure the benchmark promises.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
-from pagedkv.benchmark import WORKLOADS, WorkloadSpec, make_workload
+from pagedkv.bench.systems import run_pagedkv
+from pagedkv.bench.workloads import WORKLOADS, WorkloadSpec, make_workload
 from pagedkv.cli import main
+from pagedkv.engine import Engine, EngineArgs
 from tests.model.tiny_models import build_model_folder
 
 
@@ -33,6 +36,32 @@ def test_workloads_are_the_issues_and_seeded() -> None:
         assert all(3 <= t < 1000 for p in workload.prompts for t in p)
     assert make_workload("mixed", WORKLOADS["mixed"], 1000, 0) == mixed
     assert make_workload("mixed", WORKLOADS["mixed"], 1000, 1) != mixed
+
+
+@pytest.mark.parametrize("idle_every_other_step", [False, True])
+def test_pagedkv_figures_come_from_the_runners_clocks_with_its_model_untouched(
+    tiny_folder: Path, idle_every_other_step: bool
+) -> None:
+    """Every generated token is one sequence in one forward (no preemption, no chunking).
+
+    A step with nothing to run skips the runner and leaves its `last_num_seqs` as it was:
+    such a step must count no sequences.
+    """
+    engine = Engine(EngineArgs(model=str(tiny_folder), num_gpu_blocks=12, max_model_len=64))
+    model = engine.runner.model
+    if idle_every_other_step:
+        real_step, idle = engine.step, itertools.cycle([False, True])
+        engine.step = lambda: [] if next(idle) else real_step()
+    workload = make_workload("mixed", WorkloadSpec(5, (4, 20), (2, 9)), vocab_size=320, seed=0)
+    result = run_pagedkv(engine, workload, round_index=0)
+    figures = result.details["engine"]
+    assert engine.runner.model is model
+    assert result.useful_tokens == result.generated_tokens == workload.requested_tokens
+    assert figures.swap_preemptions == figures.recompute_preemptions == 0
+    assert round(figures.mean_running * figures.steps) == workload.requested_tokens
+    assert figures.peak_running == 5  # 53 prompt tokens: every prompt in the first forward
+    assert 0 < figures.model_forward_seconds <= figures.engine_forward_seconds
+    assert figures.engine_forward_seconds <= figures.step_seconds
 
 
 def test_bench_runs_prints_every_figure_and_counts_requested_tokens(

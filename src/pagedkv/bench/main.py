@@ -1,0 +1,190 @@
+"""Engine throughput against transformers: one workload, one model, one KV budget, one process.
+
+`run_benchmark` runs a `BenchConfig`: it loads the systems, warms each up, then runs every
+workload for a few rounds in alternating order and prints the report. `add_arguments` and
+`run` are `pagedkv bench`; `main` is `python bench/engine_bench.py`, the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.bench.random_model import RANDOM_MODEL, random_model_folder
+from pagedkv.bench.report import header, report_workload
+from pagedkv.bench.results import EngineFigures, RunResult
+from pagedkv.bench.systems import SYSTEM_TITLES, SYSTEMS, BenchConfig, Systems
+from pagedkv.bench.workloads import WORKLOADS, make_workload
+from pagedkv.engine import EngineArgs
+
+
+def run_benchmark(config: BenchConfig, out: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every workload; print the tables; return the figures (JSON-ready)."""
+    systems = Systems(config)
+    out(header(config, systems.num_parameters))
+    report: dict[str, Any] = {
+        "model": config.model_label,
+        "kv_tokens": config.kv_tokens,
+        "block_size": config.engine_args.block_size,
+        "rounds": config.rounds,
+        "workloads": {},
+    }
+    systems.warm_up()
+    for workload in config.workloads:
+        results: list[RunResult] = []
+        for round_index in range(config.rounds):
+            order = config.systems if round_index % 2 == 0 else config.systems[::-1]
+            for system in order:
+                result = systems.run(system, workload, round_index)
+                results.append(result)
+                out(
+                    f"  round {round_index + 1}  {SYSTEM_TITLES[system]:<34} "
+                    f"{result.seconds:8.2f} s  {result.tokens_per_s:9.1f} tok/s"
+                )
+        report["workloads"][workload.name] = report_workload(workload, results, out)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench's flags, then the engine's (`EngineArgs.add_cli_args`)."""
+    parser.add_argument(
+        "--workload",
+        choices=[*WORKLOADS, "all"],
+        default="all",
+        help="uniform: 32 prompts of 32-256 tokens, 128 new; mixed: 48 prompts of 32-256, "
+        "outputs 16-512 (default: all, one after the other)",
+    )
+    parser.add_argument("--rounds", type=_positive, default=2, help="rounds (default: 2)")
+    parser.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=_positive,
+        default=8192,
+        help="KV budget in tokens for every system (default: 8192; --num-gpu-blocks wins "
+        "for pagedkv)",
+    )
+    parser.add_argument("--num-prompts", type=_positive, help="override the workload's count")
+    parser.add_argument(
+        "--prompt-len", type=_positive, nargs=2, metavar=("MIN", "MAX"), help="override"
+    )
+    parser.add_argument(
+        "--output-len", type=_positive, nargs=2, metavar=("MIN", "MAX"), help="override"
+    )
+    parser.add_argument(
+        "--workload-seed", type=int, default=0, help="seed of prompts and lengths (default: 0)"
+    )
+    parser.add_argument(
+        "--cb-page-size",
+        type=_positive,
+        default=None,
+        help="transformers CB page size in tokens (default: the engine's --block-size)",
+    )
+    parser.add_argument("--threads", type=_positive, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(model=RANDOM_MODEL, swap_space_gb=1.0)
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = (
+                f"{RANDOM_MODEL} (seeded random Llama, made on first use; the default), a "
+                "Hugging Face folder, or a built-in name such as smollm2-135m-instruct"
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Parse the flags into a `BenchConfig`, run it, print; 1 if a token count is wrong."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        print(f"pagedkv bench: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}")
+        return 2
+    folder, label = _model_folder(args.model, args.seed)
+    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    workloads = []
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    for name in names:
+        spec = WORKLOADS[name]
+        if args.num_prompts:
+            spec = replace(spec, num_prompts=args.num_prompts)
+        if args.prompt_len:
+            spec = replace(spec, prompt_len=tuple(sorted(args.prompt_len)))
+        if args.output_len:
+            spec = replace(spec, output_len=tuple(sorted(args.output_len)))
+        workloads.append(make_workload(name, spec, vocab_size, args.workload_seed))
+    args.model = str(folder)
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
+        engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
+    kv_tokens = engine_args.num_gpu_blocks * engine_args.block_size
+    config = BenchConfig(
+        engine_args=engine_args,
+        model_label=label,
+        workloads=workloads,
+        kv_tokens=kv_tokens if engine_args.num_gpu_blocks else args.kv_tokens,
+        rounds=args.rounds,
+        systems=systems,
+        cb_page_size=args.cb_page_size or engine_args.block_size,
+        seed=args.seed,
+    )
+    report = run_benchmark(config)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=_json_default))
+    wrong = [
+        f"{name}/{system}: {useful} useful tokens, {figures['requested_tokens']} requested"
+        for name, figures in report["workloads"].items()
+        for system, per_system in figures["systems"].items()
+        for useful in per_system["useful_tokens"]
+        if useful != figures["requested_tokens"]
+    ]
+    for line in wrong:
+        print(f"pagedkv bench: token count mismatch: {line}")
+    return 1 if wrong else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python bench/engine_bench.py [flags]`: the same as `pagedkv bench [flags]`."""
+    parser = argparse.ArgumentParser(prog="engine_bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _model_folder(model: str, seed: int) -> tuple[Path, str]:
+    """A Hugging Face folder both pagedkv and transformers can load, and a label for it."""
+    if model == RANDOM_MODEL:
+        return random_model_folder(seed), f"{RANDOM_MODEL} (seed {seed})"
+    path = Path(model)
+    if path.is_dir():
+        return path, path.name
+    from pagedkv.weights.load import converted_folder
+
+    if path.suffix == ".gguf":
+        raise SystemExit(
+            "pagedkv bench: give a built-in name or a folder (`pagedkv convert` a .gguf first), "
+            "so transformers loads the same weights"
+        )
+    return converted_folder(model), model
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, EngineFigures):
+        return asdict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
