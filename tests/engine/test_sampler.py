@@ -1,4 +1,5 @@
-"""The sampler against plain-Python oracles written from the parameters' definitions."""
+"""The sampler against plain-Python oracles written from the parameters' definitions, and its
+draws against softmax(logits / temperature) by a chi-square test with a fixed seed."""
 
 from __future__ import annotations
 
@@ -73,9 +74,9 @@ def test_filtered_distribution_matches_the_definitions(logits, temperature, top_
 
 
 def chi_square_bound(degrees_of_freedom: int) -> float:
-    """The 99.9% quantile of chi-square (Wilson-Hilferty; within 2% of the exact value for
-    df >= 3, on the high side): with a fixed seed a correct sampler passes every time, while a
-    wrong distribution over thousands of draws lands far above it."""
+    """The 99.9% quantile of chi-square (Wilson-Hilferty's approximation, a little above the
+    exact value): with a fixed seed a correct sampler passes every time, while a wrong
+    distribution over thousands of draws lands far above it."""
     k = degrees_of_freedom
     z = 3.0902  # the standard normal's 99.9% quantile
     return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
@@ -111,6 +112,23 @@ def test_samples_follow_softmax_of_logits_over_temperature(temperature):
     statistic, degrees_of_freedom = chi_square(counts.tolist(), probs)
     assert degrees_of_freedom == len(logits) - 1
     assert statistic < chi_square_bound(degrees_of_freedom), (counts.tolist(), probs)
+
+
+def test_llm_generate_samples_first_tokens_from_softmax_over_temperature(engine_zoo):
+    """4,000 first tokens of one prompt against transformers' logits at T = 1.7."""
+    temperature = 1.7
+    prompt = random_prompt(12, seed=21)
+    logits = engine_zoo.hf_logits("llama", prompt)[-1].double()
+    llm = make_llm(engine_zoo, "llama", seed=3, num_gpu_blocks=512)
+    params = SamplingParams(n=250, temperature=temperature, max_tokens=1, ignore_eos=True)
+    counts = [0] * len(logits)
+    for output in llm.generate([prompt] * 16, params, use_tqdm=False):
+        for sample in output.outputs:
+            counts[sample.token_ids[0]] += 1
+    probs = (logits / temperature).softmax(dim=0).tolist()
+    statistic, degrees_of_freedom = chi_square(counts, probs)
+    assert degrees_of_freedom >= 5  # enough likely tokens for the test to see the shape
+    assert statistic < chi_square_bound(degrees_of_freedom), (statistic, degrees_of_freedom)
 
 
 def test_penalties_follow_their_formulas():
@@ -168,19 +186,3 @@ def test_logprobs_are_the_models_log_softmax_with_ranks():
     assert out.token_ids == [1] and rank == 1
     assert chosen == pytest.approx(log_probs[1])
     assert top_ids == [1, 2] and top_values == pytest.approx([log_probs[1], log_probs[2]])
-
-
-def test_llm_generate_samples_first_tokens_from_softmax_over_temperature(engine_zoo):
-    temperature = 1.7
-    prompt = random_prompt(12, seed=21)
-    logits = engine_zoo.hf_logits("llama", prompt)[-1].double()
-    llm = make_llm(engine_zoo, "llama", seed=3, num_gpu_blocks=512)
-    params = SamplingParams(n=250, temperature=temperature, max_tokens=1, ignore_eos=True)
-    counts = [0] * len(logits)
-    for output in llm.generate([prompt] * 16, params, use_tqdm=False):
-        for sample in output.outputs:
-            counts[sample.token_ids[0]] += 1
-    probs = (logits / temperature).softmax(dim=0).tolist()
-    statistic, degrees_of_freedom = chi_square(counts, probs)
-    assert degrees_of_freedom >= 5  # enough likely tokens for the test to see the shape
-    assert statistic < chi_square_bound(degrees_of_freedom), (statistic, degrees_of_freedom)
