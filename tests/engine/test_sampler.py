@@ -1,4 +1,5 @@
-"""The sampler against plain-Python oracles written from the parameters' definitions."""
+"""The sampler against plain-Python oracles written from the parameters' definitions, and its
+draws against softmax(logits / temperature) by a chi-square test with a fixed seed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.sampler import Sampler, SamplingRow, _filtered_probs
+from tests.engine.conftest import make_llm
+from tests.model.tiny_models import random_prompt
 
 VOCAB = 12
 
@@ -70,18 +73,62 @@ def test_filtered_distribution_matches_the_definitions(logits, temperature, top_
     assert probs == pytest.approx(want, abs=1e-9)
 
 
-def test_samples_follow_the_distribution():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    params = SamplingParams(temperature=1.0)
+def chi_square_bound(degrees_of_freedom: int) -> float:
+    """The 99.9% quantile of chi-square (Wilson-Hilferty's approximation, a little above the
+    exact value): with a fixed seed a correct sampler passes every time, while a wrong
+    distribution over thousands of draws lands far above it."""
+    k = degrees_of_freedom
+    z = 3.0902  # the standard normal's 99.9% quantile
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
+
+
+def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom, pooling tokens expected < 10 times."""
+    draws = sum(counts)
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    bins = [[i] for i in order if probs[i] * draws >= 10]
+    rest = [i for i in order if probs[i] * draws < 10]
+    if rest and sum(probs[i] for i in rest) * draws >= 5:
+        bins.append(rest)
+    elif rest:
+        bins[-1] += rest
+    statistic = 0.0
+    for tokens in bins:
+        expected = sum(probs[i] for i in tokens) * draws
+        statistic += (sum(counts[i] for i in tokens) - expected) ** 2 / expected
+    return statistic, len(bins) - 1
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_samples_follow_softmax_of_logits_over_temperature(temperature):
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.2, 0.0])
+    params = SamplingParams(temperature=temperature)
     sampler = Sampler(seed=1)
-    draws = 4000
-    counts = torch.zeros(4)
-    for _ in range(draws // 100):
-        chosen = sampler(logits.repeat(100, 1), [row(params)] * 100).token_ids
-        counts += torch.bincount(torch.tensor(chosen), minlength=4)
-    # Each frequency within 4 standard deviations of its probability (a fixed seed: no flakes).
-    for count, p in zip(counts.tolist(), [0.5, 0.3, 0.15, 0.05], strict=True):
-        assert abs(count / draws - p) < 4 * math.sqrt(p * (1 - p) / draws)
+    counts = torch.zeros(len(logits), dtype=torch.int64)
+    for _ in range(6):
+        chosen = sampler(logits.repeat(1000, 1), [row(params)] * 1000).token_ids
+        counts += torch.bincount(torch.tensor(chosen), minlength=len(logits))
+    probs = (logits.double() / temperature).softmax(dim=0).tolist()
+    statistic, degrees_of_freedom = chi_square(counts.tolist(), probs)
+    assert degrees_of_freedom == len(logits) - 1
+    assert statistic < chi_square_bound(degrees_of_freedom), (counts.tolist(), probs)
+
+
+def test_llm_generate_samples_first_tokens_from_softmax_over_temperature(engine_zoo):
+    """4,000 first tokens of one prompt against transformers' logits at T = 1.7."""
+    temperature = 1.7
+    prompt = random_prompt(12, seed=21)
+    logits = engine_zoo.hf_logits("llama", prompt)[-1].double()
+    llm = make_llm(engine_zoo, "llama", seed=3, num_gpu_blocks=512)
+    params = SamplingParams(n=250, temperature=temperature, max_tokens=1, ignore_eos=True)
+    counts = [0] * len(logits)
+    for output in llm.generate([prompt] * 16, params, use_tqdm=False):
+        for sample in output.outputs:
+            counts[sample.token_ids[0]] += 1
+    probs = (logits / temperature).softmax(dim=0).tolist()
+    statistic, degrees_of_freedom = chi_square(counts, probs)
+    assert degrees_of_freedom >= 5  # enough likely tokens for the test to see the shape
+    assert statistic < chi_square_bound(degrees_of_freedom), (statistic, degrees_of_freedom)
 
 
 def test_penalties_follow_their_formulas():

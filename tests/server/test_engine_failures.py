@@ -1,4 +1,7 @@
-"""When the engine fails, requests get errors instead of hanging, and health says so."""
+"""When the engine fails, requests get errors instead of hanging, and health says so.
+
+The tests share the module's server, except the one that kills its engine thread for good.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def test_a_failed_step_fails_its_requests_and_the_next_ones_run(server: RunningS
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
         assert http.post("/v1/completions", json=BODY).json()["usage"]["completion_tokens"] == 4
         assert http.get("/health").status_code == 200
-    wait_until(lambda: all_blocks_free(server), timeout=5.0)
+    wait_until(lambda: all_blocks_free(server))
 
 
 def test_a_step_failure_fails_only_the_requests_it_names(server: RunningServer) -> None:
@@ -56,10 +59,11 @@ def test_a_step_failure_fails_only_the_requests_it_names(server: RunningServer) 
         engine.step = real_step
     assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
     assert "error" not in streamed.text and steps > 3
-    wait_until(lambda: all_blocks_free(server), timeout=5.0)
+    wait_until(lambda: all_blocks_free(server))
 
 
-def test_a_dead_engine_thread_turns_health_and_requests_into_503(server: RunningServer) -> None:
+def test_a_dead_engine_thread_turns_health_and_requests_into_503(serve) -> None:
+    server = serve(num_gpu_blocks=128)  # its own: this test leaves its server unable to serve
     engine_loop = server.app.state.engine_loop
 
     def broken() -> bool:
@@ -69,7 +73,7 @@ def test_a_dead_engine_thread_turns_health_and_requests_into_503(server: Running
     with server.http() as http:
         first = http.post("/v1/completions", json=BODY)  # wakes the thread, which dies
         assert first.status_code in (500, 503)
-        wait_until(lambda: http.get("/health").status_code == 503, timeout=5.0)
+        wait_until(lambda: http.get("/health").status_code == 503)
         assert "simulated scheduler bug" in http.get("/health").json()["error"]["message"]
         refused = http.post("/v1/completions", json=BODY)
         assert refused.status_code == 503

@@ -21,6 +21,7 @@ from pagedkv.model.errors import (
 from pagedkv.weights.hf_folder import load_model
 from pagedkv.worker.kv_cache import KVCache
 from tests.model.tiny_models import random_prompt
+from tests.weights.gguf.writer import folder_weights
 
 
 @pytest.fixture
@@ -53,10 +54,19 @@ def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(zoo, tmp_pat
 
 
 def test_tied_model_reads_logits_through_the_embedding(zoo):
-    model = load_model(zoo.folder("qwen2"))
+    folder = zoo.folder("qwen2")
+    model = load_model(folder)
     assert model.lm_head is None
     assert "lm_head.weight" not in dict(model.named_parameters())
     assert all(not p.requires_grad for p in model.parameters())
+    final_hidden: list[torch.Tensor] = []
+    model.norm.register_forward_hook(lambda module, args, out: final_hidden.append(out.clone()))
+    prompt = random_prompt(20, seed=4)
+    cache = KVCache.for_model(model.config, block_size=16, num_blocks=2)
+    logits = model(ForwardBatch.build([SequenceInput(prompt, 0, [0, 1])], 16), cache)
+    embedding = torch.from_numpy(folder_weights(folder)["model.embed_tokens.weight"])
+    [hidden] = final_hidden  # the final norm's output at the last position
+    torch.testing.assert_close(logits, hidden @ embedding.T, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "bfloat16"])

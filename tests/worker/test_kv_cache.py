@@ -258,12 +258,31 @@ def test_a_kv_dtype_mismatch_is_an_error_naming_both_dtypes():
         cache.check_dtype(torch.float16)
 
 
+class CopyLengths(TorchFunctionMode):
+    """Records how many blocks each swap copy moves: the index length of every gather from the
+    device cache (`index_select`) and every scatter into it (`index_copy_`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.index_select, torch.Tensor.index_select, torch.Tensor.index_copy_):
+            self.lengths.append(len(args[2]))
+        return func(*args, **kwargs)
+
+
 def test_a_long_swap_is_copied_in_bounded_runs(monkeypatch):
     monkeypatch.setattr("pagedkv.worker.kv_cache.MAX_BLOCKS_PER_SWAP_COPY", 2)
     cache = random_cache(num_blocks=8, num_cpu_blocks=6)
     original = cache.cache[:, :, [7, 6, 5, 4, 3]].clone()
-    cache.execute(MemoryPlan.of(MoveKind.SWAP_OUT, zip([7, 6, 5, 4, 3], range(5), strict=True)))
+    with CopyLengths() as swap_out:
+        cache.execute(MemoryPlan.of(MoveKind.SWAP_OUT, zip([7, 6, 5, 4, 3], range(5), strict=True)))
     assert torch.equal(cpu_blocks(cache, list(range(5))), original)
     cache.cache.zero_()
-    cache.execute(MemoryPlan.of(MoveKind.SWAP_IN, zip(range(5), [0, 1, 2, 3, 4], strict=True)))
+    with CopyLengths() as swap_in:
+        cache.execute(MemoryPlan.of(MoveKind.SWAP_IN, zip(range(5), [0, 1, 2, 3, 4], strict=True)))
     assert torch.equal(cache.cache[:, :, [0, 1, 2, 3, 4]], original)
+    # Five consecutive CPU blocks, at most two per copy: runs of 2, 2 and 1, in plan order.
+    assert swap_out.lengths == swap_in.lengths == [2, 2, 1]

@@ -1,0 +1,97 @@
+"""kv_budget: the KV pool from a block count, a byte budget, or half the host's memory.
+
+Bytes per block are worked out here from config.json (K and V, every layer, every KV head,
+float32), and MemAvailable is read from /proc/meminfo by the test itself.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+
+from pagedkv.engine import Engine, EngineArgs
+from pagedkv.worker import kv_budget as kv_budget_module
+from pagedkv.worker.kv_budget import KVCacheTooSmallForModel, PoolRequest, kv_budget
+
+GIB = 1 << 30
+BLOCK_SIZE = 16
+DEFAULTS = PoolRequest(
+    block_size=BLOCK_SIZE,
+    swap_space_gb=0.0,
+    num_gpu_blocks=None,
+    kv_cache_memory=None,
+    gpu_memory_utilization=0.9,
+    max_num_batched_tokens=2048,
+    max_model_len=1024,
+)
+
+
+@pytest.fixture(scope="module")
+def per_block(zoo) -> int:
+    """Bytes of one block of the tiny Llama, from its config.json."""
+    config = json.loads((zoo.folder("llama") / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    return per_token * BLOCK_SIZE
+
+
+def test_a_block_count_wins_over_a_byte_budget(zoo, per_block):
+    request = replace(DEFAULTS, num_gpu_blocks=7, kv_cache_memory=100 * per_block)
+    budget = kv_budget(request, zoo.ours("llama"))
+    assert (budget.num_gpu_blocks, budget.bytes_per_block) == (7, per_block)
+
+
+def test_a_byte_budget_gives_the_whole_blocks_it_holds(zoo, per_block):
+    request = replace(DEFAULTS, kv_cache_memory=10 * per_block + per_block - 1, swap_space_gb=0.5)
+    budget = kv_budget(request, zoo.ours("llama"))
+    assert (budget.num_gpu_blocks, budget.num_cpu_blocks) == (10, GIB // 2 // per_block)
+
+
+@pytest.mark.parametrize(
+    ("available", "pool_bytes"),
+    [(2 * GIB, GIB), (3 * GIB + 2, 3 * GIB // 2 + 1), (64 * GIB, 4 * GIB)],
+)
+def test_on_a_cpu_the_pool_takes_half_the_available_memory_at_most_4_gib(
+    zoo, per_block, monkeypatch, available, pool_bytes
+):
+    monkeypatch.setattr(kv_budget_module, "_available_host_memory", lambda: available)
+    budget = kv_budget(DEFAULTS, zoo.ours("llama"))
+    assert budget.num_gpu_blocks == pool_bytes // per_block
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc/meminfo")
+def test_available_memory_is_memavailable_in_bytes():
+    def mem_available() -> int:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        value, unit = fields["MemAvailable"].split()
+        assert unit == "kB"  # the kernel's kB are KiB
+        return int(value) * 1024
+
+    before = mem_available()
+    measured = kv_budget_module._available_host_memory()
+    after = mem_available()
+    slack = 64 << 20  # other processes allocate and free meanwhile
+    assert min(before, after) - slack <= measured <= max(before, after) + slack
+
+
+def test_a_budget_below_one_block_names_both_sizes(zoo, per_block):
+    assert per_block == 8192
+    request = replace(DEFAULTS, kv_cache_memory=100)
+    message = r"^100 B left for the KV cache holds no block of 8.19 kB / 8.00 KiB \(block_size 16"
+    with pytest.raises(KVCacheTooSmallForModel, match=message):
+        kv_budget(request, zoo.ours("llama"))
+
+
+def test_an_engine_sized_by_bytes_holds_that_many_blocks(zoo, per_block):
+    args = EngineArgs(
+        model=str(zoo.folder("llama")), kv_cache_memory=40 * per_block + 100, swap_space_gb=0.0
+    )
+    engine = Engine(args)
+    assert engine.manager.num_gpu_blocks == engine.kv_cache.num_blocks == 40
+    assert engine.kv_cache.cache.nbytes == 40 * per_block
+    with pytest.raises(KVCacheTooSmallForModel, match="holds no block"):
+        Engine(replace(args, kv_cache_memory=per_block - 1))
