@@ -31,7 +31,7 @@ def test_request_over_max_waiting_gets_503_with_retry_after(server: RunningServe
         running.close()
         next(iter(waiting))  # the waiting request gets the freed slot and runs
         waiting.close()
-    wait_until(lambda: all_blocks_free(server), timeout=5.0)
+    wait_until(lambda: all_blocks_free(server))
     with server.client() as client:
         completion = client.completions.create(model=model, prompt="Hi", max_tokens=2)
     assert completion.usage.completion_tokens >= 1

@@ -112,11 +112,12 @@ class MemoryDemo:
         m.check_invariants()
         self.show()
         stats = m.stats
+        leaked = (m.num_gpu_blocks - m.num_free_blocks) + (m.num_cpu_blocks - m.num_free_cpu_blocks)
         self.console.print(
             f"prefix cache: {stats.prefix_hit_tokens} of {stats.prefix_queried_tokens} prompt "
             f"tokens hit · copy-on-write copies: {stats.cow_copies} · blocks swapped out/in: "
-            f"{stats.blocks_swapped_out}/{stats.blocks_swapped_in} · invariants hold, no block "
-            "leaked."
+            f"{stats.blocks_swapped_out}/{stats.blocks_swapped_in} · invariants hold, "
+            + ("no block leaked." if leaked == 0 else f"{leaked} blocks leaked.")
         )
 
     def stage(self, title: str) -> None:
