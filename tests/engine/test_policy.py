@@ -1,11 +1,13 @@
 """Scheduling policy: who is admitted first and who gives way, under "fcfs" and "priority".
 
-The scheduler runs here over a real `KVCacheManager` with no model: a test plays the runner,
-giving every sample whose chunk ends its tokens one made-up token. Pools of blocks of 4.
+The scheduler runs first over a real `KVCacheManager` with no model: a test plays the runner,
+giving every sample whose chunk ends its tokens one made-up token (pools of blocks of 4).
+Then through the engine: `LLM.generate(priority=...)` against transformers, and the errors.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine import EngineArgs
-from pagedkv.engine.errors import PriorityNotSupported
+from pagedkv.engine.errors import InvalidPriority, PriorityNotSupported
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
@@ -21,6 +23,8 @@ from pagedkv.engine.sched.policy import FCFSPolicy, PriorityPolicy, make_policy
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
 from pagedkv.memory import KVCacheManager
 from pagedkv.worker.step import SchedulerOutput
+from tests.engine.conftest import make_llm
+from tests.model.tiny_models import random_prompt
 
 _token_ids = itertools.count(1000)
 
@@ -242,14 +246,16 @@ def test_priority_runs_every_workload_to_the_end_and_admits_in_order(
 
 def _run(scheduler: Scheduler, workload, priorities=None) -> list:
     """Steps of a workload (a list of what each step scheduled and preempted); checks that
-    every request finishes, memory stays consistent, and nothing waiting is admitted ahead
-    of a waiting request with a smaller (priority, arrival)."""
+    every request the engine would accept finishes, memory stays consistent, and nothing
+    waiting is admitted ahead of a waiting request with a smaller (priority, arrival)."""
     pending = sorted(enumerate(workload), key=lambda item: item[1][0])
     requests = []
     steps = []
     for number in range(2000):
         while pending and pending[0][1][0] <= number:
             index, (_, prompt_len, max_tokens, n) = pending.pop(0)
+            if n * -(-(prompt_len + max_tokens) // 4) > scheduler.manager.num_gpu_blocks:
+                continue  # more than the whole pool: the engine refuses it at add_request
             priority = priorities[index] if priorities else 0
             request = make_request(f"r{index}", prompt_len, max_tokens, priority, n)
             requests.append(request)
@@ -274,3 +280,47 @@ def _run(scheduler: Scheduler, workload, priorities=None) -> list:
         for seq in request.sequences
     )
     return steps
+
+
+# -- through the engine, with a model ----------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [random_prompt(length, seed=length) for length in (9, 30, 17)]
+
+
+def test_generate_with_priorities_runs_lowest_first_and_outputs_what_transformers_does(
+    engine_zoo,
+):
+    # One sequence at a time, so the admission order is the priority order.
+    llm = make_llm(engine_zoo, "llama", scheduling_policy="priority", max_num_seqs=1)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[2, 0, 1])
+    started = [output.metrics.first_scheduled_time for output in outputs]
+    assert started[1] < started[2] < started[0]
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.outputs[0].token_ids == engine_zoo.hf_greedy("llama", tuple(prompt), 12)
+    assert not llm.engine.has_unfinished()
+
+
+def test_generate_refuses_priorities_under_fcfs_and_leaves_nothing_queued(engine_zoo):
+    llm = make_llm(engine_zoo, "llama")
+    with pytest.raises(PriorityNotSupported, match="priority is 1, but scheduling_policy"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 1, 0])
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match="priority has 2 entries for 3 prompts"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 0])
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[0, 0, 0])
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [12, 12, 12]
+    for bad in ("high", 1.5, True):
+        with pytest.raises(InvalidPriority, match="expected an int"):
+            llm.engine.add_request("bad", PROMPTS[0], GREEDY, priority=bad)
+    assert not llm.engine.has_unfinished()
+
+
+def test_the_command_line_has_scheduling_policy_with_its_choices():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--scheduling-policy", "priority"]))
+    assert args.scheduling_policy == "priority"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--scheduling-policy", "lifo"])
