@@ -37,51 +37,6 @@ WATERMARK_FRACTION = 0.01
 SeqId = tuple[str, int]
 
 
-class KVMemory(Protocol):
-    """What the scheduler asks of KV memory; `KVCacheManager` is the real one.
-
-    Every call that raises `NoFreeBlocks` changes nothing.
-    """
-
-    block_size: int
-    num_gpu_blocks: int
-
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_free_cpu_blocks(self) -> int: ...
-    def __contains__(self, seq_id: SeqId) -> bool: ...
-    def allocate(self, seq_id: SeqId, token_ids: list[int], cache_salt: str | None) -> int: ...
-    def append(self, seq_id: SeqId, token_ids: list[int]) -> MemoryPlan: ...
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None: ...
-    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None: ...
-    def free(self, seq_id: SeqId) -> None: ...
-    def swap_out(self, seq_id: SeqId) -> MemoryPlan: ...
-    def swap_in(self, seq_id: SeqId) -> MemoryPlan: ...
-    def block_table(self, seq_id: SeqId) -> list[int]: ...
-    def num_tokens(self, seq_id: SeqId) -> int: ...
-    def num_computed_tokens(self, seq_id: SeqId) -> int: ...
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One sample that draws its next token this step, from row `row` of the step's logits
-    (the row of its chunk among the chunks that sample; forked samples share a row)."""
-
-    row: int
-    request: Request
-    seq: Sequence
-
-
-@dataclass
-class _Step:
-    """Running totals while one step is being scheduled."""
-
-    budget: int
-    num_seqs: int = 0
-    output: SchedulerOutput = field(default_factory=SchedulerOutput)
-
-
 class Scheduler:
     """Queues of requests over one `KVMemory`; `schedule()` builds each step, `update()`
     records what the runner computed."""
@@ -347,3 +302,48 @@ class Scheduler:
     def _watermark(self) -> int:
         """Free blocks to keep when resuming or admitting: none when nothing else runs."""
         return self.watermark_blocks if self.running else 0
+
+
+class KVMemory(Protocol):
+    """What the scheduler asks of KV memory; `KVCacheManager` is the real one.
+
+    Every call that raises `NoFreeBlocks` changes nothing.
+    """
+
+    block_size: int
+    num_gpu_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_free_cpu_blocks(self) -> int: ...
+    def __contains__(self, seq_id: SeqId) -> bool: ...
+    def allocate(self, seq_id: SeqId, token_ids: list[int], cache_salt: str | None) -> int: ...
+    def append(self, seq_id: SeqId, token_ids: list[int]) -> MemoryPlan: ...
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None: ...
+    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None: ...
+    def free(self, seq_id: SeqId) -> None: ...
+    def swap_out(self, seq_id: SeqId) -> MemoryPlan: ...
+    def swap_in(self, seq_id: SeqId) -> MemoryPlan: ...
+    def block_table(self, seq_id: SeqId) -> list[int]: ...
+    def num_tokens(self, seq_id: SeqId) -> int: ...
+    def num_computed_tokens(self, seq_id: SeqId) -> int: ...
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One sample that draws its next token this step, from row `row` of the step's logits
+    (the row of its chunk among the chunks that sample; forked samples share a row)."""
+
+    row: int
+    request: Request
+    seq: Sequence
+
+
+@dataclass
+class _Step:
+    """Running totals while one step is being scheduled."""
+
+    budget: int
+    num_seqs: int = 0
+    output: SchedulerOutput = field(default_factory=SchedulerOutput)
