@@ -113,7 +113,7 @@ def simulate(
     pending = deque(sorted(requests, key=lambda request: request.arrival_step))
     timeline = Timeline()
     queue_delays: list[int] = []
-    first_step: dict[str, int] = {}
+    admitted: set[str] = set()
     preemptions = peak_held_step = 0
     memory_map = None
     step = 0
@@ -131,8 +131,8 @@ def simulate(
                 "an idle pool (memory was leaked)"
             )
         for running in scheduler.running:
-            if running.request_id not in first_step:
-                first_step[running.request_id] = step
+            if running.request_id not in admitted:
+                admitted.add(running.request_id)
                 arrival = scheme.requests[running.request_id].arrival_step
                 queue_delays.append(step - arrival)
         timeline.record(len(scheduler.running), scheme.measure())
