@@ -1,12 +1,27 @@
 """The simulator on streams small enough to follow by hand, then its invariants at scale.
 
+The simulator runs the engine's own scheduler, so a step is an engine step: a request's
+prompt is computed in the step it is admitted, which also samples its first token; each
+later step computes the last sampled token and samples the next. The pool is measured while
+the step runs, so a sample holds its prompt and every output token but the newest (the last
+one's KV is never written). Admission keeps the scheduler's watermark of one free block
+while others run.
+
 Notation in the comments: block size 4; "r0 3+2" is a request with a 3-token prompt that
-generates 2 tokens. A request is prefilled in the step it is admitted and gains one token
-per sample in each later step.
+generates 2 tokens.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.outputs import RequestMetrics
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.request import Request as EngineRequest
+from pagedkv.engine.request import Sequence
+from pagedkv.engine.sched.scheduler import Scheduler
+from pagedkv.memory import KVCacheManager
 from pagedkv.sim.report import summarize
 from pagedkv.sim.schemes import SCHEME_LABELS, PagedScheme, SlabScheme, make_scheme
 from pagedkv.sim.simulator import SimulationError, simulate
@@ -19,108 +34,133 @@ TWO_REQUESTS = [Request(0, 0, 3, 2, 3), Request(1, 0, 2, 4, 4)]
 def test_paged_holds_whole_blocks_of_each_requests_tokens():
     result = simulate(TWO_REQUESTS, make_scheme("paged", 4, 4, max_model_len=8))
     timeline = result.timeline
-    # Tokens per step: r0 3,4,5 (done), r1 2,3,4,5,6 (done).
-    assert timeline.state == [5, 7, 9, 5, 6]
-    # Blocks: r0 1,1,2 and r1 1,1,1,2,2 -> empty slots in last blocks 1+2, 0+1, 3+0, 3, 2.
-    assert timeline.internal == [3, 1, 3, 3, 2]
-    assert timeline.reservation == [0] * 5
-    assert timeline.running == [2, 2, 2, 1, 1]
-    # At their last steps r0 holds 5 tokens in 8 slots, r1 6 in 8.
-    assert (result.final_tokens, result.final_held) == (11, 16)
+    # KV held per step: r0 3,4 (done: its 2nd token is sampled), r1 2,3,4,5 (done).
+    assert timeline.state == [5, 7, 4, 5]
+    # Blocks: r0 1,1 and r1 1,1,1,2 -> empty slots in last blocks 1+2, 0+1, 0, 3.
+    assert timeline.internal == [3, 1, 0, 3]
+    assert timeline.reservation == [0] * 4
+    assert timeline.running == [2, 2, 1, 1]
+    # At their last steps r0 holds 4 tokens in 4 slots, r1 5 in 8.
+    assert (result.final_tokens, result.final_held) == (9, 12)
     summary = summarize(result)
-    assert summary.mean_utilisation == pytest.approx(32 / 44)
-    assert summary.utilisation_at_completion == pytest.approx(11 / 16)
-    # Step by step: 5/8, 7/8, 9/12, 5/8, 6/8; the fullest is step 1, not any request's end.
-    assert summary.peak_utilisation_over_time == pytest.approx(7 / 8)
-    assert summary.finished_per_1000_steps == pytest.approx(1000 * 2 / 5)
-    assert summary.internal_fragmentation == pytest.approx(12 / (16 * 5))
+    assert summary.mean_utilisation == pytest.approx(21 / 28)
+    assert summary.utilisation_at_completion == pytest.approx(9 / 12)
+    # Step by step: 5/8, 7/8, 4/4, 5/8; the fullest is step 2, not any request's end.
+    assert summary.peak_utilisation_over_time == pytest.approx(1.0)
+    assert summary.finished_per_1000_steps == pytest.approx(1000 * 2 / 4)
+    assert summary.internal_fragmentation == pytest.approx(7 / (16 * 4))
 
 
 def test_slab_at_max_model_len_reserves_the_whole_context():
     result = simulate(TWO_REQUESTS, make_scheme("slab-max", 4, 4, max_model_len=8))
     timeline = result.timeline
-    assert timeline.state == [5, 7, 9, 5, 6]
-    # Slots still to be written: (5-3)+(6-2), then one fewer per request per step.
-    assert timeline.reservation == [6, 4, 2, 1, 0]
-    # Never to be written: (8-5)+(8-6) while both run, then (8-6).
-    assert timeline.internal == [5, 5, 5, 2, 2]
-    assert (result.final_tokens, result.final_held) == (11, 16)
+    assert timeline.state == [5, 7, 4, 5]
+    # Slots still to be written: (4-3)+(5-2), then one fewer per request per step.
+    assert timeline.reservation == [4, 2, 1, 0]
+    # Never to be written: (8-4)+(8-5) while both run, then (8-5).
+    assert timeline.internal == [7, 7, 3, 3]
+    assert (result.final_tokens, result.final_held) == (9, 16)
     summary = summarize(result)
-    assert summary.mean_utilisation == pytest.approx(32 / 64)
-    assert summary.utilisation_at_completion == pytest.approx(11 / 16)
-    # Held 16, 16, 16, 8, 8: the fullest step is the last, r1 alone with 6 of its 8 slots.
-    assert summary.peak_utilisation_over_time == pytest.approx(6 / 8)
+    assert summary.mean_utilisation == pytest.approx(21 / 48)
+    assert summary.utilisation_at_completion == pytest.approx(9 / 16)
+    # Held 16, 16, 8, 8: the fullest step is the last, r1 alone with 5 of its 8 slots.
+    assert summary.peak_utilisation_over_time == pytest.approx(5 / 8)
 
 
 def test_slab_at_prompt_plus_max_tokens_wastes_only_the_unused_max_tokens():
     result = simulate(TWO_REQUESTS, make_scheme("slab-exact", 4, 4, max_model_len=8))
-    # r0 reserves 3+3 and writes 5; r1 reserves 2+4 and writes all 6.
-    assert result.timeline.internal == [1, 1, 1, 0, 0]
-    assert (result.final_tokens, result.final_held) == (11, 12)
+    # r0 reserves 3+3 and writes 4; r1 reserves 2+4 and writes 5.
+    assert result.timeline.internal == [3, 3, 1, 1]
+    assert (result.final_tokens, result.final_held) == (9, 12)
 
 
 def test_first_fit_slab_shows_external_fragmentation():
-    # Reservations of 6, 6 and 4 slots fill a 16-slot pool; r3 (8 slots) waits. When r0 and
-    # r2 finish (step 2) the holes are 6 and 4: 10 free, none of 8. r3 gets in once r1 ends.
+    # Blocks of one slot, so the watermark is one slot. Reservations of 6, 6 and 4 slots fill
+    # a 16-slot pool; r3 (8 slots) waits. When r0 and r2 finish (step 1) the holes are 6 and
+    # 4: 10 free, none of 8. r3 gets in once r1 ends (step 4).
     requests = [
         Request(0, 0, 1, 2, 5),
         Request(1, 0, 1, 5, 5),
         Request(2, 0, 1, 2, 3),
         Request(3, 0, 1, 1, 7),
     ]
+    result = simulate(requests, make_scheme("slab-exact", 16, 1, max_model_len=16))
+    assert result.timeline.running == [3, 3, 1, 1, 1, 1]
+    # Steps 0-1: nothing free at all, which is no fragmentation; steps 2-4: 10 stranded.
+    assert result.timeline.external == [0, 0, 10, 10, 10, 0]
+    assert result.queue_delays == [0, 0, 0, 5]
+
+
+def test_the_watermark_keeps_a_block_free_while_others_run():
+    # The same stream with blocks of 4: after r0 and r1 the pool has one block free, which
+    # the watermark keeps, so r2 waits although its slab would fit.
+    requests = [
+        Request(0, 0, 1, 2, 5),
+        Request(1, 0, 1, 5, 5),
+        Request(2, 0, 1, 2, 3),
+    ]
     result = simulate(requests, make_scheme("slab-exact", 4, 4, max_model_len=16))
-    assert result.timeline.running == [3, 3, 3, 1, 1, 1, 1, 1]
-    # Steps 0-2: nothing free at all, which is no fragmentation; steps 3-5: 10 stranded.
-    assert result.timeline.external == [0, 0, 0, 10, 10, 10, 0, 0]
-    assert result.queue_delays == [0, 0, 0, 6]
+    assert result.timeline.running[0] == 2
+    assert result.queue_delays == [0, 0, 2]
 
 
 def test_paged_preempts_the_latest_request_and_recomputes_it():
     # Two 4+4 requests in 3 blocks: both prompts fit, but at 5 tokens each needs a second
-    # block. r1, the latest, is preempted at step 1 and again at step 3, then finishes alone.
+    # block. r1, the latest, is preempted at step 1; with 5 tokens to recompute (2 blocks
+    # plus the watermark) it waits until r0 leaves, then finishes alone.
     requests = [Request(0, 0, 4, 4, 4), Request(1, 0, 4, 4, 4)]
     scheme = make_scheme("paged", 3, 4, max_model_len=8)
     result = simulate(requests, scheme)
-    assert result.preemptions == 2
+    assert result.preemptions == 1
     assert result.finished == 2
-    assert result.timeline.running == [2, 1, 2, 1, 2, 1, 1, 1, 1]
-    assert result.timeline.state == [8, 5, 10, 7, 12, 5, 6, 7, 8]
+    assert result.timeline.running == [2, 1, 1, 1, 1, 1, 1]
+    assert result.timeline.state == [8, 5, 6, 7, 5, 6, 7]
     assert scheme.manager.num_free_blocks == 3
 
 
 def test_forked_samples_share_the_prompt_until_copy_on_write():
-    # n=3 samples of a 6-token prompt: 2 blocks shared by all three (the second half full).
+    # n=3 samples of a 6-token prompt: 2 blocks, the prompt computed once, then forked.
     scheme = make_scheme("paged-shared", 8, 4, max_model_len=8)
     result = simulate([Request(0, 0, 6, 2, 2, n=3)], scheme)
     timeline = result.timeline
-    # Step 0: 6 tokens stored once, though 18 are held. Step 1: two samples copy the shared
-    # last block on write (the third now owns it): 4 + 3x3 stored, 21 held. Step 2: full.
-    assert timeline.state == [6, 13, 16]
-    assert timeline.internal == [2, 3, 0]
-    assert timeline.shared == [12, 8, 8]
+    # Step 0: the prompt, one sequence. Step 1: each sample writes its first token; two copy
+    # the shared last block on write (the third now owns it): 4 + 3x3 stored, 21 held.
+    assert timeline.state == [6, 13]
+    assert timeline.internal == [2, 3]
+    assert timeline.shared == [0, 8]
     assert result.stats["cow_copies"] == 2
-    assert (result.final_tokens, result.final_held) == (16, 16)
+    assert (result.final_tokens, result.final_held) == (13, 16)
 
 
 def test_prefix_caching_shares_the_system_prompts_full_blocks():
-    # Two requests with a common 9-token prefix: blocks of 4 share 2 full blocks.
+    # Two requests with a common 9-token prefix: blocks of 4 share 2 full blocks. r1 arrives
+    # a step after r0, once r0's prompt blocks are computed (only computed blocks are cached).
+    requests = [
+        Request(0, 0, 10, 4, 4, prefix_id="sys", prefix_len=9),
+        Request(1, 1, 11, 4, 4, prefix_id="sys", prefix_len=9),
+    ]
+    shared = simulate(requests, make_scheme("paged-shared", 16, 4, max_model_len=16))
+    unshared = simulate(requests, make_scheme("paged", 16, 4, max_model_len=16))
+    assert shared.stats["prefix_hit_tokens"] == 8
+    assert shared.timeline.shared[1] == 8
+    assert shared.timeline.held(1) == unshared.timeline.held(1) - 8
+
+
+def test_requests_admitted_in_one_step_do_not_share_blocks_not_yet_computed():
     requests = [
         Request(0, 0, 10, 1, 1, prefix_id="sys", prefix_len=9),
         Request(1, 0, 11, 1, 1, prefix_id="sys", prefix_len=9),
     ]
     shared = simulate(requests, make_scheme("paged-shared", 16, 4, max_model_len=16))
-    unshared = simulate(requests, make_scheme("paged", 16, 4, max_model_len=16))
-    assert shared.stats["prefix_hit_tokens"] == 8
-    assert shared.timeline.shared[0] == 8
-    assert shared.timeline.held(0) == unshared.timeline.held(0) - 8
+    assert shared.stats["prefix_hit_tokens"] == 0
 
 
 def test_arrivals_wait_for_their_step_and_queueing_is_measured():
     requests = [Request(0, 0, 4, 4, 4), Request(1, 3, 4, 2, 2)]
     result = simulate(requests, make_scheme("slab-max", 2, 4, max_model_len=8))
-    # One 8-slot reservation at a time: r1 arrives at step 3, r0 leaves after step 4.
-    assert result.timeline.running == [1, 1, 1, 1, 1, 1, 1, 1]
-    assert result.queue_delays == [0, 2]
+    # One 8-slot reservation at a time: r1 arrives at step 3, r0 leaves after step 3.
+    assert result.timeline.running == [1, 1, 1, 1, 1, 1]
+    assert result.queue_delays == [0, 1]
 
 
 def test_max_running_caps_concurrency():
@@ -137,11 +177,12 @@ def test_a_request_larger_than_the_pool_is_refused_up_front():
 
 def test_memory_maps_show_owners_states_and_sharing():
     scheme = make_scheme("paged-shared", 8, 4, max_model_len=8)
-    result = simulate([Request(0, 0, 6, 2, 2, n=3)], scheme, snapshot_step=0)
+    result = simulate([Request(0, 0, 6, 2, 2, n=3)], scheme, snapshot_step=1)
+    # The first prompt block shared by three samples; each owns its copied last block.
     cells = [cell.value for cell in result.memory_map.cells]
-    assert cells[:2] == ["shared", "shared"]
-    assert cells[2:] == ["free"] * 6
-    assert result.memory_map.owners[:2] == [0, 0]
+    assert cells[:4] == ["shared", "used", "used", "used"]
+    assert cells[4:] == ["free"] * 4
+    assert result.memory_map.owners[:4] == [0, 0, 0, 0]
     slab = simulate(TWO_REQUESTS, make_scheme("slab-max", 4, 4, 8), snapshot_step=1)
     # r0 at slots 0-7 with 4 written; r1 at 8-15 with 3 written: cells of 4 slots.
     assert [cell.value for cell in slab.memory_map.cells] == ["used", "reserved"] * 2
@@ -186,3 +227,138 @@ def test_an_allocator_that_leaks_is_reported_not_waited_on_forever():
     scheme.manager.allocate("leaked", [0] * 16)  # holds every block, owned by no request
     with pytest.raises(SimulationError, match="does not fit an idle pool"):
         simulate([Request(0, 0, 4, 4, 4)], scheme)
+
+
+def test_a_request_with_more_samples_than_a_step_runs_is_refused_up_front():
+    with pytest.raises(SimulationError, match="n=3 samples, but one step runs at most 2"):
+        simulate([Request(0, 0, 4, 4, 4, n=3)], make_scheme("paged", 64, 4, 8), max_running=2)
+
+
+def test_the_simulator_runs_the_engines_scheduler_step_by_step():
+    # The oracle drives a Scheduler over a KVCacheManager by hand, as the engine does with its
+    # default settings: the simulator's paged run must see the same running requests and
+    # held tokens every step.
+    requests = generate_requests(WORKLOADS["sharegpt"], 30, seed=2, rate=2.0)
+    result = simulate(requests, make_scheme("paged", 200, 16, max_model_len=2048))
+    assert result.preemptions > 0  # tight enough that preemption is part of the comparison
+
+    manager = KVCacheManager(200, 16, enable_prefix_caching=False)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs=256,
+        max_num_batched_tokens=EngineArgs().max_num_batched_tokens,  # the engine's default
+        preemption_mode="recompute",
+    )
+    output_len = {str(request.req_id): request.output_len for request in requests}
+    next_token = iter(range(10**9, 2 * 10**9))
+    running, held, preemptions = [], [], 0
+    step = 0
+    pending = sorted(requests, key=lambda request: request.arrival_step)
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0].arrival_step <= step:
+            request = pending.pop(0)
+            prompt = [next(next_token) for _ in range(request.prompt_len)]
+            scheduler.add(_engine_request(str(request.req_id), prompt))
+        output = scheduler.schedule()
+        preemptions += len(output.preempted)
+        running.append(len(scheduler.running))
+        held.append(sum(manager.num_tokens(seq_id) for seq_id in manager.seq_ids))
+
+        def sample(rows):
+            for row in rows:
+                row.seq.token_ids.append(next(next_token))
+                if row.seq.num_output_tokens == output_len[row.request.request_id]:
+                    row.seq.finish_reason = "length"
+
+        scheduler.update(output, new_sample=_no_forks, sample=sample)
+        step += 1
+    assert result.timeline.running == running
+    assert result.timeline.state == held
+    assert result.preemptions == preemptions
+
+
+def _engine_request(request_id: str, prompt: list[int]) -> EngineRequest:
+    return EngineRequest(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=2048, ignore_eos=True),
+        max_tokens=2048,
+        sequences=[Sequence((request_id, 0), 0, list(prompt), len(prompt))],
+        metrics=RequestMetrics(arrival_time=0.0),
+        forked=True,
+    )
+
+
+def _no_forks(request: EngineRequest, index: int) -> Sequence:
+    raise AssertionError("n == 1: nothing forks")
+
+
+def test_a_stream_that_fits_finishes_when_its_longest_output_does():
+    # Room for everyone and every prompt in one step's budget: request i finishes at step
+    # output_len - 1 (its first token comes with its prompt), so the run takes max(output).
+    requests = [Request(req, 0, 3 + req, 2 + 3 * req, 20) for req in range(5)]
+    for name in SCHEME_LABELS:
+        result = simulate(requests, make_scheme(name, 64, 4, max_model_len=32))
+        assert result.steps == max(request.output_len for request in requests), name
+        assert result.timeline.running[0] == 5, name
+
+
+@st.composite
+def _streams(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    requests = []
+    for req_id in range(draw(st.integers(1, 8))):
+        prompt_len = draw(st.integers(1, 20))
+        output_len = draw(st.integers(1, 12))
+        shared = draw(st.booleans())
+        requests.append(
+            Request(
+                req_id,
+                arrival_step=draw(st.integers(0, 5)),
+                prompt_len=prompt_len,
+                output_len=output_len,
+                max_tokens=output_len + draw(st.integers(0, 5)),
+                prefix_id="sys" if shared else None,
+                prefix_len=min(prompt_len, 6) if shared else 0,
+                n=draw(st.integers(1, 3)),
+            )
+        )
+    # From the least that fits the largest slab (3 samples of 40 slots) to room to spare.
+    num_blocks = draw(st.integers(120, 300)) // block_size
+    return requests, block_size, num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(stream=_streams(), max_running=st.integers(3, 8))
+def test_random_streams_finish_free_everything_and_hold_what_arithmetic_says(stream, max_running):
+    requests, block_size, num_blocks = stream
+    max_model_len = 40
+    for name in SCHEME_LABELS:
+        scheme = make_scheme(name, num_blocks, block_size, max_model_len)
+        result = simulate(requests, scheme, max_running=max_running)
+        assert result.finished == len(requests) == len(result.queue_delays)
+        assert all(delay >= 0 for delay in result.queue_delays)
+        assert all(
+            held <= scheme.pool_tokens for held in map(result.timeline.held, range(result.steps))
+        )
+        # At completion each sample holds its prompt and all its output but the last token.
+        kv_tokens = [request.n * (request.total_len - 1) for request in requests]
+        if isinstance(scheme, SlabScheme):
+            assert scheme.allocator.reservations() == []
+            assert result.preemptions == 0
+            assert result.final_tokens == sum(kv_tokens)
+            slab = [scheme.reservation(request) for request in requests]
+            assert result.final_held == sum(
+                r.n * size for r, size in zip(requests, slab, strict=True)
+            )
+        else:
+            assert isinstance(scheme, PagedScheme)
+            scheme.manager.check_invariants()
+            assert scheme.manager.num_free_blocks == num_blocks
+            if not scheme.sharing:
+                blocks = [-(-(r.total_len - 1) // block_size) for r in requests]
+                assert result.final_tokens == sum(kv_tokens)
+                assert result.final_held == block_size * sum(
+                    r.n * count for r, count in zip(requests, blocks, strict=True)
+                )

@@ -25,8 +25,9 @@ def test_tutorial_slab_is_21_to_28_percent_full_and_paged_at_least_98(seed):
 def test_utilisation_at_completion_is_the_batchs_tokens_over_what_it_holds():
     requests = generate_requests(WORKLOADS["tutorial"], 10, seed=3)
     points = utilisation_by_batch_size(requests, [10], block_size=16, max_model_len=2048)
-    tokens = sum(request.total_len for request in requests)
-    blocks = sum(-(-request.total_len // 16) for request in requests)
+    # A finished sample's KV holds its prompt and its output but the last token (never fed back).
+    tokens = sum(request.total_len - 1 for request in requests)
+    blocks = sum(-(-(request.total_len - 1) // 16) for request in requests)
     by_scheme = {point.scheme: point for point in points}
     slab, paged = by_scheme["slab-max"], by_scheme["paged"]
     assert slab.utilisation_at_completion == pytest.approx(tokens / (10 * 2048))

@@ -1,22 +1,12 @@
-"""The engine: continuous batching over paged KV memory, with a vLLM-shaped API."""
+"""The engine: continuous batching over paged KV memory, with a vLLM-shaped API.
 
-from pagedkv.engine.args import EngineArgs
-from pagedkv.engine.engine import Engine
-from pagedkv.engine.errors import (
-    DuplicateRequest,
-    EmptyPrompt,
-    InvalidTokenId,
-    PromptTooLong,
-    RequestRejected,
-    RequestTooLarge,
-    StepFailed,
-    TokenOutOfVocabulary,
-    TooManySamples,
-)
-from pagedkv.engine.llm import LLM
-from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedkv.engine.params import SamplingParams
-from pagedkv.engine.stats import BlockState, EngineStats, KVSnapshot
+The names are imported on first use, so the simulator runs `engine.sched`'s scheduler without
+importing torch (which `Engine` and `LLM` need).
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "LLM",
@@ -27,9 +17,11 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineStats",
+    "InvalidPriority",
     "InvalidTokenId",
     "KVSnapshot",
     "Logprob",
+    "PriorityNotSupported",
     "PromptTooLong",
     "RequestMetrics",
     "RequestOutput",
@@ -40,3 +32,12 @@ __all__ = [
     "TokenOutOfVocabulary",
     "TooManySamples",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
+    from pagedkv.engine import args, engine, errors, llm, outputs, params, stats
+
+    module = next(m for m in (args, engine, errors, llm, outputs, params, stats) if name in dir(m))
+    return getattr(module, name)

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,6 +28,7 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step, prefill chunks and decodes together",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "preemption_mode": "swap or recompute (default: swap when swap space is configured)",
+    "scheduling_policy": "fcfs (arrival order) or priority (a request's priority, lower first)",
     "dtype": "weights, activations and KV dtype",
     "device": "cpu or cuda",
     "seed": "seed of the sampler for requests without their own seed",
@@ -48,6 +50,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     preemption_mode: str | None = None
+    scheduling_policy: str = "fcfs"
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -70,6 +73,11 @@ class EngineArgs:
             )
         if self.preemption_mode == "swap" and self.swap_space_gb == 0:
             raise ValueError("preemption_mode 'swap' needs swap_space_gb > 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -104,6 +112,8 @@ class EngineArgs:
                 kwargs["choices"] = DTYPES
             elif field.name == "preemption_mode":
                 kwargs["choices"] = PREEMPTION_MODES
+            elif field.name == "scheduling_policy":
+                kwargs["choices"] = SCHEDULING_POLICIES
             else:
                 kwargs["type"] = _CLI_TYPES.get(field.name, str)
             if default is not None:

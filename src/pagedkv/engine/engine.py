@@ -21,6 +21,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import (
     DuplicateRequest,
     EmptyPrompt,
+    InvalidPriority,
     InvalidTokenId,
     PromptTooLong,
     RequestTooLarge,
@@ -32,7 +33,8 @@ from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Re
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sampler import Sampler, SamplingRow
-from pagedkv.engine.sched.scheduler import Scheduler
+from pagedkv.engine.sched.policy import make_policy
+from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
 from pagedkv.engine.stats import BlockState, EngineStats, KVSnapshot
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
@@ -91,6 +93,7 @@ class Engine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             preemption_mode=args.resolved_preemption_mode,  # type: ignore[arg-type]
+            policy=make_policy(args.scheduling_policy),
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache)
         self.sampler = Sampler(args.seed, device=self.device)
@@ -111,11 +114,18 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        """Check and queue a request; raise a `RequestRejected` naming why it cannot run."""
+        """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
+
+        `priority` orders requests under `scheduling_policy="priority"` (lower runs first);
+        under "fcfs" it must be 0.
+        """
         params = params or SamplingParams()
         if request_id in self._requests:
             raise DuplicateRequest(request_id)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidPriority(priority)
         prompt_text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_fits(token_ids, params)
         metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -128,10 +138,11 @@ class Engine:
             sequences=[self._new_sequence(request_id, 0, token_ids, params)],
             metrics=metrics,
             cache_salt=cache_salt,
+            priority=priority,
             forked=params.n == 1,
         )
+        self.scheduler.add(request)  # refuses a priority the policy does not order by
         self._requests[request_id] = request
-        self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its last delta says finish_reason "abort"."""
@@ -176,52 +187,33 @@ class Engine:
             return {}  # nothing to run: e.g. a step that only reports aborts
         logits = self.runner.execute(output)
         for chunk in output.chunks:
-            self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
             self._prompt_tokens_total += self._prompt_share(chunk)
-        if logits is None:
-            return {}
-        return self._sample([chunk for chunk in output.chunks if chunk.sample], logits)
-
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[str, Request]:
-        """Fork where a prompt just finished, sample every row, apply stops; touched requests."""
-        rows: list[int] = []
-        seqs: list[tuple[Request, Sequence]] = []
-        for row, chunk in enumerate(chunks):
-            request_id, index = chunk.seq_id
-            request = self._requests[request_id]
-            if request.forked:
-                targets = [request.sequences[index]]
-            else:  # all n samples start from the prompt's logits
-                self._fork(request)
-                targets = request.sequences
-            rows.extend([row] * len(targets))
-            seqs.extend((request, seq) for seq in targets)
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        sampled = self.sampler(logits, [self._sampling_row(req, seq) for req, seq in seqs])
+        touched = self.scheduler.update(
+            output,
+            new_sample=self._new_sample,
+            sample=lambda rows: self._sample(rows, logits),
+        )
         now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for (request, seq), token_id, logprobs in zip(
-            seqs, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            self._append_token(request, seq, token_id, logprobs)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            touched[request.request_id] = request
-        self._generation_tokens_total += len(seqs)
-        self._recent_tokens.append((now, len(seqs)))
-        for request in touched.values():
-            self._retire_finished(request, now)
-        return touched
+        for request in touched:
+            if request.status is RequestStatus.FINISHED:
+                request.metrics.finished_time = now
+                del self._requests[request.request_id]
+        return {request.request_id: request for request in touched}
 
-    def _fork(self, request: Request) -> None:
-        """The prompt is computed: make samples 1..n-1 share sample 0's blocks."""
-        first = request.sequences[0]
-        for index in range(1, request.params.n):
-            seq = self._new_sequence(request.request_id, index, first.token_ids, request.params)
-            self.manager.fork(first.seq_id, seq.seq_id)
-            request.sequences.append(seq)
-        request.forked = True
+    def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None) -> None:
+        """Sample every row's next token from its chunk's logits; append it, apply stops."""
+        assert logits is not None, "a chunk that samples always produces logits"
+        row_ids = [row.row for row in rows]
+        if row_ids != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(row_ids, device=logits.device)]
+        sampled = self.sampler(logits, [self._sampling_row(row.request, row.seq) for row in rows])
+        now = time.monotonic()
+        for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+            self._append_token(row.request, row.seq, token_id, logprobs)
+            if row.request.metrics.first_token_time is None:
+                row.request.metrics.first_token_time = now
+        self._generation_tokens_total += len(rows)
+        self._recent_tokens.append((now, len(rows)))
 
     def _append_token(
         self,
@@ -236,16 +228,6 @@ class Engine:
             seq.new_logprobs.append(self._logprob_entry(token_id, logprobs))
             seq.cumulative_logprob += logprobs[0]
         apply_stops(request, seq, token_id, self._stop_ids, self.max_model_len)
-
-    def _retire_finished(self, request: Request, now: float) -> None:
-        """Free the blocks of samples that just finished; retire the request when all have."""
-        for seq in request.sequences:
-            if seq.finished:
-                self.scheduler.free_sequence(seq)
-        if request.all_samples_finished:
-            self.scheduler.remove(request)
-            request.metrics.finished_time = now
-            del self._requests[request.request_id]
 
     def _delta(self, request: Request) -> RequestOutput:
         """What each sample produced since the last delta; clears the per-step buffers."""
@@ -407,6 +389,12 @@ class Engine:
                 self.tokenizer, token_ids, params.skip_special_tokens
             ),
             generator=generator,
+        )
+
+    def _new_sample(self, request: Request, index: int) -> Sequence:
+        """Sample `index` of a request whose prompt was just computed (the prompt's tokens)."""
+        return self._new_sequence(
+            request.request_id, index, request.sequences[0].token_ids, request.params
         )
 
     def _sampling_row(self, request: Request, seq: Sequence) -> SamplingRow:

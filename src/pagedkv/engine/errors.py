@@ -82,6 +82,24 @@ class DuplicateRequest(RequestRejected):
         super().__init__(f"request id {request_id!r} is already in use")
 
 
+class InvalidPriority(RequestRejected):
+    """A request's priority is not an integer."""
+
+    def __init__(self, priority: object) -> None:
+        super().__init__(f"priority is {type(priority).__name__} {priority!r}, expected an int")
+
+
+class PriorityNotSupported(RequestRejected):
+    """A request has a priority, but the engine schedules first come, first served."""
+
+    def __init__(self, priority: int, policy: str) -> None:
+        super().__init__(
+            f"priority is {priority}, but scheduling_policy is {policy!r}: only 'priority' "
+            "scheduling orders requests by priority (give priority 0, or start the engine "
+            "with scheduling_policy='priority')"
+        )
+
+
 class StepFailed(RuntimeError):
     """A step raised; the requests it was running were aborted, the others are untouched."""
 

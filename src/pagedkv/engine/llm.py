@@ -39,11 +39,17 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (a string, a list of strings, or lists of token ids)."""
+        """Complete every prompt (a string, a list of strings, or lists of token ids).
+
+        `priority` gives one priority per prompt, as vLLM's does; it needs the engine's
+        `scheduling_policy="priority"` (lower runs first).
+        """
         prompt_list = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params, use_tqdm)
+        priorities = _priority_per_prompt(priority, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm, priorities)
 
     def chat(
         self,
@@ -60,19 +66,23 @@ class LLM:
             for conversation in conversations  # type: ignore[union-attr]
         ]
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        return self._run(prompts, params, use_tqdm, [0] * len(prompts))
 
     def _run(
-        self, prompts: Sequence[Prompt], params: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: Sequence[Prompt],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priorities: list[int],
     ) -> list[RequestOutput]:
         engine = self.engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, request_params in zip(
-                request_ids, prompts, params, strict=True
+            for request_id, prompt, request_params, priority in zip(
+                request_ids, prompts, params, priorities, strict=True
             ):
-                engine.add_request(request_id, prompt, request_params)
+                engine.add_request(request_id, prompt, request_params, priority=priority)
                 added.append(request_id)
         except Exception:
             for request_id in added:
@@ -124,6 +134,17 @@ def _params_per_prompt(
             "give one SamplingParams or one per prompt"
         )
     return params
+
+
+def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+    if priority is None:
+        return [0] * num_prompts
+    priorities = list(priority)
+    if len(priorities) != num_prompts:
+        raise ValueError(
+            f"priority has {len(priorities)} entries for {num_prompts} prompts; give one per prompt"
+        )
+    return priorities
 
 
 def _empty_like(delta: RequestOutput) -> RequestOutput:

@@ -8,18 +8,24 @@ A sequence's `token_ids` are the prompt and every sampled token. The memory mana
 KV for the first `num_computed` of them; the rest are computed by the next forward passes.
 Computing the last token yields the logits of the next sample. This one rule covers a new
 prompt, a chunked prompt, a decode, and a sequence recomputed after preemption.
+
+Nothing here imports torch or a tokenizer when it runs (the detokenizer and the generator are
+named for type checkers only): the simulator schedules these same requests with no model.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import FinishReason, RequestMetrics, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedkv.engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -39,7 +45,7 @@ class Sequence:
     index: int
     token_ids: list[int]
     num_prompt_tokens: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None = None  # the engine's; the simulator makes no text
     generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -81,6 +87,8 @@ class Request:
     sequences: list[Sequence]
     metrics: RequestMetrics
     cache_salt: str | None = None
+    priority: int = 0  # under the "priority" policy, lower runs first
+    arrival_index: int = 0  # the scheduler's count of arrivals: breaks ties in priority
     status: RequestStatus = RequestStatus.WAITING
     forked: bool = False  # True once all n samples exist (from the start when n == 1)
 

@@ -54,7 +54,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n)
-    await generation.start([prompt], params)
+    await generation.start([prompt], params, request.priority)
     return await _ChatCompletion(context, request, generation).respond(raw)
 
 

@@ -46,7 +46,7 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
     params = sampling_params(request, max_tokens, request.logprobs)
     generation = Generation(context.engine_loop, new_id("cmpl"), request.n)
-    await generation.start(prompts, params)
+    await generation.start(prompts, params, request.priority)
     return await _Completion(context, request, generation).respond(raw)
 
 

@@ -61,6 +61,7 @@ class _Add:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    priority: int
     route: _Route
     done: asyncio.Future
 
@@ -112,7 +113,12 @@ class EngineLoop:
             self._thread.join()
 
     async def add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, outputs: asyncio.Queue
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        outputs: asyncio.Queue,
+        priority: int = 0,
     ) -> None:
         """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`.
 
@@ -124,7 +130,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         route = _Route(loop, outputs)
         done = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, route, done))
+        self._commands.put(_Add(request_id, prompt, params, priority, route, done))
         try:
             await done
         except asyncio.CancelledError:
@@ -235,7 +241,9 @@ class EngineLoop:
                 )
                 return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params, priority=command.priority
+            )
         except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
             _resolve(command.route.loop, command.done, error=error)
             return

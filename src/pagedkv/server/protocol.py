@@ -53,6 +53,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag: accepted for compatibility, unused
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
 
     @field_validator("stop")
     @classmethod

@@ -142,14 +142,16 @@ class Generation:
         self.cached_tokens = 0
         self.completion_tokens = 0
 
-    async def start(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    async def start(
+        self, prompts: list[list[int]], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Submit every prompt; refusals become 4xx/503 and abort the prompts already queued."""
         try:
             for index, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id
                 self._prompt_index[engine_id] = index
                 self._unfinished.add(engine_id)
-                await self.engine_loop.add(engine_id, prompt, params, self._outputs)
+                await self.engine_loop.add(engine_id, prompt, params, self._outputs, priority)
                 self.prompt_tokens += len(prompt)
         except BaseException as error:
             self.close()

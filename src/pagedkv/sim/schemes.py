@@ -1,21 +1,31 @@
-"""The four allocation schemes the simulator compares, each a thin adapter over `pagedkv.memory`.
+"""The four allocation schemes the simulator compares, each memory the engine's scheduler runs on.
 
 (a) slab reserved at max_model_len, (b) slab reserved at prompt + max_tokens (first fit, so
 holes appear), (c) paged with no sharing, (d) paged with prefix caching and copy-on-write
-forks for n > 1. Every block, reservation and byte counted here comes from `SlabAllocator`
-or `KVCacheManager`; the adapters only translate requests into their calls and know one
-thing the allocators cannot: how long each request will finally be, which is what splits
-unwritten reserved memory into "still to be written" and "never to be written".
+forks for n > 1. Each scheme hands the scheduler a `KVMemory`: the engine's own
+`KVCacheManager` for (c) and (d), a `SlabMemory` over `SlabAllocator` for (a) and (b). Every
+block, reservation and byte counted here comes from those allocators; a scheme adds only what
+they cannot know: how long each request will finally be, which is what splits unwritten
+reserved memory into "still to be written" and "never to be written".
+
+A sample's KV finally holds its prompt and all its output tokens but the last: the last
+sampled token is never fed back, so its KV is never written.
 """
 
 from __future__ import annotations
 
-import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from pagedkv.memory import KVCacheManager, NoContiguousSpace, NoFreeBlocks, SlabAllocator
+from pagedkv.engine.sched.scheduler import KVMemory
+from pagedkv.memory import (
+    KVCacheManager,
+    MemoryPlan,
+    NoContiguousSpace,
+    NoFreeBlocks,
+    SlabAllocator,
+)
 from pagedkv.sim.memory_map import MemoryMap, paged_map, slab_map
 from pagedkv.sim.workloads import Request
 
@@ -26,7 +36,7 @@ SCHEME_LABELS: dict[str, str] = {
     "paged-shared": "(d) paged + sharing",
 }
 
-SeqId = tuple[int, int]  # (req_id, sample index)
+SeqId = tuple[str, int]  # the engine's: (request id, sample index)
 
 
 @dataclass(frozen=True)
@@ -53,28 +63,32 @@ class MemoryState:
 
 
 class Scheme(ABC):
-    """How requests get KV memory; the simulator drives every scheme the same way."""
+    """KV memory for the engine's scheduler, and the accounting the simulator reports.
+
+    `forks`: whether a request's samples share its prompt (one prefill, then forks) or each
+    holds a copy of its own from admission.
+    """
+
+    forks: bool
 
     def __init__(self, name: str, num_blocks: int, block_size: int) -> None:
         self.name = name
         self.block_size = block_size
         self.pool_tokens = num_blocks * block_size
+        self.requests: dict[str, Request] = {}  # by the engine's request id
+
+    @property
+    @abstractmethod
+    def memory(self) -> KVMemory:
+        """What the scheduler allocates from."""
+
+    def add(self, request: Request) -> None:
+        """Learn a request as it arrives (its final length; a slab's reservation size)."""
+        self.requests[str(request.req_id)] = request
 
     @abstractmethod
     def capacity_needed(self, request: Request) -> int:
         """Token slots the request needs at its largest with the pool to itself."""
-
-    @abstractmethod
-    def admit(self, request: Request, generated: list[int]) -> bool:
-        """Give every sample its prompt plus `generated[k]` tokens; False (no change) if full."""
-
-    @abstractmethod
-    def grow(self, request: Request, sample: int) -> bool:
-        """Add one token to a sample; False (no change) if there is no memory for it."""
-
-    @abstractmethod
-    def release(self, request: Request, finished: bool) -> None:
-        """Free the request's memory: it finished, or is preempted and will be recomputed."""
 
     @abstractmethod
     def measure(self) -> MemoryState:
@@ -92,13 +106,15 @@ class Scheme(ABC):
         """Allocator counters worth reporting (prefix hits, copies); none by default."""
         return {}
 
-    @staticmethod
-    def _seqs(request: Request) -> list[SeqId]:
-        return [(request.req_id, sample) for sample in range(request.n)]
+    def _owner(self, seq: SeqId) -> int:
+        """The workload's id of the request a sequence belongs to."""
+        return self.requests[seq[0]].req_id
 
 
 class SlabScheme(Scheme):
     """One contiguous reservation per sample: max_model_len (a), or prompt + max_tokens (b)."""
+
+    forks = False
 
     def __init__(
         self, name: str, num_blocks: int, block_size: int, max_model_len: int | None
@@ -106,7 +122,11 @@ class SlabScheme(Scheme):
         super().__init__(name, num_blocks, block_size)
         self.allocator = SlabAllocator(self.pool_tokens)
         self.max_model_len = max_model_len
-        self._never_written = 0
+        self._memory = SlabMemory(self.allocator, block_size, self._reservation_of)
+
+    @property
+    def memory(self) -> SlabMemory:
+        return self._memory
 
     def reservation(self, request: Request) -> int:
         """Slots reserved per sample."""
@@ -117,125 +137,54 @@ class SlabScheme(Scheme):
     def capacity_needed(self, request: Request) -> int:
         return request.n * self.reservation(request)
 
-    def admit(self, request: Request, generated: list[int]) -> bool:
-        size = self.reservation(request)
-        reserved = []
-        try:
-            for seq, count in zip(self._seqs(request), generated, strict=True):
-                self.allocator.reserve(seq, size)
-                reserved.append(seq)
-                self.allocator.write(seq, request.prompt_len + count)
-        except NoContiguousSpace:
-            for seq in reserved:
-                self.allocator.release(seq)
-            return False
-        self._never_written += request.n * (size - request.total_len)
-        return True
-
-    def grow(self, request: Request, sample: int) -> bool:
-        self.allocator.write((request.req_id, sample), 1)
-        return True
-
-    def release(self, request: Request, finished: bool) -> None:
-        for seq in self._seqs(request):
-            self.allocator.release(seq)
-        self._never_written -= request.n * (self.reservation(request) - request.total_len)
+    def _reservation_of(self, request_id: str) -> int:
+        return self.reservation(self.requests[request_id])
 
     def measure(self) -> MemoryState:
         report = self.allocator.report()
+        never_written = sum(
+            reserved - final_kv_tokens(self.requests[seq[0]])
+            for seq, _, reserved, _ in self.allocator.reservations()
+        )
         return MemoryState(
             state=report.used,
-            reservation=report.reserved - report.used - self._never_written,
-            internal=self._never_written,
+            reservation=report.reserved - report.used - never_written,
+            internal=never_written,
             external=report.external_fragmentation,
         )
 
     def footprint(self, request: Request) -> tuple[int, int]:
-        rows = [row for row in self.allocator.reservations() if row[0][0] == request.req_id]
+        request_id = str(request.req_id)
+        rows = [row for row in self.allocator.reservations() if row[0][0] == request_id]
         return sum(used for *_, used in rows), sum(reserved for _, _, reserved, _ in rows)
 
     def memory_map(self, step: int) -> MemoryMap:
-        owners = {seq: seq[0] for seq, *_ in self.allocator.reservations()}
+        owners = {seq: self._owner(seq) for seq, *_ in self.allocator.reservations()}
         return slab_map(self.allocator, owners, self.block_size, self.name, step)
 
 
 class PagedScheme(Scheme):
-    """Blocks on demand from `KVCacheManager`; with `sharing`, prefix caching and forks.
-
-    Token ids are made up (memory only compares them): a shared prefix gets the same ids in
-    every request that carries it, everything else fresh ids. They are kept per sequence so a
-    preempted request is recomputed with the same tokens, as a real engine would. A prompt
-    counts as computed once admitted, so a request admitted later in the same step can
-    already hit its blocks in the prefix cache.
-    """
+    """Blocks on demand from the engine's `KVCacheManager`; with `sharing`, prefix caching
+    and forks (without, each sample of a request holds its own copy of the prompt)."""
 
     def __init__(self, name: str, num_blocks: int, block_size: int, sharing: bool) -> None:
         super().__init__(name, num_blocks, block_size)
         self.sharing = sharing
+        self.forks = sharing
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=sharing)
-        self._fresh_ids = itertools.count()
-        self._prefixes: dict[Hashable, list[int]] = {}
-        self._prompts: dict[int, list[int]] = {}
-        self._outputs: dict[SeqId, list[int]] = {}
-        self._live: dict[SeqId, int] = {}
+
+    @property
+    def memory(self) -> KVCacheManager:
+        return self.manager
 
     def capacity_needed(self, request: Request) -> int:
         return request.n * -(-request.total_len // self.block_size) * self.block_size
 
-    def admit(self, request: Request, generated: list[int]) -> bool:
-        prompt = self._prompt_tokens(request)
-        seqs = self._seqs(request)
-        outputs = [self._outputs.setdefault(seq, []) for seq in seqs]
-        done: list[SeqId] = []
-        try:
-            if self.sharing:
-                # One prefill, then forks: samples share every prompt block, even the
-                # partly filled last one, until their first token copies it on write.
-                self._allocate(seqs[0], prompt)
-                done.append(seqs[0])
-                for seq in seqs[1:]:
-                    self.manager.fork(seqs[0], seq)
-                    done.append(seq)
-                for seq, tokens, count in zip(seqs, outputs, generated, strict=True):
-                    if count:
-                        self.manager.append(seq, tokens[:count])
-                        self.manager.mark_computed(seq, len(prompt) + count)
-            else:
-                for seq, tokens, count in zip(seqs, outputs, generated, strict=True):
-                    self._allocate(seq, prompt + tokens[:count])
-                    done.append(seq)
-        except NoFreeBlocks:
-            for seq in done:
-                self.manager.free(seq)
-            return False
-        for seq in seqs:
-            self._live[seq] = request.req_id
-        return True
-
-    def grow(self, request: Request, sample: int) -> bool:
-        seq = (request.req_id, sample)
-        token = next(self._fresh_ids)
-        try:
-            self.manager.append(seq, [token])
-        except NoFreeBlocks:
-            return False
-        self._outputs[seq].append(token)
-        self.manager.mark_computed(seq, self.manager.num_tokens(seq))
-        return True
-
-    def release(self, request: Request, finished: bool) -> None:
-        for seq in self._seqs(request):
-            self.manager.free(seq)
-            del self._live[seq]
-            if finished:
-                del self._outputs[seq]
-        if finished:
-            del self._prompts[request.req_id]
-
     def measure(self) -> MemoryState:
         held = (self.manager.num_gpu_blocks - self.manager.num_free_blocks) * self.block_size
-        unfilled = self._unfilled_slots(self._live)
-        logical = sum(self.manager.num_tokens(seq) for seq in self._live)
+        seqs = self.manager.seq_ids
+        unfilled = self._unfilled_slots(seqs)
+        logical = sum(self.manager.num_tokens(seq) for seq in seqs)
         state = held - unfilled
         return MemoryState(
             state, reservation=0, internal=unfilled, external=0, shared=logical - state
@@ -243,24 +192,24 @@ class PagedScheme(Scheme):
 
     def footprint(self, request: Request) -> tuple[int, int]:
         fill: dict[int, int] = {}
-        for seq in self._seqs(request):
+        for sample in range(request.n):
+            seq = (str(request.req_id), sample)
+            if seq not in self.manager:
+                continue
             num_tokens = self.manager.num_tokens(seq)
             for index, block_id in enumerate(self.manager.block_table(seq)):
                 fill[block_id] = min(self.block_size, num_tokens - index * self.block_size)
         return sum(fill.values()), len(fill) * self.block_size
 
     def memory_map(self, step: int) -> MemoryMap:
-        return paged_map(self.manager, self._live, self.name, step)
+        owners = {seq: self._owner(seq) for seq in self.manager.seq_ids}
+        return paged_map(self.manager, owners, self.name, step)
 
     def stats(self) -> dict[str, object]:
         stats = self.manager.stats
         return {**asdict(stats), "prefix_hit_rate": stats.prefix_hit_rate}
 
-    def _allocate(self, seq: SeqId, tokens: list[int]) -> None:
-        self.manager.allocate(seq, tokens)
-        self.manager.mark_computed(seq, len(tokens))
-
-    def _unfilled_slots(self, seqs: dict[SeqId, int]) -> int:
+    def _unfilled_slots(self, seqs: list[SeqId]) -> int:
         """Empty slots in last blocks; a last block shared by forks is counted once."""
         unfilled: dict[object, int] = {}
         for seq in seqs:
@@ -270,19 +219,92 @@ class PagedScheme(Scheme):
                 unfilled[key] = self.block_size - remainder
         return sum(unfilled.values())
 
-    def _prompt_tokens(self, request: Request) -> list[int]:
-        prompt = self._prompts.get(request.req_id)
-        if prompt is None:
-            prefix: list[int] = []
-            if request.prefix_id is not None:
-                prefix = self._prefixes.setdefault(request.prefix_id, [])
-                missing = max(0, request.prefix_len - len(prefix))
-                prefix.extend(itertools.islice(self._fresh_ids, missing))
-                prefix = prefix[: request.prefix_len]
-            unique = request.prompt_len - len(prefix)
-            prompt = prefix + list(itertools.islice(self._fresh_ids, unique))
-            self._prompts[request.req_id] = prompt
-        return prompt
+
+class SlabMemory:
+    """A `SlabAllocator` as the scheduler's `KVMemory`: a sample's whole reservation is made
+    when it is admitted, so appending never fails and a slab is never preempted.
+
+    A slab scheme gives every sample its own reservation from the start and has no CPU pool,
+    so the scheduler never asks it to fork or swap; those calls say so.
+    """
+
+    def __init__(
+        self, allocator: SlabAllocator, block_size: int, reservation: Callable[[str], int]
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.num_gpu_blocks = allocator.capacity // block_size
+        self.num_free_cpu_blocks = 0
+        self._reservation = reservation  # slots per sample, by request id
+        self._slabs: dict[SeqId, _SlabSeq] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free slots, in blocks (not necessarily contiguous)."""
+        return self.allocator.num_free // self.block_size
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._slabs
+
+    def allocate(self, seq_id: SeqId, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Reserve the sample's slab and write its prompt; no prefix is ever cached."""
+        size = self._reservation(seq_id[0])
+        try:
+            offset = self.allocator.reserve(seq_id, size)
+        except NoContiguousSpace:
+            raise NoFreeBlocks(-(-size // self.block_size), self.num_free_blocks) from None
+        self.allocator.write(seq_id, len(token_ids))
+        self._slabs[seq_id] = _SlabSeq(offset, size, len(token_ids))
+        return 0
+
+    def append(self, seq_id: SeqId, token_ids: list[int]) -> MemoryPlan:
+        self.allocator.write(seq_id, len(token_ids))
+        self._slabs[seq_id].num_tokens += len(token_ids)
+        return MemoryPlan()
+
+    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
+        self._slabs[seq_id].num_computed = num_tokens
+
+    def free(self, seq_id: SeqId) -> None:
+        self.allocator.release(seq_id)
+        del self._slabs[seq_id]
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """The blocks' worth of address space the slab spans."""
+        slab = self._slabs[seq_id]
+        return list(
+            range(slab.offset // self.block_size, -(-(slab.offset + slab.size) // self.block_size))
+        )
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return self._slabs[seq_id].num_tokens
+
+    def num_computed_tokens(self, seq_id: SeqId) -> int:
+        return self._slabs[seq_id].num_computed
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        raise NotImplementedError("a slab reserves every sample at admission: it never forks")
+
+    def swap_out(self, seq_id: SeqId) -> MemoryPlan:
+        raise NotImplementedError("a slab has no CPU pool and is never preempted")
+
+    def swap_in(self, seq_id: SeqId) -> MemoryPlan:
+        raise NotImplementedError("a slab has no CPU pool and is never preempted")
+
+
+@dataclass
+class _SlabSeq:
+    """Where a sample's slab is, and its token counts (the allocator's, read in O(1))."""
+
+    offset: int
+    size: int
+    num_tokens: int
+    num_computed: int = 0
+
+
+def final_kv_tokens(request: Request) -> int:
+    """Tokens of one sample whose KV is written by the time it finishes: all but the last."""
+    return request.total_len - 1
 
 
 def make_scheme(name: str, num_blocks: int, block_size: int, max_model_len: int) -> Scheme:

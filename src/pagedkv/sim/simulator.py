@@ -1,24 +1,35 @@
-"""The discrete-step serving loop: arrivals, FCFS admission, decoding, preemption.
+"""The discrete-step serving loop: arrivals, then the engine's own scheduler over each scheme.
 
-Each step, in the order of vLLM's scheduler: requests that have arrived join the waiting
-queue; every sample of every running request gains one token; then waiting requests are
-admitted in order until one does not fit (it waits, and so does everyone behind it) or
-`max_running` are running, and their prompts are prefilled (they decode from the next step).
-When a paged sample cannot get a block for its token, the most recently admitted request is
-preempted (freed, to be recomputed from the front of the queue). A slab never preempts: its
-reservation covers the request's whole life. Requests leave when every sample has all its
-output tokens, after the step is measured.
+Each step, requests that have arrived join the scheduler's waiting queue; then
+`Scheduler.schedule()` picks the step's work exactly as the engine's does (one token budget,
+chunked prefill, preemption of the newest request by recompute when a block cannot be had,
+admission in order while the watermark allows); the simulator plays the model, giving every
+sample whose chunk ends its tokens one made-up token; and `Scheduler.update()` records the
+step as the engine's does (tokens computed, forks, finished samples freed). A request's first
+token comes from the step that computes its prompt's last token. A slab never preempts: its
+reservation covers the request's whole life. The pool is measured while the step runs, before
+finished requests free their memory.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.outputs import RequestMetrics
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.request import Request as EngineRequest
+from pagedkv.engine.request import Sequence
+from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
 from pagedkv.sim.memory_map import MemoryMap
 from pagedkv.sim.schemes import MemoryState, Scheme
 from pagedkv.sim.workloads import Request
+
+# The engine's default token budget of one step.
+MAX_NUM_BATCHED_TOKENS = EngineArgs.max_num_batched_tokens
 
 
 class SimulationError(ValueError):
@@ -76,18 +87,6 @@ class SimResult:
         return len(self.timeline.running)
 
 
-@dataclass
-class _Live:
-    """A request's progress, kept across preemptions."""
-
-    request: Request
-    generated: list[int]
-    first_admitted_step: int | None = None
-
-    def done(self) -> bool:
-        return all(count == self.request.output_len for count in self.generated)
-
-
 def simulate(
     requests: list[Request],
     scheme: Scheme,
@@ -98,93 +97,153 @@ def simulate(
 ) -> SimResult:
     """Serve `requests` with `scheme` until all finish.
 
-    `snapshot_step` captures the memory map at that step; `on_step` is called after each
-    step with the number of tokens generated in it (for progress bars).
+    `max_running` caps the sequences of a step (the engine's `max_num_seqs`: a request of
+    n samples counts n). `snapshot_step` captures the memory map at that step; `on_step` is
+    called after each step with the number of tokens generated in it (for progress bars).
     """
     for request in requests:
-        if scheme.capacity_needed(request) > scheme.pool_tokens:
-            raise SimulationError(
-                f"{scheme.name}: request {request.req_id} needs "
-                f"{scheme.capacity_needed(request):,} token slots alone, the pool has "
-                f"{scheme.pool_tokens:,}"
-            )
+        _check_servable(request, scheme, max_running)
+    scheduler = Scheduler(
+        scheme.memory,
+        max_num_seqs=max_running,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        preemption_mode="recompute",
+    )
+    model = _MadeUpModel(scheme)
     pending = deque(sorted(requests, key=lambda request: request.arrival_step))
-    waiting: deque[_Live] = deque()
-    running: list[_Live] = []
     timeline = Timeline()
     queue_delays: list[int] = []
-    preemptions = finished = final_tokens = final_held = peak_held_step = 0
+    admitted: set[str] = set()
+    preemptions = peak_held_step = 0
     memory_map = None
     step = 0
-    while pending or waiting or running:
+    while pending or scheduler.has_unfinished():
         while pending and pending[0].arrival_step <= step:
-            request = pending.popleft()
-            waiting.append(_Live(request, [0] * request.n))
-        generated = 0
-        preempted: set[int] = set()
-        for live in list(running):
-            if live.request.req_id in preempted:
-                continue
-            for sample, count in enumerate(live.generated):
-                if count == live.request.output_len:
-                    continue
-                while not scheme.grow(live.request, sample):
-                    victim = running.pop()
-                    scheme.release(victim.request, finished=False)
-                    waiting.appendleft(victim)
-                    preempted.add(victim.request.req_id)
-                    preemptions += 1
-                    if victim is live:
-                        break
-                if live.request.req_id in preempted:
-                    break
-                live.generated[sample] += 1
-                generated += 1
-        blocked = False
-        # A step that had to preempt admits nobody: the memory it just freed is needed by
-        # the requests already running (vLLM's scheduler does the same).
-        while waiting and len(running) < max_running and not preempted:
-            live = waiting[0]
-            if not scheme.admit(live.request, live.generated):
-                blocked = True
-                break
-            waiting.popleft()
-            running.append(live)
-            if live.first_admitted_step is None:
-                live.first_admitted_step = step
-                queue_delays.append(step - live.request.arrival_step)
-        if blocked and not running:
+            scheme.add(pending[0])
+            scheduler.add(model.engine_request(pending.popleft()))
+        output = scheduler.schedule()
+        preemptions += len(output.preempted)
+        if scheduler.waiting and not scheduler.running and not output.preempted:
             # An idle pool always fits one request (checked above), so this is an allocator
             # that lost memory; stop rather than wait forever.
             raise SimulationError(
-                f"{scheme.name}: request {waiting[0].request.req_id} does not fit an idle pool "
-                "(memory was leaked)"
+                f"{scheme.name}: request {scheduler.waiting.peek().request_id} does not fit "
+                "an idle pool (memory was leaked)"
             )
-        timeline.record(len(running), scheme.measure())
+        for running in scheduler.running:
+            if running.request_id not in admitted:
+                admitted.add(running.request_id)
+                arrival = scheme.requests[running.request_id].arrival_step
+                queue_delays.append(step - arrival)
+        timeline.record(len(scheduler.running), scheme.measure())
         if timeline.held(step) > timeline.held(peak_held_step):
             peak_held_step = step
         if step == snapshot_step:
             memory_map = scheme.memory_map(step)
-        for live in [live for live in running if live.done()]:
-            tokens, held = scheme.footprint(live.request)
-            final_tokens += tokens
-            final_held += held
-            scheme.release(live.request, finished=True)
-            running.remove(live)
-            finished += 1
+        generated = model.generated
+        scheduler.update(output, new_sample=model.new_sample, sample=model.sample)
         if on_step is not None:
-            on_step(generated)
+            on_step(model.generated - generated)
         step += 1
     return SimResult(
         scheme=scheme.name,
         pool_tokens=scheme.pool_tokens,
         timeline=timeline,
-        finished=finished,
+        finished=model.finished,
         queue_delays=queue_delays,
         preemptions=preemptions,
-        final_tokens=final_tokens,
-        final_held=final_held,
+        final_tokens=model.final_tokens,
+        final_held=model.final_held,
         peak_held_step=peak_held_step,
         stats=scheme.stats(),
         memory_map=memory_map,
     )
+
+
+class _MadeUpModel:
+    """Plays the model: requests as the engine holds them, made-up token ids, lengths known.
+
+    Token ids only have to compare equal where the workload shares tokens: a shared prefix
+    gets the same ids in every request that carries it, everything else fresh ids. A sample
+    stops after the request's `output_len` tokens; when the last sample of a request stops,
+    its footprint is taken while it still holds its memory.
+    """
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+        self.generated = 0
+        self.finished = 0
+        self.final_tokens = 0
+        self.final_held = 0
+        self._fresh_ids = itertools.count()
+        self._prefixes: dict[Hashable, list[int]] = {}
+
+    def engine_request(self, request: Request) -> EngineRequest:
+        """The request as the engine's scheduler holds it: n samples from the start, unless
+        the scheme forks them once the prompt is computed."""
+        request_id = str(request.req_id)
+        prompt = self._prompt_ids(request)
+        num_samples = 1 if self.scheme.forks else request.n
+        return EngineRequest(
+            request_id=request_id,
+            prompt=None,
+            prompt_token_ids=prompt,
+            params=SamplingParams(n=request.n, max_tokens=request.max_tokens, ignore_eos=True),
+            max_tokens=request.max_tokens,
+            sequences=[_sequence(request_id, index, prompt) for index in range(num_samples)],
+            metrics=RequestMetrics(arrival_time=request.arrival_step),
+            forked=num_samples == request.n,
+        )
+
+    def new_sample(self, request: EngineRequest, index: int) -> Sequence:
+        """A forked sample: the prompt's tokens, shared until it writes its own."""
+        return _sequence(request.request_id, index, request.prompt_token_ids)
+
+    def sample(self, rows: list[SampleRow]) -> None:
+        """One made-up token per row; samples stop at the request's output length."""
+        for row in rows:
+            row.seq.token_ids.append(next(self._fresh_ids))
+            if row.seq.num_output_tokens == self.scheme.requests[row.request.request_id].output_len:
+                row.seq.finish_reason = "length"
+        self.generated += len(rows)
+        for request in dict.fromkeys(row.request for row in rows):
+            if request.all_samples_finished:
+                tokens, held = self.scheme.footprint(self.scheme.requests[request.request_id])
+                self.final_tokens += tokens
+                self.final_held += held
+                self.finished += 1
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        prefix: list[int] = []
+        if request.prefix_id is not None:
+            prefix = self._prefixes.setdefault(request.prefix_id, [])
+            missing = max(0, request.prefix_len - len(prefix))
+            prefix.extend(itertools.islice(self._fresh_ids, missing))
+            prefix = prefix[: request.prefix_len]
+        unique = request.prompt_len - len(prefix)
+        return prefix + list(itertools.islice(self._fresh_ids, unique))
+
+
+def _sequence(request_id: str, index: int, prompt: list[int]) -> Sequence:
+    return Sequence(
+        seq_id=(request_id, index),
+        index=index,
+        token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+    )
+
+
+def _check_servable(request: Request, scheme: Scheme, max_running: int) -> None:
+    """Refuse up front what could never run, as the engine's `add_request` does."""
+    if scheme.capacity_needed(request) > scheme.pool_tokens:
+        raise SimulationError(
+            f"{scheme.name}: request {request.req_id} needs "
+            f"{scheme.capacity_needed(request):,} token slots alone, the pool has "
+            f"{scheme.pool_tokens:,}"
+        )
+    max_samples = min(max_running, MAX_NUM_BATCHED_TOKENS)
+    if request.n > max_samples:
+        raise SimulationError(
+            f"request {request.req_id} has n={request.n} samples, but one step runs at most "
+            f"{max_samples} sequences (max_running / the step's token budget)"
+        )

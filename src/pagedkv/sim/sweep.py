@@ -1,16 +1,19 @@
 """Utilisation against batch size: a batch of B requests, served whole, slab against paged.
 
 For each batch size B the first B requests of the stream arrive together into a pool just
-large enough for B slab reservations at max_model_len, so no scheme ever queues or preempts
-and the only difference left is how each scheme holds memory. That isolates the tutorial's
+large enough for B slab reservations at max_model_len beside the scheduler's watermark, and
+every sample may run at once, so no scheme ever queues or preempts and the only difference
+left is how each scheme holds memory. That isolates the tutorial's
 question: what fraction of held KV memory does token state fill, as batches grow?
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pagedkv.engine.sched.scheduler import WATERMARK_FRACTION
 from pagedkv.sim.report import summarize
 from pagedkv.sim.schemes import make_scheme
 from pagedkv.sim.simulator import simulate
@@ -46,11 +49,11 @@ def utilisation_by_batch_size(
     points = []
     for batch_size in batch_sizes:
         batch = [replace(request, arrival_step=0) for request in requests[:batch_size]]
-        slab_slots = sum(request.n for request in batch) * max_model_len
-        num_blocks = -(-slab_slots // block_size)
+        num_samples = sum(request.n for request in batch)
+        num_blocks = _pool_blocks(num_samples * max_model_len, block_size)
         for name in schemes:
             scheme = make_scheme(name, num_blocks, block_size, max_model_len)
-            summary = summarize(simulate(batch, scheme, max_running=batch_size, on_step=on_step))
+            summary = summarize(simulate(batch, scheme, max_running=num_samples, on_step=on_step))
             points.append(
                 SweepPoint(
                     batch_size,
@@ -66,3 +69,10 @@ def utilisation_by_batch_size(
 def fillable_batch_sizes(batch_sizes: list[int], num_requests: int) -> list[int]:
     """The batch sizes a stream of `num_requests` fills; its whole length if it fills none."""
     return [size for size in batch_sizes if size <= num_requests] or [num_requests]
+
+
+def _pool_blocks(slab_slots: int, block_size: int) -> int:
+    """Blocks for `slab_slots`, and the watermark the scheduler keeps free of a pool that
+    size (a share of the pool, at least one block)."""
+    slab_blocks = -(-slab_slots // block_size)
+    return math.ceil(slab_blocks / (1 - WATERMARK_FRACTION)) + 1

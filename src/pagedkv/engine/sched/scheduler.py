@@ -4,66 +4,73 @@ One token budget per step (`max_num_batched_tokens`) is shared by everything, as
 there are no separate prefill and decode phases. Each step:
 1. running requests, oldest first: each live sequence gets its next tokens (one for a
    decode, a chunk for a prompt), with budget kept back so every running decode gets a token;
-   when a sequence cannot get a block, the newest running request is preempted (swapped to
-   the CPU pool when it fits there and swap is on, else freed to be recomputed);
-2. swapped requests, first-come first-served, when nothing was preempted this step;
-3. waiting requests, first-come first-served, when nothing is swapped, while the pool keeps a
+   when a sequence cannot get a block, the policy's victim is preempted (swapped to the CPU
+   pool when it fits there and swap is on, else freed to be recomputed) and its chunks of
+   this step, if it had any, are taken back;
+2. swapped requests, in the policy's order, when nothing was preempted this step;
+3. waiting requests, in the policy's order, when nothing is swapped, while the pool keeps a
    watermark of free blocks (so admitting does not force a preemption on the next decode).
-`KVCacheManager` decides where blocks live; every move it plans goes into one ordered
-`MemoryPlan` the runner executes before the forward pass. `SchedulerOutput` is plain data.
+After the runner has computed the step, `update` records it: marks the chunks computed, forks
+the samples of prompts that just finished, has the caller sample (the engine from logits, the
+simulator by making tokens up), then frees finished samples and retires finished requests.
+The memory (`KVMemory`: the paged `KVCacheManager`, or the simulator's slab) decides where
+tokens live; every move it plans goes into one ordered `MemoryPlan` the runner executes before
+the forward pass. `SchedulerOutput` is plain data.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.memory import KVCacheManager, MemoryPlan, NoFreeBlocks
+from pagedkv.engine.sched.policy import FCFSPolicy, SchedulingPolicy
+from pagedkv.memory import MemoryPlan, NoFreeBlocks
 from pagedkv.worker.step import PreemptionMode, ScheduledChunk, SchedulerOutput
 
 # Blocks kept free when admitting, as a share of the pool (at least one block).
 WATERMARK_FRACTION = 0.01
 
-
-@dataclass
-class _Step:
-    """Running totals while one step is being scheduled."""
-
-    budget: int
-    num_seqs: int = 0
-    output: SchedulerOutput = field(default_factory=SchedulerOutput)
+SeqId = tuple[str, int]
 
 
 class Scheduler:
-    """Queues of requests over one `KVCacheManager`; `schedule()` builds each step."""
+    """Queues of requests over one `KVMemory`; `schedule()` builds each step, `update()`
+    records what the runner computed."""
 
     def __init__(
         self,
-        manager: KVCacheManager,
+        manager: KVMemory,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: PreemptionMode,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.policy = policy or FCFSPolicy()
         self.watermark_blocks = max(1, int(manager.num_gpu_blocks * WATERMARK_FRACTION))
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the newest is preempted first
-        self.swapped: deque[Request] = deque()
+        self.waiting = self.policy.new_queue()
+        self.running: list[Request] = []  # in admission order
+        self.swapped = self.policy.new_queue()
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
+        self._arrivals = itertools.count()
 
     # -- queues ----------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        """Queue a new request behind the waiting ones."""
+        """Queue a new request (behind the waiting ones of its priority)."""
+        self.policy.check_priority(request.priority)
+        request.arrival_index = next(self._arrivals)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out of its queue and free every block its samples hold."""
@@ -92,12 +99,60 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 self._schedule_running(request, step)
         if not step.output.preempted:
-            while self.swapped and self._try_resume(self.swapped[0], step):
-                self.swapped.popleft()
+            while self.swapped and self._try_resume(self.swapped.peek(), step):
+                self.swapped.pop()
         if not self.swapped and not step.output.preempted:
-            while self.waiting and self._try_admit(self.waiting[0], step):
-                self.waiting.popleft()
+            while self.waiting and self._try_admit(self.waiting.peek(), step):
+                self.waiting.pop()
         return step.output
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        *,
+        new_sample: Callable[[Request, int], Sequence],
+        sample: Callable[[list[SampleRow]], None],
+    ) -> list[Request]:
+        """Record a computed step; return the requests that sampled, in chunk order.
+
+        `new_sample(request, index)` makes sample `index` of a request whose prompt just
+        finished (its blocks are then shared with sample 0's). `sample(rows)` appends each
+        row's next token to its sequence and sets `finish_reason` where the sample stops.
+        Finished samples free their blocks; a request whose samples all finished leaves the
+        scheduler (status FINISHED).
+        """
+        for chunk in output.chunks:
+            self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
+        running = {request.request_id: request for request in self.running}
+        rows: list[SampleRow] = []
+        touched: dict[str, Request] = {}
+        for row, chunk in enumerate(chunk for chunk in output.chunks if chunk.sample):
+            request = running[chunk.seq_id[0]]
+            if not request.forked:  # all n samples start from the prompt's logits
+                self._fork(request, new_sample)
+                rows.extend(SampleRow(row, request, seq) for seq in request.sequences)
+            else:
+                rows.append(SampleRow(row, request, request.sequences[chunk.seq_id[1]]))
+            touched[request.request_id] = request
+        if not rows:
+            return []
+        sample(rows)
+        for request in touched.values():
+            for seq in request.sequences:
+                if seq.finished:
+                    self.free_sequence(seq)
+            if request.all_samples_finished:
+                self.remove(request)
+        return list(touched.values())
+
+    def _fork(self, request: Request, new_sample: Callable[[Request, int], Sequence]) -> None:
+        """The prompt is computed: samples 1..n-1 share sample 0's blocks."""
+        first = request.sequences[0]
+        for index in range(1, request.params.n):
+            seq = new_sample(request, index)
+            self.manager.fork(first.seq_id, seq.seq_id)
+            request.sequences.append(seq)
+        request.forked = True
 
     def _schedule_running(self, request: Request, step: _Step) -> None:
         chunks: list[ScheduledChunk] = []
@@ -113,9 +168,10 @@ class Scheduler:
                     chunks.append(self._chunk(seq, num_new, step.output.plan))
                     break
                 except NoFreeBlocks:
-                    victim = self.running[-1]
+                    victim = self.policy.victim(self.running)
                     self._preempt(victim, step)
                     if victim is request:
+                        step.budget += sum(len(chunk.token_ids) for chunk in chunks)
                         return
             step.budget -= num_new
         step.num_seqs += len(chunks)
@@ -198,12 +254,13 @@ class Scheduler:
         """Move the request's blocks to the CPU pool, or free them to be recomputed."""
         seqs = request.live_sequences
         self.running.remove(request)
+        self._unschedule(request, step)
         cpu_needed = sum(len(self.manager.block_table(seq.seq_id)) for seq in seqs)
         if self.preemption_mode == "swap" and cpu_needed <= self.manager.num_free_cpu_blocks:
             for seq in seqs:
                 step.output.plan.extend(self.manager.swap_out(seq.seq_id))
             request.status = RequestStatus.SWAPPED
-            self.swapped.append(request)
+            self.swapped.add(request)
             request.metrics.num_swap_preemptions += 1
             self.num_swap_preemptions += 1
             step.output.preempted.append((request.request_id, "swap"))
@@ -211,10 +268,21 @@ class Scheduler:
         for seq in seqs:
             self.manager.free(seq.seq_id)
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         request.metrics.num_recompute_preemptions += 1
         self.num_recompute_preemptions += 1
         step.output.preempted.append((request.request_id, "recompute"))
+
+    def _unschedule(self, request: Request, step: _Step) -> None:
+        """Take back the chunks a victim was given earlier in this step (under "priority" it
+        may have run before the request that needs its blocks) with their budget."""
+        ids = {seq.seq_id for seq in request.sequences}
+        taken = [chunk for chunk in step.output.chunks if chunk.seq_id in ids]
+        if not taken:
+            return
+        step.output.chunks = [chunk for chunk in step.output.chunks if chunk.seq_id not in ids]
+        step.budget += sum(len(chunk.token_ids) for chunk in taken)
+        step.num_seqs -= len(taken)
 
     # -- arithmetic ------------------------------------------------------------------------
 
@@ -234,3 +302,48 @@ class Scheduler:
     def _watermark(self) -> int:
         """Free blocks to keep when resuming or admitting: none when nothing else runs."""
         return self.watermark_blocks if self.running else 0
+
+
+class KVMemory(Protocol):
+    """What the scheduler asks of KV memory; `KVCacheManager` is the real one.
+
+    Every call that raises `NoFreeBlocks` changes nothing.
+    """
+
+    block_size: int
+    num_gpu_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_free_cpu_blocks(self) -> int: ...
+    def __contains__(self, seq_id: SeqId) -> bool: ...
+    def allocate(self, seq_id: SeqId, token_ids: list[int], cache_salt: str | None) -> int: ...
+    def append(self, seq_id: SeqId, token_ids: list[int]) -> MemoryPlan: ...
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None: ...
+    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None: ...
+    def free(self, seq_id: SeqId) -> None: ...
+    def swap_out(self, seq_id: SeqId) -> MemoryPlan: ...
+    def swap_in(self, seq_id: SeqId) -> MemoryPlan: ...
+    def block_table(self, seq_id: SeqId) -> list[int]: ...
+    def num_tokens(self, seq_id: SeqId) -> int: ...
+    def num_computed_tokens(self, seq_id: SeqId) -> int: ...
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One sample that draws its next token this step, from row `row` of the step's logits
+    (the row of its chunk among the chunks that sample; forked samples share a row)."""
+
+    row: int
+    request: Request
+    seq: Sequence
+
+
+@dataclass
+class _Step:
+    """Running totals while one step is being scheduled."""
+
+    budget: int
+    num_seqs: int = 0
+    output: SchedulerOutput = field(default_factory=SchedulerOutput)
