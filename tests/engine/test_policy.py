@@ -22,6 +22,7 @@ from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sched.policy import FCFSPolicy, PriorityPolicy, make_policy
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.worker.step import SchedulerOutput
 from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
@@ -39,7 +40,9 @@ def make_request(
         prompt_token_ids=prompt,
         params=SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
         max_tokens=max_tokens,
-        sequences=[Sequence((request_id, 0), 0, list(prompt), prompt_len)],
+        sequences=[
+            Sequence((request_id, 0), 0, SequenceTokens((request_id, 0), prompt), prompt_len)
+        ],
         metrics=RequestMetrics(arrival_time=0.0),
         priority=priority,
         forked=n == 1,
@@ -55,7 +58,8 @@ def make_scheduler(num_blocks: int, policy: str, **overrides) -> Scheduler:
 
 def new_sample(request: Request, index: int) -> Sequence:
     prompt = request.prompt_token_ids
-    return Sequence((request.request_id, index), index, list(prompt), len(prompt))
+    seq_id = (request.request_id, index)
+    return Sequence(seq_id, index, SequenceTokens(seq_id, prompt), len(prompt))
 
 
 def sample(rows: list[SampleRow]) -> None:

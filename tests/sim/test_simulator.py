@@ -22,6 +22,7 @@ from pagedkv.engine.request import Request as EngineRequest
 from pagedkv.engine.request import Sequence
 from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.report import summarize
 from pagedkv.sim.schemes import SCHEME_LABELS, PagedScheme, SlabScheme, make_scheme
 from pagedkv.sim.simulator import SimulationError, simulate
@@ -284,7 +285,9 @@ def _engine_request(request_id: str, prompt: list[int]) -> EngineRequest:
         prompt_token_ids=prompt,
         params=SamplingParams(max_tokens=2048, ignore_eos=True),
         max_tokens=2048,
-        sequences=[Sequence((request_id, 0), 0, list(prompt), len(prompt))],
+        sequences=[
+            Sequence((request_id, 0), 0, SequenceTokens((request_id, 0), prompt), len(prompt))
+        ],
         metrics=RequestMetrics(arrival_time=0.0),
         forked=True,
     )

@@ -4,12 +4,13 @@ Byte-level tokenizers spread one character over several tokens (emoji, CJK), and
 prefix of them yields U+FFFD. A piece is therefore held back until it decodes cleanly. Each
 step decodes only a short window of recent tokens, with a few tokens of context before it so
 tokenizers that drop a leading space at the start of a decode (SentencePiece) still produce
-the same text as decoding everything at once.
+the same text as decoding everything at once. It keeps no tokens of its own: it reads the
+sequence's token array, which only ever grows, through two offsets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
 
 from pagedkv.tokenizer import Tokenizer
 
@@ -19,38 +20,46 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Turns one sample's growing token list into text, a clean piece at a time."""
+    """Turns one sample's growing token array into text, a clean piece at a time."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+        self,
+        tokenizer: Tokenizer,
+        token_ids: array,
+        num_prompt_tokens: int,
+        skip_special_tokens: bool,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        self._token_ids = context
-        self._prefix_offset = 0  # window start: context tokens, decoded but already emitted
-        self._read_offset = len(context)  # tokens before this are emitted as text
+        self._token_ids = token_ids  # the sequence's own array: read, never written
+        # Window start: a few prompt tokens of context, decoded but never emitted.
+        self._prefix_offset = max(0, num_prompt_tokens - CONTEXT_TOKENS)
+        self._read_offset = num_prompt_tokens  # tokens before this are emitted as text
+        self._num_fed = num_prompt_tokens  # tokens `advance` has taken in
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append output tokens; return the new text that is now certain (maybe empty)."""
-        self._token_ids.extend(token_ids)
+    def advance(self) -> str:
+        """Take in the tokens appended since the last call; return the text now certain.
+
+        A token never taken in (a stop token, which ends the text) is never decoded.
+        """
+        self._num_fed = len(self._token_ids)
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        self._read_offset = self._num_fed
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Text held back so far (an incomplete character decodes as U+FFFD)."""
         prefix_text, new_text = self._decode_window()
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        self._read_offset = self._num_fed
         return new_text[len(prefix_text) :]
 
     def _decode_window(self) -> tuple[str, str]:
         decode = self._tokenizer.decode
-        window = self._token_ids[self._prefix_offset :]
+        window = self._token_ids[self._prefix_offset : self._num_fed].tolist()
         held = self._read_offset - self._prefix_offset
         prefix_text = decode(window[:held], skip_special_tokens=self._skip_special_tokens)
         new_text = decode(window, skip_special_tokens=self._skip_special_tokens)

@@ -35,9 +35,10 @@ from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sampler import Sampler, SamplingRow
 from pagedkv.engine.sched.policy import make_policy
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
-from pagedkv.engine.stats import BlockState, EngineStats, KVSnapshot
+from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, kv_utilisation
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.weights.assemble import DTYPES
 from pagedkv.weights.load import load
 from pagedkv.worker.kv_budget import PoolRequest, kv_budget
@@ -278,7 +279,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
             kv_usage=self.manager.usage,
-            kv_utilisation=self._utilisation(),
+            kv_utilisation=kv_utilisation(self.manager),
             prefix_queried_tokens=memory.prefix_queried_tokens,
             prefix_hit_tokens=memory.prefix_hit_tokens,
             prefix_hit_rate=memory.prefix_hit_rate,
@@ -297,36 +298,7 @@ class Engine:
 
     def kv_snapshot(self) -> KVSnapshot:
         """Every GPU and CPU block: ref count, prefix-cache state and holders."""
-        gpu_holders: dict[int, list[tuple[str, int, int]]] = {}
-        cpu_holders: dict[int, list[tuple[str, int, int]]] = {}
-        for request in self._requests.values():
-            for seq in request.sequences:
-                if seq.seq_id not in self.manager:
-                    continue
-                holders = cpu_holders if self.manager.is_swapped_out(seq.seq_id) else gpu_holders
-                for position, block in enumerate(self.manager.block_table(seq.seq_id)):
-                    holders.setdefault(block, []).append((request.request_id, seq.index, position))
-        gpu = [
-            BlockState(
-                block_id=block,
-                ref_count=self.manager.block_ref_count(block),
-                cached=self.manager.is_cached(block),
-                holders=gpu_holders.get(block, []),
-            )
-            for block in range(self.manager.num_gpu_blocks)
-        ]
-        no_holders: list[tuple[str, int, int]] = []  # shared by every free CPU block
-        cpu = []
-        for block in range(self.manager.num_cpu_blocks):
-            holders = cpu_holders.get(block, no_holders)
-            cpu.append(BlockState(block, len(holders), False, holders))
-        return KVSnapshot(
-            block_size=self.manager.block_size,
-            num_gpu_blocks=self.manager.num_gpu_blocks,
-            num_cpu_blocks=self.manager.num_cpu_blocks,
-            gpu=gpu,
-            cpu=cpu,
-        )
+        return kv_snapshot(self.manager, self._requests.values())
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -374,19 +346,20 @@ class Engine:
         return max_tokens
 
     def _new_sequence(
-        self, request_id: str, index: int, token_ids: list[int], params: SamplingParams
+        self, request_id: str, index: int, token_ids: SequenceOf[int], params: SamplingParams
     ) -> Sequence:
         generator = None
         if params.seed is not None:
             seed = (params.seed + index * _SAMPLE_SEED_STRIDE) % 2**64
             generator = torch.Generator(device=self.device).manual_seed(seed)
+        tokens = SequenceTokens((request_id, index), token_ids)
         return Sequence(
             seq_id=(request_id, index),
             index=index,
-            token_ids=list(token_ids),
-            num_prompt_tokens=len(token_ids),
+            tokens=tokens,
+            num_prompt_tokens=len(tokens),
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens
+                self.tokenizer, tokens.token_ids, len(tokens), params.skip_special_tokens
             ),
             generator=generator,
         )
@@ -425,19 +398,6 @@ class Engine:
         num_prompt = self._requests[request_id].sequences[index].num_prompt_tokens
         end = chunk.num_computed + len(chunk.token_ids)
         return max(0, min(end, num_prompt) - chunk.num_computed)
-
-    def _utilisation(self) -> float:
-        """Filled token slots over the slots of every held GPU block (a shared block once)."""
-        block_size = self.manager.block_size
-        filled: dict[int, int] = {}
-        for seq_id in self.manager.seq_ids:
-            if self.manager.is_swapped_out(seq_id):
-                continue
-            num_tokens = self.manager.num_tokens(seq_id)
-            for position, block in enumerate(self.manager.block_table(seq_id)):
-                fill = min(block_size, num_tokens - position * block_size)
-                filled[block] = max(filled.get(block, 0), fill)
-        return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0
 
 
 def _max_model_len(args: EngineArgs, max_position_embeddings: int) -> int:

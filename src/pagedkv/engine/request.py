@@ -4,8 +4,10 @@ A request is a prompt plus `SamplingParams`. Its samples are sequences: one whil
 is computed, then `n` once the prompt's last token has produced logits (the first sequence is
 forked, so all samples share the prompt's blocks and copy on write only the last partial one).
 
-A sequence's `token_ids` are the prompt and every sampled token. The memory manager holds
-KV for the first `num_computed` of them; the rest are computed by the next forward passes.
+A sequence's `tokens` record (`memory.tokens.SequenceTokens`) holds the prompt and every
+sampled token, and how many of them have KV computed: it is the one record of both, which the
+memory manager shares (no copy), the scheduler reads and the detokenizer decodes from. The
+first `num_computed` tokens have KV; the rest are computed by the next forward passes.
 Computing the last token yields the logits of the next sample. This one rule covers a new
 prompt, a chunked prompt, a decode, and a sequence recomputed after preemption.
 
@@ -21,8 +23,11 @@ from typing import TYPE_CHECKING
 
 from pagedkv.engine.outputs import FinishReason, RequestMetrics, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
+from pagedkv.memory.tokens import SequenceTokens
 
 if TYPE_CHECKING:
+    from array import array
+
     import torch
 
     from pagedkv.engine.detokenizer import IncrementalDetokenizer
@@ -43,7 +48,7 @@ class Sequence:
 
     seq_id: tuple[str, int]  # (request id, sample index): the memory manager's key
     index: int
-    token_ids: list[int]
+    tokens: SequenceTokens  # prompt and sampled ids, and how many have KV computed
     num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer | None = None  # the engine's; the simulator makes no text
     generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
@@ -60,9 +65,14 @@ class Sequence:
     finish_reported: bool = False
 
     @property
+    def token_ids(self) -> array:
+        """The prompt and every sampled token (the record's int64 array, not a copy)."""
+        return self.tokens.token_ids
+
+    @property
     def output_token_ids(self) -> list[int]:
         """Sampled tokens only."""
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens :].tolist()
 
     @property
     def num_output_tokens(self) -> int:

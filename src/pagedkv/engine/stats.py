@@ -6,7 +6,11 @@ plain data built on demand from the scheduler's queues and the memory manager.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+
+from pagedkv.engine.request import Request
+from pagedkv.memory import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -80,3 +84,51 @@ def _block_dict(block: BlockState) -> dict[str, object]:
         "cached": block.cached,
         "holders": [list(holder) for holder in block.holders],
     }
+
+
+def kv_snapshot(manager: KVCacheManager, requests: Iterable[Request]) -> KVSnapshot:
+    """Every GPU and CPU block of `manager`: ref count, prefix-cache state and holders."""
+    gpu_holders: dict[int, list[tuple[str, int, int]]] = {}
+    cpu_holders: dict[int, list[tuple[str, int, int]]] = {}
+    for request in requests:
+        for seq in request.sequences:
+            if seq.seq_id not in manager:
+                continue
+            holders = cpu_holders if manager.is_swapped_out(seq.seq_id) else gpu_holders
+            for position, block in enumerate(manager.block_table(seq.seq_id)):
+                holders.setdefault(block, []).append((request.request_id, seq.index, position))
+    gpu = [
+        BlockState(
+            block_id=block,
+            ref_count=manager.block_ref_count(block),
+            cached=manager.is_cached(block),
+            holders=gpu_holders.get(block, []),
+        )
+        for block in range(manager.num_gpu_blocks)
+    ]
+    no_holders: list[tuple[str, int, int]] = []  # shared by every free CPU block
+    cpu = []
+    for block in range(manager.num_cpu_blocks):
+        holders = cpu_holders.get(block, no_holders)
+        cpu.append(BlockState(block, len(holders), False, holders))
+    return KVSnapshot(
+        block_size=manager.block_size,
+        num_gpu_blocks=manager.num_gpu_blocks,
+        num_cpu_blocks=manager.num_cpu_blocks,
+        gpu=gpu,
+        cpu=cpu,
+    )
+
+
+def kv_utilisation(manager: KVCacheManager) -> float:
+    """Filled token slots over the slots of every held GPU block (a shared block once)."""
+    block_size = manager.block_size
+    filled: dict[int, int] = {}
+    for seq_id in manager.seq_ids:
+        if manager.is_swapped_out(seq_id):
+            continue
+        num_tokens = manager.num_tokens(seq_id)
+        for position, block in enumerate(manager.block_table(seq_id)):
+            fill = min(block_size, num_tokens - position * block_size)
+            filled[block] = max(filled.get(block, 0), fill)
+    return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0

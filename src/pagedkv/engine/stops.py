@@ -29,7 +29,7 @@ def apply_stops(
         _finish(seq, "stop", token_id)
         return
     previous_length = len(seq.text)
-    seq.text += seq.detokenizer.add([token_id])
+    seq.text += seq.detokenizer.advance()
     if may_stop and params.stop_strings and len(seq.text) > previous_length:
         _find_stop_string(seq, params.stop_strings, previous_length)
         if seq.finished:

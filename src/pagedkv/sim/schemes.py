@@ -26,6 +26,7 @@ from pagedkv.memory import (
     NoFreeBlocks,
     SlabAllocator,
 )
+from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.memory_map import MemoryMap, paged_map, slab_map
 from pagedkv.sim.workloads import Request
 
@@ -246,28 +247,38 @@ class SlabMemory:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._slabs
 
-    def allocate(self, seq_id: SeqId, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def allocate(self, seq_id: SeqId, tokens: SequenceTokens, cache_salt: str | None = None) -> int:
         """Reserve the sample's slab and write its prompt; no prefix is ever cached."""
         size = self._reservation(seq_id[0])
         try:
             offset = self.allocator.reserve(seq_id, size)
         except NoContiguousSpace:
             raise NoFreeBlocks(-(-size // self.block_size), self.num_free_blocks) from None
-        self.allocator.write(seq_id, len(token_ids))
-        self._slabs[seq_id] = _SlabSeq(offset, size, len(token_ids))
+        self.allocator.write(seq_id, len(tokens))
+        tokens.num_computed = 0
+        self._slabs[seq_id] = _SlabSeq(offset, size, len(tokens), tokens)
         return 0
 
-    def append(self, seq_id: SeqId, token_ids: list[int]) -> MemoryPlan:
-        self.allocator.write(seq_id, len(token_ids))
-        self._slabs[seq_id].num_tokens += len(token_ids)
+    def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan:
+        slab = self._slabs[seq_id]
+        self.allocator.write(seq_id, num_tokens - slab.num_tokens)
+        slab.num_tokens = num_tokens
         return MemoryPlan()
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
-        self._slabs[seq_id].num_computed = num_tokens
+        self._slabs[seq_id].tokens.num_computed = num_tokens
 
     def free(self, seq_id: SeqId) -> None:
         self.allocator.release(seq_id)
-        del self._slabs[seq_id]
+        self._slabs.pop(seq_id).tokens.num_computed = 0
+
+    def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None:
+        """The slab's span once, when first asked: it never moves."""
+        slab = self._slabs[seq_id]
+        if slab.table_reported:
+            return None
+        slab.table_reported = True
+        return 0, self.block_table(seq_id)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The blocks' worth of address space the slab spans."""
@@ -279,10 +290,7 @@ class SlabMemory:
     def num_tokens(self, seq_id: SeqId) -> int:
         return self._slabs[seq_id].num_tokens
 
-    def num_computed_tokens(self, seq_id: SeqId) -> int:
-        return self._slabs[seq_id].num_computed
-
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+    def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None:
         raise NotImplementedError("a slab reserves every sample at admission: it never forks")
 
     def swap_out(self, seq_id: SeqId) -> MemoryPlan:
@@ -294,12 +302,14 @@ class SlabMemory:
 
 @dataclass
 class _SlabSeq:
-    """Where a sample's slab is, and its token counts (the allocator's, read in O(1))."""
+    """Where a sample's slab is, the tokens written in it (the allocator's count, read in
+    O(1)), and the sample's own record, whose computed count the slab keeps."""
 
     offset: int
     size: int
     num_tokens: int
-    num_computed: int = 0
+    tokens: SequenceTokens
+    table_reported: bool = False
 
 
 def final_kv_tokens(request: Request) -> int:

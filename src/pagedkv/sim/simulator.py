@@ -24,6 +24,7 @@ from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request as EngineRequest
 from pagedkv.engine.request import Sequence
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
+from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.memory_map import MemoryMap
 from pagedkv.sim.schemes import MemoryState, Scheme
 from pagedkv.sim.workloads import Request
@@ -228,7 +229,7 @@ def _sequence(request_id: str, index: int, prompt: list[int]) -> Sequence:
     return Sequence(
         seq_id=(request_id, index),
         index=index,
-        token_ids=list(prompt),
+        tokens=SequenceTokens((request_id, index), prompt),
         num_prompt_tokens=len(prompt),
     )
 

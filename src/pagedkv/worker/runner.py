@@ -1,9 +1,11 @@
 """ModelRunner: executes one scheduled step on tensors: memory plan, forward pass, logits.
 
 The scheduler decides; the runner owns the model and the KV cache tensors and does what the
-`SchedulerOutput` says, in order: run the step's memory plan (copy-on-write copies and swaps,
-as one ordered plan), then one flat forward pass over every scheduled chunk, then return the
-logits of the chunks that end at a sequence's last token (the ones that sample).
+`SchedulerOutput` says, in order: forget the tables of dropped sequences, run the step's memory
+plan (copy-on-write copies and swaps, as one ordered plan), then one flat forward pass over
+every scheduled chunk, then return the logits of the chunks that end at a sequence's last token
+(the ones that sample). It keeps each running sequence's block table and receives only changes
+to it (`ScheduledChunk.table_update`), not every table every step.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.worker.kv_cache import KVCache
-from pagedkv.worker.step import SchedulerOutput
+from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
@@ -26,6 +28,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.cache.device
+        # Each running sequence's block table, kept here and changed by the step's updates.
+        self.block_tables: dict[tuple[str, int], list[int]] = {}
         self.forward_seconds = 0.0  # time inside plan + forward, for the outside-forward share
         self.model_seconds = 0.0  # time inside the model's forward alone
         self.last_num_seqs = 0  # sequences in the last forward pass (0: the step ran none)
@@ -36,6 +40,8 @@ class ModelRunner:
         None when no chunk samples (nothing scheduled, or only prompt chunks mid-prompt).
         """
         started = time.perf_counter()
+        for seq_id in output.dropped:
+            self.block_tables.pop(seq_id, None)
         self.kv_cache.execute(output.plan)
         if not output.chunks:
             self.forward_seconds += time.perf_counter() - started
@@ -43,7 +49,7 @@ class ModelRunner:
             return None
         batch = ForwardBatch.build(
             [
-                SequenceInput(chunk.token_ids, chunk.num_computed, chunk.block_table)
+                SequenceInput(chunk.token_ids, chunk.num_computed, self._table(chunk))
                 for chunk in output.chunks
             ],
             self.kv_cache.block_size,
@@ -60,3 +66,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - started
         return logits if rows else None
+
+    def _table(self, chunk: ScheduledChunk) -> list[int]:
+        """The chunk's sequence's block table, with this step's update applied."""
+        table = self.block_tables.setdefault(chunk.seq_id, [])
+        if chunk.table_update is not None:
+            first, block_ids = chunk.table_update
+            table[first:] = block_ids
+        return table

@@ -19,24 +19,31 @@ PreemptionMode = Literal["swap", "recompute"]
 class ScheduledChunk:
     """New tokens of one sequence to compute this step.
 
-    `sample` is True when the chunk ends at the sequence's last token: its logits choose the
-    sequence's next token.
+    `table_update` is `(first, block_ids)` when the sequence's block table changed since the
+    runner last saw it: entries from `first` on (the whole table for a sequence new to the
+    runner). `sample` is True when the chunk ends at the sequence's last token: its logits
+    choose the sequence's next token.
     """
 
     seq_id: tuple[str, int]
     token_ids: list[int]
     num_computed: int
-    block_table: list[int]
+    table_update: tuple[int, list[int]] | None
     sample: bool
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: the chunks to compute and the memory plan to execute first."""
+    """One step's work: the chunks to compute and the memory plan to execute first.
+
+    `dropped` names the sequences whose block tables the runner forgets first: freed,
+    preempted or swapped out since the last step.
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     plan: MemoryPlan = field(default_factory=MemoryPlan)
     preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
+    dropped: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -15,7 +15,10 @@ the samples of prompts that just finished, has the caller sample (the engine fro
 simulator by making tokens up), then frees finished samples and retires finished requests.
 The memory (`KVMemory`: the paged `KVCacheManager`, or the simulator's slab) decides where
 tokens live; every move it plans goes into one ordered `MemoryPlan` the runner executes before
-the forward pass. `SchedulerOutput` is plain data.
+the forward pass. A sequence's tokens and computed count are its `SequenceTokens` record,
+which the memory shares: the scheduler reads them there and asks the memory for nothing per
+step but slots. The runner keeps the block tables; each chunk carries only the change to its
+sequence's table, and `dropped` names the tables to forget. `SchedulerOutput` is plain data.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Protocol
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sched.policy import FCFSPolicy, SchedulingPolicy
 from pagedkv.memory import MemoryPlan, NoFreeBlocks
+from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.worker.step import PreemptionMode, ScheduledChunk, SchedulerOutput
 
 # Blocks kept free when admitting, as a share of the pool (at least one block).
@@ -62,6 +66,7 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
         self._arrivals = itertools.count()
+        self._dropped: list[SeqId] = []  # tables the runner must forget, sent with the next step
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -85,6 +90,7 @@ class Scheduler:
         """Release one sample's blocks (GPU or CPU) if it holds any."""
         if seq.seq_id in self.manager:
             self.manager.free(seq.seq_id)
+            self._dropped.append(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped."""
@@ -104,6 +110,11 @@ class Scheduler:
         if not self.swapped and not step.output.preempted:
             while self.waiting and self._try_admit(self.waiting.peek(), step):
                 self.waiting.pop()
+        self._dropped += step.output.dropped
+        if step.output.chunks or step.output.plan:  # a step the runner will execute
+            step.output.dropped, self._dropped = self._dropped, []
+        else:
+            step.output.dropped = []
         return step.output
 
     def update(
@@ -150,7 +161,7 @@ class Scheduler:
         first = request.sequences[0]
         for index in range(1, request.params.n):
             seq = new_sample(request, index)
-            self.manager.fork(first.seq_id, seq.seq_id)
+            self.manager.fork(first.seq_id, seq.seq_id, seq.tokens)
             request.sequences.append(seq)
         request.forked = True
 
@@ -194,14 +205,14 @@ class Scheduler:
         try:
             for seq in request.live_sequences:
                 num_cached = self.manager.allocate(
-                    seq.seq_id, seq.token_ids, cache_salt=request.cache_salt
+                    seq.seq_id, seq.tokens, cache_salt=request.cache_salt
                 )
                 allocated.append(seq)
                 if request.metrics.first_scheduled_time is None:
                     request.metrics.num_cached_tokens = num_cached
         except NoFreeBlocks:
             for seq in allocated:
-                self.manager.free(seq.seq_id)
+                self.free_sequence(seq)
             return False
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()
@@ -236,18 +247,17 @@ class Scheduler:
             step.num_seqs += 1
 
     def _chunk(self, seq: Sequence, num_new: int, plan: MemoryPlan) -> ScheduledChunk:
-        """Make the manager hold the chunk's tokens (may raise NoFreeBlocks) and describe it."""
-        num_computed = self.manager.num_computed_tokens(seq.seq_id)
+        """Make the memory hold the chunk's tokens (may raise NoFreeBlocks) and describe it."""
+        num_computed = seq.tokens.num_computed
         end = num_computed + num_new
-        held = self.manager.num_tokens(seq.seq_id)
-        if end > held:
-            plan.extend(self.manager.append(seq.seq_id, seq.token_ids[held:end]))
+        if end > self.manager.num_tokens(seq.seq_id):
+            plan.extend(self.manager.grow(seq.seq_id, end))
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids[num_computed:end],
+            token_ids=seq.token_ids[num_computed:end].tolist(),
             num_computed=num_computed,
-            block_table=self.manager.block_table(seq.seq_id),
-            sample=end == len(seq.token_ids),
+            table_update=self.manager.take_table_update(seq.seq_id),
+            sample=end == len(seq.tokens),
         )
 
     def _preempt(self, request: Request, step: _Step) -> None:
@@ -259,6 +269,7 @@ class Scheduler:
         if self.preemption_mode == "swap" and cpu_needed <= self.manager.num_free_cpu_blocks:
             for seq in seqs:
                 step.output.plan.extend(self.manager.swap_out(seq.seq_id))
+                step.output.dropped.append(seq.seq_id)
             request.status = RequestStatus.SWAPPED
             self.swapped.add(request)
             request.metrics.num_swap_preemptions += 1
@@ -267,6 +278,7 @@ class Scheduler:
             return
         for seq in seqs:
             self.manager.free(seq.seq_id)
+            step.output.dropped.append(seq.seq_id)
         request.status = RequestStatus.WAITING
         self.waiting.add_preempted(request)
         request.metrics.num_recompute_preemptions += 1
@@ -287,7 +299,7 @@ class Scheduler:
     # -- arithmetic ------------------------------------------------------------------------
 
     def _num_to_compute(self, seq: Sequence) -> int:
-        return len(seq.token_ids) - self.manager.num_computed_tokens(seq.seq_id)
+        return len(seq.tokens) - seq.tokens.num_computed
 
     def _decodes_after(self, request: Request) -> int:
         """Running decodes behind `request` in this step's order, each owed one token."""
@@ -307,7 +319,9 @@ class Scheduler:
 class KVMemory(Protocol):
     """What the scheduler asks of KV memory; `KVCacheManager` is the real one.
 
-    Every call that raises `NoFreeBlocks` changes nothing.
+    Every call that raises `NoFreeBlocks` changes nothing. The memory shares each sequence's
+    `SequenceTokens` record (given at `allocate` and `fork`): it reads the ids there, sets
+    `num_computed` there, and resets it when it frees the sequence.
     """
 
     block_size: int
@@ -318,16 +332,16 @@ class KVMemory(Protocol):
     @property
     def num_free_cpu_blocks(self) -> int: ...
     def __contains__(self, seq_id: SeqId) -> bool: ...
-    def allocate(self, seq_id: SeqId, token_ids: list[int], cache_salt: str | None) -> int: ...
-    def append(self, seq_id: SeqId, token_ids: list[int]) -> MemoryPlan: ...
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None: ...
+    def allocate(self, seq_id: SeqId, tokens: SequenceTokens, cache_salt: str | None) -> int: ...
+    def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan: ...
+    def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None: ...
+    def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None: ...
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None: ...
     def free(self, seq_id: SeqId) -> None: ...
     def swap_out(self, seq_id: SeqId) -> MemoryPlan: ...
     def swap_in(self, seq_id: SeqId) -> MemoryPlan: ...
     def block_table(self, seq_id: SeqId) -> list[int]: ...
     def num_tokens(self, seq_id: SeqId) -> int: ...
-    def num_computed_tokens(self, seq_id: SeqId) -> int: ...
 
 
 @dataclass(frozen=True)
