@@ -14,7 +14,7 @@ from pagedkv.kvmath.presets import (
     UnknownPreset,
     dense_param_count,
     gpu_preset,
-    load_model,
+    resolve_model,
 )
 from pagedkv.kvmath.spec import GB, ConfigError, KVSpec, MiB
 from pagedkv.memory import KVCacheManager, NoContiguousSpace, NoFreeBlocks, SlabAllocator
@@ -82,7 +82,7 @@ def test_longest_request_is_capped_by_pool_and_context():
 def test_gpu_pool_is_memory_times_utilization_minus_weights_and_activations():
     gpu = gpu_preset("h100-80gb")
     assert gpu.memory_bytes == 81_559 * MiB
-    weights = load_model("llama-3-8b").weight_bytes
+    weights = resolve_model("llama-3-8b").weight_bytes
     assert weights == 8_030_261_248 * 2
     pool = PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 0.9, weights, 2 * GB)
     assert pool.pool_bytes == int(81_559 * MiB * 0.9) - 16_060_522_496 - 2 * GB
@@ -90,7 +90,7 @@ def test_gpu_pool_is_memory_times_utilization_minus_weights_and_activations():
 
 def test_gpu_pool_with_no_room_left_is_an_error():
     gpu = gpu_preset("l4")
-    weights = load_model("llama-3-70b").weight_bytes
+    weights = resolve_model("llama-3-70b").weight_bytes
     with pytest.raises(PlanError, match="no room for KV cache on l4"):
         PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 0.9, weights, 2 * GB)
     with pytest.raises(PlanError, match="utilization"):
@@ -128,12 +128,12 @@ def test_dense_presets_parameter_count_matches_their_config(name):
 
 def test_every_preset_loads_with_its_published_shape():
     for name in MODEL_PRESETS:
-        model = load_model(name)
+        model = resolve_model(name)
         assert model.spec.bytes_per_token > 0
         assert model.weight_bytes > 0
-    assert load_model("llama-2-70b").spec.num_kv_heads == 8
-    assert load_model("qwen2.5-0.5b").spec.bytes_per_token == 2 * 24 * 2 * 64 * 2
-    assert load_model("deepseek-v3").weight_bytes == 671 * GB  # FP8 checkpoint
+    assert resolve_model("llama-2-70b").spec.num_kv_heads == 8
+    assert resolve_model("qwen2.5-0.5b").spec.bytes_per_token == 2 * 24 * 2 * 64 * 2
+    assert resolve_model("deepseek-v3").weight_bytes == 671 * GB  # FP8 checkpoint
 
 
 def test_gpu_presets_are_driver_reported_mib():
@@ -155,7 +155,7 @@ def test_model_folder_weights_come_from_its_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["llama-3-8b"].config))
     (tmp_path / "model-1.safetensors").write_bytes(b"x" * 1000)
     (tmp_path / "model-2.safetensors").write_bytes(b"x" * 24)
-    model = load_model(str(tmp_path))
+    model = resolve_model(str(tmp_path))
     assert model.weight_bytes == 1024
     assert model.spec.bytes_per_token == 131_072
 
@@ -163,18 +163,18 @@ def test_model_folder_weights_come_from_its_safetensors(tmp_path):
 def test_config_file_weights_are_counted_from_the_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MODEL_PRESETS["mistral-7b"].config))
-    assert load_model(str(path)).weight_bytes == 7_241_732_096 * 2
+    assert resolve_model(str(path)).weight_bytes == 7_241_732_096 * 2
 
 
 def test_unknown_model_is_an_error_listing_presets():
     with pytest.raises(UnknownPreset, match="neither a preset nor an existing path.*llama-3-8b"):
-        load_model("llama-9b")
+        resolve_model("llama-9b")
 
 
 def test_mixture_of_experts_config_without_checkpoint_has_unknown_weights(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MODEL_PRESETS["deepseek-v3"].config))
-    assert load_model(str(path)).weight_bytes is None
+    assert resolve_model(str(path)).weight_bytes is None
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         dense_param_count(MODEL_PRESETS["deepseek-v3"].config)
 

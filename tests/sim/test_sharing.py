@@ -1,12 +1,12 @@
 """Sharing one prompt among sequences: the issue's 13 blocks instead of 130, 936 MiB."""
 
-from pagedkv.kvmath.presets import load_model
+from pagedkv.kvmath.presets import resolve_model
 from pagedkv.kvmath.spec import MiB
 from pagedkv.sim.sharing import shared_prompt_blocks
 
 
 def test_ten_sequences_of_a_200_token_prompt_on_gpt_tutorial():
-    bytes_per_block = load_model("gpt-tutorial").spec.bytes_per_block(16)
+    bytes_per_block = resolve_model("gpt-tutorial").spec.bytes_per_block(16)
     assert bytes_per_block == 16 * 512 * 1024  # 8 MiB
     report = shared_prompt_blocks(10, 200, 16, bytes_per_block)
     # 200 tokens = 12 full blocks + 8 tokens: 13 blocks per copy.

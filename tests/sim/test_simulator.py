@@ -18,18 +18,17 @@ from hypothesis import strategies as st
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
-from pagedkv.engine.request import Request as EngineRequest
-from pagedkv.engine.request import Sequence
+from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.report import summarize
 from pagedkv.sim.schemes import SCHEME_LABELS, PagedScheme, SlabScheme, make_scheme
 from pagedkv.sim.simulator import SimulationError, simulate
-from pagedkv.sim.workloads import WORKLOADS, Request, generate_requests
+from pagedkv.sim.workloads import WORKLOADS, WorkloadRequest, generate_requests
 
 # r0 3+2 (max_tokens 3), r1 2+4 (max_tokens 4); a pool of 4 blocks = 16 slots.
-TWO_REQUESTS = [Request(0, 0, 3, 2, 3), Request(1, 0, 2, 4, 4)]
+TWO_REQUESTS = [WorkloadRequest(0, 0, 3, 2, 3), WorkloadRequest(1, 0, 2, 4, 4)]
 
 
 def test_paged_holds_whole_blocks_of_each_requests_tokens():
@@ -80,10 +79,10 @@ def test_first_fit_slab_shows_external_fragmentation():
     # a 16-slot pool; r3 (8 slots) waits. When r0 and r2 finish (step 1) the holes are 6 and
     # 4: 10 free, none of 8. r3 gets in once r1 ends (step 4).
     requests = [
-        Request(0, 0, 1, 2, 5),
-        Request(1, 0, 1, 5, 5),
-        Request(2, 0, 1, 2, 3),
-        Request(3, 0, 1, 1, 7),
+        WorkloadRequest(0, 0, 1, 2, 5),
+        WorkloadRequest(1, 0, 1, 5, 5),
+        WorkloadRequest(2, 0, 1, 2, 3),
+        WorkloadRequest(3, 0, 1, 1, 7),
     ]
     result = simulate(requests, make_scheme("slab-exact", 16, 1, max_model_len=16))
     assert result.timeline.running == [3, 3, 1, 1, 1, 1]
@@ -96,9 +95,9 @@ def test_the_watermark_keeps_a_block_free_while_others_run():
     # The same stream with blocks of 4: after r0 and r1 the pool has one block free, which
     # the watermark keeps, so r2 waits although its slab would fit.
     requests = [
-        Request(0, 0, 1, 2, 5),
-        Request(1, 0, 1, 5, 5),
-        Request(2, 0, 1, 2, 3),
+        WorkloadRequest(0, 0, 1, 2, 5),
+        WorkloadRequest(1, 0, 1, 5, 5),
+        WorkloadRequest(2, 0, 1, 2, 3),
     ]
     result = simulate(requests, make_scheme("slab-exact", 4, 4, max_model_len=16))
     assert result.timeline.running[0] == 2
@@ -109,7 +108,7 @@ def test_paged_preempts_the_latest_request_and_recomputes_it():
     # Two 4+4 requests in 3 blocks: both prompts fit, but at 5 tokens each needs a second
     # block. r1, the latest, is preempted at step 1; with 5 tokens to recompute (2 blocks
     # plus the watermark) it waits until r0 leaves, then finishes alone.
-    requests = [Request(0, 0, 4, 4, 4), Request(1, 0, 4, 4, 4)]
+    requests = [WorkloadRequest(0, 0, 4, 4, 4), WorkloadRequest(1, 0, 4, 4, 4)]
     scheme = make_scheme("paged", 3, 4, max_model_len=8)
     result = simulate(requests, scheme)
     assert result.preemptions == 1
@@ -122,7 +121,7 @@ def test_paged_preempts_the_latest_request_and_recomputes_it():
 def test_forked_samples_share_the_prompt_until_copy_on_write():
     # n=3 samples of a 6-token prompt: 2 blocks, the prompt computed once, then forked.
     scheme = make_scheme("paged-shared", 8, 4, max_model_len=8)
-    result = simulate([Request(0, 0, 6, 2, 2, n=3)], scheme)
+    result = simulate([WorkloadRequest(0, 0, 6, 2, 2, n=3)], scheme)
     timeline = result.timeline
     # Step 0: the prompt, one sequence. Step 1: each sample writes its first token; two copy
     # the shared last block on write (the third now owns it): 4 + 3x3 stored, 21 held.
@@ -137,8 +136,8 @@ def test_prefix_caching_shares_the_system_prompts_full_blocks():
     # Two requests with a common 9-token prefix: blocks of 4 share 2 full blocks. r1 arrives
     # a step after r0, once r0's prompt blocks are computed (only computed blocks are cached).
     requests = [
-        Request(0, 0, 10, 4, 4, prefix_id="sys", prefix_len=9),
-        Request(1, 1, 11, 4, 4, prefix_id="sys", prefix_len=9),
+        WorkloadRequest(0, 0, 10, 4, 4, prefix_id="sys", prefix_len=9),
+        WorkloadRequest(1, 1, 11, 4, 4, prefix_id="sys", prefix_len=9),
     ]
     shared = simulate(requests, make_scheme("paged-shared", 16, 4, max_model_len=16))
     unshared = simulate(requests, make_scheme("paged", 16, 4, max_model_len=16))
@@ -149,15 +148,15 @@ def test_prefix_caching_shares_the_system_prompts_full_blocks():
 
 def test_requests_admitted_in_one_step_do_not_share_blocks_not_yet_computed():
     requests = [
-        Request(0, 0, 10, 1, 1, prefix_id="sys", prefix_len=9),
-        Request(1, 0, 11, 1, 1, prefix_id="sys", prefix_len=9),
+        WorkloadRequest(0, 0, 10, 1, 1, prefix_id="sys", prefix_len=9),
+        WorkloadRequest(1, 0, 11, 1, 1, prefix_id="sys", prefix_len=9),
     ]
     shared = simulate(requests, make_scheme("paged-shared", 16, 4, max_model_len=16))
     assert shared.stats["prefix_hit_tokens"] == 0
 
 
 def test_arrivals_wait_for_their_step_and_queueing_is_measured():
-    requests = [Request(0, 0, 4, 4, 4), Request(1, 3, 4, 2, 2)]
+    requests = [WorkloadRequest(0, 0, 4, 4, 4), WorkloadRequest(1, 3, 4, 2, 2)]
     result = simulate(requests, make_scheme("slab-max", 2, 4, max_model_len=8))
     # One 8-slot reservation at a time: r1 arrives at step 3, r0 leaves after step 3.
     assert result.timeline.running == [1, 1, 1, 1, 1, 1]
@@ -165,7 +164,7 @@ def test_arrivals_wait_for_their_step_and_queueing_is_measured():
 
 
 def test_max_running_caps_concurrency():
-    requests = [Request(req, 0, 2, 2, 2) for req in range(6)]
+    requests = [WorkloadRequest(req, 0, 2, 2, 2) for req in range(6)]
     result = simulate(requests, make_scheme("paged", 64, 4, max_model_len=8), max_running=2)
     assert max(result.timeline.running) == 2
     assert result.finished == 6
@@ -173,12 +172,12 @@ def test_max_running_caps_concurrency():
 
 def test_a_request_larger_than_the_pool_is_refused_up_front():
     with pytest.raises(SimulationError, match="request 0 needs 2,048 token slots alone"):
-        simulate([Request(0, 0, 1, 10, 2047)], make_scheme("slab-max", 4, 4, 2048))
+        simulate([WorkloadRequest(0, 0, 1, 10, 2047)], make_scheme("slab-max", 4, 4, 2048))
 
 
 def test_memory_maps_show_owners_states_and_sharing():
     scheme = make_scheme("paged-shared", 8, 4, max_model_len=8)
-    result = simulate([Request(0, 0, 6, 2, 2, n=3)], scheme, snapshot_step=1)
+    result = simulate([WorkloadRequest(0, 0, 6, 2, 2, n=3)], scheme, snapshot_step=1)
     # The first prompt block shared by three samples; each owns its copied last block.
     cells = [cell.value for cell in result.memory_map.cells]
     assert cells[:4] == ["shared", "used", "used", "used"]
@@ -227,12 +226,14 @@ def test_an_allocator_that_leaks_is_reported_not_waited_on_forever():
     scheme = make_scheme("paged", 4, 4, max_model_len=8)
     scheme.manager.allocate("leaked", [0] * 16)  # holds every block, owned by no request
     with pytest.raises(SimulationError, match="does not fit an idle pool"):
-        simulate([Request(0, 0, 4, 4, 4)], scheme)
+        simulate([WorkloadRequest(0, 0, 4, 4, 4)], scheme)
 
 
 def test_a_request_with_more_samples_than_a_step_runs_is_refused_up_front():
     with pytest.raises(SimulationError, match="n=3 samples, but one step runs at most 2"):
-        simulate([Request(0, 0, 4, 4, 4, n=3)], make_scheme("paged", 64, 4, 8), max_running=2)
+        simulate(
+            [WorkloadRequest(0, 0, 4, 4, 4, n=3)], make_scheme("paged", 64, 4, 8), max_running=2
+        )
 
 
 def test_the_simulator_runs_the_engines_scheduler_step_by_step():
@@ -278,8 +279,8 @@ def test_the_simulator_runs_the_engines_scheduler_step_by_step():
     assert result.preemptions == preemptions
 
 
-def _engine_request(request_id: str, prompt: list[int]) -> EngineRequest:
-    return EngineRequest(
+def _engine_request(request_id: str, prompt: list[int]) -> Request:
+    return Request(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=prompt,
@@ -293,14 +294,14 @@ def _engine_request(request_id: str, prompt: list[int]) -> EngineRequest:
     )
 
 
-def _no_forks(request: EngineRequest, index: int) -> Sequence:
+def _no_forks(request: Request, index: int) -> Sequence:
     raise AssertionError("n == 1: nothing forks")
 
 
 def test_a_stream_that_fits_finishes_when_its_longest_output_does():
     # Room for everyone and every prompt in one step's budget: request i finishes at step
     # output_len - 1 (its first token comes with its prompt), so the run takes max(output).
-    requests = [Request(req, 0, 3 + req, 2 + 3 * req, 20) for req in range(5)]
+    requests = [WorkloadRequest(req, 0, 3 + req, 2 + 3 * req, 20) for req in range(5)]
     for name in SCHEME_LABELS:
         result = simulate(requests, make_scheme(name, 64, 4, max_model_len=32))
         assert result.steps == max(request.output_len for request in requests), name
@@ -316,7 +317,7 @@ def _streams(draw):
         output_len = draw(st.integers(1, 12))
         shared = draw(st.booleans())
         requests.append(
-            Request(
+            WorkloadRequest(
                 req_id,
                 arrival_step=draw(st.integers(0, 5)),
                 prompt_len=prompt_len,

@@ -20,7 +20,7 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
-from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, load_model
+from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, resolve_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 
 DEFAULT_LENGTHS = "2k,8k,32k,128k"
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
-        model = load_model(args.model, args.kv_dtype)
+        model = resolve_model(args.model, args.kv_dtype)
         pool = _pool(args, model)
         plan = plan_capacity(
             model.spec,

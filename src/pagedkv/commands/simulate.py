@@ -21,7 +21,7 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
-from pagedkv.kvmath.presets import MODEL_PRESETS, Model, load_model
+from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 from pagedkv.sim.render import (
     Comparison,
@@ -39,8 +39,8 @@ from pagedkv.sim.simulator import SimulationError
 from pagedkv.sim.sweep import fillable_batch_sizes
 from pagedkv.sim.workloads import (
     WORKLOADS,
-    Request,
     WorkloadError,
+    WorkloadRequest,
     generate_requests,
     load_trace,
     workload,
@@ -186,10 +186,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Model, list[Request], int]:
+def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int]:
     """The model, the request stream and the context it is served with."""
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
-    model = load_model(args.model or default_model or "llama-3.1-8b", args.kv_dtype)
+    model = resolve_model(args.model or default_model or "llama-3.1-8b", args.kv_dtype)
     if args.trace:
         max_model_len = args.max_model_len or model.spec.max_model_len
         if max_model_len is None:
@@ -208,7 +208,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Model, list[Request], int]:
     return model, _generate(args, args.num_requests, args.rate), max_model_len
 
 
-def _generate(args: argparse.Namespace, count: int, rate: float | None) -> list[Request]:
+def _generate(args: argparse.Namespace, count: int, rate: float | None) -> list[WorkloadRequest]:
     """`count` requests of the workload; the seed fixes their lengths, whatever the rate."""
     return generate_requests(
         workload(args.workload),
@@ -251,7 +251,9 @@ def _check_plot_folder(folder: Path) -> None:
         raise ConfigError(f"--plot {folder}: the folder is not writable")
 
 
-def _sweep_requests(args: argparse.Namespace, requests: list[Request]) -> list[Request]:
+def _sweep_requests(
+    args: argparse.Namespace, requests: list[WorkloadRequest]
+) -> list[WorkloadRequest]:
     """The stream the sweep takes its batches from: a trace as it is; for a workload, enough
     requests for the largest batch (each batch arrives at once, so arrival times do not
     matter)."""

@@ -232,7 +232,7 @@ def gpu_preset(name: str) -> GPUPreset:
         raise UnknownPreset(f"unknown GPU {name!r}; presets: {', '.join(GPU_PRESETS)}") from None
 
 
-def load_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
+def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     """Resolve `--model`: a preset name, a `config.json`, or a model folder.
 
     Weights come from the preset's published parameter count, else from the `.safetensors`

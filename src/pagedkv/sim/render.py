@@ -22,7 +22,7 @@ from pagedkv.sim.schemes import SCHEME_LABELS, make_scheme
 from pagedkv.sim.sharing import SharingReport
 from pagedkv.sim.simulator import SimResult, simulate
 from pagedkv.sim.sweep import SweepPoint, utilisation_by_batch_size
-from pagedkv.sim.workloads import Request, workload
+from pagedkv.sim.workloads import WorkloadRequest, workload
 
 # Column heads of the schemes, short enough for a table.
 _SHORT = {
@@ -41,7 +41,7 @@ class Comparison:
     workload_name: str  # the built-in workload (when there is no trace)
     rate: float | None  # Poisson arrivals per step; None: all at step 0
     model: Model
-    requests: list[Request]
+    requests: list[WorkloadRequest]
     block_size: int
     num_blocks: int
     batch_sizes: list[int]  # the sweep's sizes as asked for; a short trace fills fewer
@@ -69,7 +69,7 @@ def progress_bars() -> Progress:
 def run_scheme(
     progress: Progress,
     name: str,
-    requests: list[Request],
+    requests: list[WorkloadRequest],
     *,
     num_blocks: int,
     block_size: int,
@@ -93,7 +93,7 @@ def run_scheme(
 
 def run_sweep(
     progress: Progress,
-    requests: list[Request],
+    requests: list[WorkloadRequest],
     batch_sizes: list[int],
     *,
     block_size: int,
@@ -119,7 +119,7 @@ def run_sweep(
 
 def write_plots(
     folder: Path,
-    requests: list[Request],
+    requests: list[WorkloadRequest],
     results: list[SimResult],
     sweep: list[SweepPoint],
     *,

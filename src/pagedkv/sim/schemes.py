@@ -28,7 +28,7 @@ from pagedkv.memory import (
 )
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.memory_map import MemoryMap, paged_map, slab_map
-from pagedkv.sim.workloads import Request
+from pagedkv.sim.workloads import WorkloadRequest
 
 SCHEME_LABELS: dict[str, str] = {
     "slab-max": "(a) slab @ max_model_len",
@@ -76,19 +76,19 @@ class Scheme(ABC):
         self.name = name
         self.block_size = block_size
         self.pool_tokens = num_blocks * block_size
-        self.requests: dict[str, Request] = {}  # by the engine's request id
+        self.requests: dict[str, WorkloadRequest] = {}  # by the engine's request id
 
     @property
     @abstractmethod
     def memory(self) -> KVMemory:
         """What the scheduler allocates from."""
 
-    def add(self, request: Request) -> None:
+    def add(self, request: WorkloadRequest) -> None:
         """Learn a request as it arrives (its final length; a slab's reservation size)."""
         self.requests[str(request.req_id)] = request
 
     @abstractmethod
-    def capacity_needed(self, request: Request) -> int:
+    def capacity_needed(self, request: WorkloadRequest) -> int:
         """Token slots the request needs at its largest with the pool to itself."""
 
     @abstractmethod
@@ -96,7 +96,7 @@ class Scheme(ABC):
         """The pool now."""
 
     @abstractmethod
-    def footprint(self, request: Request) -> tuple[int, int]:
+    def footprint(self, request: WorkloadRequest) -> tuple[int, int]:
         """(token slots holding the request's KV, token slots of memory it holds)."""
 
     @abstractmethod
@@ -129,13 +129,13 @@ class SlabScheme(Scheme):
     def memory(self) -> SlabMemory:
         return self._memory
 
-    def reservation(self, request: Request) -> int:
+    def reservation(self, request: WorkloadRequest) -> int:
         """Slots reserved per sample."""
         if self.max_model_len is not None:
             return self.max_model_len
         return request.prompt_len + request.max_tokens
 
-    def capacity_needed(self, request: Request) -> int:
+    def capacity_needed(self, request: WorkloadRequest) -> int:
         return request.n * self.reservation(request)
 
     def _reservation_of(self, request_id: str) -> int:
@@ -154,7 +154,7 @@ class SlabScheme(Scheme):
             external=report.external_fragmentation,
         )
 
-    def footprint(self, request: Request) -> tuple[int, int]:
+    def footprint(self, request: WorkloadRequest) -> tuple[int, int]:
         request_id = str(request.req_id)
         rows = [row for row in self.allocator.reservations() if row[0][0] == request_id]
         return sum(used for *_, used in rows), sum(reserved for _, _, reserved, _ in rows)
@@ -178,7 +178,7 @@ class PagedScheme(Scheme):
     def memory(self) -> KVCacheManager:
         return self.manager
 
-    def capacity_needed(self, request: Request) -> int:
+    def capacity_needed(self, request: WorkloadRequest) -> int:
         return request.n * -(-request.total_len // self.block_size) * self.block_size
 
     def measure(self) -> MemoryState:
@@ -191,7 +191,7 @@ class PagedScheme(Scheme):
             state, reservation=0, internal=unfilled, external=0, shared=logical - state
         )
 
-    def footprint(self, request: Request) -> tuple[int, int]:
+    def footprint(self, request: WorkloadRequest) -> tuple[int, int]:
         fill: dict[int, int] = {}
         for sample in range(request.n):
             seq = (str(request.req_id), sample)
@@ -312,7 +312,7 @@ class _SlabSeq:
     table_reported: bool = False
 
 
-def final_kv_tokens(request: Request) -> int:
+def final_kv_tokens(request: WorkloadRequest) -> int:
     """Tokens of one sample whose KV is written by the time it finishes: all but the last."""
     return request.total_len - 1
 

@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
-from pagedkv.engine.request import Request as EngineRequest
-from pagedkv.engine.request import Sequence
+from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.memory_map import MemoryMap
 from pagedkv.sim.schemes import MemoryState, Scheme
-from pagedkv.sim.workloads import Request
+from pagedkv.sim.workloads import WorkloadRequest
 
 # The engine's default token budget of one step.
 MAX_NUM_BATCHED_TOKENS = EngineArgs.max_num_batched_tokens
@@ -89,7 +88,7 @@ class SimResult:
 
 
 def simulate(
-    requests: list[Request],
+    requests: list[WorkloadRequest],
     scheme: Scheme,
     *,
     max_running: int = 256,
@@ -179,13 +178,13 @@ class _MadeUpModel:
         self._fresh_ids = itertools.count()
         self._prefixes: dict[Hashable, list[int]] = {}
 
-    def engine_request(self, request: Request) -> EngineRequest:
+    def engine_request(self, request: WorkloadRequest) -> Request:
         """The request as the engine's scheduler holds it: n samples from the start, unless
         the scheme forks them once the prompt is computed."""
         request_id = str(request.req_id)
         prompt = self._prompt_ids(request)
         num_samples = 1 if self.scheme.forks else request.n
-        return EngineRequest(
+        return Request(
             request_id=request_id,
             prompt=None,
             prompt_token_ids=prompt,
@@ -196,7 +195,7 @@ class _MadeUpModel:
             forked=num_samples == request.n,
         )
 
-    def new_sample(self, request: EngineRequest, index: int) -> Sequence:
+    def new_sample(self, request: Request, index: int) -> Sequence:
         """A forked sample: the prompt's tokens, shared until it writes its own."""
         return _sequence(request.request_id, index, request.prompt_token_ids)
 
@@ -214,7 +213,7 @@ class _MadeUpModel:
                 self.final_held += held
                 self.finished += 1
 
-    def _prompt_ids(self, request: Request) -> list[int]:
+    def _prompt_ids(self, request: WorkloadRequest) -> list[int]:
         prefix: list[int] = []
         if request.prefix_id is not None:
             prefix = self._prefixes.setdefault(request.prefix_id, [])
@@ -234,7 +233,7 @@ def _sequence(request_id: str, index: int, prompt: list[int]) -> Sequence:
     )
 
 
-def _check_servable(request: Request, scheme: Scheme, max_running: int) -> None:
+def _check_servable(request: WorkloadRequest, scheme: Scheme, max_running: int) -> None:
     """Refuse up front what could never run, as the engine's `add_request` does."""
     if scheme.capacity_needed(request) > scheme.pool_tokens:
         raise SimulationError(

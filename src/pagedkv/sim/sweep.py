@@ -17,7 +17,7 @@ from pagedkv.engine.sched.scheduler import WATERMARK_FRACTION
 from pagedkv.sim.report import summarize
 from pagedkv.sim.schemes import make_scheme
 from pagedkv.sim.simulator import simulate
-from pagedkv.sim.workloads import Request, WorkloadError
+from pagedkv.sim.workloads import WorkloadError, WorkloadRequest
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class SweepPoint:
 
 
 def utilisation_by_batch_size(
-    requests: list[Request],
+    requests: list[WorkloadRequest],
     batch_sizes: list[int],
     *,
     block_size: int,

@@ -25,7 +25,7 @@ class WorkloadError(ValueError):
 
 
 @dataclass(frozen=True)
-class Request:
+class WorkloadRequest:
     """One request of a workload; every sample has the same prompt and output length."""
 
     req_id: int
@@ -153,7 +153,7 @@ def generate_requests(
     system_prompt: int = 0,
     shared_fraction: float = 1.0,
     n: int = 1,
-) -> list[Request]:
+) -> list[WorkloadRequest]:
     """Draw `num_requests` requests from `mix`.
 
     A `system_prompt` of P tokens is prepended to a `shared_fraction` of them (the same P
@@ -182,7 +182,7 @@ def generate_requests(
                 f"in max_model_len {mix.max_model_len}"
             )
         requests.append(
-            Request(
+            WorkloadRequest(
                 req_id=req_id,
                 arrival_step=int(arrivals[req_id]),
                 prompt_len=prompt_len,
@@ -218,7 +218,7 @@ def arrival_steps(rng: np.random.Generator, count: int, rate: float | None) -> n
 
 def load_trace(
     path: str | Path, max_model_len: int, *, seed: int = 0, rate: float | None = None
-) -> list[Request]:
+) -> list[WorkloadRequest]:
     """Requests from a JSONL trace, one object per line.
 
     Fields: `prompt_len`, `output_len` (required); `prefix_id` with `prefix_len` (requests with
@@ -244,7 +244,7 @@ def load_trace(
     ]
 
 
-def _trace_request(where: str, line: str, max_model_len: int) -> Request:
+def _trace_request(where: str, line: str, max_model_len: int) -> WorkloadRequest:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -274,7 +274,7 @@ def _trace_request(where: str, line: str, max_model_len: int) -> Request:
     if prefix_id is not None and not isinstance(prefix_id, str | int):
         raise WorkloadError(f"{where}: prefix_id must be a string or integer")
     max_tokens = count("max_tokens", max_model_len - prompt_len, low=output_len)
-    return Request(
+    return WorkloadRequest(
         req_id=0,
         arrival_step=0,
         prompt_len=prompt_len,
