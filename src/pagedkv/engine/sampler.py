@@ -9,6 +9,11 @@ min_p before sampling.
 Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which picks token `i`
 with probability `probs[i]`. A request with a seed draws its noise from its own generator, so
 its tokens do not depend on what else is in the batch.
+
+Rows share every tensor op, so no row's value may size one beyond what the logits hold: a
+top_k or a logprobs count above the vocabulary is clamped to it. Every other per-row value
+(temperature, top_p, min_p, penalties, seeds) only scales or masks its own row, and stop ids
+were checked against the vocabulary when the request was added.
 """
 
 from __future__ import annotations
@@ -115,7 +120,9 @@ def _choose(logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Genera
 def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """Probabilities after top_k, top_p and min_p, each applied only where it is set."""
     vocab = logits.shape[-1]
-    top_k = [row.params.top_k if row.params.top_k > 0 else vocab for row in rows]
+    # A top_k beyond the vocabulary keeps every token (vLLM accepts any value); clamping it
+    # keeps one request's value from failing the shared `topk` of the whole step.
+    top_k = [min(row.params.top_k, vocab) if row.params.top_k > 0 else vocab for row in rows]
     if min(top_k) < vocab:
         k = torch.tensor(top_k, device=logits.device)
         kth = logits.topk(max(top_k), dim=-1).values.gather(1, (k - 1)[:, None])
@@ -147,10 +154,11 @@ def _logprobs(
     logprobs = logits[index].log_softmax(dim=-1)
     chosen_logprobs = logprobs.gather(1, chosen[index][:, None])
     ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    max_k = max(rows[i].params.logprobs or 0 for i in wanted)
+    vocab = logits.shape[-1]
+    counts = [min(rows[i].params.logprobs or 0, vocab) for i in wanted]  # never beyond vocab
+    max_k = max(counts)
     top = logprobs.topk(max_k, dim=-1) if max_k else None
-    for position, row_index in enumerate(wanted):
-        k = rows[row_index].params.logprobs or 0
+    for position, (row_index, k) in enumerate(zip(wanted, counts, strict=True)):
         top_ids = top.indices[position, :k].tolist() if top is not None else []
         top_values = top.values[position, :k].tolist() if top is not None else []
         result[row_index] = (
