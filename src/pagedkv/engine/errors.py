@@ -104,8 +104,13 @@ class StepFailed(RuntimeError):
     """A step raised; the requests it was running were aborted, the others are untouched."""
 
     def __init__(self, request_ids: list[str], error: Exception) -> None:
+        self._cause = f"{type(error).__name__}: {error}"
         super().__init__(
-            f"engine step failed ({type(error).__name__}: {error}); aborted "
+            f"engine step failed ({self._cause}); aborted "
             f"{len(request_ids)} request(s) it was running: {', '.join(request_ids)}"
         )
         self.request_ids = request_ids
+
+    def message_for(self, request_id: str) -> str:
+        """What the owner of one aborted request is told: the others' ids are not theirs."""
+        return f"engine step failed ({self._cause}); request {request_id} was aborted"

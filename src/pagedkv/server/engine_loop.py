@@ -257,7 +257,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except StepFailed as error:  # the engine aborted the step's requests; the rest go on
             logger.exception("engine step failed; failing the requests it was running")
-            self._fail(error.request_ids, EngineFailed(str(error)))
+            self._fail(error)
             return
         except Exception as error:
             logger.exception("engine step failed; failing every request in flight")
@@ -281,11 +281,12 @@ class EngineLoop:
         for loop, items in deliveries.items():
             _call_soon(loop, _deliver, items)
 
-    def _fail(self, request_ids: list[str], error: Exception) -> None:
-        """Hand `error` to these requests' clients (the engine has already aborted them)."""
-        for request_id in request_ids:
+    def _fail(self, failure: StepFailed) -> None:
+        """Tell each request's client (the engine has already aborted them) of its own loss."""
+        for request_id in failure.request_ids:
             route = self._routes.pop(request_id, None)
             if route is not None:
+                error = EngineFailed(failure.message_for(request_id))
                 _call_soon(route.loop, _deliver, [(route.outputs, error)])
 
     def _fail_all(self, error: Exception) -> None:
