@@ -169,12 +169,15 @@ class Engine:
         output = self.scheduler.schedule()
         try:
             touched = self._run(output)
-        except Exception as error:
-            # A request whose step failed may be half-updated: abort it rather than leave it
-            # running with nothing to compute. The other requests are not touched.
+        except BaseException as error:
+            # A request whose step failed (or was interrupted, Ctrl-C) may be half-updated:
+            # abort it rather than leave it running with nothing to compute. The other
+            # requests are not touched; an interrupt stays an interrupt.
             request_ids = sorted({chunk.seq_id[0] for chunk in output.chunks})
             for request_id in request_ids:
                 self.abort(request_id)
+            if not isinstance(error, Exception):
+                raise
             raise StepFailed(request_ids, error) from error
         deltas = [self._delta(request) for request in touched.values()]
         deltas += [self._delta(request) for request in self._aborted]

@@ -1,13 +1,16 @@
 """LLM: vLLM's offline API over the engine: `LLM(model).generate(prompts, SamplingParams())`.
 
-A vLLM user changes one import. `generate` queues every prompt (if one is rejected, the ones
-queued before it are aborted, so a bad prompt leaves nothing behind), steps the engine until
-all finish, and returns whole outputs in input order.
+A vLLM user changes one import. `generate` reads prompts as vLLM does (text, token ids, the
+`{"prompt": ...}` and `{"prompt_token_ids": [...]}` dicts), queues them, steps the engine until
+all finish, and returns whole outputs in input order. A call leaves nothing behind: if a prompt
+is rejected, a step fails or the user presses Ctrl-C, the call's requests are aborted; and it
+collects only its own requests' outputs.
 """
 
 from __future__ import annotations
 
 import itertools
+import reprlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,6 +23,8 @@ from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+# vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}.
+PromptDict = Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]
 
 
@@ -36,12 +41,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (a string, a list of strings, or lists of token ids).
+        """Complete every prompt: a string, token ids, a `{"prompt": ...}` or
+        `{"prompt_token_ids": [...]}` dict, or a list of them; anything else is a TypeError.
 
         `priority` gives one priority per prompt, as vLLM's does; it needs the engine's
         `scheduling_policy="priority"` (lower runs first).
@@ -84,40 +90,78 @@ class LLM:
             ):
                 engine.add_request(request_id, prompt, request_params, priority=priority)
                 added.append(request_id)
-        except Exception:
-            for request_id in added:
-                engine.abort(request_id)
-            engine.step()  # reports the aborts; this engine runs nothing else
+        except BaseException:
+            self._abort(added)
             raise
+        ours = set(request_ids)
         results: dict[str, RequestOutput] = {}
         progress = _Progress(len(prompts), enabled=use_tqdm)
         num_finished = 0
-        while num_finished < len(prompts):
-            try:
-                deltas = engine.step()
-            except Exception:
-                for request_id in request_ids:  # leave nothing of this call behind
-                    engine.abort(request_id)
-                engine.step()
-                progress.close()
-                raise
-            for delta in deltas:
-                whole = results.setdefault(delta.request_id, _empty_like(delta))
-                _accumulate(whole, delta)
-                if delta.finished:
-                    num_finished += 1
-                    progress.advance()
-        progress.close()
+        try:
+            while num_finished < len(prompts):
+                for delta in engine.step():
+                    if delta.request_id not in ours:  # someone else's, added to the engine
+                        continue
+                    whole = results.setdefault(delta.request_id, _empty_like(delta))
+                    _accumulate(whole, delta)
+                    if delta.finished:
+                        num_finished += 1
+                        progress.advance()
+        except BaseException:  # a failed step, or Ctrl-C: leave nothing of this call behind
+            self._abort(request_ids)
+            raise
+        finally:
+            progress.close()
         return [results[request_id] for request_id in request_ids]
 
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort these requests and report the aborts, so no later call sees them."""
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        self.engine.step()
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+
+def _as_prompt_list(
+    prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
+) -> list[Prompt]:
+    """The prompts as text or token ids; a TypeError names the first that is neither."""
+    if isinstance(prompts, str | Mapping):
+        return [_as_prompt(prompts)]
+    if not _is_sequence(prompts):
+        raise _not_a_prompt(prompts)
+    items = list(prompts)  # type: ignore[arg-type]
+    if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+        return [items]  # one prompt given as token ids
+    return [_as_prompt(item) for item in items]
+
+
+def _as_prompt(prompt: object) -> Prompt:
+    """One prompt as text or token ids (the engine checks the ids themselves)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:  # vLLM reads the ids first when both are given
+            token_ids = prompt["prompt_token_ids"]
+            if _is_sequence(token_ids):
+                return token_ids
+        elif isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
+        raise _not_a_prompt(prompt)
+    if _is_sequence(prompt):
+        return prompt  # type: ignore[return-value]
+    raise _not_a_prompt(prompt)
+
+
+def _is_sequence(value: object) -> bool:
+    """A list or tuple of token ids; text and bytes are sequences too, but not of ids."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _not_a_prompt(prompt: object) -> TypeError:
+    return TypeError(
+        f"prompt {reprlib.repr(prompt)} is {type(prompt).__name__}: give a string, a list "
+        "of token ids, {'prompt': str}, {'prompt_token_ids': list[int]}, or a list of them"
+    )
 
 
 def _params_per_prompt(
