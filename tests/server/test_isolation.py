@@ -16,12 +16,13 @@ import pytest
 from tests.server.conftest import RunningServer, all_blocks_free, wait_until
 
 NORMAL = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "top_k": 40, "seed": 3}
+MAX_MODEL_LEN = 256
 REQUEST_ID = re.compile(r"cmpl-[0-9a-f]{32}")
 
 
 @pytest.fixture(scope="module")
 def server(serve) -> RunningServer:
-    return serve(num_gpu_blocks=128)
+    return serve(num_gpu_blocks=128, max_model_len=MAX_MODEL_LEN)
 
 
 @contextmanager
@@ -85,3 +86,30 @@ def test_a_failed_step_tells_each_client_only_its_own_request(server: RunningSer
     assert [len(ids) for ids in named] == [1, 1], messages
     assert named[0] != named[1]
     wait_until(lambda: all_blocks_free(server))
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 5000}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000},
+        ),
+    ],
+)
+def test_an_explicit_max_tokens_beyond_the_context_is_refused_for_its_client(
+    server: RunningServer, path: str, body: dict
+) -> None:
+    """vLLM's server answers 400 here (its engine alone would stop at the limit)."""
+    with server.http() as http:
+        refused = http.post(path, json=body)
+    [served] = post_all(server, [NORMAL])
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert (
+        "max_tokens is 5000" in error["message"]
+        and f"model allows {MAX_MODEL_LEN}" in error["message"]
+    )
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 8

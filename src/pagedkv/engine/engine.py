@@ -326,17 +326,23 @@ class Engine:
         return None, token_ids
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> int:
-        """max_tokens after checking the request fits the context and the whole pool."""
+        """max_tokens, cut to the room the context leaves, after checking the request fits.
+
+        As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
+        stops at max_model_len with finish_reason "length".
+        """
         for token_id in params.stop_token_ids or []:
             if token_id >= self.config.vocab_size:
                 raise TokenOutOfVocabulary(token_id, self.config.vocab_size, "stop_token_ids has")
         num_prompt = len(token_ids)
+        if num_prompt >= self.max_model_len:
+            raise PromptTooLong(num_prompt, self.max_model_len)
+        room = self.max_model_len - num_prompt
         max_tokens = params.max_tokens
         if max_tokens is None:  # as long as the context, and the pool, allow
             pool_tokens = self.manager.num_gpu_blocks // params.n * self.manager.block_size
-            max_tokens = max(1, min(self.max_model_len, pool_tokens) - num_prompt)
-        if num_prompt >= self.max_model_len or num_prompt + max_tokens > self.max_model_len:
-            raise PromptTooLong(num_prompt, max_tokens, self.max_model_len)
+            max_tokens = max(1, pool_tokens - num_prompt)
+        max_tokens = min(max_tokens, room)
         # Samples share the prompt's blocks while they run, but after a preemption each one
         # may come back (swapped in, or recomputed) with blocks of its own: the request must
         # fit the whole pool in that worst case too, or it could wait forever.

@@ -36,21 +36,13 @@ class InvalidTokenId(RequestRejected):
 
 
 class PromptTooLong(RequestRejected):
-    """Prompt plus requested output does not fit in the model's context."""
+    """The prompt fills the model's context, leaving no room for output."""
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-        if num_prompt_tokens >= max_model_len:
-            message = (
-                f"prompt has {num_prompt_tokens} tokens, model allows {max_model_len} "
-                "(max_model_len), leaving no room for output"
-            )
-        else:
-            message = (
-                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
-                f"{num_prompt_tokens + max_tokens} tokens, model allows {max_model_len} "
-                "(max_model_len)"
-            )
-        super().__init__(message)
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"prompt has {num_prompt_tokens} tokens, model allows {max_model_len} "
+            "(max_model_len), leaving no room for output"
+        )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_model_len = max_model_len
 

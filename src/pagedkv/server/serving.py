@@ -93,6 +93,26 @@ def sampling_params(
         raise APIError(400, str(error)) from error
 
 
+def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Refuse an explicit max_tokens the context cannot hold, with a 400, as vLLM's server does.
+
+    The engine would stop such a request at the limit with finish_reason "length" (vLLM's
+    engine does too); a client that names a number is told instead that it will not get it.
+    A prompt that fills the context on its own is left to the engine, which says just that.
+    """
+    if max_tokens is None or num_prompt_tokens >= max_model_len:
+        return
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return
+    raise APIError(
+        400,
+        f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+        f"{num_prompt_tokens + max_tokens} tokens, model allows {max_model_len} (max_model_len)",
+        param="max_tokens",
+        code="context_length_exceeded",
+    )
+
+
 def parse_body(body: bytes, model: type[T]) -> T:
     """Validate a JSON body against a protocol model; every failure is a 400 naming the field."""
     try:
@@ -146,6 +166,8 @@ class Generation:
         self, prompts: list[list[int]], params: SamplingParams, priority: int = 0
     ) -> None:
         """Submit every prompt; refusals become 4xx/503 and abort the prompts already queued."""
+        for prompt in prompts:
+            check_room(len(prompt), params.max_tokens, self.engine_loop.engine.max_model_len)
         try:
             for index, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id
