@@ -113,7 +113,9 @@ class DecoderModel(nn.Module):
 
     attention_class: type[Attention] = Attention
 
-    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None):
+    def __init__(
+        self, config: ModelConfig, attention_backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         backend = attention_backend or select_backend(torch.get_default_device())
