@@ -23,7 +23,8 @@ def test_serve_help_lists_engine_and_server_options(capsys) -> None:
     except SystemExit as exit:
         assert exit.code == 0
     help_text = capsys.readouterr().out
-    for option in ("--model", "--num-gpu-blocks", "--host", "--port", "--api-key", "--max-waiting"):
+    options = ("--model", "--num-gpu-blocks", "--host", "--port", "--api-key", "--max-waiting")
+    for option in (*options, "--strict-fields"):
         assert option in help_text
 
 
@@ -33,6 +34,7 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
     command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
+    command += ["--strict-fields"]
     env = dict(os.environ, PAGEDKV_API_KEY="from-env")
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -45,6 +47,13 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
         )
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 3
+        unknown = httpx2.post(
+            f"{url}/v1/completions",
+            json={**body, "frobnicate": 1},
+            headers={"Authorization": "Bearer from-env"},
+        )
+        assert unknown.status_code == 400
+        assert unknown.json()["error"]["param"] == "frobnicate"
     finally:
         server.send_signal(signal.SIGINT)
         output = server.communicate(timeout=30)[0].decode()

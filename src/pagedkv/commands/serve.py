@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 503 + Retry-After once this many requests wait (default: %(default)s)",
     )
     server.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse requests with unknown fields (400) instead of ignoring them with a log line",
+    )
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: the --model argument)",
@@ -56,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     engine = Engine(EngineArgs.from_cli_args(args))
     config = ServerConfig(
-        model_name=args.served_model_name, api_key=args.api_key, max_waiting=args.max_waiting
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        strict_fields=args.strict_fields,
     )
     app = build_app(engine, config)
     print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)

@@ -12,6 +12,7 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
 from pagedkv.server.serving import ServingContext, now
+from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine
@@ -42,6 +44,7 @@ class ServerConfig:
     model_name: str | None = None  # the name clients pass as `model`; default: the engine's
     api_key: str | None = None
     max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
+    strict_fields: bool = False  # unknown request fields: 400 instead of a log line
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -54,8 +57,11 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     context = ServingContext(
         engine_loop=engine_loop,
         tokenizer=engine.tokenizer,
+        token_bytes=TokenBytes(engine.tokenizer),
         model_name=model_name,
         max_model_len=engine.max_model_len,
+        system_fingerprint=f"pagedkv-{version('pagedkv')}",
+        strict_fields=config.strict_fields,
     )
     started = now()
 
@@ -84,10 +90,16 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(context, request)
 
+    card = ModelCard(id=model_name, created=started, max_model_len=engine.max_model_len)
+
     @v1.get("/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=model_name, created=started, max_model_len=engine.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @v1.get("/models/{model_id:path}")  # a path: served names are often "org/model"
+    async def model(model_id: str) -> JSONResponse:
+        context.check_model(model_id)
+        return JSONResponse(card.model_dump())
 
     @v1.get("/kv")
     async def kv() -> Response:
@@ -99,7 +111,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if engine_loop.failure is not None:
             return APIError(503, engine_loop.failure, type="server_error").response()
@@ -109,7 +121,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 

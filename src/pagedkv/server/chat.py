@@ -33,7 +33,6 @@ from pagedkv.server.serving import (
     Generation,
     ServingContext,
     new_id,
-    parse_body,
     sampling_params,
     sse,
     top_logprobs,
@@ -45,8 +44,7 @@ if TYPE_CHECKING:
 
 async def create_chat_completion(context: ServingContext, raw: Request) -> Response:
     """Validate, render the conversation, submit, then stream or collect."""
-    request = parse_body(await raw.body(), ChatCompletionRequest)
-    context.check_model(request.model)
+    request = context.parse(await raw.body(), ChatCompletionRequest)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     prompt = await asyncio.to_thread(_render, context, request)
@@ -96,22 +94,21 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         if not self.request.logprobs:
             return []
         k = self.request.top_logprobs or 0
+        token_bytes = self.context.token_bytes
         entries = []
         for token_id, position in zip(output.token_ids, output.logprobs or [], strict=True):
             chosen = position[token_id]
             top = [
                 TopLogprob(
-                    token=alt.decoded_token,
-                    logprob=alt.logprob,
-                    bytes=list(alt.decoded_token.encode()),
+                    token=alt.decoded_token, logprob=alt.logprob, bytes=list(token_bytes(alt_id))
                 )
-                for alt in top_logprobs(position, k)
+                for alt_id, alt in top_logprobs(position, k)
             ]
             entries.append(
                 TokenLogprob(
                     token=chosen.decoded_token,
                     logprob=chosen.logprob,
-                    bytes=list(chosen.decoded_token.encode()),
+                    bytes=list(token_bytes(token_id)),
                     top_logprobs=top,
                 )
             )
@@ -133,16 +130,20 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             id=self.generation.request_id,
             created=self.created,
             model=self.context.model_name,
+            system_fingerprint=self.context.system_fingerprint,
             choices=choices,
             usage=self.generation.usage() if usage else None,
         )
-        return sse(chunk.model_dump_json(exclude_none=True))
+        # Every choice says `finish_reason: null` and `logprobs: null` until it has them, as
+        # OpenAI's chunks do; the usage appears only in the chunk that carries it.
+        return sse(chunk.model_dump_json(exclude=None if usage else {"usage"}))
 
     def _response(self, choices: list[_Choice]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.generation.request_id,
             created=self.created,
             model=self.context.model_name,
+            system_fingerprint=self.context.system_fingerprint,
             choices=[
                 ChatChoice(
                     index=choice.index,

@@ -8,13 +8,15 @@ plain 4xx/503 responses rather than errors buried in an event stream.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import codecs
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
+from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -26,7 +28,6 @@ from pagedkv.server.serving import (
     Generation,
     ServingContext,
     new_id,
-    parse_body,
     sampling_params,
     sse,
     top_logprobs,
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
 
 async def create_completion(context: ServingContext, raw: Request) -> Response:
     """Validate, submit, then stream or collect the completion."""
-    request = parse_body(await raw.body(), CompletionRequest)
-    context.check_model(request.model)
+    request = context.parse(await raw.body(), CompletionRequest)
+    _check_unsupported(request)
     prompts = await asyncio.to_thread(_token_ids, context, request.prompts())
     max_tokens = request.max_tokens
     if max_tokens is None:
@@ -47,7 +48,29 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     params = sampling_params(request, max_tokens, request.logprobs)
     generation = Generation(context.engine_loop, new_id("cmpl"), request.n)
     await generation.start(prompts, params, request.priority)
-    return await _Completion(context, request, generation).respond(raw)
+    completion = _Completion(context, request, generation)
+    if request.echo:
+        completion.echoed = [
+            p if isinstance(p, str) else context.tokenizer.decode(p) for p in request.prompts()
+        ]
+    return await completion.respond(raw)
+
+
+def _check_unsupported(request: CompletionRequest) -> None:
+    """Refuse, naming the field, what vLLM accepts but this server cannot do."""
+    if request.suffix is not None:
+        raise APIError(400, "suffix is not supported (no insertion mode)", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise APIError(
+            400,
+            f"best_of ({request.best_of}) must equal n ({request.n}): choosing the best of "
+            "more samples is not supported",
+            param="best_of",
+        )
+    if request.echo and request.logprobs is not None:
+        raise APIError(
+            400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
+        )
 
 
 def _token_ids(context: ServingContext, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -60,13 +83,35 @@ class _Choice(ChoiceState):
     """One completion choice: its text, plus the legacy logprobs lists (if requested)."""
 
     logprobs: CompletionLogprobs | None = None
-    text_offset: int = 0
+    text_offset: int = 0  # characters decoded so far from the tokens' bytes
+    utf8: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
+
+    def characters_begun(self) -> int:
+        """Characters of the text that begin before the next token: the ones decoded, plus
+        the one whose first bytes wait in the decoder (completed or replaced by U+FFFD, they
+        always make one character)."""
+        pending, _ = self.utf8.getstate()
+        return self.text_offset + (1 if pending else 0)
 
 
 class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs | None]):
     """Turns a Generation's deltas into completion objects or stream chunks."""
 
     choice_type = _Choice
+    echoed: list[str] | None = None  # with `echo`: each prompt's text, prepended to its choices
+
+    def _opening(self) -> list[str]:
+        """With `echo`, each choice's stream starts with its prompt's text."""
+        if self.echoed is None:
+            return []
+        n = self.request.n
+        choices = [
+            CompletionChoice(index=index, text=self.echoed[index // n])
+            for index in range(len(self.echoed) * n)
+        ]
+        return [self._chunk(choices)]
 
     def _logprobs(self, choice: _Choice, output: CompletionOutput) -> CompletionLogprobs | None:
         if self.request.logprobs is None:
@@ -79,11 +124,11 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             logprobs.tokens.append(text)
             logprobs.token_logprobs.append(chosen.logprob)
             top: dict[str, float] = {}
-            for alt in top_logprobs(position, k):  # most likely first: it keeps a shared text
+            for _, alt in top_logprobs(position, k):  # most likely first: keeps a shared text
                 top.setdefault(alt.decoded_token, alt.logprob)
             logprobs.top_logprobs.append(top)
-            logprobs.text_offset.append(choice.text_offset)
-            choice.text_offset += len(text)
+            logprobs.text_offset.append(choice.characters_begun())
+            choice.text_offset += len(choice.utf8.decode(self._text_bytes(token_id)))
         if choice.logprobs is None:
             choice.logprobs = CompletionLogprobs()
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -110,7 +155,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             [
                 CompletionChoice(
                     index=choice.index,
-                    text="".join(choice.text),
+                    text=self._echo(choice.index) + "".join(choice.text),
                     logprobs=choice.logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
@@ -125,6 +170,17 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             id=self.generation.request_id,
             created=self.created,
             model=self.context.model_name,
+            system_fingerprint=self.context.system_fingerprint,
             choices=choices,
             usage=self.generation.usage() if usage else None,
         )
+
+    def _echo(self, index: int) -> str:
+        return "" if self.echoed is None else self.echoed[index // self.request.n]
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to the choice's text (none for a skipped special token)."""
+        token_bytes = self.context.token_bytes
+        if self.request.skip_special_tokens and token_id in token_bytes.special_ids:
+            return b""
+        return token_bytes(token_id)

@@ -1,18 +1,27 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
-Requests are strict: wrong types are not coerced ("5" is not an int), NaN and infinity are
-refused, and unknown fields are errors rather than silently ignored, so a client learns at
-once that a parameter it relies on does nothing here. Besides OpenAI's fields the requests
-accept vLLM's sampling extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `skip_special_tokens`). Range checks that need the model
-(prompt length, token ids) live in `serving`, next to the engine.
+Requests are strict about types: wrong types are not coerced ("5" is not an int), NaN and
+infinity are refused. Unknown fields are kept aside (`unknown_fields` names them) so that the
+server can ignore them with a log line, as vLLM does, or refuse them under `--strict-fields`.
+Besides OpenAI's fields the requests accept vLLM's sampling extensions (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`).
+Range checks that need the model (prompt length, token ids) live in `serving`, next to the
+engine.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
 MAX_STOP_STRINGS = 16
@@ -23,13 +32,32 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields `request` and its nested models did not declare."""
+    names = [prefix + name for name in request.model_extra or {}]
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        items = value if isinstance(value, list) else [value]
+        for index, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                place = f"{name}.{index}" if isinstance(value, list) else name
+                names += unknown_fields(item, f"{prefix}{place}.")
+    return names
 
 
 class StreamOptions(_Request):
     """`stream_options`: whether the last chunk before [DONE] carries the usage."""
 
     include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    """`response_format`: only plain text until structured outputs exist (checked in serving)."""
+
+    type: str
 
 
 class SamplingFields(_Request):
@@ -53,6 +81,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag: accepted for compatibility, unused
+    response_format: ResponseFormat | None = None
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
 
     @field_validator("stop")
@@ -74,6 +103,9 @@ class CompletionRequest(SamplingFields):
     prompt: Any
     max_tokens: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the prompt's text is prepended to each choice
+    suffix: str | None = None  # refused in `completions`: no insertion mode
+    best_of: int | None = Field(None, ge=1)  # only equal to n (checked in `completions`)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -115,11 +147,20 @@ class ChatMessage(_Request):
     """One message of the conversation, rendered by the model's chat template."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        """Only an assistant message may come without content (OpenAI's tool-call turns)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
@@ -133,6 +174,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    store: bool | None = None  # OpenAI's: nothing is stored here; accepted for compatibility
+    parallel_tool_calls: bool | None = None  # accepted for compatibility: no tools yet
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the older `max_tokens`, else None (the model's room)."""
@@ -200,6 +243,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -248,15 +292,20 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
 
 
 class ChatDelta(BaseModel):
-    """What one stream chunk adds to a choice's message."""
+    """What one stream chunk adds to a choice's message: only the fields it sets are sent."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -276,6 +325,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

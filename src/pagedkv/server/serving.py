@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,13 +25,16 @@ from pagedkv.engine import SamplingParams
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, Usage
+from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, Usage, unknown_fields
+from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
     from pagedkv.tokenizer import Tokenizer
 
 T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=SamplingFields)
+logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -41,15 +45,39 @@ class ServingContext:
 
     engine_loop: EngineLoop
     tokenizer: Tokenizer
+    token_bytes: TokenBytes
     model_name: str
     max_model_len: int
+    system_fingerprint: str  # names the server build, as OpenAI's names its backend
+    strict_fields: bool = False  # refuse unknown request fields instead of ignoring them
 
-    def check_model(self, requested: str | None) -> None:
-        """Refuse a request naming another model (None means this one)."""
-        if requested is not None and requested != self.model_name:
+    def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
+        """A validated request: known fields, this model, settings that go together."""
+        request = parse_body(body, model)
+        unknown = unknown_fields(request)
+        if unknown and self.strict_fields:
+            raise APIError(400, f"unknown field '{unknown[0]}' (--strict-fields)", param=unknown[0])
+        if unknown:
+            logger.warning("fields ignored (not supported): %s", ", ".join(unknown))
+        self.check_model(request.model)
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options needs stream=true", param="stream_options")
+        response_format = request.response_format
+        if response_format is not None and response_format.type != "text":
             raise APIError(
                 400,
-                f"model '{requested}' is not served here; this server runs '{self.model_name}'",
+                f"response_format type '{response_format.type}' is not supported "
+                "(no structured outputs): only 'text'",
+                param="response_format",
+            )
+        return request
+
+    def check_model(self, requested: str | None) -> None:
+        """Refuse a request naming another model (None means this one) with OpenAI's 404."""
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                404,
+                f"the model '{requested}' does not exist; this server runs '{self.model_name}'",
                 param="model",
                 code="model_not_found",
             )
@@ -124,8 +152,6 @@ def parse_body(body: bytes, model: type[T]) -> T:
             raise APIError(
                 400, f"malformed JSON body: {first['msg']}", code="json_invalid"
             ) from None
-        if first["type"] == "extra_forbidden":
-            raise APIError(400, f"unknown field '{param}'", param=param) from None
         message = first["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
 
@@ -165,7 +191,19 @@ class Generation:
     async def start(
         self, prompts: list[list[int]], params: SamplingParams, priority: int = 0
     ) -> None:
-        """Submit every prompt; refusals become 4xx/503 and abort the prompts already queued."""
+        """Submit every prompt; refusals become 4xx/503 and abort the prompts already queued.
+
+        More prompts than may ever wait at once is a 400: a 503 would have the client retry
+        a request that can never be admitted.
+        """
+        max_waiting = self.engine_loop.max_waiting
+        if max_waiting is not None and len(prompts) > max_waiting:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts in one request, but at most {max_waiting} may wait "
+                "(--max-waiting)",
+                param="prompt",
+            )
         for prompt in prompts:
             check_room(len(prompt), params.max_tokens, self.engine_loop.engine.max_model_len)
         try:
@@ -280,6 +318,7 @@ SSE_DONE = sse("[DONE]")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def top_logprobs(position: dict[int, Logprob], k: int) -> list[Logprob]:
-    """The `k` most likely alternatives at one position (the engine adds the chosen token)."""
-    return sorted(position.values(), key=lambda logprob: logprob.logprob, reverse=True)[:k]
+def top_logprobs(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The `k` most likely (token id, logprob) alternatives at one position (the engine adds
+    the chosen token)."""
+    return sorted(position.items(), key=lambda item: item[1].logprob, reverse=True)[:k]

@@ -1,0 +1,303 @@
+"""What vLLM's clients send and expect: model lookup, stream shape, accepted fields, limits.
+
+vLLM's OpenAI server is the reference: its clients pass fields such as `user`, `store` or
+`echo`, rely on `finish_reason: null` in every chunk but the last, and get unknown fields
+ignored (with a log line) unless the server is strict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import openai
+import pytest
+
+from pagedkv.server import ServerConfig
+from tests.model.tiny_models import SPECIAL_TOKENS
+from tests.server.conftest import RunningServer
+
+PROMPT = "Paged attention stores keys and values in fixed-size blocks."
+MESSAGES = [{"role": "user", "content": "Hi"}]
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> RunningServer:
+    return serve(num_gpu_blocks=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def strict_server(serve) -> RunningServer:
+    return serve(ServerConfig(strict_fields=True), num_gpu_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(serve) -> RunningServer:
+    return serve(ServerConfig(max_waiting=2), num_gpu_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer):
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def post(server: RunningServer, path: str, body: dict):
+    with server.http() as http:
+        return http.post(path, json=body)
+
+
+def stream_events(server: RunningServer, path: str, body: dict) -> list[dict]:
+    """Every JSON event of a server-sent stream, as sent (before any client parses it)."""
+    with server.http() as http, http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+# 1. Models
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_an_unknown_model_is_404_model_not_found(client, endpoint: str) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        if endpoint == "completions":
+            client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
+        else:
+            client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=1)
+    assert raised.value.code == "model_not_found"
+    assert "gpt-4" in raised.value.message
+
+
+def test_models_retrieve_finds_the_served_model_and_404s_others(client, model_name: str) -> None:
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("gpt-4")
+    assert raised.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("path", ["/", "/health"])
+def test_head_requests_are_answered(server: RunningServer, path: str) -> None:
+    with server.http() as http:
+        response = http.head(path)
+    assert response.status_code == 200
+    assert response.content == b""
+
+
+# 2. Stream shape
+
+
+def test_stream_options_without_stream_is_400(server: RunningServer) -> None:
+    body = {"prompt": "Hi", "max_tokens": 1, "stream_options": {"include_usage": True}}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stream_options"
+
+
+def test_chat_chunks_carry_null_finish_reason_and_logprobs_until_the_end(
+    server: RunningServer,
+) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 4, "stream": True, **IGNORE_EOS}
+    choices = [
+        c for event in stream_events(server, "/v1/chat/completions", body) for c in event["choices"]
+    ]
+    assert len(choices) >= 2
+    for choice in choices:
+        assert "finish_reason" in choice and "logprobs" in choice
+        assert choice["logprobs"] is None
+    assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert choices[-1]["finish_reason"] == "length"
+
+
+def test_system_fingerprint_is_sent(client, model_name: str) -> None:
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2)
+    completion = client.completions.create(model=model_name, prompt="Hi", max_tokens=2)
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=2, stream=True
+        )
+    )
+    assert chat.system_fingerprint
+    assert completion.system_fingerprint == chat.system_fingerprint
+    assert all(chunk.system_fingerprint == chat.system_fingerprint for chunk in chunks)
+
+
+# 3. Fields vLLM accepts
+
+
+def test_chat_accepts_the_fields_vllm_clients_send(client, model_name: str) -> None:
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"},
+    ]
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=2,
+        user="someone",
+        store=False,
+        parallel_tool_calls=False,
+        response_format={"type": "text"},
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_structured_response_format_is_refused(client, model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=model_name,
+            messages=MESSAGES,
+            max_tokens=2,
+            response_format={"type": "json_object"},
+        )
+    assert raised.value.param == "response_format"
+    assert "json_object" in raised.value.message
+
+
+def test_echo_prepends_the_prompt(client, model_name: str) -> None:
+    args = {"model": model_name, "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0}
+    plain = client.completions.create(**args, extra_body=IGNORE_EOS).choices[0].text
+    echoed = client.completions.create(**args, echo=True, extra_body=IGNORE_EOS)
+    streamed = client.completions.create(**args, echo=True, stream=True, extra_body=IGNORE_EOS)
+    assert echoed.choices[0].text == PROMPT + plain
+    assert "".join(chunk.choices[0].text for chunk in streamed) == PROMPT + plain
+
+
+def test_suffix_is_refused_as_unsupported(client, model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=model_name, prompt="Hi", suffix="end", max_tokens=2)
+    assert raised.value.param == "suffix"
+    assert "not supported" in raised.value.message
+
+
+def test_echo_with_logprobs_is_refused_as_unsupported(client, model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(
+            model=model_name, prompt="Hi", echo=True, logprobs=1, max_tokens=2
+        )
+    assert raised.value.param == "echo"
+    assert "prompt logprobs" in raised.value.message
+
+
+def test_best_of_equal_to_n_is_accepted(client, model_name: str) -> None:
+    completion = client.completions.create(
+        model=model_name, prompt="Hi", n=2, best_of=2, max_tokens=2
+    )
+    assert len(completion.choices) == 2
+
+
+@pytest.mark.parametrize(("n", "best_of"), [(2, 1), (1, 3)])
+def test_best_of_other_than_n_is_400_naming_the_limit(
+    client, model_name: str, n: int, best_of: int
+) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=model_name, prompt="Hi", n=n, best_of=best_of, max_tokens=2)
+    assert raised.value.param == "best_of"
+    assert f"n ({n})" in raised.value.message
+
+
+def test_unknown_fields_are_ignored_with_one_log_line(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi", "frob": 1}], "max_tokens": 1}
+    with caplog.at_level(logging.WARNING, logger="pagedkv.server"):
+        response = post(server, "/v1/chat/completions", {**body, "frobnicate": True})
+    assert response.status_code == 200, response.text
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(lines) == 1
+    assert "frobnicate" in lines[0] and "messages.0.frob" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "frobnicate": 1}, "frobnicate"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi", "frob": 1}]},
+            "messages.0.frob",
+        ),
+    ],
+)
+def test_strict_fields_refuses_unknown_fields(
+    strict_server: RunningServer, path: str, body: dict, param: str
+) -> None:
+    response = post(strict_server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert param in error["message"]
+
+
+# 4. A request larger than the waiting queue
+
+
+def test_more_prompts_than_max_waiting_is_400_not_503(small_queue_server: RunningServer) -> None:
+    response = post(small_queue_server, "/v1/completions", {"prompt": ["a", "b", "c"]})
+    assert response.status_code == 400, response.text
+    assert "--max-waiting" in response.json()["error"]["message"]
+    assert post(small_queue_server, "/v1/completions", {"prompt": ["a", "b"]}).status_code == 200
+
+
+# 5. Logprobs in real bytes and characters
+
+NON_ASCII_SEED = 3  # a seed whose sample emits tokens holding only part of a character
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(client, model_name: str) -> None:
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=48,
+        temperature=1.5,
+        seed=NON_ASCII_SEED,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=IGNORE_EOS,
+    )
+    entries = chat.choices[0].logprobs.content
+    token_bytes = [bytes(entry.bytes) for entry in entries]
+    assert any(b"\xef\xbf\xbd" not in b and _partial(b) for b in token_bytes)  # the hard case
+    joined = b"".join(token_bytes).decode("utf-8", errors="replace")
+    assert joined == chat.choices[0].message.content
+    for entry in entries:
+        for alt in entry.top_logprobs:
+            assert bytes(alt.bytes).decode("utf-8", errors="replace") == alt.token or _partial(
+                bytes(alt.bytes)
+            )
+
+
+def test_completion_text_offset_counts_real_characters(client, model_name: str) -> None:
+    completion = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=48,
+        temperature=1.5,
+        seed=NON_ASCII_SEED,
+        logprobs=1,
+        extra_body=IGNORE_EOS,
+    )
+    text = completion.choices[0].text
+    logprobs = completion.choices[0].logprobs
+    assert any("\ufffd" in token for token in logprobs.tokens)  # the hard case
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+        if "\ufffd" not in token and token not in SPECIAL_TOKENS:  # skipped in the text
+            assert text[offset : offset + len(token)] == token
+
+
+def _partial(token: bytes) -> bool:
+    """True for bytes that are not valid UTF-8 on their own (part of a character)."""
+    try:
+        token.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
