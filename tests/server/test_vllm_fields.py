@@ -194,14 +194,37 @@ def test_best_of_equal_to_n_is_accepted(client, model_name: str) -> None:
     assert len(completion.choices) == 2
 
 
-@pytest.mark.parametrize(("n", "best_of"), [(2, 1), (1, 3)])
-def test_best_of_other_than_n_is_400_naming_the_limit(
-    client, model_name: str, n: int, best_of: int
-) -> None:
+def test_best_of_below_n_is_400_naming_the_limit(client, model_name: str) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=model_name, prompt="Hi", n=n, best_of=best_of, max_tokens=2)
+        client.completions.create(model=model_name, prompt="Hi", n=2, best_of=1, max_tokens=2)
     assert raised.value.param == "best_of"
-    assert f"n ({n})" in raised.value.message
+    assert "n (2)" in raised.value.message
+
+
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(
+    client, model_name: str
+) -> None:
+    args = {"model": model_name, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    prompts = ["Hi", PROMPT]
+    every = client.completions.create(**args, prompt=prompts, n=4, logprobs=0)
+    best = client.completions.create(**args, prompt=prompts, n=2, best_of=4)
+    for prompt_index in range(2):
+        samples = every.choices[prompt_index * 4 : prompt_index * 4 + 4]
+        ranked = sorted(samples, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+        chosen = best.choices[prompt_index * 2 : prompt_index * 2 + 2]
+        assert [c.text for c in chosen] == [c.text for c in ranked[:2]]
+        assert [c.index for c in chosen] == [prompt_index * 2, prompt_index * 2 + 1]
+        assert all(c.logprobs is None for c in chosen)  # computed to rank, not asked for
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all 4 are generated
+
+
+def test_best_of_above_n_cannot_stream(client, model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(
+            model=model_name, prompt="Hi", best_of=2, max_tokens=2, stream=True
+        )
+    assert raised.value.param == "best_of"
+    assert "stream" in raised.value.message
 
 
 def test_unknown_fields_are_ignored_with_one_log_line(

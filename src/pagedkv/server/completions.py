@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
@@ -46,7 +46,10 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     if max_tokens is None:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
     params = sampling_params(request, max_tokens, request.logprobs)
-    generation = Generation(context.engine_loop, new_id("cmpl"), request.n)
+    best_of = request.best_of or request.n
+    if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
+        params = replace(params, n=best_of, logprobs=params.logprobs or 0)
+    generation = Generation(context.engine_loop, new_id("cmpl"), best_of)
     await generation.start(prompts, params, request.priority)
     completion = _Completion(context, request, generation)
     if request.echo:
@@ -60,11 +63,16 @@ def _check_unsupported(request: CompletionRequest) -> None:
     """Refuse, naming the field, what vLLM accepts but this server cannot do."""
     if request.suffix is not None:
         raise APIError(400, "suffix is not supported (no insertion mode)", param="suffix")
-    if request.best_of is not None and request.best_of != request.n:
+    best_of = request.best_of or request.n
+    if best_of < request.n:
+        raise APIError(
+            400, f"best_of ({best_of}) must be at least n ({request.n})", param="best_of"
+        )
+    if best_of > request.n and request.stream:
         raise APIError(
             400,
-            f"best_of ({request.best_of}) must equal n ({request.n}): choosing the best of "
-            "more samples is not supported",
+            f"best_of ({best_of}) above n ({request.n}) cannot stream: the best samples are "
+            "known only once all have finished",
             param="best_of",
         )
     if request.echo and request.logprobs is not None:
@@ -84,6 +92,7 @@ class _Choice(ChoiceState):
 
     logprobs: CompletionLogprobs | None = None
     text_offset: int = 0  # characters decoded so far from the tokens' bytes
+    cumulative_logprob: float = 0.0  # ranks the samples under best_of
     utf8: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
     )
@@ -94,6 +103,12 @@ class _Choice(ChoiceState):
         always make one character)."""
         pending, _ = self.utf8.getstate()
         return self.text_offset + (1 if pending else 0)
+
+    def fold(self, output: CompletionOutput) -> None:
+        """Fold the delta in; keep the sample's cumulative logprob (set when computed)."""
+        super().fold(output)
+        if output.cumulative_logprob is not None:
+            self.cumulative_logprob = output.cumulative_logprob
 
 
 class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs | None]):
@@ -154,16 +169,30 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
         return self._object(
             [
                 CompletionChoice(
-                    index=choice.index,
-                    text=self._echo(choice.index) + "".join(choice.text),
+                    index=index,
+                    text=self._echo(index) + "".join(choice.text),
                     logprobs=choice.logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
                 )
-                for choice in choices
+                for index, choice in enumerate(self._best(choices))
             ],
             usage=True,
         )
+
+    def _best(self, choices: list[_Choice]) -> list[_Choice]:
+        """Each prompt's n samples of highest cumulative logprob (all of them without best_of),
+        best first; the usage still counts every sample, as OpenAI bills them."""
+        n, samples = self.request.n, self.generation.n
+        if samples == n:
+            return choices
+        best = []
+        for start in range(0, len(choices), samples):
+            ranked = sorted(
+                choices[start : start + samples], key=lambda c: c.cumulative_logprob, reverse=True
+            )
+            best += ranked[:n]
+        return best
 
     def _object(self, choices: list[CompletionChoice], usage: bool = False) -> CompletionResponse:
         return CompletionResponse(

@@ -105,7 +105,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
-    best_of: int | None = Field(None, ge=1)  # only equal to n (checked in `completions`)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples per prompt; the best n return
 
     @field_validator("prompt", mode="before")
     @classmethod
