@@ -67,12 +67,14 @@ class LLM:
         """Answer one conversation or several, each rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            tokenizer.encode_chat(conversation, add_generation_prompt)
+        texts = [
+            tokenizer.apply_chat_template(conversation, add_generation_prompt)
             for conversation in conversations  # type: ignore[union-attr]
         ]
+        # The template places any BOS itself, so the text is encoded without special tokens.
+        prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, [0] * len(prompts))
+        return self._run(prompts, params, use_tqdm, [0] * len(prompts), texts)
 
     def _run(
         self,
@@ -80,7 +82,13 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         priorities: list[int],
+        texts: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
+        """Add the prompts, step until all finish, return whole outputs in order.
+
+        `texts` are the prompts as text where they are given as ids (chat's rendered
+        conversations), reported as `RequestOutput.prompt` as vLLM does.
+        """
         engine = self.engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         added: list[str] = []
@@ -112,7 +120,11 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [results[request_id] for request_id in request_ids]
+        outputs = [results[request_id] for request_id in request_ids]
+        if texts is not None:
+            for output, text in zip(outputs, texts, strict=True):
+                output.prompt = text
+        return outputs
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort these requests and report the aborts, so no later call sees them."""
@@ -199,6 +211,7 @@ def _empty_like(delta: RequestOutput) -> RequestOutput:
         outputs=[],
         finished=False,
         metrics=delta.metrics,
+        num_cached_tokens=delta.num_cached_tokens,
     )
 
 
@@ -222,6 +235,7 @@ def _accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
     whole.outputs = [by_index[index] for index in sorted(by_index)]
     whole.finished = delta.finished
     whole.metrics = delta.metrics
+    whole.num_cached_tokens = delta.num_cached_tokens
 
 
 class _Progress:
