@@ -118,9 +118,10 @@ class Engine:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
 
         `priority` orders requests under `scheduling_policy="priority"` (lower runs first);
-        under "fcfs" it must be 0.
+        under "fcfs" it must be 0. The request keeps a checked copy of `params` as they are now
+        (a `ValueError` names a field set to a bad value after construction).
         """
-        params = params or SamplingParams()
+        params = params.clone() if params is not None else SamplingParams()
         if request_id in self._requests:
             raise DuplicateRequest(request_id)
         # Reusing the id of an aborted request whose abort is not yet reported: the caller

@@ -2,13 +2,16 @@
 
 The fields and their defaults are vLLM's, so code written against vLLM's `SamplingParams`
 runs unchanged. Values are checked when the object is made: a bad value raises `ValueError`
-naming the parameter and the value, before the request reaches the engine.
+naming the parameter and the value, before the request reaches the engine. Fields may still be
+changed afterwards (`sp.stop = [...]`), as vLLM allows, so the engine takes a `clone()` when a
+request is added: the checks and derived values run again on what the fields hold then, and
+later changes to the caller's object do not reach the queued request.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Temperatures below this are treated as greedy: dividing logits by a near-zero number
 # overflows to inf and turns sampling into NaNs.
@@ -70,6 +73,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def clone(self) -> SamplingParams:
+        """A checked copy of the fields as they are now (what a request keeps)."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
