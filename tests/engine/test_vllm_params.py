@@ -86,3 +86,118 @@ def test_params_changed_after_a_request_is_added_do_not_change_it(llm, plain):
         for delta in engine.step():
             text += "".join(o.text for o in delta.outputs)
     assert text == plain.text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(llm, plain):
+    stop = middle(plain.text)
+    params = greedy(stop=[stop], include_stop_str_in_output=True)
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert output.outputs[0].text == plain.text[: plain.text.find(stop) + len(stop)]
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def test_include_stop_str_in_output_streams_the_same_text(llm, plain):
+    stop = middle(plain.text)
+    engine = llm.engine
+    engine.add_request("streamed", PROMPT, greedy(stop=[stop], include_stop_str_in_output=True))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.text for d in engine.step() for o in d.outputs)
+    assert text == plain.text[: plain.text.find(stop) + len(stop)]
+
+
+def prompt_ids(llm) -> list[int]:
+    return llm.get_tokenizer().encode(PROMPT)
+
+
+def next_logits(engine_zoo, llm, generated=()):
+    """transformers' logits of the token after the prompt and `generated`."""
+    return engine_zoo.hf_logits("llama", prompt_ids(llm) + list(generated))[-1]
+
+
+def run_beside_plain(llm, params: SamplingParams, plain) -> list[int]:
+    """The prompt under `params`, in one step with a plain row that must stay unchanged."""
+    other, changed = llm.generate([PROMPT, PROMPT], [greedy(), params], use_tqdm=False)
+    assert other.outputs[0].token_ids == plain.token_ids
+    return changed.outputs[0].token_ids
+
+
+def test_logit_bias_moves_the_argmax_as_its_arithmetic_says(engine_zoo, llm, plain):
+    logits = next_logits(engine_zoo, llm)
+    top2 = logits.topk(2).indices.tolist()
+    assert plain.token_ids[0] == top2[0]
+    gap = float(logits[top2[0]] - logits[top2[1]])
+    tokens = run_beside_plain(llm, greedy(logit_bias={top2[1]: gap + 0.5}), plain)
+    assert tokens[0] == top2[1]
+    tokens = run_beside_plain(llm, greedy(logit_bias={top2[1]: gap - 0.5}), plain)
+    assert tokens[0] == top2[0]
+
+
+def test_allowed_token_ids_restrict_every_token(engine_zoo, llm, plain):
+    logits = next_logits(engine_zoo, llm)
+    allowed = logits.argsort()[100:105].tolist()  # none of them the model's own choice
+    tokens = run_beside_plain(llm, greedy(allowed_token_ids=allowed), plain)
+    assert set(tokens) <= set(allowed)
+    assert tokens[0] == max(allowed, key=lambda t: float(logits[t]))
+
+
+def test_a_one_token_bad_word_never_appears(llm, plain):
+    tokenizer = llm.get_tokenizer()
+    word = next(
+        tokenizer.decode([t])
+        for t in plain.token_ids
+        if tokenizer.decode([t]).strip()
+        and tokenizer.encode(tokenizer.decode([t]).lstrip(), False) == [t]
+    )
+    [banned] = tokenizer.encode(word.lstrip(), False)
+    tokens = run_beside_plain(llm, greedy(bad_words=[word]), plain)
+    assert banned not in tokens
+
+
+def test_a_two_token_bad_word_masks_its_last_token_after_its_first(engine_zoo, llm, plain):
+    tokenizer = llm.get_tokenizer()
+    position = next(
+        k
+        for k in range(1, len(plain.token_ids) - 1)
+        if tokenizer.encode(tokenizer.decode(plain.token_ids[k : k + 2]), False)
+        == plain.token_ids[k : k + 2]
+        and not tokenizer.decode(plain.token_ids[k : k + 2]).startswith(" ")
+        and plain.token_ids[k + 1] not in plain.token_ids[: k + 1]
+    )
+    word = tokenizer.decode(plain.token_ids[position : position + 2])
+    tokens = run_beside_plain(llm, greedy(bad_words=[word]), plain)
+    assert tokens[: position + 1] == plain.token_ids[: position + 1]
+    logits = next_logits(engine_zoo, llm, plain.token_ids[: position + 1])
+    logits[plain.token_ids[position + 1]] = float("-inf")
+    assert tokens[position + 1] == int(logits.argmax())
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {320: 1.0}}, "logit_bias token id 320 is outside .* \\[0, 320\\)"),
+        ({"allowed_token_ids": [5, 400]}, "allowed_token_ids token id 400 is outside .*320"),
+    ],
+)
+def test_token_ids_beyond_the_vocabulary_are_refused_at_add_request(llm, fields, message):
+    from pagedkv.engine import TokenOutOfVocabulary
+
+    with pytest.raises(TokenOutOfVocabulary, match=message):
+        llm.generate(PROMPT, greedy(**fields), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool, got 1"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids .* got '5'"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias\\[5\\] must be a finite number"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids must be >= 0, got -1"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings, got 'word'"),
+        ({"bad_words": ["ok", " "]}, "bad_words must not be blank, got ' '"),
+    ],
+)
+def test_bad_values_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        greedy(**fields)

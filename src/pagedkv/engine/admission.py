@@ -65,9 +65,7 @@ def check_fits(token_ids: list[int], params: SamplingParams, limits: Limits) -> 
     As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
     stops at max_model_len with finish_reason "length".
     """
-    for token_id in params.stop_token_ids or []:
-        if token_id >= limits.vocab_size:
-            raise TokenOutOfVocabulary(token_id, limits.vocab_size, "stop_token_ids has")
+    _check_vocabulary(params, limits.vocab_size)
     num_prompt = len(token_ids)
     if num_prompt >= limits.max_model_len:
         raise PromptTooLong(num_prompt, limits.max_model_len)
@@ -86,3 +84,30 @@ def check_fits(token_ids: list[int], params: SamplingParams, limits: Limits) -> 
     if params.n > limits.max_samples:
         raise TooManySamples(params.n, limits.max_samples)
     return max_tokens
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM derives them: the word as given (its leading
+    spaces removed), and again after a space where that encodes as a different word of the
+    same length (a word mid-text usually starts with its space)."""
+    banned: list[list[int]] = []
+    for word in bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        banned.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            banned.append(spaced)
+    return banned
+
+
+def _check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """Every token id a parameter names indexes the logits, so it must be in the vocabulary."""
+    named = (
+        ("stop_token_ids has", params.stop_token_ids or []),
+        ("logit_bias token id", params.logit_bias or {}),
+        ("allowed_token_ids token id", params.allowed_token_ids or []),
+    )
+    for where, token_ids in named:
+        for token_id in token_ids:
+            if token_id >= vocab_size:
+                raise TokenOutOfVocabulary(token_id, vocab_size, where)

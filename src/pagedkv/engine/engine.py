@@ -15,7 +15,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from pagedkv.engine.admission import Limits, check_fits, tokenize
+from pagedkv.engine.admission import Limits, bad_words_token_ids, check_fits, tokenize
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
@@ -143,6 +143,7 @@ class Engine:
             cache_salt=cache_salt,
             priority=priority,
             forked=params.n == 1,
+            bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
         )
         self.scheduler.add(request)  # refuses a priority the policy does not order by
         self._requests[request_id] = request
@@ -343,6 +344,7 @@ class Engine:
             output_token_ids=seq.output_token_ids,
             stop_token_ids=stop_ids,
             generator=seq.generator,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     def _logprob_entry(
