@@ -18,6 +18,7 @@ from pagedkv.engine.errors import (
     PromptTooLong,
     RequestTooLarge,
     TokenOutOfVocabulary,
+    TooManyLogprobs,
     TooManySamples,
 )
 from pagedkv.engine.params import SamplingParams
@@ -33,6 +34,7 @@ class Limits:
     num_gpu_blocks: int
     block_size: int
     max_samples: int  # sequences one step can run: min(max_num_seqs, max_num_batched_tokens)
+    max_logprobs: int
 
 
 def tokenize(
@@ -59,13 +61,16 @@ def tokenize(
     return None, token_ids
 
 
-def check_fits(token_ids: list[int], params: SamplingParams, limits: Limits) -> int:
-    """max_tokens, cut to the room the context leaves, after checking the request fits.
+def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) -> int:
+    """max_tokens, cut to the room the context leaves, after checking the request's token ids
+    and logprobs against the model and that it fits the context, the pool and a step.
 
     As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
     stops at max_model_len with finish_reason "length".
     """
     _check_vocabulary(params, limits.vocab_size)
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise TooManyLogprobs(params.logprobs, limits.max_logprobs)
     num_prompt = len(token_ids)
     if num_prompt >= limits.max_model_len:
         raise PromptTooLong(num_prompt, limits.max_model_len)

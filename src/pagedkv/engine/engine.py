@@ -15,7 +15,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from pagedkv.engine.admission import Limits, bad_words_token_ids, check_fits, tokenize
+from pagedkv.engine.admission import Limits, bad_words_token_ids, check_request, tokenize
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
@@ -47,7 +47,7 @@ class Engine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        dtype = DTYPES[args.dtype]
+        dtype = DTYPES[args.resolved_dtype]
         self.device = torch.device(args.device)
         loaded = load(args.model, dtype=dtype, device=self.device)
         self.model_name = loaded.name
@@ -94,6 +94,7 @@ class Engine:
             num_gpu_blocks=self.manager.num_gpu_blocks,
             block_size=self.manager.block_size,
             max_samples=min(args.max_num_seqs, args.max_num_batched_tokens),
+            max_logprobs=args.max_logprobs,
         )
         self._requests: dict[str, Request] = {}
         # Aborted requests whose final delta the next step reports, by id.
@@ -130,7 +131,7 @@ class Engine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidPriority(priority)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
-        max_tokens = check_fits(token_ids, params, self._limits)
+        max_tokens = check_request(token_ids, params, self._limits)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = Request(
             request_id=request_id,

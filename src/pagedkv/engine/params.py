@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 # overflows to inf and turns sampling into NaNs.
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 1024
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -73,7 +72,7 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+            _check_int("logprobs", self.logprobs, minimum=0)  # the engine's max_logprobs caps it
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
