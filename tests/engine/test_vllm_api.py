@@ -30,7 +30,9 @@ def test_completion_finished_is_a_method_as_in_vllm(llm):
 def test_chat_output_prompt_is_the_rendered_conversation(llm):
     messages = [{"role": "user", "content": "Hello world!"}]
     [output] = llm.chat(messages, GREEDY, use_tqdm=False)
-    rendered = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    rendered = llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert output.prompt == rendered
     assert output.prompt_token_ids == llm.get_tokenizer().encode(rendered, False)
 
@@ -54,3 +56,43 @@ def test_a_request_id_reused_after_abort_is_the_new_request(engine_zoo):
     assert reasons == ["length"]
     tokens = [t for d in deltas for o in d.outputs for t in o.token_ids]
     assert len(tokens) == GREEDY.max_tokens
+
+
+def test_the_tokenizer_is_used_as_a_transformers_one(llm):
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hello world!"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    [output] = llm.generate(
+        {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)},
+        GREEDY,
+        use_tqdm=False,
+    )
+    [chat] = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert output.outputs[0].token_ids == chat.outputs[0].token_ids
+    assert tokenizer.eos_token_id == 2
+    assert tokenizer.decode(tokenizer.encode("Hi"), skip_special_tokens=False) == "<s>Hi"
+
+
+CUSTOM = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ tail }}"
+
+
+def test_chat_takes_a_template_its_kwargs_and_continues_a_final_message(llm):
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Paged"}]
+    [custom] = llm.chat(
+        messages, GREEDY, use_tqdm=False, chat_template=CUSTOM, chat_template_kwargs={"tail": ">"}
+    )
+    assert custom.prompt == "user: Hello\nassistant: Paged\n>"
+    [continued] = llm.chat(
+        messages,
+        GREEDY,
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert continued.prompt == "<s><|user|>\nHello</s>\n<|assistant|>\nPaged"
+    assert continued.prompt == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)

@@ -62,14 +62,29 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Answer one conversation or several, each rendered with the model's chat template."""
+        """Answer one conversation or several, each rendered with the model's chat template
+        (or `chat_template`, given `chat_template_kwargs` as extra variables), as vLLM's.
+
+        `continue_final_message` continues the last message instead of starting a new turn
+        (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
+        """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
         texts = [
-            tokenizer.apply_chat_template(conversation, add_generation_prompt)
-            for conversation in conversations  # type: ignore[union-attr]
+            tokenizer.render_chat(
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
         ]
         # The template places any BOS itself, so the text is encoded without special tokens.
         prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
