@@ -50,13 +50,13 @@ def test_encode_matches_transformers_and_decode_round_trips(folder, hf_tokenizer
 
 def test_chat_template_renders_like_transformers(folder, hf_tokenizer):
     tokenizer = Tokenizer.from_folder(folder)
-    prompt = tokenizer.apply_chat_template(CONVERSATION)
+    prompt = tokenizer.render_chat(CONVERSATION)
     assert prompt == hf_tokenizer.apply_chat_template(
         CONVERSATION, tokenize=False, add_generation_prompt=True
     )
     assert prompt.startswith("<s><|system|>\nBe brief.</s>\n<|user|>\nWhat is a block table?</s>")
     assert prompt.endswith("<|user|>\nThanks 🙂</s>\n<|assistant|>\n")
-    assert not tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False).endswith(
+    assert not tokenizer.render_chat(CONVERSATION, add_generation_prompt=False).endswith(
         "<|assistant|>\n"
     )
     hf_ids = hf_tokenizer.apply_chat_template(
@@ -70,7 +70,7 @@ def test_chat_template_from_chat_template_jinja(folder):
     config = json.loads(config_path.read_text())
     (folder / "chat_template.jinja").write_text(config.pop("chat_template"))
     config_path.write_text(json.dumps(config))
-    prompt = Tokenizer.from_folder(folder).apply_chat_template(CONVERSATION[:2])
+    prompt = Tokenizer.from_folder(folder).render_chat(CONVERSATION[:2])
     assert (
         prompt
         == "<s><|system|>\nBe brief.</s>\n<|user|>\nWhat is a block table?</s>\n<|assistant|>\n"
@@ -79,7 +79,7 @@ def test_chat_template_from_chat_template_jinja(folder):
 
 def test_template_rejecting_a_conversation_raises_chat_template_error(folder):
     with pytest.raises(ChatTemplateError, match="unknown role tool"):
-        Tokenizer.from_folder(folder).apply_chat_template([{"role": "tool", "content": "42"}])
+        Tokenizer.from_folder(folder).render_chat([{"role": "tool", "content": "42"}])
 
 
 def test_no_chat_template_is_a_clear_error(folder):
@@ -132,3 +132,49 @@ def test_malformed_tokenizer_files_name_the_file(folder, broken):
     (folder / broken).write_text("{not json")
     with pytest.raises(MalformedModelFile, match=rf"{broken.replace('.', '[.]')}: not (a )?valid"):
         Tokenizer.from_folder(folder)
+
+
+CUSTOM_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{{ tail }}"
+)
+
+
+def test_hugging_face_call_forms_give_what_transformers_gives(folder, hf_tokenizer):
+    """Code written against a transformers tokenizer runs on ours: same calls, same results
+    (with the arguments whose defaults differ between transformers versions given)."""
+    tokenizer = Tokenizer.from_folder(folder)
+    text = TEXTS[1]
+    ids = tokenizer.encode(text)
+    assert ids == hf_tokenizer.encode(text)
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert tokenizer.eos_token_id == hf_tokenizer.eos_token_id == 2
+    assert tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    ) == hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=False
+    ) == hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    hf_ids = hf_tokenizer.apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert tokenizer.apply_chat_template(CONVERSATION, tokenize=True) == hf_ids
+
+
+def test_continue_final_message_and_a_given_template_render_as_transformers(folder, hf_tokenizer):
+    tokenizer = Tokenizer.from_folder(folder)
+    partial = [*CONVERSATION[:2], {"role": "assistant", "content": "A map from  "}]
+    assert tokenizer.apply_chat_template(
+        partial, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    ) == hf_tokenizer.apply_chat_template(
+        partial, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=CUSTOM_TEMPLATE, tail="end"
+    ) == hf_tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=CUSTOM_TEMPLATE, tokenize=False, tail="end"
+    )
+    with pytest.raises(ValueError, match="continue_final_message .* add_generation_prompt"):
+        tokenizer.apply_chat_template(partial, continue_final_message=True)

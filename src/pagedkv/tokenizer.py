@@ -6,6 +6,12 @@ and then to tokenizer_config.json's `eos_token`. The chat template comes from
 tokenizer_config.json or `chat_template.jinja` and is rendered with jinja2 in a sandbox, with
 the same environment transformers gives templates (trimmed blocks, `raise_exception`,
 `tojson`, `strftime_now`), so a Hub template renders the same text here as there.
+
+The calls users make on a transformers tokenizer (`encode`, `decode`, `eos_token_id`,
+`apply_chat_template(..., tokenize=False, add_generation_prompt=True)`) work here with
+transformers' keywords, since `LLM.get_tokenizer()` returns this object. Two defaults stay
+the engine's: `decode` skips special tokens, and `apply_chat_template` returns text ending in
+the generation prompt (transformers' defaults vary by version; pass them to be explicit).
 """
 
 from __future__ import annotations
@@ -102,30 +108,103 @@ class Tokenizer:
         """Text of `token_ids`."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence token's id as transformers gives it: the eos token's, else the
+        first id that ends generation (generation stops on any of `eos_token_ids`)."""
+        eos_token = self.special_tokens.get("eos_token")
+        token_id = None if eos_token is None else self.tokenizer.token_to_id(eos_token)
+        if token_id is None and self.eos_token_ids:
+            return self.eos_token_ids[0]
+        return token_id
+
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tokenize: bool = False,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """The conversation's text, or its token ids with tokenize=True (transformers' call).
+
+        `kwargs` are extra template variables (vLLM's chat_template_kwargs).
+        """
+        text = self.render_chat(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            template_kwargs=kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render a conversation (`[{"role": ..., "content": ...}, ...]`) as prompt text."""
-        if self._template is None:
+        """Render a conversation (`[{"role": ..., "content": ...}, ...]`) as prompt text.
+
+        `chat_template` replaces the model's; `continue_final_message` ends the text inside
+        the last message, so the model continues it rather than starting a new turn.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be True: "
+                "the first continues the last message, the second starts a new one"
+            )
+        template = self._template if chat_template is None else _compile(chat_template)
+        if template is None:
             raise ChatTemplateError(
                 "this model has no chat template (none in tokenizer_config.json "
                 "or chat_template.jinja)"
             )
         try:
-            return self._template.render(
+            text = template.render(
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                **{**self.special_tokens, **(template_kwargs or {})},
             )
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template failed: {error}") from error
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of the rendered conversation; the template itself places any BOS."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+def _compile(chat_template: str) -> jinja2.Template:
+    try:
+        return _ENVIRONMENT.from_string(chat_template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ChatTemplateError(f"chat_template is not valid jinja: {error}") from error
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The text up to the end of the last message's content, as transformers cuts it: where
+    the template kept the message as given, just after it; where it trimmed it, after the
+    trimmed content."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or final.strip() not in text:
+        raise ChatTemplateError(
+            "continue_final_message is set, but the last message's content does not appear "
+            "in the rendered conversation"
+        )
+    start = text.rindex(final.strip())
+    if text[start : start + len(final.lstrip())] == final:
+        return text[: start + len(final.lstrip())]
+    return text[: start + len(final.strip())]
 
 
 def _raise_exception(message: str) -> None:

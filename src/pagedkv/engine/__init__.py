@@ -30,6 +30,7 @@ __all__ = [
     "SamplingParams",
     "StepFailed",
     "TokenOutOfVocabulary",
+    "TooManyLogprobs",
     "TooManySamples",
 ]
 

@@ -2,7 +2,10 @@
 
 Command-line flags mirror the field names (`num_gpu_blocks` -> `--num-gpu-blocks`), as vLLM's
 do, and are generated from this one dataclass so the Python and command-line spellings
-cannot drift apart.
+cannot drift apart. vLLM's names for settings we already had are accepted too: `swap_space`
+for `swap_space_gb` and `num_gpu_blocks_override` for `num_gpu_blocks`; when given, vLLM's
+name wins (a command may set our name's default and a user pass vLLM's flag), and it is
+written into our name, which the engine reads.
 """
 
 from __future__ import annotations
@@ -14,25 +17,36 @@ from typing import Any
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
 
-DTYPES = ("float32", "bfloat16", "float16")
+# vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
+DTYPES = {
+    "auto": None,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 PREEMPTION_MODES = ("swap", "recompute")
 
 _HELP = {
     "model": "Hugging Face folder, .gguf file or built-in model name",
     "block_size": "tokens per KV block",
     "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
+    "num_gpu_blocks_override": "vLLM's name for num_gpu_blocks (wins when given)",
     "kv_cache_memory": "bytes for the KV pool, instead of num_gpu_blocks",
     "swap_space_gb": "GiB of CPU memory for swapped-out blocks (0 disables swap)",
+    "swap_space": "vLLM's name for swap_space_gb (wins when given)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step, prefill chunks and decodes together",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "preemption_mode": "swap or recompute (default: swap when swap space is configured)",
     "scheduling_policy": "fcfs (arrival order) or priority (a request's priority, lower first)",
-    "dtype": "weights, activations and KV dtype",
+    "dtype": "weights, activations and KV dtype (auto: float32 on CPU, bfloat16 on GPU)",
     "device": "cpu or cuda",
     "seed": "seed of the sampler for requests without their own seed",
     "gpu_memory_utilization": "share of device memory the engine may use (weights + KV)",
+    "max_logprobs": "most logprobs one request may ask for per token",
 }
 
 
@@ -43,8 +57,10 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     block_size: int = 16
     num_gpu_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None
     swap_space_gb: float = 1.0
+    swap_space: float | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -55,17 +71,22 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.num_gpu_blocks_override is not None:
+            self.num_gpu_blocks = self.num_gpu_blocks_override
+        if self.swap_space is not None:
+            _gib("swap_space", self.swap_space)
+            self.swap_space_gb = self.swap_space
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
             _positive_int(name, getattr(self, name))
         for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give at most one of num_gpu_blocks and kv_cache_memory")
-        if not isinstance(self.swap_space_gb, int | float) or not self.swap_space_gb >= 0:
-            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}")
+        _gib("swap_space_gb", self.swap_space_gb)
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES} or None, "
@@ -79,7 +100,7 @@ class EngineArgs:
                 f"got {self.scheduling_policy!r}"
             )
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -91,6 +112,15 @@ class EngineArgs:
         if self.preemption_mode is not None:
             return self.preemption_mode
         return "swap" if self.swap_space_gb > 0 else "recompute"
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype loaded: float32, bfloat16 or float16. "auto" is float32 on a CPU (fast
+        and exact there) and bfloat16 on a GPU, where checkpoints are mostly trained in it."""
+        resolved = DTYPES[self.dtype]
+        if resolved is None:
+            return "float32" if self.device == "cpu" else "bfloat16"
+        return resolved
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -109,7 +139,7 @@ class EngineArgs:
                 continue
             kwargs: dict[str, Any] = {"default": default, "help": f"{_HELP[field.name]}"}
             if field.name == "dtype":
-                kwargs["choices"] = DTYPES
+                kwargs["choices"] = tuple(DTYPES)
             elif field.name == "preemption_mode":
                 kwargs["choices"] = PREEMPTION_MODES
             elif field.name == "scheduling_policy":
@@ -126,6 +156,11 @@ class EngineArgs:
         return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
 
 
+def _gib(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{name} must be >= 0 (GiB), got {value!r}")
+
+
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -134,8 +169,11 @@ def _positive_int(name: str, value: object) -> None:
 _CLI_TYPES = {
     "block_size": int,
     "num_gpu_blocks": int,
+    "num_gpu_blocks_override": int,
     "kv_cache_memory": int,
     "swap_space_gb": float,
+    "swap_space": float,
+    "max_logprobs": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,

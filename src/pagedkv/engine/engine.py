@@ -8,7 +8,6 @@ one thread owns it (the server runs it in its engine thread).
 
 from __future__ import annotations
 
-import operator
 import sys
 import time
 from collections import deque
@@ -16,19 +15,10 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
+from pagedkv.engine.admission import Limits, bad_words_token_ids, check_request, tokenize
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.errors import (
-    DuplicateRequest,
-    EmptyPrompt,
-    InvalidPriority,
-    InvalidTokenId,
-    PromptTooLong,
-    RequestTooLarge,
-    StepFailed,
-    TokenOutOfVocabulary,
-    TooManySamples,
-)
+from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
@@ -57,7 +47,7 @@ class Engine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        dtype = DTYPES[args.dtype]
+        dtype = DTYPES[args.resolved_dtype]
         self.device = torch.device(args.device)
         loaded = load(args.model, dtype=dtype, device=self.device)
         self.model_name = loaded.name
@@ -98,8 +88,17 @@ class Engine:
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache)
         self.sampler = Sampler(args.seed, device=self.device)
+        self._limits = Limits(
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_gpu_blocks=self.manager.num_gpu_blocks,
+            block_size=self.manager.block_size,
+            max_samples=min(args.max_num_seqs, args.max_num_batched_tokens),
+            max_logprobs=args.max_logprobs,
+        )
         self._requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []
+        # Aborted requests whose final delta the next step reports, by id.
+        self._aborted: dict[str, Request] = {}
         self._stop_ids = frozenset(self.tokenizer.eos_token_ids)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -120,15 +119,19 @@ class Engine:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
 
         `priority` orders requests under `scheduling_policy="priority"` (lower runs first);
-        under "fcfs" it must be 0.
+        under "fcfs" it must be 0. The request keeps a checked copy of `params` as they are now
+        (a `ValueError` names a field set to a bad value after construction).
         """
-        params = params or SamplingParams()
+        params = params.clone() if params is not None else SamplingParams()
         if request_id in self._requests:
             raise DuplicateRequest(request_id)
+        # Reusing the id of an aborted request whose abort is not yet reported: the caller
+        # has moved on, and reporting it now would end the new request under the same id.
+        self._aborted.pop(request_id, None)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidPriority(priority)
-        prompt_text, token_ids = self._tokenize(prompt)
-        max_tokens = self._check_fits(token_ids, params)
+        prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
+        max_tokens = check_request(token_ids, params, self._limits)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         request = Request(
             request_id=request_id,
@@ -141,6 +144,7 @@ class Engine:
             cache_salt=cache_salt,
             priority=priority,
             forked=params.n == 1,
+            bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
         )
         self.scheduler.add(request)  # refuses a priority the policy does not order by
         self._requests[request_id] = request
@@ -155,7 +159,7 @@ class Engine:
             if not seq.finished:
                 seq.finish_reason = "abort"
         request.metrics.finished_time = time.monotonic()
-        self._aborted.append(request)
+        self._aborted[request_id] = request
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped (or an abort is unreported)."""
@@ -180,7 +184,7 @@ class Engine:
                 raise
             raise StepFailed(request_ids, error) from error
         deltas = [self._delta(request) for request in touched.values()]
-        deltas += [self._delta(request) for request in self._aborted]
+        deltas += [self._delta(request) for request in self._aborted.values()]
         self._aborted.clear()
         self._step_seconds += time.perf_counter() - started
         return deltas
@@ -263,6 +267,7 @@ class Engine:
             outputs=outputs,
             finished=request.status is RequestStatus.FINISHED,
             metrics=request.metrics,
+            num_cached_tokens=request.metrics.num_cached_tokens,
         )
 
     # -- reporting -------------------------------------------------------------------------
@@ -305,55 +310,6 @@ class Engine:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _tokenize(self, prompt: str | SequenceOf[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:  # the tokenizer may still add BOS, but there is nothing to continue
-                raise EmptyPrompt()
-            return prompt, self.tokenizer.encode(prompt)
-        token_ids = []
-        for position, value in enumerate(prompt):
-            if isinstance(value, bool):
-                raise InvalidTokenId(position, value)
-            try:  # ints, and integer types such as numpy's, become plain ints
-                token_ids.append(operator.index(value))
-            except TypeError:
-                raise InvalidTokenId(position, value) from None
-        if not token_ids:
-            raise EmptyPrompt()
-        for token_id in token_ids:
-            if not 0 <= token_id < self.config.vocab_size:
-                raise TokenOutOfVocabulary(token_id, self.config.vocab_size)
-        return None, token_ids
-
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> int:
-        """max_tokens, cut to the room the context leaves, after checking the request fits.
-
-        As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
-        stops at max_model_len with finish_reason "length".
-        """
-        for token_id in params.stop_token_ids or []:
-            if token_id >= self.config.vocab_size:
-                raise TokenOutOfVocabulary(token_id, self.config.vocab_size, "stop_token_ids has")
-        num_prompt = len(token_ids)
-        if num_prompt >= self.max_model_len:
-            raise PromptTooLong(num_prompt, self.max_model_len)
-        room = self.max_model_len - num_prompt
-        max_tokens = params.max_tokens
-        if max_tokens is None:  # as long as the context, and the pool, allow
-            pool_tokens = self.manager.num_gpu_blocks // params.n * self.manager.block_size
-            max_tokens = max(1, pool_tokens - num_prompt)
-        max_tokens = min(max_tokens, room)
-        # Samples share the prompt's blocks while they run, but after a preemption each one
-        # may come back (swapped in, or recomputed) with blocks of its own: the request must
-        # fit the whole pool in that worst case too, or it could wait forever.
-        needed = params.n * -(-(num_prompt + max_tokens) // self.manager.block_size)
-        if needed > self.manager.num_gpu_blocks:
-            raise RequestTooLarge(needed, self.manager.num_gpu_blocks)
-        max_samples = min(self.args.max_num_seqs, self.args.max_num_batched_tokens)
-        if params.n > max_samples:
-            raise TooManySamples(params.n, max_samples)
-        return max_tokens
-
     def _new_sequence(
         self, request_id: str, index: int, token_ids: SequenceOf[int], params: SamplingParams
     ) -> Sequence:
@@ -389,6 +345,7 @@ class Engine:
             output_token_ids=seq.output_token_ids,
             stop_token_ids=stop_ids,
             generator=seq.generator,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     def _logprob_entry(

@@ -62,17 +62,34 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Answer one conversation or several, each rendered with the model's chat template."""
+        """Answer one conversation or several, each rendered with the model's chat template
+        (or `chat_template`, given `chat_template_kwargs` as extra variables), as vLLM's.
+
+        `continue_final_message` continues the last message instead of starting a new turn
+        (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
+        """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
-        prompts: list[Prompt] = [
-            tokenizer.encode_chat(conversation, add_generation_prompt)
-            for conversation in conversations  # type: ignore[union-attr]
+        texts = [
+            tokenizer.render_chat(
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
         ]
+        # The template places any BOS itself, so the text is encoded without special tokens.
+        prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, [0] * len(prompts))
+        return self._run(prompts, params, use_tqdm, [0] * len(prompts), texts)
 
     def _run(
         self,
@@ -80,7 +97,13 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         priorities: list[int],
+        texts: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
+        """Add the prompts, step until all finish, return whole outputs in order.
+
+        `texts` are the prompts as text where they are given as ids (chat's rendered
+        conversations), reported as `RequestOutput.prompt` as vLLM does.
+        """
         engine = self.engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         added: list[str] = []
@@ -112,7 +135,11 @@ class LLM:
             raise
         finally:
             progress.close()
-        return [results[request_id] for request_id in request_ids]
+        outputs = [results[request_id] for request_id in request_ids]
+        if texts is not None:
+            for output, text in zip(outputs, texts, strict=True):
+                output.prompt = text
+        return outputs
 
     def _abort(self, request_ids: list[str]) -> None:
         """Abort these requests and report the aborts, so no later call sees them."""
@@ -199,6 +226,7 @@ def _empty_like(delta: RequestOutput) -> RequestOutput:
         outputs=[],
         finished=False,
         metrics=delta.metrics,
+        num_cached_tokens=delta.num_cached_tokens,
     )
 
 
@@ -222,6 +250,7 @@ def _accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
     whole.outputs = [by_index[index] for index in sorted(by_index)]
     whole.finished = delta.finished
     whole.metrics = delta.metrics
+    whole.num_cached_tokens = delta.num_cached_tokens
 
 
 class _Progress:

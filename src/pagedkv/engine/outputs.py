@@ -38,9 +38,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
-        """True once the sample has a finish reason."""
+        """True once the sample has a finish reason (a method, as vLLM's is)."""
         return self.finish_reason is not None
 
 
@@ -67,3 +66,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's)

@@ -2,19 +2,21 @@
 
 The fields and their defaults are vLLM's, so code written against vLLM's `SamplingParams`
 runs unchanged. Values are checked when the object is made: a bad value raises `ValueError`
-naming the parameter and the value, before the request reaches the engine.
+naming the parameter and the value, before the request reaches the engine. Fields may still be
+changed afterwards (`sp.stop = [...]`), as vLLM allows, so the engine takes a `clone()` when a
+request is added: the checks and derived values run again on what the fields hold then, and
+later changes to the caller's object do not reach the queued request.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Temperatures below this are treated as greedy: dividing logits by a near-zero number
 # overflows to inf and turns sampling into NaNs.
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 1024
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -37,6 +39,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # their token sequences are never completed
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,10 +72,22 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
-        for name in ("ignore_eos", "skip_special_tokens"):
+            _check_int("logprobs", self.logprobs, minimum=0)  # the engine's max_logprobs caps it
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, minimum=0)
+        self.bad_words = _bad_words(self.bad_words)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def clone(self) -> SamplingParams:
+        """A checked copy of the fields as they are now (what a request keeps)."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +104,29 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     if any(s == "" for s in strings):
         raise ValueError("stop strings must not be empty")
     return tuple(strings)
+
+
+def _logit_bias(logit_bias: object) -> dict[int, float] | None:
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    for token_id, bias in logit_bias.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
+        _check_number(f"logit_bias[{token_id}]", bias)
+    return {token_id: float(bias) for token_id, bias in logit_bias.items()}
+
+
+def _bad_words(bad_words: object) -> list[str] | None:
+    if bad_words is None:
+        return None
+    if not isinstance(bad_words, list | tuple) or not all(isinstance(w, str) for w in bad_words):
+        raise ValueError(f"bad_words must be a list of strings, got {bad_words!r}")
+    for word in bad_words:
+        if not word.strip():
+            raise ValueError(f"bad_words must not be blank, got {word!r}")
+    return list(bad_words)
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

@@ -101,6 +101,8 @@ class Request:
     arrival_index: int = 0  # the scheduler's count of arrivals: breaks ties in priority
     status: RequestStatus = RequestStatus.WAITING
     forked: bool = False  # True once all n samples exist (from the start when n == 1)
+    # params.bad_words as token sequences (tokenized once, when the request is added).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def live_sequences(self) -> list[Sequence]:

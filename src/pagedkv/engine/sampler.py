@@ -1,8 +1,10 @@
 """Sampler: the next token of every sampled sequence, from one `[num_rows, vocab]` logits tensor.
 
 Every step is a tensor op over the whole batch; Python loops only over rows to gather their
-settings, never over the vocabulary. The order is vLLM's: penalties (repetition on prompt and
-output, presence and frequency on output), min_tokens (stop tokens masked), then greedy rows
+settings, never over the vocabulary. The order is vLLM's: allowed_token_ids (every other token
+masked), bad_words (a bad word's last token masked where the output ends with the rest of
+it), logit_bias (added), penalties (repetition on prompt and output, presence and frequency on
+output), min_tokens (stop tokens masked), then greedy rows
 take the argmax while the others are scaled by temperature and filtered by top_k, top_p and
 min_p before sampling.
 
@@ -12,8 +14,9 @@ its tokens do not depend on what else is in the batch.
 
 Rows share every tensor op, so no row's value may size one beyond what the logits hold: a
 top_k or a logprobs count above the vocabulary is clamped to it. Every other per-row value
-(temperature, top_p, min_p, penalties, seeds) only scales or masks its own row, and stop ids
-were checked against the vocabulary when the request was added.
+(temperature, top_p, min_p, penalties, seeds, biases, masks) only scales or masks its own row,
+and the token ids a request names (stop ids, logit_bias, allowed_token_ids) were checked
+against the vocabulary when the request was added.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     stop_token_ids: Sequence[int]  # eos ids (unless ignore_eos) + stop_token_ids
     generator: torch.Generator | None
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, as tokens
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,60 @@ class Sampler:
         """Sample one token per row of float32 `logits [len(rows), vocab]`."""
         raw_logits = logits
         logits = logits.clone()
+        _apply_allowed_token_ids(logits, rows)
+        _apply_bad_words(logits, rows)
+        _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
         token_ids = _choose(logits, rows, self._generator)
         return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, rows))
+
+
+def _apply_allowed_token_ids(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows with allowed_token_ids can pick only those tokens."""
+    limited = [index for index, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not limited:
+        return
+    keep = torch.zeros(len(limited), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    for position, index in enumerate(limited):
+        allowed = rows[index].params.allowed_token_ids
+        keep[position, torch.tensor(allowed, device=logits.device)] = True
+    index = torch.tensor(limited, device=logits.device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+
+
+def _apply_bad_words(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    """A bad word's last token is masked where the output ends with the word's other tokens."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for index, row in enumerate(rows):
+        for word in row.bad_words_token_ids:
+            prefix = list(word[:-1])
+            output = row.output_token_ids
+            if len(prefix) <= len(output) and list(output[len(output) - len(prefix) :]) == prefix:
+                row_ids.append(index)
+                token_ids.append(word[-1])
+    _mask(logits, row_ids, token_ids)
+
+
+def _apply_logit_bias(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for index, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            row_ids.append(index)
+            token_ids.append(token_id)
+            biases.append(bias)
+    if row_ids:
+        logits.index_put_(
+            (
+                torch.tensor(row_ids, device=logits.device),
+                torch.tensor(token_ids, device=logits.device),
+            ),
+            torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+            accumulate=True,
+        )
 
 
 def _apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -91,6 +145,11 @@ def _apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
         if len(row.output_token_ids) < row.params.min_tokens:
             row_ids.extend([index] * len(row.stop_token_ids))
             token_ids.extend(row.stop_token_ids)
+    _mask(logits, row_ids, token_ids)
+
+
+def _mask(logits: Tensor, row_ids: list[int], token_ids: list[int]) -> None:
+    """Make token `token_ids[i]` impossible in row `row_ids[i]`."""
     if row_ids:
         logits[
             torch.tensor(row_ids, device=logits.device),

@@ -3,10 +3,12 @@
 Checked after every sampled token, in vLLM's order: nothing stops a sample before
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
 ends it without adding that token's text; then a stop string found in the text ends it with
-the text cut just before the string (the search covers the tail where a string split across
-tokens can complete); then `max_tokens`. While stop strings are set, the last
-`len(longest) - 1` characters are held back from streaming, since they may still turn out to
-be the start of a stop string.
+the text cut just before the string, or just after it with `include_stop_str_in_output` (the
+search covers the tail where a string split across tokens can complete); then `max_tokens`.
+While stop strings are set and excluded from the output, the last `len(longest) - 1`
+characters are held back from streaming, since they may still turn out to be the start of a
+stop string. (With the string included nothing is held back: all text up to its end is
+output, and it completes in the newest token's text, past everything already handed out.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def apply_stops(
     previous_length = len(seq.text)
     seq.text += seq.detokenizer.advance()
     if may_stop and params.stop_strings and len(seq.text) > previous_length:
-        _find_stop_string(seq, params.stop_strings, previous_length)
+        _find_stop_string(
+            seq, params.stop_strings, previous_length, params.include_stop_str_in_output
+        )
         if seq.finished:
             return
     if seq.num_output_tokens >= request.max_tokens or len(seq.token_ids) >= max_model_len:
@@ -41,16 +45,20 @@ def apply_stops(
 def take_text(request: Request, seq: Sequence) -> str:
     """Text not yet handed out, less the tail a stop string could still claim."""
     end = len(seq.text)
-    if not seq.finished and request.params.stop_strings:
-        hold_back = max(len(s) for s in request.params.stop_strings) - 1
+    params = request.params
+    if not seq.finished and params.stop_strings and not params.include_stop_str_in_output:
+        hold_back = max(len(s) for s in params.stop_strings) - 1
         end = max(seq.num_text_emitted, end - hold_back)
     text = seq.text[seq.num_text_emitted : end]
     seq.num_text_emitted = end
     return text
 
 
-def _find_stop_string(seq: Sequence, stop_strings: tuple[str, ...], previous_length: int) -> None:
-    """Cut the text before the earliest stop string that ends in the new text."""
+def _find_stop_string(
+    seq: Sequence, stop_strings: tuple[str, ...], previous_length: int, include: bool
+) -> None:
+    """Cut the text before (or after, to `include` it) the earliest stop string that ends in
+    the new text."""
     longest = max(len(s) for s in stop_strings)
     search_from = max(0, previous_length - longest + 1)
     best: tuple[int, str] | None = None
@@ -59,7 +67,7 @@ def _find_stop_string(seq: Sequence, stop_strings: tuple[str, ...], previous_len
         if position != -1 and (best is None or position < best[0]):
             best = (position, stop)
     if best is not None:
-        seq.text = seq.text[: best[0]]
+        seq.text = seq.text[: best[0] + (len(best[1]) if include else 0)]
         seq.finish_reason = "stop"
         seq.stop_reason = best[1]
 

@@ -1,0 +1,118 @@
+"""Admission: what `Engine.add_request` checks before a request is queued.
+
+Every check here raises a `RequestRejected` naming the value and the limit, so a refused
+request never reaches the scheduler and the requests already running are unaffected. The
+checks are the engine's limits (vocabulary, context, pool, step size), which `SamplingParams`
+cannot know when it is made.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedkv.engine.errors import (
+    EmptyPrompt,
+    InvalidTokenId,
+    PromptTooLong,
+    RequestTooLarge,
+    TokenOutOfVocabulary,
+    TooManyLogprobs,
+    TooManySamples,
+)
+from pagedkv.engine.params import SamplingParams
+from pagedkv.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine's limits a request must fit."""
+
+    vocab_size: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    max_samples: int  # sequences one step can run: min(max_num_seqs, max_num_batched_tokens)
+    max_logprobs: int
+
+
+def tokenize(
+    tokenizer: Tokenizer, prompt: str | Sequence[int], vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """The prompt's text (None when given as ids) and token ids, each id checked."""
+    if isinstance(prompt, str):
+        if not prompt:  # the tokenizer may still add BOS, but there is nothing to continue
+            raise EmptyPrompt()
+        return prompt, tokenizer.encode(prompt)
+    token_ids = []
+    for position, value in enumerate(prompt):
+        if isinstance(value, bool):
+            raise InvalidTokenId(position, value)
+        try:  # ints, and integer types such as numpy's, become plain ints
+            token_ids.append(operator.index(value))
+        except TypeError:
+            raise InvalidTokenId(position, value) from None
+    if not token_ids:
+        raise EmptyPrompt()
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise TokenOutOfVocabulary(token_id, vocab_size)
+    return None, token_ids
+
+
+def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) -> int:
+    """max_tokens, cut to the room the context leaves, after checking the request's token ids
+    and logprobs against the model and that it fits the context, the pool and a step.
+
+    As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
+    stops at max_model_len with finish_reason "length".
+    """
+    _check_vocabulary(params, limits.vocab_size)
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise TooManyLogprobs(params.logprobs, limits.max_logprobs)
+    num_prompt = len(token_ids)
+    if num_prompt >= limits.max_model_len:
+        raise PromptTooLong(num_prompt, limits.max_model_len)
+    room = limits.max_model_len - num_prompt
+    max_tokens = params.max_tokens
+    if max_tokens is None:  # as long as the context, and the pool, allow
+        pool_tokens = limits.num_gpu_blocks // params.n * limits.block_size
+        max_tokens = max(1, pool_tokens - num_prompt)
+    max_tokens = min(max_tokens, room)
+    # Samples share the prompt's blocks while they run, but after a preemption each one
+    # may come back (swapped in, or recomputed) with blocks of its own: the request must
+    # fit the whole pool in that worst case too, or it could wait forever.
+    needed = params.n * -(-(num_prompt + max_tokens) // limits.block_size)
+    if needed > limits.num_gpu_blocks:
+        raise RequestTooLarge(needed, limits.num_gpu_blocks)
+    if params.n > limits.max_samples:
+        raise TooManySamples(params.n, limits.max_samples)
+    return max_tokens
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM derives them: the word as given (its leading
+    spaces removed), and again after a space where that encodes as a different word of the
+    same length (a word mid-text usually starts with its space)."""
+    banned: list[list[int]] = []
+    for word in bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        banned.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            banned.append(spaced)
+    return banned
+
+
+def _check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """Every token id a parameter names indexes the logits, so it must be in the vocabulary."""
+    named = (
+        ("stop_token_ids has", params.stop_token_ids or []),
+        ("logit_bias token id", params.logit_bias or {}),
+        ("allowed_token_ids token id", params.allowed_token_ids or []),
+    )
+    for where, token_ids in named:
+        for token_id in token_ids:
+            if token_id >= vocab_size:
+                raise TokenOutOfVocabulary(token_id, vocab_size, where)

@@ -1,0 +1,95 @@
+"""vLLM's engine argument names and spellings: dtype aliases, swap_space,
+num_gpu_blocks_override and max_logprobs, from Python and from generated flags.
+
+Oracles: the loaded weights' dtype, the pool's block counts (swap GiB / bytes per block),
+and vLLM's documented defaults (max_logprobs 20).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pagedkv.engine import EngineArgs, RequestRejected, SamplingParams
+from pagedkv.worker.kv_cache import bytes_per_block
+from tests.engine.conftest import make_engine, run_to_completion
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("spelling", "dtype"),
+    [
+        ("auto", torch.float32),  # on CPU, as vLLM
+        ("float", torch.float32),
+        ("float32", torch.float32),
+        ("half", torch.float16),
+        ("float16", torch.float16),
+        ("bfloat16", torch.bfloat16),
+    ],
+)
+def test_vllm_dtype_spellings_load_that_dtype(engine_zoo, spelling, dtype):
+    engine = make_engine(engine_zoo, "llama", dtype=spelling)
+    assert next(engine.runner.model.parameters()).dtype == dtype
+
+
+def test_an_unknown_dtype_names_the_spellings():
+    with pytest.raises(ValueError, match="dtype must be one of .*'half'.* got 'fp64'"):
+        EngineArgs(dtype="fp64")
+
+
+def test_swap_space_is_gib_of_cpu_blocks_and_swap_space_gb_still_works(engine_zoo):
+    # make_engine also passes swap_space_gb=0.01: vLLM's name, when given, wins.
+    by_vllm_name = make_engine(engine_zoo, "llama", swap_space=0.02)
+    by_old_name = make_engine(engine_zoo, "llama", swap_space_gb=0.02)
+    per_block = bytes_per_block(by_vllm_name.config, 16, torch.float32)
+    assert by_vllm_name.manager.num_cpu_blocks == int(0.02 * GIB) // per_block
+    assert by_old_name.manager.num_cpu_blocks == by_vllm_name.manager.num_cpu_blocks
+
+
+def test_num_gpu_blocks_override_sizes_the_pool(engine_zoo):
+    # make_engine also passes num_gpu_blocks=128: vLLM's name, when given, wins.
+    engine = make_engine(engine_zoo, "llama", num_gpu_blocks_override=77)
+    assert engine.manager.num_gpu_blocks == 77
+
+
+def test_the_vllm_flags_are_generated():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(
+        parser.parse_args(
+            [
+                "--swap-space",
+                "2",
+                "--num-gpu-blocks-override",
+                "64",
+                "--max-logprobs",
+                "5",
+                "--dtype",
+                "half",
+            ]
+        )
+    )
+    assert args.swap_space_gb == 2.0
+    assert args.num_gpu_blocks == 64
+    assert args.max_logprobs == 5
+    assert args.resolved_dtype == "float16"
+
+
+def test_more_logprobs_than_max_logprobs_are_refused_naming_both(engine_zoo):
+    engine = make_engine(engine_zoo, "llama", max_logprobs=5)
+    with pytest.raises(RequestRejected, match="logprobs is 6, .*at most 5 \\(max_logprobs"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(logprobs=6))
+    engine.add_request("ok", [5, 6, 7], SamplingParams(logprobs=5, max_tokens=1))
+
+
+def test_max_logprobs_defaults_to_vllm_20_and_may_be_raised(engine_zoo):
+    assert EngineArgs().max_logprobs == 20
+    with pytest.raises(RequestRejected, match="logprobs is 21"):
+        make_engine(engine_zoo, "llama").add_request("r", [5, 6], SamplingParams(logprobs=21))
+    engine = make_engine(engine_zoo, "llama", max_logprobs=30)
+    engine.add_request("r", [5, 6], SamplingParams(logprobs=30, max_tokens=1))
+    [delta] = [d for ds in run_to_completion(engine) for d in ds]
+    assert len(delta.outputs[0].logprobs[0]) >= 30  # the chosen token and the top 30

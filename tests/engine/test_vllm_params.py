@@ -1,0 +1,203 @@
+"""vLLM's SamplingParams semantics: fields changed after construction, and the fields users
+pass that shape sampling (include_stop_str_in_output, logit_bias, allowed_token_ids,
+bad_words).
+
+Oracles: the same request's greedy output without the setting (a stop string cut from it,
+the token a bias or a mask must move the argmax to), transformers' logits for which token is
+the argmax, and, for per-row settings, the other rows of the same step, which must equal
+their outputs when run alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv.engine import SamplingParams
+from tests.engine.conftest import make_llm
+
+MAX_TOKENS = 12
+PROMPT = "Paged attention stores keys"
+
+
+def greedy(**fields) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+
+
+@pytest.fixture(scope="module")
+def llm(engine_zoo):
+    return make_llm(engine_zoo, "llama")
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    """The prompt's greedy completion with no extra setting: the oracle most tests cut from."""
+    [output] = llm.generate(PROMPT, greedy(), use_tqdm=False)
+    return output.outputs[0]
+
+
+def middle(text: str) -> str:
+    """A stop string found in the middle of `text`, first occurring at least 2 chars in."""
+    for start in range(2, len(text) - 2):
+        candidate = text[start : start + 2]
+        if text.find(candidate) == start and candidate.strip():
+            return candidate
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("as_list", [True, False], ids=["list", "str"])
+def test_stop_set_after_construction_is_honoured(llm, plain, as_list):
+    stop = middle(plain.text)
+    params = greedy()
+    params.stop = [stop] if as_list else stop
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert output.outputs[0].text == plain.text[: plain.text.find(stop)]
+    assert output.outputs[0].finish_reason == "stop"
+    assert output.outputs[0].stop_reason == stop
+
+
+def test_stop_token_ids_set_after_construction_are_honoured(llm, plain):
+    params = greedy()
+    params.stop_token_ids = [plain.token_ids[3]]
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    first = plain.token_ids.index(plain.token_ids[3])
+    assert output.outputs[0].token_ids == plain.token_ids[: first + 1]
+    assert output.outputs[0].stop_reason == plain.token_ids[3]
+
+
+def test_a_bad_value_set_after_construction_is_refused_at_use(llm):
+    params = greedy()
+    params.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature .* got -1.0"):
+        llm.generate(PROMPT, params, use_tqdm=False)
+    params = greedy()
+    params.stop = [""]
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        llm.generate(PROMPT, params, use_tqdm=False)
+
+
+def test_params_changed_after_a_request_is_added_do_not_change_it(llm, plain):
+    engine = llm.engine
+    params = greedy()
+    engine.add_request("changed-later", PROMPT, params)
+    params.max_tokens = 2
+    params.stop = [middle(plain.text)]
+    text = ""
+    while engine.has_unfinished():
+        for delta in engine.step():
+            text += "".join(o.text for o in delta.outputs)
+    assert text == plain.text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(llm, plain):
+    stop = middle(plain.text)
+    params = greedy(stop=[stop], include_stop_str_in_output=True)
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert output.outputs[0].text == plain.text[: plain.text.find(stop) + len(stop)]
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def test_include_stop_str_in_output_streams_the_same_text(llm, plain):
+    stop = middle(plain.text)
+    engine = llm.engine
+    engine.add_request("streamed", PROMPT, greedy(stop=[stop], include_stop_str_in_output=True))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.text for d in engine.step() for o in d.outputs)
+    assert text == plain.text[: plain.text.find(stop) + len(stop)]
+
+
+def prompt_ids(llm) -> list[int]:
+    return llm.get_tokenizer().encode(PROMPT)
+
+
+def next_logits(engine_zoo, llm, generated=()):
+    """transformers' logits of the token after the prompt and `generated`."""
+    return engine_zoo.hf_logits("llama", prompt_ids(llm) + list(generated))[-1]
+
+
+def run_beside_plain(llm, params: SamplingParams, plain) -> list[int]:
+    """The prompt under `params`, in one step with a plain row that must stay unchanged."""
+    other, changed = llm.generate([PROMPT, PROMPT], [greedy(), params], use_tqdm=False)
+    assert other.outputs[0].token_ids == plain.token_ids
+    return changed.outputs[0].token_ids
+
+
+def test_logit_bias_moves_the_argmax_as_its_arithmetic_says(engine_zoo, llm, plain):
+    logits = next_logits(engine_zoo, llm)
+    top2 = logits.topk(2).indices.tolist()
+    assert plain.token_ids[0] == top2[0]
+    gap = float(logits[top2[0]] - logits[top2[1]])
+    tokens = run_beside_plain(llm, greedy(logit_bias={top2[1]: gap + 0.5}), plain)
+    assert tokens[0] == top2[1]
+    tokens = run_beside_plain(llm, greedy(logit_bias={top2[1]: gap - 0.5}), plain)
+    assert tokens[0] == top2[0]
+
+
+def test_allowed_token_ids_restrict_every_token(engine_zoo, llm, plain):
+    logits = next_logits(engine_zoo, llm)
+    allowed = logits.argsort()[100:105].tolist()  # none of them the model's own choice
+    tokens = run_beside_plain(llm, greedy(allowed_token_ids=allowed), plain)
+    assert set(tokens) <= set(allowed)
+    assert tokens[0] == max(allowed, key=lambda t: float(logits[t]))
+
+
+def test_a_one_token_bad_word_never_appears(llm, plain):
+    tokenizer = llm.get_tokenizer()
+    word = next(
+        tokenizer.decode([t])
+        for t in plain.token_ids
+        if tokenizer.decode([t]).strip()
+        and tokenizer.encode(tokenizer.decode([t]).lstrip(), False) == [t]
+    )
+    [banned] = tokenizer.encode(word.lstrip(), False)
+    tokens = run_beside_plain(llm, greedy(bad_words=[word]), plain)
+    assert banned not in tokens
+
+
+def test_a_two_token_bad_word_masks_its_last_token_after_its_first(engine_zoo, llm, plain):
+    tokenizer = llm.get_tokenizer()
+    position = next(
+        k
+        for k in range(1, len(plain.token_ids) - 1)
+        if tokenizer.encode(tokenizer.decode(plain.token_ids[k : k + 2]), False)
+        == plain.token_ids[k : k + 2]
+        and not tokenizer.decode(plain.token_ids[k : k + 2]).startswith(" ")
+        and plain.token_ids[k + 1] not in plain.token_ids[: k + 1]
+    )
+    word = tokenizer.decode(plain.token_ids[position : position + 2])
+    tokens = run_beside_plain(llm, greedy(bad_words=[word]), plain)
+    assert tokens[: position + 1] == plain.token_ids[: position + 1]
+    logits = next_logits(engine_zoo, llm, plain.token_ids[: position + 1])
+    logits[plain.token_ids[position + 1]] = float("-inf")
+    assert tokens[position + 1] == int(logits.argmax())
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"logit_bias": {320: 1.0}}, "logit_bias token id 320 is outside .* \\[0, 320\\)"),
+        ({"allowed_token_ids": [5, 400]}, "allowed_token_ids token id 400 is outside .*320"),
+    ],
+)
+def test_token_ids_beyond_the_vocabulary_are_refused_at_add_request(llm, fields, message):
+    from pagedkv.engine import TokenOutOfVocabulary
+
+    with pytest.raises(TokenOutOfVocabulary, match=message):
+        llm.generate(PROMPT, greedy(**fields), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool, got 1"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids .* got '5'"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias\\[5\\] must be a finite number"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids must be >= 0, got -1"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings, got 'word'"),
+        ({"bad_words": ["ok", " "]}, "bad_words must not be blank, got ' '"),
+    ],
+)
+def test_bad_values_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        greedy(**fields)
