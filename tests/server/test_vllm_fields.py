@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pagedkv.server import ServerConfig
-from tests.model.tiny_models import SPECIAL_TOKENS
+from tests.model.tiny_models import SPECIAL_TOKENS, train_tokenizer
 from tests.server.conftest import RunningServer
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
@@ -324,3 +324,38 @@ def _partial(token: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def test_logit_bias_makes_its_token_the_greedy_choice(client, model_name):
+    piece = train_tokenizer().decode([77])
+    response = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0.0,
+        logit_bias={"77": 100},
+        logprobs=0,
+        extra_body=IGNORE_EOS,
+    )
+    assert response.choices[0].logprobs.tokens == [piece] * 4
+
+
+def test_allowed_token_ids_confine_every_sampled_token(client, model_name):
+    pieces = {train_tokenizer().decode([token]) for token in (77, 78)}
+    response = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+        logprobs=0,
+        extra_body={"allowed_token_ids": [77, 78], **IGNORE_EOS},
+    )
+    assert set(response.choices[0].logprobs.tokens) <= pieces
+
+
+def test_bad_logit_bias_is_a_400_naming_it(server):
+    for bias in ({"abc": 1.0}, {"5": 101.0}, {"999999": 1.0}):
+        response = post(server, "/v1/completions", {"prompt": PROMPT, "logit_bias": bias})
+        assert response.status_code == 400, bias
+        assert "logit_bias" in response.json()["error"]["message"]

@@ -83,6 +83,24 @@ class SamplingFields(_Request):
     user: str | None = None  # OpenAI's end-user tag: accepted for compatibility, unused
     response_format: ResponseFormat | None = None
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    # OpenAI's: token id (as a string) -> bias added to its logit, -100 to 100.
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions, passed to SamplingParams as they are.
+    allowed_token_ids: list[NonNegativeInt] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        for token, value in bias.items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+        return bias
 
     @field_validator("stop")
     @classmethod

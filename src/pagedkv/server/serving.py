@@ -116,6 +116,14 @@ def sampling_params(
             seed=request.seed,
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            logit_bias=(
+                None
+                if request.logit_bias is None
+                else {int(token): value for token, value in request.logit_bias.items()}
+            ),
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
+            include_stop_str_in_output=request.include_stop_str_in_output,
         )
     except ValueError as error:
         raise APIError(400, str(error)) from error
