@@ -34,7 +34,7 @@ from pagedkv.weights.load import load
 from pagedkv.worker.kv_budget import PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.runner import ModelRunner
-from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
+from pagedkv.worker.step import SchedulerOutput
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
 THROUGHPUT_WINDOW_S = 10.0
@@ -115,8 +115,12 @@ class Engine:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> None:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
+
+        `arrival_time` (time.monotonic, default: now) is when the request reached the caller,
+        e.g. the HTTP server, so its latencies include the caller's own queueing.
 
         `priority` orders requests under `scheduling_policy="priority"` (lower runs first);
         under "fcfs" it must be 0. The request keeps a checked copy of `params` as they are now
@@ -132,7 +136,9 @@ class Engine:
             raise InvalidPriority(priority)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         max_tokens = check_request(token_ids, params, self._limits)
-        metrics = RequestMetrics(arrival_time=time.monotonic())
+        metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time
+        )
         request = Request(
             request_id=request_id,
             prompt=prompt_text,
@@ -194,8 +200,6 @@ class Engine:
         if not output.chunks and not output.plan:
             return {}  # nothing to run: e.g. a step that only reports aborts
         logits = self.runner.execute(output)
-        for chunk in output.chunks:
-            self._prompt_tokens_total += self._prompt_share(chunk)
         touched = self.scheduler.update(
             output,
             new_sample=self._new_sample,
@@ -219,7 +223,10 @@ class Engine:
         for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
             self._append_token(row.request, row.seq, token_id, logprobs)
             if row.request.metrics.first_token_time is None:
+                # Once per request, as vLLM counts: the whole prompt, cached tokens included,
+                # and never again when a preemption makes it recompute.
                 row.request.metrics.first_token_time = now
+                self._prompt_tokens_total += len(row.request.prompt_token_ids)
         self._generation_tokens_total += len(rows)
         self._recent_tokens.append((now, len(rows)))
 
@@ -357,13 +364,6 @@ class Engine:
             if top_id not in entry:
                 entry[top_id] = Logprob(value, position + 1, self.tokenizer.decode([top_id], False))
         return entry
-
-    def _prompt_share(self, chunk: ScheduledChunk) -> int:
-        """Prompt tokens computed by a chunk (cached prompt tokens are not computed)."""
-        request_id, index = chunk.seq_id
-        num_prompt = self._requests[request_id].sequences[index].num_prompt_tokens
-        end = chunk.num_computed + len(chunk.token_ids)
-        return max(0, min(end, num_prompt) - chunk.num_computed)
 
 
 def _max_model_len(args: EngineArgs, max_position_embeddings: int) -> int:

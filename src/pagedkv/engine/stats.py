@@ -28,7 +28,7 @@ class EngineStats:
     num_swap_preemptions: int
     num_recompute_preemptions: int
     num_swapped_blocks: int  # blocks now in the CPU pool
-    prompt_tokens_total: int
+    prompt_tokens_total: int  # whole prompts, cached tokens included, counted once (vLLM)
     generation_tokens_total: int
     tokens_per_s: float  # generated tokens per second over the last few seconds
     num_gpu_blocks: int

@@ -9,6 +9,7 @@ vLLM, so probes and scrapers need no secret (the page asks for the key itself).
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
-from pagedkv.server.serving import ServingContext, now
+from pagedkv.server.serving import ARRIVAL_TIME, ServingContext, now
 from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
@@ -84,10 +85,12 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
+        ARRIVAL_TIME.set(time.monotonic())
         return await create_completion(context, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        ARRIVAL_TIME.set(time.monotonic())
         return await create_chat_completion(context, request)
 
     card = ModelCard(id=model_name, created=started, max_model_len=engine.max_model_len)

@@ -62,6 +62,7 @@ class _Add:
     prompt: list[int]
     params: SamplingParams
     priority: int
+    arrival_time: float
     route: _Route
     done: asyncio.Future
 
@@ -119,8 +120,12 @@ class EngineLoop:
         params: SamplingParams,
         outputs: asyncio.Queue,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`.
+
+        `arrival_time` (time.monotonic, default: now) is when its HTTP request arrived: the
+        request's latencies then include the wait for this thread, as vLLM's do.
 
         Raises what `Engine.add_request` raises (RequestRejected) or `Overloaded`; nothing
         is left queued then. If the caller is cancelled while waiting, the request is aborted.
@@ -130,7 +135,8 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         route = _Route(loop, outputs)
         done = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, priority, route, done))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._commands.put(_Add(request_id, prompt, params, priority, arrival, route, done))
         try:
             await done
         except asyncio.CancelledError:
@@ -215,7 +221,9 @@ class EngineLoop:
 
     def _handle(self, command: object) -> None:
         if isinstance(command, str):
-            if self._routes.pop(command, None) is not None:
+            # The route stays until the abort's final delta, which the metrics count as a
+            # request finished with reason "abort" (as vLLM's do).
+            if command in self._routes:
                 self.engine.abort(command)
                 self._kv_dirty = True
         elif isinstance(command, _Add):
@@ -242,7 +250,11 @@ class EngineLoop:
                 return
         try:
             self.engine.add_request(
-                command.request_id, command.prompt, command.params, priority=command.priority
+                command.request_id,
+                command.prompt,
+                command.params,
+                priority=command.priority,
+                arrival_time=command.arrival_time,
             )
         except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
             _resolve(command.route.loop, command.done, error=error)

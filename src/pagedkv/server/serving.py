@@ -3,6 +3,8 @@
 A `Generation` is one HTTP request's engine requests (one per prompt, each with `n` samples)
 read back as one stream of per-choice deltas. It aborts whatever is still running when it is
 closed early (client gone, handler cancelled), which frees the blocks before the next step.
+Its engine requests carry the HTTP request's arrival time (`ARRIVAL_TIME`, set by the route
+before the body is read), so latency metrics include the server's own queueing, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -37,6 +40,9 @@ RequestT = TypeVar("RequestT", bound=SamplingFields)
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# When the HTTP request being handled arrived (time.monotonic); a context variable because the
+# endpoints receive only the raw request, and the route sets it before anything else.
+ARRIVAL_TIME: ContextVar[float | None] = ContextVar("arrival_time", default=None)
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,7 @@ class Generation:
         self.engine_loop = engine_loop
         self.request_id = request_id
         self.n = n
+        self.arrival_time = ARRIVAL_TIME.get() or time.monotonic()
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._prompt_index: dict[str, int] = {}
         self._unfinished: set[str] = set()
@@ -219,7 +226,9 @@ class Generation:
                 engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id
                 self._prompt_index[engine_id] = index
                 self._unfinished.add(engine_id)
-                await self.engine_loop.add(engine_id, prompt, params, self._outputs, priority)
+                await self.engine_loop.add(
+                    engine_id, prompt, params, self._outputs, priority, self.arrival_time
+                )
                 self.prompt_tokens += len(prompt)
         except BaseException as error:
             self.close()

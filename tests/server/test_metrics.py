@@ -1,0 +1,127 @@
+"""`/metrics` means what vLLM's metrics mean: each figure is checked against arithmetic on the
+requests the test sent, read through prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import RunningServer, wait_until
+
+IGNORE_EOS = {"ignore_eos": True}
+PROMPT_LEN = 41
+# Long enough that the old arrival stamp (taken once the engine thread picks the request up)
+# misses it; the assertion itself is an inequality that holds for any hold time.
+ENGINE_HOLD_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> RunningServer:
+    return serve(num_gpu_blocks=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[Any]:
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def scrape(server: RunningServer) -> dict[tuple[str, frozenset], float]:
+    """Every sample of `/metrics`, keyed by name and labels."""
+    with server.http() as http:
+        text = http.get("/metrics").text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(
+        v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()
+    )
+
+
+def test_prompt_tokens_count_cached_prompt_tokens(client, model_name: str, server) -> None:
+    prompt = [(7 * i) % 200 + 3 for i in range(PROMPT_LEN)]
+    before = scrape(server)
+    for _ in range(2):
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
+    after = scrape(server)
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert delta("pagedkv:prefix_cache_hits_total") > 0, "the second prompt hit the cache"
+    assert delta("pagedkv:prompt_tokens_total") == 2 * PROMPT_LEN
+
+
+def test_prompt_tokens_skip_tokens_recomputed_after_preemption(serve) -> None:
+    small = serve(num_gpu_blocks=8, preemption_mode="recompute", swap_space_gb=0)
+    prompts = [[(5 * i + 11 * j) % 200 + 3 for i in range(10 + j)] for j in range(4)]
+    with small.client() as client:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompts,
+            max_tokens=40,
+            extra_body=IGNORE_EOS,
+        )
+    samples = scrape(small)
+    assert value(samples, "pagedkv:num_preemptions_total", kind="recompute") > 0
+    assert value(samples, "pagedkv:prompt_tokens_total") == sum(len(p) for p in prompts)
+
+
+def test_aborted_requests_count_as_finished_with_reason_abort(
+    client, model_name: str, server
+) -> None:
+    before = value(scrape(server), "pagedkv:request_success_total", finished_reason="abort")
+    stream = client.completions.create(
+        model=model_name, prompt="Hello", max_tokens=900, stream=True, extra_body=IGNORE_EOS
+    )
+    next(iter(stream))
+    stream.close()
+    wait_until(
+        lambda: (
+            value(scrape(server), "pagedkv:request_success_total", finished_reason="abort")
+            == before + 1
+        )
+    )
+
+
+def test_latencies_start_when_the_http_request_arrives(client, model_name: str, server) -> None:
+    # Hold the engine thread as it picks the request up: the request arrived no later than
+    # `picked`, so its TTFT and end-to-end latency are at least `released - picked`.
+    engine = server.app.state.engine_loop.engine
+    add_request = engine.add_request
+    held: list[float] = []
+
+    def held_add_request(*args: Any, **kwargs: Any) -> None:
+        picked = time.monotonic()
+        threading.Event().wait(ENGINE_HOLD_S)
+        held.append(time.monotonic() - picked)
+        add_request(*args, **kwargs)
+
+    before = scrape(server)
+    engine.add_request = held_add_request
+    try:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=2)
+    finally:
+        del engine.add_request
+    after = scrape(server)
+    for name in ["time_to_first_token_seconds", "e2e_request_latency_seconds"]:
+        count = f"pagedkv:{name}_count"
+        assert value(after, count) - value(before, count) == 1
+        total = f"pagedkv:{name}_sum"
+        assert value(after, total) - value(before, total) >= held[0], name
