@@ -3,6 +3,7 @@ requests the test sent, read through prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedkv.commands import serve as serve_command
+from pagedkv.server import ServerConfig
 from tests.server.conftest import RunningServer, wait_until
 
 IGNORE_EOS = {"ignore_eos": True}
@@ -125,3 +128,20 @@ def test_latencies_start_when_the_http_request_arrives(client, model_name: str, 
         assert value(after, count) - value(before, count) == 1
         total = f"pagedkv:{name}_sum"
         assert value(after, total) - value(before, total) >= held[0], name
+
+
+def test_metrics_prefix_vllm_names_every_metric_as_vllm_does(serve) -> None:
+    vllm = serve(ServerConfig(metrics_prefix="vllm"), num_gpu_blocks=64)
+    with vllm.client() as client:
+        client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2)
+    names = {name for name, _ in scrape(vllm)}
+    assert "vllm:prompt_tokens_total" in names
+    assert "vllm:e2e_request_latency_seconds_count" in names
+    assert all(name.startswith("vllm:") for name in names if ":" in name)
+
+
+def test_serve_parses_metrics_prefix() -> None:
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).metrics_prefix == "pagedkv"
+    assert parser.parse_args(["--model", "m", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"

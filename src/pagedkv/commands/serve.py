@@ -20,6 +20,7 @@ SHUTDOWN_GRACE_S = 5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options (the same flags as `generate` and `bench`) plus the server's own."""
     from pagedkv.engine import EngineArgs
+    from pagedkv.server.metrics import DEFAULT_PREFIX, PREFIXES
 
     EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
@@ -44,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse requests with unknown fields (400) instead of ignoring them with a log line",
     )
     server.add_argument(
+        "--metrics-prefix",
+        choices=PREFIXES,
+        default=DEFAULT_PREFIX,
+        help="name /metrics as '<prefix>:...'; 'vllm' suits vLLM's dashboards (default: "
+        "%(default)s)",
+    )
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: the --model argument)",
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         strict_fields=args.strict_fields,
+        metrics_prefix=args.metrics_prefix,
     )
     app = build_app(engine, config)
     print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)

@@ -27,7 +27,7 @@ from pagedkv.server.completions import create_completion
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.limits import BodyLimit
-from pagedkv.server.metrics import CONTENT_TYPE, ServerMetrics
+from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
 from pagedkv.server.serving import ARRIVAL_TIME, ServingContext, now
 from pagedkv.server.token_bytes import TokenBytes
@@ -46,6 +46,7 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
     strict_fields: bool = False  # unknown request fields: 400 instead of a log line
+    metrics_prefix: str = DEFAULT_PREFIX  # "vllm": metric names exactly as vLLM's
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -53,7 +54,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model_name = config.model_name or engine.model_name
     engine_loop = EngineLoop(engine, max_waiting=config.max_waiting)
-    metrics = ServerMetrics(model_name, lambda: engine_loop.stats)
+    metrics = ServerMetrics(model_name, lambda: engine_loop.stats, config.metrics_prefix)
     engine_loop.metrics = metrics
     context = ServingContext(
         engine_loop=engine_loop,

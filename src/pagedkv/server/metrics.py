@@ -1,5 +1,7 @@
 """`GET /metrics`: Prometheus metrics under vLLM's names, with `pagedkv:` for `vllm:`.
 
+`--metrics-prefix vllm` names them exactly as vLLM does, so its dashboards work unchanged.
+
 Gauges and counters are read from the engine's latest published `EngineStats` at scrape time
 (a custom collector), so the engine keeps one source of truth and the server never counts
 tokens twice. Latency histograms are observed by the engine thread when a request finishes.
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
     from pagedkv.engine import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DEFAULT_PREFIX = "pagedkv"
+PREFIXES = (DEFAULT_PREFIX, "vllm")
 
 # vLLM's buckets, so dashboards built for it read ours unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -32,34 +36,36 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class ServerMetrics:
     """The registry of one server: engine-stats collector plus latency histograms."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats], prefix: str = DEFAULT_PREFIX
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(model_name, stats))
+        self.registry.register(EngineStatsCollector(model_name, stats, prefix))
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
-            "pagedkv:time_to_first_token_seconds",
+            f"{prefix}:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
             labels,
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
         self.time_per_output_token = Histogram(
-            "pagedkv:time_per_output_token_seconds",
+            f"{prefix}:time_per_output_token_seconds",
             "Mean time between output tokens of a request, after the first.",
             labels,
             buckets=TPOT_BUCKETS,
             registry=self.registry,
         )
         self.e2e_request_latency = Histogram(
-            "pagedkv:e2e_request_latency_seconds",
+            f"{prefix}:e2e_request_latency_seconds",
             "Time from arrival to the last token.",
             labels,
             buckets=E2E_BUCKETS,
             registry=self.registry,
         )
         self.request_success = Counter(
-            "pagedkv:request_success",
+            f"{prefix}:request_success",
             "Finished requests by finish reason.",
             [*labels, "finished_reason"],
             registry=self.registry,
@@ -91,9 +97,10 @@ class ServerMetrics:
 class EngineStatsCollector(Collector):
     """Gauges and counters straight from the latest EngineStats, read at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], prefix: str) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         """One metric family per engine figure."""
@@ -101,12 +108,16 @@ class EngineStatsCollector(Collector):
         model = [self.model_name]
 
         def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(f"pagedkv:{name}", documentation, labels=["model_name"])
+            family = GaugeMetricFamily(
+                f"{self.prefix}:{name}", documentation, labels=["model_name"]
+            )
             family.add_metric(model, value)
             return family
 
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"pagedkv:{name}", documentation, labels=["model_name"])
+            family = CounterMetricFamily(
+                f"{self.prefix}:{name}", documentation, labels=["model_name"]
+            )
             family.add_metric(model, value)
             return family
 
@@ -132,7 +143,7 @@ class EngineStatsCollector(Collector):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens
         )
         preemptions = CounterMetricFamily(
-            "pagedkv:num_preemptions",
+            f"{self.prefix}:num_preemptions",
             "Preemptions by kind: swap (blocks moved to CPU) or recompute (blocks dropped).",
             labels=["model_name", "kind"],
         )
