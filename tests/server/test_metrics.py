@@ -145,3 +145,34 @@ def test_serve_parses_metrics_prefix() -> None:
     serve_command.add_arguments(parser)
     assert parser.parse_args(["--model", "m"]).metrics_prefix == "pagedkv"
     assert parser.parse_args(["--model", "m", "--metrics-prefix", "vllm"]).metrics_prefix == "vllm"
+
+
+def test_per_request_histograms_add_up_to_the_requests_sent(
+    client, model_name: str, server
+) -> None:
+    prompt = [(3 * i) % 200 + 5 for i in range(PROMPT_LEN)]
+    before = scrape(server)
+    client.completions.create(model=model_name, prompt=prompt, max_tokens=3, extra_body=IGNORE_EOS)
+    after = scrape(server)
+
+    def delta(name: str) -> float:
+        return value(after, f"pagedkv:{name}") - value(before, f"pagedkv:{name}")
+
+    assert delta("request_prompt_tokens_count") == 1
+    assert delta("request_prompt_tokens_sum") == PROMPT_LEN
+    assert delta("request_generation_tokens_sum") == 3
+    phases = ["request_queue_time_seconds", "request_prefill_time_seconds"]
+    phases.append("request_decode_time_seconds")
+    assert all(delta(f"{phase}_count") == 1 for phase in phases)
+    # Queueing, prefill and decode split the end-to-end latency exactly.
+    assert sum(delta(f"{phase}_sum") for phase in phases) == pytest.approx(
+        delta("e2e_request_latency_seconds_sum")
+    )
+
+
+def test_cache_config_info_names_the_pool(server) -> None:
+    info = [labels for name, labels in scrape(server) if name == "pagedkv:cache_config_info"]
+    assert len(info) == 1
+    labels = dict(info[0])
+    assert (labels["block_size"], labels["num_gpu_blocks"]) == ("16", "256")
+    assert int(labels["num_cpu_blocks"]) > 0

@@ -54,7 +54,9 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model_name = config.model_name or engine.model_name
     engine_loop = EngineLoop(engine, max_waiting=config.max_waiting)
-    metrics = ServerMetrics(model_name, lambda: engine_loop.stats, config.metrics_prefix)
+    metrics = ServerMetrics(
+        model_name, lambda: engine_loop.stats, engine.max_model_len, config.metrics_prefix
+    )
     engine_loop.metrics = metrics
     context = ServingContext(
         engine_loop=engine_loop,

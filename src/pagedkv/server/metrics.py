@@ -33,16 +33,66 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len`: vLLM's buckets for token counts."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class ServerMetrics:
-    """The registry of one server: engine-stats collector plus latency histograms."""
+    """The registry of one server: engine-stats collector plus per-request histograms."""
 
     def __init__(
-        self, model_name: str, stats: Callable[[], EngineStats], prefix: str = DEFAULT_PREFIX
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        max_model_len: int,
+        prefix: str = DEFAULT_PREFIX,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(model_name, stats, prefix))
         labels = ["model_name"]
+
+        def latency(name: str, documentation: str) -> Histogram:
+            return Histogram(
+                f"{prefix}:{name}",
+                documentation,
+                labels,
+                buckets=E2E_BUCKETS,
+                registry=self.registry,
+            )
+
+        def tokens(name: str, documentation: str) -> Histogram:
+            return Histogram(
+                f"{prefix}:{name}",
+                documentation,
+                labels,
+                buckets=token_buckets(max_model_len),
+                registry=self.registry,
+            )
+
+        self.request_prompt_tokens = tokens(
+            "request_prompt_tokens", "Prompt tokens of each finished request."
+        )
+        self.request_generation_tokens = tokens(
+            "request_generation_tokens", "Generated tokens of each finished request."
+        )
+        self.request_queue_time = latency(
+            "request_queue_time_seconds", "Time from arrival to the first scheduled step."
+        )
+        self.request_prefill_time = latency(
+            "request_prefill_time_seconds", "Time from the first scheduled step to the first token."
+        )
+        self.request_decode_time = latency(
+            "request_decode_time_seconds", "Time from the first token to the last."
+        )
         self.time_to_first_token = Histogram(
             f"{prefix}:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -57,12 +107,8 @@ class ServerMetrics:
             buckets=TPOT_BUCKETS,
             registry=self.registry,
         )
-        self.e2e_request_latency = Histogram(
-            f"{prefix}:e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
+        self.e2e_request_latency = latency(
+            "e2e_request_latency_seconds", "Time from arrival to the last token."
         )
         self.request_success = Counter(
             f"{prefix}:request_success",
@@ -76,12 +122,22 @@ class ServerMetrics:
         metrics = output.metrics
         reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
         self.request_success.labels(self.model_name, reason).inc()
-        if metrics.first_token_time is None or metrics.finished_time is None:
-            return
+        self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(self.model_name).observe(num_output_tokens)
+        scheduled = metrics.first_scheduled_time
+        if scheduled is None or metrics.first_token_time is None or metrics.finished_time is None:
+            return  # aborted before its first token: no latency to speak of
         first_token = metrics.first_token_time - metrics.arrival_time
         self.time_to_first_token.labels(self.model_name).observe(first_token)
         self.e2e_request_latency.labels(self.model_name).observe(
             metrics.finished_time - metrics.arrival_time
+        )
+        self.request_queue_time.labels(self.model_name).observe(scheduled - metrics.arrival_time)
+        self.request_prefill_time.labels(self.model_name).observe(
+            metrics.first_token_time - scheduled
+        )
+        self.request_decode_time.labels(self.model_name).observe(
+            metrics.finished_time - metrics.first_token_time
         )
         if num_output_tokens > 1:
             decode_time = metrics.finished_time - metrics.first_token_time
@@ -121,6 +177,14 @@ class EngineStatsCollector(Collector):
             family.add_metric(model, value)
             return family
 
+        cache_config = GaugeMetricFamily(
+            f"{self.prefix}:cache_config_info",
+            "The KV cache's configuration, in the labels (vLLM's names).",
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks"],
+        )
+        sizes = [stats.block_size, stats.num_gpu_blocks, stats.num_cpu_blocks]
+        cache_config.add_metric([str(size) for size in sizes], 1)
+        yield cache_config
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield gauge("num_requests_swapped", "Requests swapped out to CPU.", stats.num_swapped)
