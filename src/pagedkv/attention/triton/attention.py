@@ -62,7 +62,7 @@ class PrefillConfig:
     """Launch parameters of the prefill kernel: query rows (tokens x grouped heads) per tile.
 
     128 x 64 tiles on 8 warps: the flash-attention shape for head_dim 128 on Hopper; on sm_90
-    it compiles to wgmma with 225 registers and no spills (tests/gpu/sm90_compile.py).
+    it compiles to wgmma with 225 registers and no spills (tests/attention/triton/sm90_compile.py).
     """
 
     block_m: int = 128
