@@ -61,6 +61,17 @@ def tokenize(
     return None, token_ids
 
 
+def truncate(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1 keeps
+    as many as the context holds with room for one new token."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    return token_ids[-keep:]
+
+
 def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) -> int:
     """max_tokens, cut to the room the context leaves, after checking the request's token ids
     and logprobs against the model and that it fits the context, the pool and a step.

@@ -15,7 +15,13 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from pagedkv.engine.admission import Limits, bad_words_token_ids, check_request, tokenize
+from pagedkv.engine.admission import (
+    Limits,
+    bad_words_token_ids,
+    check_request,
+    tokenize,
+    truncate,
+)
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
@@ -135,6 +141,7 @@ class Engine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidPriority(priority)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
+        token_ids = truncate(token_ids, params, self.max_model_len)
         max_tokens = check_request(token_ids, params, self._limits)
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time

@@ -43,6 +43,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # their token sequences are never completed
+    # Keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for).
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +83,11 @@ class SamplingParams:
             for token_id in self.allowed_token_ids:
                 _check_int("allowed_token_ids", token_id, minimum=0)
         self.bad_words = _bad_words(self.bad_words)
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (
+            not isinstance(keep, int) or isinstance(keep, bool) or keep == 0 or keep < -1
+        ):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
