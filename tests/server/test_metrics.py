@@ -176,3 +176,26 @@ def test_cache_config_info_names_the_pool(server) -> None:
     labels = dict(info[0])
     assert (labels["block_size"], labels["num_gpu_blocks"]) == ("16", "256")
     assert int(labels["num_cpu_blocks"]) > 0
+
+
+def test_iteration_tokens_add_up_to_the_tokens_computed(serve) -> None:
+    """Fresh prompts, no cache hits, no preemption: the steps computed every prompt token
+    and every sampled token but the last of each request (its KV is never written)."""
+    fresh = serve(num_gpu_blocks=128, enable_prefix_caching=False)
+    prompts = [[(3 * i + 17 * j) % 200 + 3 for i in range(9 + 5 * j)] for j in range(3)]
+    max_tokens = 7
+    before = scrape(fresh)
+    with fresh.client() as client:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompts,
+            max_tokens=max_tokens,
+            extra_body=IGNORE_EOS,
+        )
+    after = scrape(fresh)
+    name = "pagedkv:iteration_tokens_total"
+    computed = value(after, f"{name}_sum") - value(before, f"{name}_sum")
+    assert computed == sum(len(p) for p in prompts) + len(prompts) * (max_tokens - 1)
+    # One inter-token time per output token after a request's first.
+    itl = "pagedkv:inter_token_latency_seconds_count"
+    assert value(after, itl) - value(before, itl) == len(prompts) * (max_tokens - 1)

@@ -110,6 +110,7 @@ class Engine:
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._step_seconds = 0.0
+        self.last_step_num_tokens = 0  # tokens the last step's forward pass computed
 
     # -- requests --------------------------------------------------------------------------
 
@@ -184,6 +185,7 @@ class Engine:
         """Run one scheduled step; return a delta for every request that changed."""
         started = time.perf_counter()
         output = self.scheduler.schedule()
+        self.last_step_num_tokens = output.num_batched_tokens
         try:
             touched = self._run(output)
         except BaseException as error:

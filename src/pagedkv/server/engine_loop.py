@@ -54,6 +54,7 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index
+    last_token_time: float | None = None  # when the last output token came (inter-token time)
 
 
 @dataclass
@@ -276,15 +277,24 @@ class EngineLoop:
             self._fail_all(EngineFailed(f"engine step failed: {error}"))
             return
         self._kv_dirty = True
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.observe_step(self.engine.last_step_num_tokens)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
+            new_tokens = 0
             for completion in output.outputs:
+                new_tokens += len(completion.token_ids)
                 route.num_tokens[completion.index] = route.num_tokens.get(
                     completion.index, 0
                 ) + len(completion.token_ids)
+            if new_tokens:
+                if route.last_token_time is not None and self.metrics is not None:
+                    self.metrics.observe_inter_token(now - route.last_token_time)
+                route.last_token_time = now
             if output.finished:
                 del self._routes[output.request_id]
                 if self.metrics is not None:

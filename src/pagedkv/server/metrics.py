@@ -31,6 +31,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Tokens per engine step, as vLLM's iteration_tokens_total buckets.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -107,6 +109,20 @@ class ServerMetrics:
             buckets=TPOT_BUCKETS,
             registry=self.registry,
         )
+        self.inter_token_latency = Histogram(
+            f"{prefix}:inter_token_latency_seconds",
+            "Time between a request's consecutive output tokens.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.iteration_tokens = Histogram(
+            f"{prefix}:iteration_tokens_total",
+            "Tokens computed by each engine step (prompt chunks and decodes).",
+            labels,
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
         self.e2e_request_latency = latency(
             "e2e_request_latency_seconds", "Time from arrival to the last token."
         )
@@ -116,6 +132,15 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=self.registry,
         )
+
+    def observe_step(self, num_tokens: int) -> None:
+        """Record one engine step that computed `num_tokens` (engine thread)."""
+        if num_tokens:
+            self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """Record the time since the request's previous output token."""
+        self.inter_token_latency.labels(self.model_name).observe(seconds)
 
     def observe_finished(self, output: RequestOutput, num_output_tokens: int) -> None:
         """Record a finished request's latencies (engine thread; prometheus-client is safe)."""
