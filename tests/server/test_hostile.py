@@ -45,3 +45,36 @@ def test_wrong_key_is_refused_before_the_body_arrives(server: RunningServer) -> 
     status, reply = raw_exchange(server, head)
     assert status == 401
     assert b'"code":"invalid_api_key"' in reply
+
+
+CROSS_SITE_TYPES = [
+    pytest.param("text/plain", id="text-plain"),
+    pytest.param("application/x-www-form-urlencoded", id="form"),
+    pytest.param("multipart/form-data; boundary=x", id="multipart"),
+    pytest.param(None, id="none"),  # what a page's fetch() sends for an untyped Blob body
+]
+
+
+@pytest.mark.parametrize("content_type", CROSS_SITE_TYPES)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_json_body_not_sent_as_json_is_refused_with_415(
+    server: RunningServer, path: str, content_type: str | None
+) -> None:
+    body = b'{"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}'
+    headers = {"Content-Type": content_type} if content_type else {}
+    with server.http() as http:
+        response = http.post(path, content=body, headers=headers)
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type"
+    assert "application/json" in error["message"]
+
+
+def test_json_with_a_charset_is_accepted(server: RunningServer) -> None:
+    with server.http() as http:
+        response = http.post(
+            "/v1/completions",
+            content=b'{"prompt": "Hi", "max_tokens": 1}',
+            headers={"Content-Type": "application/json; charset=utf-8"},
+        )
+    assert response.status_code == 200, response.text

@@ -18,9 +18,18 @@ from pagedkv.server.errors import APIError
 PROTECTED_PREFIX = "/v1"  # routes that need the API key; probes, metrics and the page stay open
 
 
+JSON_MEDIA_TYPE = "application/json"
+
+
 class Admission:
     """ASGI middleware refusing, in OpenAI's error shape, requests with a missing or wrong API
-    key on `/v1` routes."""
+    key on `/v1` routes (401) and POST requests whose body is not declared as JSON (415).
+
+    The content type matters because a web page may POST `text/plain`, form-encoded or untyped
+    bodies to any address, the local server included, without the browser asking the server
+    first (a CORS "simple request"); only `application/json` makes the browser ask, and this
+    server never says yes, so requiring it keeps other sites from driving the API.
+    """
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
@@ -48,6 +57,15 @@ class Admission:
                     401,
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
+                )
+        if scope["method"] == "POST":
+            content_type = headers.get("content-type", "")
+            if content_type.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+                return APIError(
+                    415,
+                    f"send the body as JSON with 'Content-Type: {JSON_MEDIA_TYPE}' "
+                    f"(got {repr(content_type) if content_type else 'none'})",
+                    code="unsupported_media_type",
                 )
         return None
 
