@@ -6,22 +6,26 @@ which an HTTP client library cannot.
 
 from __future__ import annotations
 
+import argparse
 import socket
 from urllib.parse import urlsplit
 
 import pytest
 
+from pagedkv.commands import serve as serve_command
 from pagedkv.server import ServerConfig
 from tests.server.conftest import RunningServer
 
 API_KEY = "hostile-key"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 # Only a guard against a hang: a refused request is answered as soon as its headers arrive.
 RESPONSE_GUARD_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def server(serve) -> RunningServer:
-    return serve(ServerConfig(api_key=API_KEY), num_gpu_blocks=64)
+    config = ServerConfig(api_key=API_KEY, allowed_hosts=LOOPBACK_HOSTS)
+    return serve(config, num_gpu_blocks=64)
 
 
 def raw_exchange(server: RunningServer, head: str) -> tuple[int, bytes]:
@@ -78,3 +82,54 @@ def test_json_with_a_charset_is_accepted(server: RunningServer) -> None:
             headers={"Content-Type": "application/json; charset=utf-8"},
         )
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/"])
+def test_a_foreign_host_is_refused_naming_it(server: RunningServer, path: str) -> None:
+    # A DNS-rebinding page reaches 127.0.0.1 under its own name, which the Host header keeps.
+    port = urlsplit(server.url).port
+    with server.http() as http:
+        response = http.get(path, headers={"Host": f"rebind.example:{port}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_host" and "rebind.example" in error["message"]
+
+
+def test_a_foreign_host_is_refused_before_the_body_arrives(server: RunningServer) -> None:
+    head = (
+        f"POST /v1/completions HTTP/1.1\nHost: rebind.example\nAuthorization: Bearer {API_KEY}\n"
+        "Content-Type: application/json\nContent-Length: 1000000\n\n"
+    )
+    status, reply = raw_exchange(server, head)
+    assert status == 400
+    assert b"rebind.example" in reply
+
+
+@pytest.mark.parametrize("name", [*LOOPBACK_HOSTS, "LocalHost"])
+def test_the_loopback_names_are_served(server: RunningServer, name: str) -> None:
+    port = urlsplit(server.url).port
+    with server.http() as http:
+        assert http.get("/health", headers={"Host": f"{name}:{port}"}).status_code == 200
+        assert http.get("/health", headers={"Host": name}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("flags", "allowed"),
+    [
+        pytest.param([], LOOPBACK_HOSTS, id="loopback-default"),
+        pytest.param(["--host", "::1"], LOOPBACK_HOSTS, id="ipv6-loopback-default"),
+        pytest.param(["--host", "0.0.0.0"], None, id="public-any-host"),
+        pytest.param(
+            ["--host", "0.0.0.0", "--allowed-hosts", "a.example", "b.example"],
+            ("a.example", "b.example"),
+            id="explicit",
+        ),
+    ],
+)
+def test_serve_allowed_hosts_default_follows_the_bind_address(
+    flags: list[str], allowed: tuple[str, ...] | None
+) -> None:
+    parser = argparse.ArgumentParser()
+    serve_command.add_arguments(parser)
+    config = serve_command.server_config(parser.parse_args(flags))
+    assert config.allowed_hosts == allowed

@@ -16,14 +16,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedkv.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1"  # routes that need the API key; probes, metrics and the page stay open
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of a loopback-bound server
 
 
 JSON_MEDIA_TYPE = "application/json"
 
 
 class Admission:
-    """ASGI middleware refusing, in OpenAI's error shape, requests with a missing or wrong API
-    key on `/v1` routes (401) and POST requests whose body is not declared as JSON (415).
+    """ASGI middleware refusing, in OpenAI's error shape, requests naming a host outside
+    `allowed_hosts` (400; None allows any), requests with a missing or wrong API key on `/v1`
+    routes (401) and POST requests whose body is not declared as JSON (415).
+
+    The Host check stops DNS rebinding: a page whose name is made to resolve to 127.0.0.1
+    reaches the local server as "same origin", but its requests still carry its own name.
 
     The content type matters because a web page may POST `text/plain`, form-encoded or untyped
     bodies to any address, the local server included, without the browser asking the server
@@ -31,9 +36,12 @@ class Admission:
     server never says yes, so requiring it keeps other sites from driving the API.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, allowed_hosts: tuple[str, ...] | None
+    ) -> None:
         self.app = app
         self.api_key = api_key
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass acceptable requests on; answer the others without touching their body."""
@@ -48,6 +56,15 @@ class Admission:
 
     def _refusal(self, scope: Scope) -> APIError | None:
         headers = Headers(scope=scope)
+        if self.allowed_hosts is not None:
+            host = _host_name(headers.get("host", ""))
+            if host not in self.allowed_hosts:
+                return APIError(
+                    400,
+                    f"host {host!r} is not served here (allowed: "
+                    f"{', '.join(sorted(self.allowed_hosts))}; see --allowed-hosts)",
+                    code="invalid_host",
+                )
         if self.api_key is not None and _is_protected(scope["path"]):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(
@@ -72,3 +89,11 @@ class Admission:
 
 def _is_protected(path: str) -> bool:
     return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name without its port, lowercased: "[::1]:8000" -> "[::1]"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    return host.partition(":")[0]

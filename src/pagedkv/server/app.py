@@ -47,6 +47,7 @@ class ServerConfig:
     max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
     strict_fields: bool = False  # unknown request fields: 400 instead of a log line
     metrics_prefix: str = DEFAULT_PREFIX  # "vllm": metric names exactly as vLLM's
+    allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -82,7 +83,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     app.state.engine_loop = engine_loop
     app.add_middleware(BodyLimit)
-    app.add_middleware(Admission, api_key=config.api_key)  # outermost: runs before BodyLimit
+    # Added last, so outermost: it refuses on the headers before BodyLimit reads any body.
+    app.add_middleware(Admission, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")
