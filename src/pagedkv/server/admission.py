@@ -17,8 +17,6 @@ from pagedkv.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1"  # routes that need the API key; probes, metrics and the page stay open
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of a loopback-bound server
-
-
 JSON_MEDIA_TYPE = "application/json"
 
 
