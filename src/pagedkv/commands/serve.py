@@ -9,12 +9,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from pagedkv.commands.arguments import positive_int
+
+if TYPE_CHECKING:
+    from pagedkv.server import ServerConfig
 
 API_KEY_ENV = "PAGEDKV_API_KEY"
 DEFAULT_MAX_WAITING = 512
 SHUTDOWN_GRACE_S = 5
+LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "%(default)s)",
     )
     server.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="answer only requests whose Host header names one of these (any port), against "
+        "DNS rebinding (default: localhost 127.0.0.1 [::1] when --host is loopback, else any)",
+    )
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: the --model argument)",
@@ -63,19 +76,12 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.server import ServerConfig, build_app
+    from pagedkv.server import build_app
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in LOOPBACK_ADDRESSES and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     engine = Engine(EngineArgs.from_cli_args(args))
-    config = ServerConfig(
-        model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_waiting=args.max_waiting,
-        strict_fields=args.strict_fields,
-        metrics_prefix=args.metrics_prefix,
-    )
-    app = build_app(engine, config)
+    app = build_app(engine, server_config(args))
     print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)
     uvicorn.run(
         app,
@@ -85,3 +91,22 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     return 0
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings from the command line; a loopback-bound server answers only to
+    the loopback names unless `--allowed-hosts` says otherwise."""
+    from pagedkv.server import ServerConfig
+    from pagedkv.server.admission import LOOPBACK_HOSTS
+
+    allowed_hosts = args.allowed_hosts
+    if allowed_hosts is None and args.host in LOOPBACK_ADDRESSES:
+        allowed_hosts = LOOPBACK_HOSTS
+    return ServerConfig(
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        strict_fields=args.strict_fields,
+        metrics_prefix=args.metrics_prefix,
+        allowed_hosts=None if allowed_hosts is None else tuple(allowed_hosts),
+    )

@@ -8,7 +8,6 @@ vLLM, so probes and scrapers need no secret (the page asks for the key itself).
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,11 +16,12 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pagedkv.server import page_map
+from pagedkv.server.admission import Admission
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.engine_loop import EngineLoop
@@ -47,6 +47,7 @@ class ServerConfig:
     max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
     strict_fields: bool = False  # unknown request fields: 400 instead of a log line
     metrics_prefix: str = DEFAULT_PREFIX  # "vllm": metric names exactly as vLLM's
+    allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -82,9 +83,11 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     app.state.engine_loop = engine_loop
     app.add_middleware(BodyLimit)
+    # Added last, so outermost: it refuses on the headers before BodyLimit reads any body.
+    app.add_middleware(Admission, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
     install_error_handlers(app)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -133,22 +136,3 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
-
-
-def _api_key_check(api_key: str | None):
-    """A dependency refusing requests without `Authorization: Bearer <api_key>` (if set)."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-
-    return check

@@ -1,0 +1,97 @@
+"""Refusals that need only the request line and headers, answered before the body is read.
+
+`BodyLimit` buffers up to 2 MiB of body before the app sees a request; a check that can be
+decided from the headers must not wait for that, or a client that sends headers and never a
+body holds the server's attention for free. This middleware sits outside `BodyLimit` and
+answers at once, closing the connection (the unread body is never wanted).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedkv.server.errors import APIError
+
+PROTECTED_PREFIX = "/v1"  # routes that need the API key; probes, metrics and the page stay open
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of a loopback-bound server
+JSON_MEDIA_TYPE = "application/json"
+
+
+class Admission:
+    """ASGI middleware refusing, in OpenAI's error shape, requests naming a host outside
+    `allowed_hosts` (400; None allows any), requests with a missing or wrong API key on `/v1`
+    routes (401) and POST requests whose body is not declared as JSON (415).
+
+    The Host check stops DNS rebinding: a page whose name is made to resolve to 127.0.0.1
+    reaches the local server as "same origin", but its requests still carry its own name.
+
+    The content type matters because a web page may POST `text/plain`, form-encoded or untyped
+    bodies to any address, the local server included, without the browser asking the server
+    first (a CORS "simple request"); only `application/json` makes the browser ask, and this
+    server never says yes, so requiring it keeps other sites from driving the API.
+    """
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, allowed_hosts: tuple[str, ...] | None
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass acceptable requests on; answer the others without touching their body."""
+        if scope["type"] == "http":
+            error = self._refusal(scope)
+            if error is not None:
+                response = error.response()
+                response.headers["Connection"] = "close"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        if self.allowed_hosts is not None:
+            host = _host_name(headers.get("host", ""))
+            if host not in self.allowed_hosts:
+                return APIError(
+                    400,
+                    f"host {host!r} is not served here (allowed: "
+                    f"{', '.join(sorted(self.allowed_hosts))}; see --allowed-hosts)",
+                    code="invalid_host",
+                )
+        if self.api_key is not None and _is_protected(scope["path"]):
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            ):
+                return APIError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+        if scope["method"] == "POST":
+            content_type = headers.get("content-type", "")
+            if content_type.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+                return APIError(
+                    415,
+                    f"send the body as JSON with 'Content-Type: {JSON_MEDIA_TYPE}' "
+                    f"(got {repr(content_type) if content_type else 'none'})",
+                    code="unsupported_media_type",
+                )
+        return None
+
+
+def _is_protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name without its port, lowercased: "[::1]:8000" -> "[::1]"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    return host.partition(":")[0]
