@@ -97,7 +97,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     """The server's settings from the command line; a loopback-bound server answers only to
     the loopback names unless `--allowed-hosts` says otherwise."""
     from pagedkv.server import ServerConfig
-    from pagedkv.server.admission import LOOPBACK_HOSTS
+    from pagedkv.server.header_guard import LOOPBACK_HOSTS
 
     allowed_hosts = args.allowed_hosts
     if allowed_hosts is None and args.host in LOOPBACK_ADDRESSES:

@@ -21,11 +21,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pagedkv.server import page_map
-from pagedkv.server.admission import Admission
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import APIError, install_error_handlers
+from pagedkv.server.header_guard import HeaderGuard
 from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
@@ -84,7 +84,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.engine_loop = engine_loop
     app.add_middleware(BodyLimit)
     # Added last, so outermost: it refuses on the headers before BodyLimit reads any body.
-    app.add_middleware(Admission, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(HeaderGuard, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")

@@ -20,7 +20,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of a loopback-
 JSON_MEDIA_TYPE = "application/json"
 
 
-class Admission:
+class HeaderGuard:
     """ASGI middleware refusing, in OpenAI's error shape, requests naming a host outside
     `allowed_hosts` (400; None allows any), requests with a missing or wrong API key on `/v1`
     routes (401) and POST requests whose body is not declared as JSON (415).
