@@ -105,6 +105,19 @@ def serve(tiny_model: Path) -> Iterator[Any]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[Any]:
+    """An OpenAI client of the test module's own `server` fixture."""
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    """The name the module's server serves its model under."""
+    return client.models.list().data[0].id
+
+
 def all_blocks_free(server: RunningServer) -> bool:
     """True when no GPU or CPU block is held (cached-but-free counts as free)."""
     with server.http() as http:

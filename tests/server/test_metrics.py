@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,17 +25,6 @@ ENGINE_HOLD_S = 0.5
 @pytest.fixture(scope="module")
 def server(serve) -> RunningServer:
     return serve(num_gpu_blocks=256, seed=0)
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[Any]:
-    with server.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
 
 
 def scrape(server: RunningServer) -> dict[tuple[str, frozenset], float]:

@@ -31,17 +31,6 @@ def server(serve) -> RunningServer:
     return serve(num_gpu_blocks=NUM_GPU_BLOCKS, seed=0)
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with server.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_lists_the_served_model(client, tiny_model: Path) -> None:
     models = client.models.list().data
     assert [model.id for model in models] == [str(tiny_model)]

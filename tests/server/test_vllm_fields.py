@@ -37,17 +37,6 @@ def small_queue_server(serve) -> RunningServer:
     return serve(ServerConfig(max_waiting=2), num_gpu_blocks=64)
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer):
-    with server.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
 def post(server: RunningServer, path: str, body: dict):
     with server.http() as http:
         return http.post(path, json=body)
