@@ -18,7 +18,7 @@ from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
 
 # vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
-DTYPES = {
+DTYPE_SPELLINGS = {
     "auto": None,
     "float32": "float32",
     "float": "float32",
@@ -99,8 +99,8 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_SPELLINGS:
+            raise ValueError(f"dtype must be one of {tuple(DTYPE_SPELLINGS)}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -117,7 +117,7 @@ class EngineArgs:
     def resolved_dtype(self) -> str:
         """The dtype loaded: float32, bfloat16 or float16. "auto" is float32 on a CPU (fast
         and exact there) and bfloat16 on a GPU, where checkpoints are mostly trained in it."""
-        resolved = DTYPES[self.dtype]
+        resolved = DTYPE_SPELLINGS[self.dtype]
         if resolved is None:
             return "float32" if self.device == "cpu" else "bfloat16"
         return resolved
@@ -139,7 +139,7 @@ class EngineArgs:
                 continue
             kwargs: dict[str, Any] = {"default": default, "help": f"{_HELP[field.name]}"}
             if field.name == "dtype":
-                kwargs["choices"] = tuple(DTYPES)
+                kwargs["choices"] = tuple(DTYPE_SPELLINGS)
             elif field.name == "preemption_mode":
                 kwargs["choices"] = PREEMPTION_MODES
             elif field.name == "scheduling_policy":

@@ -35,7 +35,6 @@ from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, kv_utilis
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
-from pagedkv.weights.assemble import DTYPES
 from pagedkv.weights.load import load
 from pagedkv.worker.kv_budget import PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import KVCache
@@ -53,9 +52,8 @@ class Engine:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        dtype = DTYPES[args.resolved_dtype]
         self.device = torch.device(args.device)
-        loaded = load(args.model, dtype=dtype, device=self.device)
+        loaded = load(args.model, dtype=args.resolved_dtype, device=self.device)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
