@@ -1,0 +1,88 @@
+"""QuantizedTensor: the one layout every quantised weight is kept in, whatever its source.
+
+A `[rows, cols]` weight is cut along its columns into groups of `group_size` values; each
+group stores small integers `q` and two float32 numbers, so that
+
+    w[r, g * group_size + i] = scales[r, g] * q[r, g * group_size + i] + mins[r, g]
+
+Every GGUF block format we read fits this exactly (Q4_0's `d * (q - 8)` is `d * q + (-8 d)`,
+Q4_K's `d * sc * q - dmin * m` is `scale * q + min` with both products exact in float32), so
+re-packing a file's blocks loses nothing; `gguf_blocks.py` does it and its tests compare
+against gguf's own dequantiser bit for bit. One layout means one matmul kernel to keep fast.
+
+Two widths:
+- 4 bits: unsigned values 0..15, two per byte, groups of 32. Byte `j` of a group's 16 bytes
+  holds value `j` in its low nibble and value `j + 16` in its high one (ggml's Q4_0 order),
+  so a kernel widens 16 bytes to 32 values with one mask and one shift.
+- 8 bits: signed values -128..127, one per byte, groups of 16 or 32 (Q6_K's groups are 16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+GROUP_SIZES = {4: (32,), 8: (16, 32)}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A quantised `[rows, cols]` weight; see the module docstring for the layout."""
+
+    values: Tensor  # bits 4: uint8 [rows, cols // 2]; bits 8: int8 [rows, cols]
+    scales: Tensor  # float32 [rows, cols // group_size]
+    mins: Tensor  # float32 [rows, cols // group_size]
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in GROUP_SIZES or self.group_size not in GROUP_SIZES[self.bits]:
+            raise ValueError(f"no {self.bits}-bit layout with groups of {self.group_size}")
+        rows, cols = self.shape
+        expected = (torch.uint8, cols // 2) if self.bits == 4 else (torch.int8, cols)
+        if (self.values.dtype, self.values.shape[1]) != expected:
+            raise ValueError(
+                f"{self.bits}-bit values must be {expected[0]} with {expected[1]} columns, "
+                f"got {self.values.dtype} with {self.values.shape[1]}"
+            )
+        groups = (rows, cols // self.group_size)
+        for name in ("scales", "mins"):
+            tensor = getattr(self, name)
+            if tensor.dtype != torch.float32 or tuple(tensor.shape) != groups:
+                raise ValueError(
+                    f"{name} must be float32 {groups}, got {tensor.dtype} {tuple(tensor.shape)}"
+                )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical `[rows, cols]` of the weight."""
+        rows = self.scales.shape[0]
+        return rows, self.scales.shape[1] * self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory: values, scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.mins))
+
+    def integers(self) -> Tensor:
+        """The values `q` as int16 `[rows, cols]`, unpacked."""
+        if self.bits == 8:
+            return self.values.to(torch.int16)
+        rows, cols = self.shape
+        grouped = self.values.view(rows, cols // 32, 16).to(torch.int16)
+        return torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).view(rows, cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The weight as a dense `[rows, cols]` tensor, computed in float32 then cast."""
+        rows, cols = self.shape
+        q = self.integers().view(rows, -1, self.group_size).to(torch.float32)
+        dense = q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)
+        return dense.view(rows, cols).to(dtype)
+
+    def rows(self, index: Tensor) -> QuantizedTensor:
+        """The rows `index` (a 1-d int64 tensor), still quantised."""
+        return QuantizedTensor(
+            self.values[index], self.scales[index], self.mins[index], self.bits, self.group_size
+        )
