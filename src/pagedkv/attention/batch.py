@@ -32,12 +32,16 @@ class SequenceInput:
     """One sequence's share of a forward pass.
 
     `token_ids` are the new tokens, at positions `num_computed ..`; `block_table` must cover
-    all `num_computed + len(token_ids)` tokens.
+    all `num_computed + len(token_ids)` tokens. `num_logits` is how many of the new tokens,
+    counted from the last, need logits: 1 for a chunk that samples, 0 for a prompt chunk that
+    does not reach the prompt's end (the LM head is skipped for it: at a 151k vocabulary it
+    is the largest matmul of a step), all of them to score every position (perplexity).
     """
 
     token_ids: Sequence[int]
     num_computed: int
     block_table: Sequence[int]
+    num_logits: int = 1
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class ForwardBatch:
     block_tables: Tensor  # [num_seqs, max_blocks] int32, rows padded with block 0
     context_lens: Tensor  # [num_seqs] int32, cached + new tokens
     query_lens: Tensor  # [num_seqs] int32, new tokens
-    logits_indices: Tensor  # [num_seqs] int64, each sequence's last token in the flat batch
+    logits_indices: Tensor  # [num_logits] int64, rows of the flat batch that need logits
     query_start_loc: Tensor  # [num_seqs + 1] int32, where each sequence's tokens start (GPU)
     block_size: int
     host_context_lens: tuple[int, ...]  # context_lens as Python ints
@@ -96,6 +100,12 @@ class ForwardBatch:
         seq_of_token = np.repeat(np.arange(len(sequences)), q_lens)
         first_row = np.cumsum(q_lens) - q_lens
         num_computed = np.array([seq.num_computed for seq in sequences], dtype=np.int64)
+        logits_rows = np.concatenate(
+            [
+                np.arange(end - seq.num_logits, end)
+                for seq, end in zip(sequences, first_row + q_lens, strict=True)
+            ]
+        )
         positions = np.arange(len(input_ids)) - first_row[seq_of_token] + num_computed[seq_of_token]
         slots = block_tables[seq_of_token, positions // block_size] * block_size
         slots += positions % block_size
@@ -110,7 +120,7 @@ class ForwardBatch:
             block_tables=tensor(block_tables, torch.int32),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             query_lens=tensor(q_lens, torch.int32),
-            logits_indices=tensor(first_row + q_lens - 1, torch.int64),
+            logits_indices=tensor(logits_rows, torch.int64),
             query_start_loc=tensor(np.append(first_row, len(input_ids)), torch.int32),
             block_size=block_size,
             host_context_lens=tuple(context_lens),
@@ -158,6 +168,11 @@ def _check(index: int, seq: SequenceInput, block_size: int) -> None:
         raise InvalidBatch(f"sequence {index} has no new tokens to compute")
     if seq.num_computed < 0:
         raise InvalidBatch(f"sequence {index} has num_computed {seq.num_computed} < 0")
+    if not 0 <= seq.num_logits <= len(seq.token_ids):
+        raise InvalidBatch(
+            f"sequence {index} asks logits of {seq.num_logits} of its "
+            f"{len(seq.token_ids)} new tokens"
+        )
     context_len = seq.num_computed + len(seq.token_ids)
     needed = -(-context_len // block_size)
     if len(seq.block_table) < needed:

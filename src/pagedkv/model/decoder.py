@@ -151,7 +151,8 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> Tensor:
-        """Run one step; returns float32 logits `[num_seqs, vocab_size]` of each last token.
+        """Run one step; returns float32 logits `[num_logits, vocab_size]` of the rows each
+        sequence asked for (`SequenceInput.num_logits`: its last token, unless it says otherwise).
 
         Every layer writes the new tokens' K/V into `kv_cache` at `batch.slot_mapping` before
         attending, so the cache holds their K/V afterwards. Token ids outside the vocabulary and

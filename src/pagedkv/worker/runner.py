@@ -4,7 +4,7 @@ The scheduler decides; the runner owns the model and the KV cache tensors and do
 `SchedulerOutput` says, in order: forget the tables of dropped sequences, run the step's memory
 plan (copy-on-write copies and swaps, as one ordered plan), then one flat forward pass over
 every scheduled chunk, then return the logits of the chunks that end at a sequence's last token
-(the ones that sample). It keeps each running sequence's block table and receives only changes
+(the ones that sample; only their rows go through the LM head). It keeps each running sequence's block table and receives only changes
 to it (`ScheduledChunk.table_update`), not every table every step.
 """
 
@@ -49,7 +49,9 @@ class ModelRunner:
             return None
         batch = ForwardBatch.build(
             [
-                SequenceInput(chunk.token_ids, chunk.num_computed, self._table(chunk))
+                SequenceInput(
+                    chunk.token_ids, chunk.num_computed, self._table(chunk), int(chunk.sample)
+                )
                 for chunk in output.chunks
             ],
             self.kv_cache.block_size,
@@ -59,13 +61,10 @@ class ModelRunner:
         logits = self.model(batch, self.kv_cache)
         self.model_seconds += time.perf_counter() - model_started
         self.last_num_seqs = batch.num_seqs
-        rows = [index for index, chunk in enumerate(output.chunks) if chunk.sample]
-        if len(rows) < len(output.chunks):  # prompt chunks that do not reach the end
-            logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - started
-        return logits if rows else None
+        return logits if logits.shape[0] else None
 
     def _table(self, chunk: ScheduledChunk) -> list[int]:
         """The chunk's sequence's block table, with this step's update applied."""
