@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
+from pagedkv.weights.assemble import QUANTIZATIONS
 
 # vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
 DTYPE_SPELLINGS = {
@@ -47,6 +48,9 @@ _HELP = {
     "seed": "seed of the sampler for requests without their own seed",
     "gpu_memory_utilization": "share of device memory the engine may use (weights + KV)",
     "max_logprobs": "most logprobs one request may ask for per token",
+    "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
+    "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
+    "threads": "CPU threads for the model (default: this machine's physical cores)",
 }
 
 
@@ -72,6 +76,8 @@ class EngineArgs:
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     max_logprobs: int = 20
+    quantization: str = "auto"
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks_override is not None:
@@ -81,7 +87,7 @@ class EngineArgs:
             self.swap_space_gb = self.swap_space
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
             _positive_int(name, getattr(self, name))
-        for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
@@ -98,6 +104,10 @@ class EngineArgs:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
         if self.dtype not in DTYPE_SPELLINGS:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_SPELLINGS)}, got {self.dtype!r}")
@@ -144,6 +154,8 @@ class EngineArgs:
                 kwargs["choices"] = PREEMPTION_MODES
             elif field.name == "scheduling_policy":
                 kwargs["choices"] = SCHEDULING_POLICIES
+            elif field.name == "quantization":
+                kwargs["choices"] = QUANTIZATIONS
             else:
                 kwargs["type"] = _CLI_TYPES.get(field.name, str)
             if default is not None:
@@ -173,6 +185,7 @@ _CLI_TYPES = {
     "kv_cache_memory": int,
     "swap_space_gb": float,
     "swap_space": float,
+    "threads": int,
     "max_logprobs": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,

@@ -35,11 +35,13 @@ from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, kv_utilis
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
+from pagedkv.model.footprint import weight_footprint
 from pagedkv.weights.load import load
 from pagedkv.worker.kv_budget import PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
+from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
 THROUGHPUT_WINDOW_S = 10.0
@@ -53,7 +55,13 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        loaded = load(args.model, dtype=args.resolved_dtype, device=self.device)
+        torch.set_num_threads(args.threads or physical_cores())
+        loaded = load(
+            args.model,
+            dtype=args.resolved_dtype,
+            device=self.device,
+            quantization=args.quantization,
+        )
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
@@ -69,6 +77,10 @@ class Engine:
                 max_model_len=self.max_model_len,
             ),
             loaded.model,
+        )
+        print(
+            f"{weight_footprint(loaded.model).describe()}; {torch.get_num_threads()} CPU threads",
+            file=sys.stderr,
         )
         print(budget.describe(args.block_size, self.max_model_len), file=sys.stderr)
         self.kv_cache = KVCache.for_model(  # the model's dtype and device

@@ -142,12 +142,12 @@ class DecoderModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype, hence the dtype K/V are written in."""
-        return self.embed_tokens.weight.dtype
+        return self.embed_tokens.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights (and so the KV cache) live."""
-        return self.embed_tokens.weight.device
+        return self.inv_freq.device
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> Tensor:
@@ -166,8 +166,15 @@ class DecoderModel(nn.Module):
             hidden = layer(hidden, cos, sin, batch, kv_cache)
         last = self.norm(hidden[batch.logits_indices])
         if self.lm_head is None:
-            return F.linear(last, self.embed_tokens.weight).float()
+            return self.embed_tokens.logits(last).float()
         return self.lm_head(last).float()
+
+    def quantize(self, scheme: str) -> None:
+        """Keep every projection and the embedding table quantised (`Linear.quantize` says
+        what `scheme` means); call before loading."""
+        for module in self.modules():
+            if isinstance(module, (Linear, Embedding)):
+                module.quantize(scheme)
 
     def checkpoint_name(self, name: str) -> str:
         """The Hugging Face checkpoint's name for module path `name` (`layers.0.mlp.up_proj`)."""

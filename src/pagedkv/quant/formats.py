@@ -20,6 +20,7 @@ Two widths:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -60,6 +61,11 @@ class QuantizedTensor:
         """The logical `[rows, cols]` of the weight."""
         rows = self.scales.shape[0]
         return rows, self.scales.shape[1] * self.group_size
+
+    @cached_property
+    def has_mins(self) -> bool:
+        """Whether any group has a non-zero min (symmetric formats have none)."""
+        return bool(self.mins.any())
 
     @property
     def nbytes(self) -> int:

@@ -20,9 +20,14 @@ from torch import Tensor, nn
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import MalformedModelFile, MissingTensor, TensorShapeMismatch
+from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.registry import ARCHITECTURES
+from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.quantize import SCHEMES
 
+# What a model keeps its weights as (see build_model).
+QUANTIZATIONS = ("auto", "none", *SCHEMES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,14 +40,18 @@ class _Slot:
     part: int | None  # the Linear part, None for a whole parameter
     shape: tuple[int, ...]
 
-    def load(self, tensor: Tensor) -> None:
-        if self.part is None:
+    def load(self, tensor: Tensor | QuantizedTensor) -> None:
+        if isinstance(self.module, Embedding):
+            self.module.load(tensor)
+        elif self.part is not None:
+            self.module.load(self.param_name, self.part, tensor)
+        else:
             with torch.no_grad():
                 getattr(self.module, self.param_name).copy_(tensor)
-        else:
-            self.module.load(self.param_name, self.part, tensor)
 
     def read(self) -> Tensor:
+        if isinstance(self.module, Embedding):
+            return self.module.dense_weight()
         if self.part is None:
             return getattr(self.module, self.param_name).detach()
         return self.module.part_view(self.param_name, self.part).detach()
@@ -50,18 +59,23 @@ class _Slot:
 
 def build_model(
     config: ModelConfig,
-    tensors: Iterable[tuple[Path, str, Tensor]],
+    tensors: Iterable[tuple[Path, str, Tensor | QuantizedTensor]],
     source: Path,
     *,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
+    quantization: str = "none",
 ) -> DecoderModel:
     """Assemble an eval-mode model from `(file, checkpoint name, tensor)` triples.
 
     Each tensor is checked against the shape `config` implies and converted on arrival, so at
     most one source tensor is held beside the model; `source` names the weights in errors.
+    A tensor may arrive quantised (a GGUF file's blocks); `quantization` says what the model
+    keeps: "none" float weights, "auto" quantised tensors as they came, "int8"/"int4" every
+    projection and the embedding table in that layout (see `Linear.quantize`).
     """
     dtype = resolve_dtype(dtype)
+    quantization = effective_quantization(quantization, device)
     model_class = ARCHITECTURES[config.architecture].model_class()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -70,6 +84,8 @@ def build_model(
             model = model_class(config)
     finally:
         torch.set_default_dtype(default_dtype)
+    if quantization != "none":
+        model.quantize(quantization)
     slots = checkpoint_slots(model)
     loaded: set[str] = set()
     for path, name, tensor in tensors:
@@ -82,7 +98,7 @@ def build_model(
             )
         if tuple(tensor.shape) != slot.shape:
             raise TensorShapeMismatch(path, name, slot.shape, tuple(tensor.shape))
-        if not tensor.is_floating_point():
+        if not isinstance(tensor, QuantizedTensor) and not tensor.is_floating_point():
             # Casting would turn quantized or corrupt data into plausible-looking weights.
             raise MalformedModelFile(
                 path,
@@ -101,16 +117,21 @@ def checkpoint_slots(model: DecoderModel) -> dict[str, _Slot]:
     """Every checkpoint tensor name `model` expects, with where it goes."""
     slots: dict[str, _Slot] = {}
     for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, Linear):
-                parent, _, own = module_name.rpartition(".")
+        if isinstance(module, Embedding):  # its table may be quantised: no parameter then
+            name = f"{model.checkpoint_name(module_name)}.weight"
+            slots[name] = _Slot(module, "weight", None, (module.qweight or module.weight).shape)
+        elif isinstance(module, Linear):  # its weight may be quantised: no parameter then
+            parent, _, own = module_name.rpartition(".")
+            param_names = ("weight",) if module.bias is None else ("weight", "bias")
+            for param_name in param_names:
                 for part, part_name in enumerate(module.checkpoint_parts(own)):
                     path = f"{parent}.{part_name}" if parent else part_name
                     name = f"{model.checkpoint_name(path)}.{param_name}"
                     slots[name] = _Slot(
                         module, param_name, part, module.part_shape(param_name, part)
                     )
-            else:
+        else:
+            for param_name, param in module.named_parameters(recurse=False):
                 name = f"{model.checkpoint_name(module_name)}.{param_name}"
                 slots[name] = _Slot(module, param_name, None, tuple(param.shape))
     return slots
@@ -120,6 +141,20 @@ def checkpoint_state(model: DecoderModel) -> dict[str, Tensor]:
     """The model's weights under their checkpoint names, fused projections split into their
     parts: what a Hugging Face checkpoint of this model holds (views, not copies)."""
     return {name: slot.read() for name, slot in checkpoint_slots(model).items()}
+
+
+def effective_quantization(quantization: str, device: torch.device | str) -> str:
+    """What `quantization` means on `device`: "auto" keeps a file's quantised blocks on the
+    CPU only (there are no GPU kernels for them yet), so elsewhere it is "none"; asking for
+    int8 or int4 off the CPU, or an unknown scheme, is an error."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization in SCHEMES and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"quantization {quantization!r} runs on the CPU only (there are no GPU kernels for "
+            "quantised weights yet); use quantization 'none' on a GPU"
+        )
+    return "none" if quantization == "auto" and torch.device(device).type != "cpu" else quantization
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

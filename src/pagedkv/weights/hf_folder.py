@@ -32,17 +32,25 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     config: ModelConfig | None = None,
+    quantization: str = "none",
 ) -> DecoderModel:
     """Read config.json and the safetensors weights of `folder` into an eval-mode model.
 
     `dtype` is float32 (the CPU default), bfloat16 or float16, as a torch dtype or its name;
-    `config`, when the caller has already parsed config.json, saves reading it again.
+    `config`, when the caller has already parsed config.json, saves reading it again;
+    `quantization` "int8"/"int4" quantises the projections as they load ("auto" and "none"
+    keep a float checkpoint float).
     """
     folder = Path(folder)
     if config is None:
         config = load_config(folder)
     return build_model(
-        config, _checkpoint_tensors(folder), _weights_source(folder), dtype=dtype, device=device
+        config,
+        _checkpoint_tensors(folder),
+        _weights_source(folder),
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
     )
 
 

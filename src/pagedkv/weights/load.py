@@ -3,10 +3,12 @@
 `model` may be a Hugging Face folder, a `.gguf` file or a built-in name; the engine, the
 commands and the tests all go through `load`, so the three sources cannot drift apart.
 
-A built-in model is pulled on first use and converted once into a float32 Hugging Face folder
-beside its GGUF file, so later starts read safetensors (seconds) instead of dequantising again.
-A `.gguf` path given directly is dequantised on every load instead: caching a float32 copy of
-an arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
+A built-in model is pulled on first use. Under quantization "auto" (the default) its GGUF
+file is read directly and its blocks kept as they are (re-packing them is fast: no float32
+copy is ever made); asked for float weights ("none"), it is converted once into a float32
+Hugging Face folder beside the file, so later starts read safetensors instead of dequantising
+again. A `.gguf` path given directly is read on every load: caching a float32 copy of an
+arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedkv.model.config import ModelConfig, read_config
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import ConvertTargetExists
 from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.assemble import effective_quantization
 from pagedkv.weights.gguf.convert import convert_gguf
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.hf_folder import load_model
@@ -46,32 +49,40 @@ def load(
     *,
     dtype: torch.dtype | str = "float32",
     device: torch.device | str = "cpu",
+    quantization: str = "none",
     progress: Callable[[str], None] = print,
 ) -> LoadedModel:
     """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
 
-    An existing path wins over a built-in name of the same spelling. `progress` receives a
+    An existing path wins over a built-in name of the same spelling. `quantization` says what
+    the weights are kept as (`assemble.build_model`); a built-in model under "auto" loads its
+    GGUF file with the blocks as they are, otherwise its float32 folder. `progress` receives a
     line per step of a first-use pull and conversion.
     """
     path = Path(model)
+    name = str(model)
+    if not path.exists() and name in BUILTIN_MODELS:
+        if effective_quantization(quantization, device) == "auto":
+            path = pull(name, progress=progress)
+        else:
+            path = converted_folder(name, progress=progress)
     if path.is_file():
         gguf_model = GGUFModel.open(path)
         return LoadedModel(
-            model=gguf_model.model(dtype=dtype, device=device),
+            model=gguf_model.model(dtype=dtype, device=device, quantization=quantization),
             tokenizer=gguf_model.tokenizer(),
             config=gguf_model.config,
-            name=path.stem,
+            name=name if name in BUILTIN_MODELS else path.stem,
             path=path,
         )
-    name = str(model)
     if not path.is_dir():
-        if name not in BUILTIN_MODELS:
-            raise UnknownModelName(name, list(BUILTIN_MODELS))
-        path = converted_folder(name, progress=progress)
+        raise UnknownModelName(name, list(BUILTIN_MODELS))
     raw_config = read_config(path)  # parsed once: the model and the eos ids both read it
     config = ModelConfig.from_dict(raw_config, path / "config.json")
     return LoadedModel(
-        model=load_model(path, dtype=dtype, device=device, config=config),
+        model=load_model(
+            path, dtype=dtype, device=device, config=config, quantization=quantization
+        ),
         tokenizer=Tokenizer.from_folder(path, config=raw_config),
         config=config,
         name=name,

@@ -4,8 +4,9 @@ The scheduler decides; the runner owns the model and the KV cache tensors and do
 `SchedulerOutput` says, in order: forget the tables of dropped sequences, run the step's memory
 plan (copy-on-write copies and swaps, as one ordered plan), then one flat forward pass over
 every scheduled chunk, then return the logits of the chunks that end at a sequence's last token
-(the ones that sample; only their rows go through the LM head). It keeps each running sequence's block table and receives only changes
-to it (`ScheduledChunk.table_update`), not every table every step.
+(the ones that sample; only their rows go through the LM head). It keeps each running
+sequence's block table and receives only changes to it (`ScheduledChunk.table_update`), not
+every table every step.
 """
 
 from __future__ import annotations

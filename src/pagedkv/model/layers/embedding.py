@@ -1,4 +1,9 @@
-"""Token embedding: the vocabulary's rows, which tied models also read their logits through."""
+"""Token embedding: the vocabulary's rows, which tied models also read their logits through.
+
+Quantised (`quantize`), the table stays in its 4- or 8-bit layout: a lookup dequantises only
+the rows it gathers, and a tied LM head multiplies by the quantised table directly. At
+SmolLM2's 49k x 576 the table is a fifth of the model, so keeping it small matters.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,55 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.matmul import dequantize, quantized_linear
+from pagedkv.quant.quantize import GROUP_SIZE, quantize
+
 
 class Embedding(nn.Module):
     """A `[vocab_size, hidden_size]` table, allocated uninitialised: the loader fills it."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.dtype = torch.get_default_dtype()
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.qweight: QuantizedTensor | None = None
+        self.scheme: str | None = None
+
+    def quantize(self, scheme: str) -> None:
+        """Keep the table quantised (`Linear.quantize` says what `scheme` means); before loading."""
+        if self.weight.shape[1] % GROUP_SIZE == 0:
+            self.scheme = scheme
+
+    @torch.no_grad()
+    def load(self, tensor: Tensor | QuantizedTensor) -> None:
+        """Fill the table from a checkpoint tensor (already shape-checked)."""
+        if self.scheme is None or (
+            self.scheme == "auto" and not isinstance(tensor, QuantizedTensor)
+        ):
+            self.weight.copy_(dequantize(tensor) if isinstance(tensor, QuantizedTensor) else tensor)
+            return
+        if not isinstance(tensor, QuantizedTensor) or self.scheme != "auto":
+            dense = dequantize(tensor) if isinstance(tensor, QuantizedTensor) else tensor
+            tensor = quantize(dense, "int8" if self.scheme == "auto" else self.scheme)
+        self.qweight = tensor
+        self.weight = None
+
+    def dense_weight(self) -> Tensor:
+        """The table as a float matrix (a dequantised copy when quantised)."""
+        return self.weight.detach() if self.qweight is None else dequantize(self.qweight)
 
     def forward(self, token_ids: Tensor) -> Tensor:
-        return F.embedding(token_ids, self.weight)
+        if self.qweight is None:
+            return F.embedding(token_ids, self.weight)
+        return (
+            self.qweight.rows(token_ids.reshape(-1))
+            .dequantize(self.dtype)
+            .view(*token_ids.shape, -1)
+        )
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """`hidden @ table.T`: the LM head of a model with tied embeddings."""
+        if self.qweight is None:
+            return F.linear(hidden, self.weight)
+        return quantized_linear(hidden, self.qweight, None)

@@ -7,8 +7,12 @@ nano-vllm fuse them). Each part is loaded into its rows by `load`; the loader as
 `checkpoint_parts` which checkpoint names feed which part, so the model code never sees how a
 checkpoint was split.
 
-How the product is computed is the layer's `LinearMethod`: dense weights today; quantised
-weights and tensor-parallel shards are further methods behind the same `forward`.
+How the product is computed is the layer's `LinearMethod`: a dense float matrix, or (after
+`quantize(scheme)`) one `QuantizedTensor` kept at 4 or 8 bits; tensor-parallel shards would
+be a further method behind the same `forward`. A quantised layer collects its parts as they
+load (a GGUF file's blocks, re-packed exactly, or float tensors it quantises itself) and packs
+them into one tensor when the last arrives, so a fused projection stays one matmul even when
+a file stores its parts in different formats.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.matmul import dequantize, quantized_linear
+from pagedkv.quant.quantize import GROUP_SIZE, common_layout, quantize
 
 
 class LinearMethod(ABC):
@@ -36,7 +44,15 @@ class DenseMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
 
+class QuantizedMethod(LinearMethod):
+    """Weights kept as one `QuantizedTensor` (`layer.qweight`), multiplied by `quant.matmul`."""
+
+    def apply(self, layer: Linear, x: Tensor) -> Tensor:
+        return quantized_linear(x, layer.qweight, layer.bias)
+
+
 DENSE = DenseMethod()
+QUANTIZED = QuantizedMethod()
 
 
 class Linear(nn.Module):
@@ -65,8 +81,12 @@ class Linear(nn.Module):
         self.parts = None if parts is None else tuple(parts)
         self.out_features = sum(self.part_sizes)
         self.method = method
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
+        self.dtype = torch.get_default_dtype()
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        self.qweight: QuantizedTensor | None = None
+        self.scheme: str | None = None  # see `quantize`
+        self._pending: list[Tensor | QuantizedTensor | None] = []
 
     def forward(self, x: Tensor) -> Tensor:
         return self.method.apply(self, x)
@@ -85,11 +105,55 @@ class Linear(nn.Module):
         return (rows, self.in_features) if param_name == "weight" else (rows,)
 
     def part_view(self, param_name: str, part: int) -> Tensor:
-        """The rows of `weight` or `bias` that part `part`'s checkpoint tensor fills."""
+        """The rows of `weight` (dequantised if quantised) or `bias` that part `part` fills."""
         start = sum(self.part_sizes[:part])
+        if param_name == "weight" and self.qweight is not None:
+            return dequantize(self.qweight)[start : start + self.part_sizes[part]]
         return getattr(self, param_name)[start : start + self.part_sizes[part]]
 
+    def quantize(self, scheme: str) -> None:
+        """Keep the weight quantised from now on; call before loading.
+
+        `scheme` "int8" or "int4" quantises every part to that layout (a file's own blocks
+        are dequantised and quantised again); "auto" keeps quantised parts as they come and
+        stays dense if every part arrives in floating point. The dense matrix allocated at
+        construction was never written, so dropping it frees memory that was never touched.
+        """
+        self.scheme = scheme
+        self.weight = None
+        self._pending = [None] * len(self.part_sizes)
+
     @torch.no_grad()
-    def load(self, param_name: str, part: int, tensor: Tensor) -> None:
-        """Copy checkpoint tensor `tensor` (already shape-checked) into part `part`'s rows."""
+    def load(self, param_name: str, part: int, tensor: Tensor | QuantizedTensor) -> None:
+        """Put checkpoint tensor `tensor` (already shape-checked) into part `part`'s rows."""
+        if param_name == "weight" and self.scheme is not None:
+            self._pending[part] = tensor
+            if all(pending is not None for pending in self._pending):
+                self._pack()
+            return
+        if isinstance(tensor, QuantizedTensor):
+            tensor = dequantize(tensor)
         self.part_view(param_name, part).copy_(tensor)
+
+    def _pack(self) -> None:
+        """Every part has arrived: stack them into the layer's one weight."""
+        parts, self._pending = self._pending, []
+        floats = [part for part in parts if not isinstance(part, QuantizedTensor)]
+        if (self.scheme == "auto" and len(floats) == len(parts)) or self.in_features % GROUP_SIZE:
+            dense = [dequantize(p) if isinstance(p, QuantizedTensor) else p for p in parts]
+            self.weight = nn.Parameter(torch.cat(dense).to(self.dtype), requires_grad=False)
+            self.method = DENSE
+            return
+        # auto: a float part beside quantised ones (rare) is kept at int8, near-lossless
+        target = "int8" if self.scheme == "auto" else self.scheme
+        self.qweight = common_layout(
+            [
+                part
+                if isinstance(part, QuantizedTensor) and self.scheme == "auto"
+                else quantize(
+                    dequantize(part) if isinstance(part, QuantizedTensor) else part, target
+                )
+                for part in parts
+            ]
+        )
+        self.method = QUANTIZED

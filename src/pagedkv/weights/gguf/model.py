@@ -17,7 +17,7 @@ import torch
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.tokenizer import Tokenizer
-from pagedkv.weights.assemble import build_model
+from pagedkv.weights.assemble import build_model, effective_quantization
 from pagedkv.weights.gguf.config import config_dict
 from pagedkv.weights.gguf.file import GGUFFile
 from pagedkv.weights.gguf.tensors import gguf_tensors
@@ -57,9 +57,23 @@ class GGUFModel:
         )
 
     def model(
-        self, *, dtype: torch.dtype | str = "float32", device: torch.device | str = "cpu"
+        self,
+        *,
+        dtype: torch.dtype | str = "float32",
+        device: torch.device | str = "cpu",
+        quantization: str = "none",
     ) -> DecoderModel:
-        """Dequantise the weights one tensor at a time into an eval-mode model."""
+        """Read the weights one tensor at a time into an eval-mode model.
+
+        `quantization` "auto" keeps the file's quantised blocks as they are; "none"
+        dequantises them to `dtype`; "int8"/"int4" re-quantise every projection.
+        """
         path = self.file.path
-        tensors = ((path, name, tensor) for name, tensor in gguf_tensors(self.file, self.config))
-        return build_model(self.config, tensors, path, dtype=dtype, device=device)
+        keep = effective_quantization(quantization, device) == "auto"
+        tensors = (
+            (path, name, tensor)
+            for name, tensor in gguf_tensors(self.file, self.config, keep_quantized=keep)
+        )
+        return build_model(
+            self.config, tensors, path, dtype=dtype, device=device, quantization=quantization
+        )

@@ -23,6 +23,8 @@ from torch import Tensor
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.errors import MalformedModelFile, UnsupportedTensorType
 from pagedkv.model.registry import gguf_architecture
+from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.gguf_blocks import BLOCK_TYPES, from_gguf_blocks
 from pagedkv.weights.gguf.file import GGUFFile
 
 SUPPORTED_TYPES = (
@@ -63,8 +65,14 @@ _DERIVED = {"rope_freqs.weight"}
 _PERMUTED = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
 
 
-def gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-    """Yield `(hf_name, float32 tensor)` for every weight of the file, in file order."""
+def gguf_tensors(
+    file: GGUFFile, config: ModelConfig, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, Tensor | QuantizedTensor]]:
+    """Yield `(hf_name, tensor)` for every weight of the file, in file order.
+
+    Tensors are float32, except that with `keep_quantized` a block-quantised matrix comes as
+    a `QuantizedTensor` holding exactly the file's values (`quant/gguf_blocks.py`).
+    """
     architecture = gguf_architecture(file.architecture, file.path)
     unpermute = architecture.gguf_permutes_qk
     layer_names = {**_LAYER_NAMES, **architecture.gguf_layer_tensors}
@@ -76,7 +84,10 @@ def gguf_tensors(file: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Ten
         if unpermute and hf_name.endswith(_PERMUTED):
             num_heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
             row_order = unpermute_rows(torch.arange(int(tensor.shape[-1])), num_heads).numpy()
-        yield hf_name, dequantize(file, tensor, row_order)
+        if keep_quantized and tensor.tensor_type in BLOCK_TYPES and len(tensor.shape) == 2:
+            yield hf_name, quantized(file, tensor, row_order)
+        else:
+            yield hf_name, dequantize(file, tensor, row_order)
 
 
 def hf_tensor_name(file: GGUFFile, name: str, layer_names: dict[str, str]) -> str:
@@ -130,6 +141,22 @@ def dequantize(
             file.path, f"tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: {error}"
         ) from error
     return torch.from_numpy(values)
+
+
+def quantized(
+    file: GGUFFile, tensor: gguf.ReaderTensor, row_order: np.ndarray | None = None
+) -> QuantizedTensor:
+    """One block-quantised matrix re-packed into a QuantizedTensor, rows in `row_order`."""
+    cols = int(tensor.shape[0])
+    raw = tensor.data.reshape(int(tensor.shape[1]), -1)
+    try:
+        return from_gguf_blocks(
+            raw if row_order is None else raw[row_order], tensor.tensor_type, cols
+        )
+    except ValueError as error:
+        raise MalformedModelFile(
+            file.path, f"tensor {tensor.name!r} ({tensor.tensor_type.name}) is corrupt: {error}"
+        ) from error
 
 
 def unpermute_rows(weight: Tensor, num_heads: int) -> Tensor:

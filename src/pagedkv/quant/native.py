@@ -1,0 +1,117 @@
+"""The quantised matmul kernel in C (`qmatmul.c`), compiled once per machine and loaded.
+
+PyTorch 2.13's CPU build has no fast 4-bit or int8 weight-only matmul on AVX2 machines (its
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` fall back to scalar loops there:
+5-7x slower than float32 at batch 1, measured in ../shared/measurements), so the kernel is
+ours: one small C file, built with the system's C compiler into the cache folder the first
+time it is needed (about a second), keyed by the source, the compiler and this CPU, and loaded
+with ctypes. Linking with `-fopenmp` binds it to the OpenMP runtime torch has already loaded,
+so both share one thread pool. Without a C compiler, `kernels()` returns None and quantised
+layers dequantise per call instead (correct, slower); `unavailable_reason()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedkv.hub import cache_dir
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_QMATMUL_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
+    + [ctypes.c_void_p] * 3  # values, scales, mins
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]  # has_mins, bits, g, n
+    + [ctypes.c_void_p, ctypes.c_void_p]  # bias, y
+)
+_DEQUANTIZE_ARGS = (
+    [ctypes.c_void_p] * 3  # values, scales, mins
+    + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # bits, g, n, k
+    + [ctypes.c_void_p]  # out
+)
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler could not build the quantised matmul kernel."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The library's two entry points, typed for ctypes."""
+
+    qmatmul: ctypes._CFuncPtr  # int8 dot products: small batches
+    dequantize: ctypes._CFuncPtr  # to float32 scratch, for a BLAS matmul: large batches
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The compiled kernels, building them on first use; None if that is impossible."""
+    try:
+        library = ctypes.CDLL(str(build()))
+    except (KernelBuildError, OSError):
+        return None
+    library.pagedkv_qmatmul.argtypes = _QMATMUL_ARGS
+    library.pagedkv_qmatmul.restype = ctypes.c_int
+    library.pagedkv_dequantize.argtypes = _DEQUANTIZE_ARGS
+    library.pagedkv_dequantize.restype = None
+    return Kernels(library.pagedkv_qmatmul, library.pagedkv_dequantize)
+
+
+def unavailable_reason() -> str | None:
+    """Why `kernels()` is None (the compiler's complaint), or None when the kernel loads."""
+    try:
+        ctypes.CDLL(str(build()))
+    except (KernelBuildError, OSError) as error:
+        return str(error)
+    return None
+
+
+def build() -> Path:
+    """The shared library for this source, compiler and CPU, compiled into the cache once."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join((compiler, *FLAGS, _compiler_version(compiler), _cpu())).encode())
+    target = cache_dir() / "kernels" / f"qmatmul-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: a concurrent or interrupted build never leaves a
+    # half-written library under the final name.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        partial = Path(scratch) / target.name
+        command = [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        partial.replace(target)
+    return target
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    except OSError as error:
+        raise KernelBuildError(f"cannot run {compiler}: {error}") from error
+    return result.stdout
+
+
+def _cpu() -> str:
+    """What `-march=native` compiles for: the machine and, on Linux, its CPU flags."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        lines = cpuinfo.read_text(errors="replace").splitlines()
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()} {flags}"
