@@ -3,7 +3,7 @@
 Every `import` in `src/pagedkv` is read with `ast` (function-local and type-only imports
 included: they are dependencies too) and checked against the rooms' order:
 commands -> server, sim, bench -> engine -> worker -> weights -> tokenizer -> model ->
-attention, quant -> memory, kvmath, hub. A room imports only from rooms below it, so nothing imports
+attention, quant -> memory, kvmath, hub, kernels. A room imports only from rooms below it, so nothing imports
 upward and no two rooms import each other; within a room, no two modules import each other.
 """
 
@@ -21,6 +21,7 @@ RANKS = {
     "kvmath": 0,
     "memory": 0,
     "hub": 0,
+    "kernels": 0,
     "attention": 1,
     "quant": 1,
     "model": 2,

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "serve": "serve a model over an OpenAI-compatible HTTP API with a live KV page map",
     "pull": "download a built-in model into the local cache",
     "convert": "convert a GGUF file into a Hugging Face folder",
+    "perplexity": "a model's perplexity on a text file (llama.cpp's method)",
 }
 
 

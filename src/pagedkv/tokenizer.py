@@ -109,6 +109,12 @@ class Tokenizer:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence token's id, None when the model names none."""
+        bos_token = self.special_tokens.get("bos_token")
+        return None if bos_token is None else self.tokenizer.token_to_id(bos_token)
+
+    @property
     def eos_token_id(self) -> int | None:
         """The end-of-sequence token's id as transformers gives it: the eos token's, else the
         first id that ends generation (generation stops on any of `eos_token_ids`)."""

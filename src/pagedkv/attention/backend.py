@@ -1,7 +1,9 @@
 """The attention backend: one interface, chosen once for a device, used by every layer.
 
-Two implementations: `TorchAttention` (any device; `torch_backend.py`) and `TritonAttention`
-(the kernels of `attention/triton/`, CUDA only). `select_backend` picks one when a model is
+Three implementations: `TorchAttention` (any device; `torch_backend.py`), `CPUAttention`
+(the same, with steps where every sequence decodes done by one C call per layer:
+`kernels/decode_attention.c`) and `TritonAttention` (the kernels of `attention/triton/`, CUDA
+only). `select_backend` picks one when a model is
 built for a device, so no layer asks again which path to take. Each backend builds the per-step
 metadata it reads, once per forward pass, and nothing else: the PyTorch backend plans the step
 (`AttentionMetadata`, one plan per sliding window, shared by every layer through the batch);
@@ -25,6 +27,7 @@ from torch import Tensor
 from pagedkv.attention import torch_backend
 from pagedkv.attention.batch import ForwardBatch
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.kernels import native
 
 
 class PagedKVCache(Protocol):
@@ -136,10 +139,69 @@ class TritonAttention(AttentionBackend):
         )
 
 
+class CPUAttention(TorchAttention):
+    """PyTorch, except that a step where every sequence decodes, over float32 caches, is one
+    call of the C decode kernel per layer instead of a dozen small ops."""
+
+    name = "cpu"
+
+    def attend(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Tensor:
+        kernels = native.kernels()
+        all_decode = max(batch.host_query_lens) == 1
+        if kernels is None or not all_decode or k_cache.dtype != torch.float32:
+            return super().attend(query, k_cache, v_cache, batch, scale, sliding_window)
+        num_seqs, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        tables = batch.step_state("cpu-tables", lambda: _decode_tables(batch))
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        status = kernels.decode_attention(
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables[0].data_ptr(),
+            tables[0].shape[1],
+            tables[1].data_ptr(),
+            tables[2].data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            sliding_window or 0,
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError(f"decode attention over {num_seqs} sequences: no scratch memory")
+        return out
+
+
+def _decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """Block tables, each sequence's table row, context lengths: as the C kernel reads them."""
+    return (
+        batch.block_tables.to(torch.int32).contiguous(),
+        torch.arange(batch.num_seqs, dtype=torch.int64),
+        batch.context_lens.to(torch.int32).contiguous(),
+    )
+
+
 def select_backend(device: torch.device | str) -> AttentionBackend:
-    """Triton on CUDA when it imports, else PyTorch."""
-    if torch.device(device).type == "cuda" and triton_available():
+    """Triton on CUDA when it imports; on the CPU, the C decode kernel when it builds; else
+    PyTorch."""
+    kind = torch.device(device).type
+    if kind == "cuda" and triton_available():
         return TritonAttention()
+    if kind == "cpu" and native.kernels() is not None:
+        return CPUAttention()
     return TorchAttention()
 
 

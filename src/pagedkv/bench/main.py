@@ -22,6 +22,7 @@ from pagedkv.bench.results import EngineFigures, RunResult
 from pagedkv.bench.systems import SYSTEM_TITLES, SYSTEMS, BenchConfig, Systems
 from pagedkv.bench.workloads import WORKLOADS, make_workload
 from pagedkv.engine import EngineArgs
+from pagedkv.worker.threads import physical_cores
 
 
 def run_benchmark(config: BenchConfig, out: Callable[[str], None] = print) -> dict[str, Any]:
@@ -89,7 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="transformers CB page size in tokens (default: the engine's --block-size)",
     )
-    parser.add_argument("--threads", type=_positive, help="torch threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(model=RANDOM_MODEL, swap_space_gb=1.0)
@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Parse the flags into a `BenchConfig`, run it, print; 1 if a token count is wrong."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # The engine's --threads, applied here too so transformers runs on the same count.
+    torch.set_num_threads(args.threads or physical_cores())
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:

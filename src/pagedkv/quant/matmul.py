@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedkv.quant import native
+from pagedkv.kernels import native
 from pagedkv.quant.formats import QuantizedTensor
 
 # Up to this many rows the int8 kernel is faster than dequantise + float32 BLAS on an AVX2

@@ -1,11 +1,12 @@
-"""The quantised matmul kernel in C (`qmatmul.c`), compiled once per machine and loaded.
+"""The CPU kernels in C (`qmatmul.c`, `decode_attention.c`), compiled once per machine.
 
 PyTorch 2.13's CPU build has no fast 4-bit or int8 weight-only matmul on AVX2 machines (its
 `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` fall back to scalar loops there:
-5-7x slower than float32 at batch 1, measured in ../shared/measurements), so the kernel is
-ours: one small C file, built with the system's C compiler into the cache folder the first
-time it is needed (about a second), keyed by the source, the compiler and this CPU, and loaded
-with ctypes. Linking with `-fopenmp` binds it to the OpenMP runtime torch has already loaded,
+5-7x slower than float32 at batch 1, measured in ../shared/measurements), and its decode
+attention over paged blocks is a dozen small ops per layer, so these two are ours: small C
+files, built with the system's C compiler into the cache folder the first time they are
+needed (about a second), keyed by the sources, the compiler and this CPU, and loaded with
+ctypes. Linking with `-fopenmp` binds it to the OpenMP runtime torch has already loaded,
 so both share one thread pool. Without a C compiler, `kernels()` returns None and quantised
 layers dequantise per call instead (correct, slower); `unavailable_reason()` says why.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from pagedkv.hub import cache_dir
 
-SOURCE = Path(__file__).with_name("qmatmul.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "decode_attention.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _QMATMUL_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
@@ -38,6 +39,12 @@ _DEQUANTIZE_ARGS = (
     + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # bits, g, n, k
     + [ctypes.c_void_p]  # out
 )
+_DECODE_ATTENTION_ARGS = (
+    [ctypes.c_void_p] * 4  # q, k_cache, v_cache, block_tables
+    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, table_rows, context_lens
+    + [ctypes.c_int64] * 5  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
+    + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]  # scale, window, out
+)
 
 
 class KernelBuildError(RuntimeError):
@@ -46,10 +53,11 @@ class KernelBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The library's two entry points, typed for ctypes."""
+    """The library's entry points, typed for ctypes."""
 
     qmatmul: ctypes._CFuncPtr  # int8 dot products: small batches
     dequantize: ctypes._CFuncPtr  # to float32 scratch, for a BLAS matmul: large batches
+    decode_attention: ctypes._CFuncPtr  # one new token per sequence over its paged keys
 
 
 @functools.cache
@@ -63,7 +71,11 @@ def kernels() -> Kernels | None:
     library.pagedkv_qmatmul.restype = ctypes.c_int
     library.pagedkv_dequantize.argtypes = _DEQUANTIZE_ARGS
     library.pagedkv_dequantize.restype = None
-    return Kernels(library.pagedkv_qmatmul, library.pagedkv_dequantize)
+    library.pagedkv_decode_attention.argtypes = _DECODE_ATTENTION_ARGS
+    library.pagedkv_decode_attention.restype = ctypes.c_int
+    return Kernels(
+        library.pagedkv_qmatmul, library.pagedkv_dequantize, library.pagedkv_decode_attention
+    )
 
 
 def unavailable_reason() -> str | None:
@@ -81,9 +93,10 @@ def build() -> Path:
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join((compiler, *FLAGS, _compiler_version(compiler), _cpu())).encode())
-    target = cache_dir() / "kernels" / f"qmatmul-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"pagedkv-cpu-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +104,7 @@ def build() -> Path:
     # half-written library under the final name.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        command = [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"]
+        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")

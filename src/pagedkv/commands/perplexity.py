@@ -1,0 +1,135 @@
+"""`pagedkv perplexity`: a model's perplexity on a text file, by llama.cpp's method.
+
+As `llama-perplexity` does, the text is tokenised whole and cut into windows of `--n-ctx`
+tokens, each starting with the BOS token when the model has one; each window is run from an
+empty cache and only the second half of its tokens is scored (each from at least n_ctx / 2
+tokens of context), so the figure is comparable across models and with llama.cpp's. The
+windows go through the same paged KV cache and attention as serving, in pieces of
+`--max-num-batched-tokens` tokens, asking logits only of the scored positions.
+
+Prints the perplexity, tokens scored and tokens/s: run it once per `--quantization` to
+measure what quantised weights cost in accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The text file, window size and model flags."""
+    from pagedkv.engine.args import EngineArgs
+
+    parser.add_argument("file", type=Path, help="UTF-8 text file to score")
+    parser.add_argument("--n-ctx", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument(
+        "--max-windows", type=int, default=None, help="score only the first N windows"
+    )
+    EngineArgs.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Score the file and print perplexity, tokens scored and speed."""
+    import torch
+
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.model.errors import ModelError
+    from pagedkv.weights.load import load
+    from pagedkv.worker.threads import physical_cores
+
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+        if args.n_ctx < 4:
+            raise ValueError(f"--n-ctx must be at least 4, got {args.n_ctx}")
+        text = args.file.read_text(encoding="utf-8")
+        torch.set_num_threads(engine_args.threads or physical_cores())
+        loaded = load(
+            engine_args.model,
+            dtype=engine_args.resolved_dtype,
+            device=engine_args.device,
+            quantization=engine_args.quantization,
+            progress=lambda line: print(line, file=sys.stderr),
+        )
+    except (ValueError, ModelError, OSError) as error:
+        print(f"pagedkv perplexity: {error}", file=sys.stderr)
+        return 2
+    tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
+    windows = len(tokens) // args.n_ctx
+    if args.max_windows is not None:
+        windows = min(windows, args.max_windows)
+    if windows == 0:
+        print(
+            f"pagedkv perplexity: {args.file} has {len(tokens)} tokens, fewer than one window "
+            f"of --n-ctx {args.n_ctx}",
+            file=sys.stderr,
+        )
+        return 2
+    bos = loaded.tokenizer.bos_token_id
+    started = time.perf_counter()
+    total_nll, scored = 0.0, 0
+    for index in range(windows):
+        window = tokens[index * args.n_ctx : (index + 1) * args.n_ctx]
+        if bos is not None:
+            window[0] = bos
+        nll, count = score_window(loaded.model, window, engine_args)
+        total_nll += nll
+        scored += count
+        print(
+            f"[{index + 1}/{windows}] perplexity so far {math.exp(total_nll / scored):.4f}",
+            file=sys.stderr,
+        )
+    seconds = time.perf_counter() - started
+    print(
+        f"perplexity {math.exp(total_nll / scored):.4f} over {scored} tokens scored "
+        f"({windows} windows of {args.n_ctx}); {windows * args.n_ctx / seconds:.1f} tokens/s; "
+        f"model {loaded.name}, quantization {engine_args.quantization}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    return 0
+
+
+def score_window(model, window: list[int], engine_args) -> tuple[float, int]:
+    """Negative log-likelihood summed over the second half of `window`, and its count.
+
+    Position `i` (from `n_ctx / 2` on) predicts token `i + 1`; the window runs in pieces of
+    `max_num_batched_tokens` through a paged cache just large enough for it.
+    """
+    import torch
+
+    from pagedkv.attention.batch import ForwardBatch, SequenceInput
+    from pagedkv.worker.kv_cache import KVCache
+
+    block_size = engine_args.block_size
+    table = list(range(-(-len(window) // block_size)))
+    cache = KVCache.for_model(model, block_size=block_size, num_blocks=len(table))
+    first = len(window) // 2
+    nll, count = 0.0, 0
+    step = engine_args.max_num_batched_tokens
+    for start in range(0, len(window) - 1, step):
+        piece = window[start : start + step]
+        # Logits of the positions in this piece that are scored and have a next token.
+        scored_from = max(first, start)
+        last = min(start + len(piece), len(window) - 1)
+        num_logits = max(0, last - scored_from)
+        batch = ForwardBatch.build(
+            [
+                SequenceInput(
+                    piece, start, table, num_logits=num_logits + (start + len(piece) - last)
+                )
+            ],
+            block_size,
+            device=model.device,
+        )
+        logits = model(batch, cache)
+        if num_logits == 0:
+            continue
+        logits = logits[:num_logits]
+        targets = torch.tensor(window[scored_from + 1 : last + 1], device=logits.device)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        nll -= log_probs.gather(1, targets.unsqueeze(1)).sum().item()
+        count += num_logits
+    return nll, count
