@@ -17,6 +17,8 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -43,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine_args = EngineArgs.from_cli_args(args)
-        if args.n_ctx < 4:
-            raise ValueError(f"--n-ctx must be at least 4, got {args.n_ctx}")
         text = args.file.read_text(encoding="utf-8")
         torch.set_num_threads(engine_args.threads or physical_cores())
         loaded = load(
@@ -57,42 +57,77 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ModelError, OSError) as error:
         print(f"pagedkv perplexity: {error}", file=sys.stderr)
         return 2
-    tokens = loaded.tokenizer.encode(text, add_special_tokens=False)
-    windows = len(tokens) // args.n_ctx
-    if args.max_windows is not None:
-        windows = min(windows, args.max_windows)
-    if windows == 0:
-        print(
-            f"pagedkv perplexity: {args.file} has {len(tokens)} tokens, fewer than one window "
-            f"of --n-ctx {args.n_ctx}",
-            file=sys.stderr,
+    try:
+        result = perplexity(
+            loaded.model,
+            loaded.tokenizer,
+            text,
+            n_ctx=args.n_ctx,
+            max_windows=args.max_windows,
+            block_size=engine_args.block_size,
+            max_num_batched_tokens=engine_args.max_num_batched_tokens,
+            progress=lambda line: print(line, file=sys.stderr),
         )
+    except ValueError as error:
+        print(f"pagedkv perplexity: {args.file}: {error}", file=sys.stderr)
         return 2
-    bos = loaded.tokenizer.bos_token_id
-    started = time.perf_counter()
-    total_nll, scored = 0.0, 0
-    for index in range(windows):
-        window = tokens[index * args.n_ctx : (index + 1) * args.n_ctx]
-        if bos is not None:
-            window[0] = bos
-        nll, count = score_window(loaded.model, window, engine_args)
-        total_nll += nll
-        scored += count
-        print(
-            f"[{index + 1}/{windows}] perplexity so far {math.exp(total_nll / scored):.4f}",
-            file=sys.stderr,
-        )
-    seconds = time.perf_counter() - started
     print(
-        f"perplexity {math.exp(total_nll / scored):.4f} over {scored} tokens scored "
-        f"({windows} windows of {args.n_ctx}); {windows * args.n_ctx / seconds:.1f} tokens/s; "
+        f"perplexity {result.perplexity:.4f} over {result.scored} tokens scored "
+        f"({result.windows} windows of {args.n_ctx}); {result.tokens_per_s:.1f} tokens/s; "
         f"model {loaded.name}, quantization {engine_args.quantization}, "
         f"{torch.get_num_threads()} threads"
     )
     return 0
 
 
-def score_window(model, window: list[int], engine_args) -> tuple[float, int]:
+@dataclass(frozen=True)
+class Perplexity:
+    """exp(mean negative log-likelihood) of the scored tokens, and how it was measured."""
+
+    perplexity: float
+    scored: int  # tokens scored
+    windows: int
+    tokens_per_s: float  # tokens run through the model (every window's) per second
+
+
+def perplexity(
+    model,
+    tokenizer,
+    text: str,
+    *,
+    n_ctx: int = 512,
+    max_windows: int | None = None,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Perplexity:
+    """Score `text` with `model` by llama.cpp's method (see the module docstring)."""
+    if n_ctx < 4:
+        raise ValueError(f"n_ctx must be at least 4, got {n_ctx}")
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    windows = len(tokens) // n_ctx
+    if max_windows is not None:
+        windows = min(windows, max_windows)
+    if windows == 0:
+        raise ValueError(f"{len(tokens)} tokens are fewer than one window of n_ctx {n_ctx}")
+    bos = tokenizer.bos_token_id
+    started = time.perf_counter()
+    total_nll, scored = 0.0, 0
+    for index in range(windows):
+        window = tokens[index * n_ctx : (index + 1) * n_ctx]
+        if bos is not None:
+            window[0] = bos
+        nll, count = score_window(model, window, block_size, max_num_batched_tokens)
+        total_nll += nll
+        scored += count
+        progress(f"[{index + 1}/{windows}] perplexity so far {math.exp(total_nll / scored):.4f}")
+    seconds = time.perf_counter() - started
+    return Perplexity(math.exp(total_nll / scored), scored, windows, windows * n_ctx / seconds)
+
+
+def score_window(
+    model, window: list[int], block_size: int, max_num_batched_tokens: int
+) -> tuple[float, int]:
     """Negative log-likelihood summed over the second half of `window`, and its count.
 
     Position `i` (from `n_ctx / 2` on) predicts token `i + 1`; the window runs in pieces of
@@ -103,12 +138,11 @@ def score_window(model, window: list[int], engine_args) -> tuple[float, int]:
     from pagedkv.attention.batch import ForwardBatch, SequenceInput
     from pagedkv.worker.kv_cache import KVCache
 
-    block_size = engine_args.block_size
     table = list(range(-(-len(window) // block_size)))
     cache = KVCache.for_model(model, block_size=block_size, num_blocks=len(table))
     first = len(window) // 2
     nll, count = 0.0, 0
-    step = engine_args.max_num_batched_tokens
+    step = max_num_batched_tokens
     for start in range(0, len(window) - 1, step):
         piece = window[start : start + step]
         # Logits of the positions in this piece that are scored and have a next token.
