@@ -3,8 +3,9 @@
 Every `import` in `src/pagedkv` is read with `ast` (function-local and type-only imports
 included: they are dependencies too) and checked against the rooms' order:
 commands -> server, sim, bench -> engine -> worker -> weights -> tokenizer -> model ->
-attention, quant -> memory, kvmath, hub, kernels. A room imports only from rooms below it, so nothing imports
-upward and no two rooms import each other; within a room, no two modules import each other.
+attention, quant -> kernels -> memory, kvmath, hub. A room imports only from rooms below it, so
+nothing imports upward and no two rooms import each other; within a room, no two modules
+import each other.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ RANKS = {
     "kvmath": 0,
     "memory": 0,
     "hub": 0,
-    "kernels": 0,
-    "attention": 1,
-    "quant": 1,
-    "model": 2,
-    "tokenizer": 3,
-    "weights": 4,
-    "worker": 5,
-    "engine": 6,
-    "server": 7,
-    "sim": 7,
-    "bench": 7,
-    "commands": 8,
-    "cli": 9,
-    "__init__": 9,
+    "kernels": 1,
+    "attention": 2,
+    "quant": 2,
+    "model": 3,
+    "tokenizer": 4,
+    "weights": 5,
+    "worker": 6,
+    "engine": 7,
+    "server": 8,
+    "sim": 8,
+    "bench": 8,
+    "commands": 9,
+    "cli": 10,
+    "__init__": 10,
 }
 TORCH_FREE = ("kvmath", "memory", "hub")
 

@@ -234,8 +234,9 @@ void pagedkv_dequantize(const uint8_t *values, const float *scales, const float 
                     __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h]));
                     __m256 b = _mm256_cvtepi32_ps(
                         _mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8)));
-                    _mm256_storeu_ps(d + 16 * h, _mm256_fmadd_ps(a, vs, vm));
-                    _mm256_storeu_ps(d + 16 * h + 8, _mm256_fmadd_ps(b, vs, vm));
+                    /* multiply, then add: rounded twice, as torch's q * scale + min is */
+                    _mm256_storeu_ps(d + 16 * h, _mm256_add_ps(_mm256_mul_ps(a, vs), vm));
+                    _mm256_storeu_ps(d + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(b, vs), vm));
                 }
 #else
                 const uint8_t *q = w + group * 16;

@@ -39,6 +39,9 @@ class QuantizedTensor:
     group_size: int
 
     def __post_init__(self) -> None:
+        # The kernels read the fields as packed row-major arrays.
+        for name in ("values", "scales", "mins"):
+            object.__setattr__(self, name, getattr(self, name).contiguous())
         if self.bits not in GROUP_SIZES or self.group_size not in GROUP_SIZES[self.bits]:
             raise ValueError(f"no {self.bits}-bit layout with groups of {self.group_size}")
         rows, cols = self.shape
