@@ -36,7 +36,8 @@ from pagedkv.model.layers.linear import DENSE, QUANTIZED, Linear
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import DOT_ROWS
 from pagedkv.quant.quantize import quantize_int4
-from pagedkv.weights.assemble import QUANTIZATIONS, effective_quantization
+from pagedkv.quant.schemes import QUANTIZATIONS
+from pagedkv.weights.assemble import effective_quantization
 from pagedkv.weights.hf_folder import load_model
 from pagedkv.weights.load import load
 from pagedkv.worker.kv_cache import KVCache

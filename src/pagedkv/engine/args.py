@@ -16,7 +16,7 @@ from typing import Any
 
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
-from pagedkv.weights.assemble import QUANTIZATIONS
+from pagedkv.quant.schemes import QUANTIZATIONS
 
 # vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
 DTYPE_SPELLINGS = {

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.schemes import SCHEMES
 
 GROUP_SIZE = 32
-SCHEMES = ("int8", "int4")
 
 
 def quantize(weight: Tensor, scheme: str) -> QuantizedTensor:

@@ -24,10 +24,8 @@ from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.quantize import SCHEMES
+from pagedkv.quant.schemes import QUANTIZATIONS, SCHEMES
 
-# What a model keeps its weights as (see build_model).
-QUANTIZATIONS = ("auto", "none", *SCHEMES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

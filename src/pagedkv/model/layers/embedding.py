@@ -21,10 +21,15 @@ class Embedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.dtype = torch.get_default_dtype()
+        self._dtype = torch.get_default_dtype()
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.qweight: QuantizedTensor | None = None
         self.scheme: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: the table's, or (quantised) the dtype it was built in."""
+        return self._dtype if self.weight is None else self.weight.dtype
 
     def quantize(self, scheme: str) -> None:
         """Keep the table quantised (`Linear.quantize` says what `scheme` means); before loading."""
