@@ -145,6 +145,30 @@ class CPUAttention(TorchAttention):
 
     name = "cpu"
 
+    def write_kv(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+    ) -> None:
+        kernels = native.kernels()
+        rows_ok = all(
+            t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            for t in (key, value)
+        )
+        if kernels is None or not rows_ok or not _native_cache(k_cache, v_cache, key, value):
+            super().write_kv(key, value, k_cache, v_cache, batch)
+            return
+        slots = batch.slot_mapping
+        kernels.write_kv(
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            key.shape[0],
+            key.shape[1] * key.shape[2],
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
+
     def attend(
         self,
         query: Tensor,
@@ -156,7 +180,7 @@ class CPUAttention(TorchAttention):
     ) -> Tensor:
         kernels = native.kernels()
         all_decode = max(batch.host_query_lens) == 1
-        if kernels is None or not all_decode or k_cache.dtype != torch.float32:
+        if kernels is None or not all_decode or not _native_cache(k_cache, v_cache, query):
             return super().attend(query, k_cache, v_cache, batch, scale, sliding_window)
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -183,6 +207,15 @@ class CPUAttention(TorchAttention):
         if status != 0:
             raise MemoryError(f"decode attention over {num_seqs} sequences: no scratch memory")
         return out
+
+
+def _native_cache(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:
+    """Whether the C kernels can read these: float32 caches in CPU memory, inputs there too."""
+    caches_ok = all(
+        c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous()
+        for c in (k_cache, v_cache)
+    )
+    return caches_ok and all(t.device.type == "cpu" for t in tensors)
 
 
 def _decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:

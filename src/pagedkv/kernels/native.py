@@ -26,7 +26,9 @@ from pathlib import Path
 
 from pagedkv.hub import cache_dir
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qmatmul.c", "decode_attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("qmatmul.c", "decode_attention.c", "rope_kv.c")
+)
 # -ffp-contract=off: `a * b + c` stays two roundings, so the C dequantiser gives the very
 # floats QuantizedTensor.dequantize does in torch, on any compiler.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -47,6 +49,16 @@ _DECODE_ATTENTION_ARGS = (
     + [ctypes.c_int64] * 5  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
     + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]  # scale, window, out
 )
+_ROPE_ARGS = (
+    [ctypes.c_void_p]
+    + [ctypes.c_int64] * 4  # x, num_tokens, row_stride, num_heads, head_dim
+    + [ctypes.c_void_p, ctypes.c_void_p]  # cos, sin
+)
+_WRITE_KV_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # k, stride, v, stride
+    + [ctypes.c_int64, ctypes.c_int64]  # num_tokens, width
+    + [ctypes.c_void_p] * 3  # slots, k_cache, v_cache
+)
 
 
 class KernelBuildError(RuntimeError):
@@ -60,6 +72,8 @@ class Kernels:
     qmatmul: ctypes._CFuncPtr  # int8 dot products: small batches
     dequantize: ctypes._CFuncPtr  # to float32 scratch, for a BLAS matmul: large batches
     decode_attention: ctypes._CFuncPtr  # one new token per sequence over its paged keys
+    rope: ctypes._CFuncPtr  # rotary embedding in place
+    write_kv: ctypes._CFuncPtr  # new keys and values into their cache slots
 
 
 @functools.cache
@@ -75,8 +89,16 @@ def kernels() -> Kernels | None:
     library.pagedkv_dequantize.restype = None
     library.pagedkv_decode_attention.argtypes = _DECODE_ATTENTION_ARGS
     library.pagedkv_decode_attention.restype = ctypes.c_int
+    library.pagedkv_rope.argtypes = _ROPE_ARGS
+    library.pagedkv_rope.restype = None
+    library.pagedkv_write_kv.argtypes = _WRITE_KV_ARGS
+    library.pagedkv_write_kv.restype = None
     return Kernels(
-        library.pagedkv_qmatmul, library.pagedkv_dequantize, library.pagedkv_decode_attention
+        library.pagedkv_qmatmul,
+        library.pagedkv_dequantize,
+        library.pagedkv_decode_attention,
+        library.pagedkv_rope,
+        library.pagedkv_write_kv,
     )
 
 

@@ -23,7 +23,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.layers.norm import RMSNorm
-from pagedkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from pagedkv.model.rope import inverse_frequencies, rope_cos_sin, rotate_qk
 
 
 class Attention(nn.Module):
@@ -59,7 +59,7 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = self.normalize_qk(query, key)
-        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        query, key = rotate_qk(query, key, cos, sin)
         k_cache, v_cache = kv_cache.layer(self.index)
         self.backend.write_kv(key, value, k_cache, v_cache, batch)
         out = self.backend.attend(query, k_cache, v_cache, batch, self.scale, self.sliding_window)

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from pagedkv.kernels import native
 from pagedkv.model.config import RopeConfig
 
 
@@ -38,6 +39,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate_qk(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """`apply_rope` to queries and keys; on the CPU in float32, one C call rotating both in
+    place (the same floats: `kernels/rope_kv.c` rounds as these ops do)."""
+    kernels = native.kernels() if _rotatable(query, key, cos, sin) else None
+    if kernels is None:
+        return apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+    for x in (query, key):
+        kernels.rope(
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            x.shape[1],
+            x.shape[2],
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
+    return query, key
+
+
+def _rotatable(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether the C kernel reads these as laid out: float32 CPU rows of contiguous heads."""
+    tables_ok = all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
+    return tables_ok and all(
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        for x in (query, key)
+    )
 
 
 def _llama3_scaled(inv_freq: Tensor, rope: RopeConfig) -> Tensor:

@@ -1,0 +1,36 @@
+/* Two small per-layer steps of a forward pass, each one call instead of a handful of ops:
+ * rotary embedding of q and k in place, and the copy of the new keys and values into their
+ * cache slots. Built with -ffp-contract=off, so `x * cos + rotated * sin` rounds exactly as
+ * PyTorch's three separate ops do: the results are the same floats. */
+#include <stdint.h>
+#include <string.h>
+
+/* Rotate x [num_tokens, num_heads, head_dim] in place (rows `row_stride` floats apart, heads
+ * contiguous within a row) by cos/sin [num_tokens, head_dim]: half-split pairs, as Llama. */
+void pagedkv_rope(float *x, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
+                  int64_t head_dim, const float *cos, const float *sin) {
+    int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_tokens > 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *v = x + t * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* Copy each token's key and value row (`width` floats; rows `k_stride` / `v_stride` apart)
+ * into flat cache slot slots[t] of k_cache / v_cache ([slots, width]). */
+void pagedkv_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                      int64_t num_tokens, int64_t width, const int64_t *slots, float *k_cache,
+                      float *v_cache) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * k_stride, sizeof(float) * (size_t)width);
+        memcpy(v_cache + slots[t] * width, v + t * v_stride, sizeof(float) * (size_t)width);
+    }
+}
