@@ -76,13 +76,14 @@ class Worker:
         max_tokens = int(job["max_tokens"])
         threads = int(job["threads"])
         n_ctx = job.get("n_ctx") or len(prompts) * (max(map(len, prompts)) + max_tokens) + CTX_SLACK
-        ctx = new_context(model, n_ctx, len(prompts), threads)
+        unified = bool(job.get("kv_unified", True)) and _kv_unified_supported()
+        ctx = new_context(model, n_ctx, len(prompts), threads, unified)
         try:
             vocab = lc.llama_model_get_vocab(model)
             n_vocab = lc.llama_vocab_n_tokens(vocab)
             return generate(ctx, n_vocab, prompts, max_tokens) | {
                 "n_ctx": lc.llama_n_ctx(ctx),
-                "kv_unified": _kv_unified_supported(),
+                "kv_unified": unified,
                 "threads": threads,
                 "version": lc.__version__,
             }
@@ -90,8 +91,12 @@ class Worker:
             lc.llama_free(ctx)
 
 
-def new_context(model: Any, n_ctx: int, n_seq: int, threads: int) -> Any:
-    """A context for `n_seq` sequences over `n_ctx` tokens in all (llama-server's settings)."""
+def new_context(model: Any, n_ctx: int, n_seq: int, threads: int, unified: bool) -> Any:
+    """A context for `n_seq` sequences over `n_ctx` tokens in all (llama-server's settings).
+
+    Not unified (llama-server's default for `-np N`), each sequence gets n_ctx / n_seq cells
+    of its own and attends over those only; unified, all share one buffer of n_ctx cells.
+    """
     params = lc.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = N_BATCH
@@ -100,7 +105,7 @@ def new_context(model: Any, n_ctx: int, n_seq: int, threads: int) -> Any:
     params.n_threads = threads
     params.n_threads_batch = threads
     if _kv_unified_supported():
-        params.kv_unified = True  # one KV buffer for all sequences: n_ctx is their total
+        params.kv_unified = unified
     ctx = lc.llama_init_from_model(model, params)
     if not ctx:
         raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens")

@@ -152,8 +152,8 @@ class LlamaCppPeer:
 
     name = "llama.cpp"
 
-    def __init__(self, python: Path, gguf: Path, threads: int) -> None:
-        self.gguf, self.threads = gguf, threads
+    def __init__(self, python: Path, gguf: Path, threads: int, kv_unified: bool) -> None:
+        self.gguf, self.threads, self.kv_unified = gguf, threads, kv_unified
         self.version = "?"
         # llama.cpp's own logs, kept for the message if the worker dies; closed by close()
         self.log: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115
@@ -166,7 +166,8 @@ class LlamaCppPeer:
         )
 
     def describe(self) -> str:
-        return f"llama.cpp: llama-cpp-python {self.version}, {self.gguf.name} as stored"
+        kv = "one unified KV buffer" if self.kv_unified else "a KV stream per sequence"
+        return f"llama.cpp: llama-cpp-python {self.version}, {self.gguf.name} as stored, {kv}"
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Measure:
         reply = self._ask(
@@ -176,9 +177,11 @@ class LlamaCppPeer:
                 "prompts": prompts,
                 "max_tokens": max_tokens,
                 "n_ctx": kv_tokens(prompts, max_tokens),
+                "kv_unified": self.kv_unified,
             }
         )
         self.version = reply["version"]
+        self.kv_unified = reply["kv_unified"]  # False where this llama.cpp lacks the option
         return Measure(reply["seconds"], reply["generated_tokens"], reply["first_token_seconds"][0])
 
     def close(self) -> None:
@@ -313,6 +316,7 @@ class Config:
     quantization: str
     seed: int
     llama_python: Path | None
+    llama_kv_unified: bool = True
 
 
 def run_peers(config: Config, out: Callable[[str], None] = print) -> dict[str, Any]:
@@ -343,6 +347,7 @@ def run_peers(config: Config, out: Callable[[str], None] = print) -> dict[str, A
         "batch1_prompt_tokens": BATCH1_PROMPT_LEN,
         "max_tokens": config.max_tokens,
         "kv_tokens": kv_tokens(batch.prompts, config.max_tokens),
+        "llama_kv_unified": config.llama_kv_unified,
         "load_average_before": load_before,
         "versions": {"torch": torch.__version__},
         "skipped": skipped,
@@ -374,7 +379,11 @@ def load_peers(config: Config, kv: int) -> tuple[list[Peer], dict[str, str]]:
             elif system == "llama.cpp":
                 if config.llama_python is None or not config.llama_python.exists():
                     raise PeerUnavailable(f"no llama-cpp-python interpreter; {INSTALL_HINT}")
-                peers.append(LlamaCppPeer(config.llama_python, config.gguf, config.threads))
+                peers.append(
+                    LlamaCppPeer(
+                        config.llama_python, config.gguf, config.threads, config.llama_kv_unified
+                    )
+                )
             else:
                 peers.append(TransformersPeer(config.gguf, config.model_name, config.threads))
         except PeerUnavailable as reason:
@@ -605,6 +614,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="python of the virtual environment with llama-cpp-python (default: "
         f"$PAGEDKV_LLAMA_PYTHON, else {LLAMA_VENV}/bin/python if it exists)",
     )
+    parser.add_argument(
+        "--llama-kv-unified",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llama.cpp: one KV buffer shared by all sequences (kv_unified; default: on), or "
+        "a stream of n_ctx / n_seq cells per sequence (llama-server's -np default)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     return parser.parse_args(argv)
 
@@ -635,6 +651,7 @@ def make_config(args: argparse.Namespace) -> Config:
         quantization=args.quantization,
         seed=args.seed,
         llama_python=_llama_python(args.llama_python),
+        llama_kv_unified=args.llama_kv_unified,
     )
 
 
