@@ -59,11 +59,27 @@ class QuantizedTensor:
                     f"{name} must be float32 {groups}, got {tensor.dtype} {tuple(tensor.shape)}"
                 )
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, int]:
         """The logical `[rows, cols]` of the weight."""
         rows = self.scales.shape[0]
         return rows, self.scales.shape[1] * self.group_size
+
+    @cached_property
+    def kernel_ready(self) -> bool:
+        """Whether the C kernels take this weight: in CPU memory, columns in chunks of 32."""
+        return self.values.device.type == "cpu" and self.shape[1] % 32 == 0
+
+    @cached_property
+    def pointers(self) -> tuple[int, int, int, int]:
+        """Addresses of values, scales and mins, and whether any min is non-zero: what the C
+        kernel is called with, computed once (a decode step makes ~120 calls)."""
+        return (
+            self.values.data_ptr(),
+            self.scales.data_ptr(),
+            self.mins.data_ptr(),
+            int(self.has_mins),
+        )
 
     @cached_property
     def has_mins(self) -> bool:

@@ -31,29 +31,34 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
     if kernels is None:
         return F.linear(x, weight.dequantize(x.dtype), bias)
     rows, cols = weight.shape
-    flat = x.reshape(-1, cols).to(torch.float32).contiguous()
+    flat = x.reshape(-1, cols)
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.to(torch.float32).contiguous()
     if flat.shape[0] > DOT_ROWS:
         dense = _dequantized(kernels, weight)
         return F.linear(flat, dense, bias).view(*x.shape[:-1], rows).to(x.dtype)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
-    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.to(torch.float32).contiguous()
+    values, scales, mins, has_mins = weight.pointers
     status = kernels.qmatmul(
         flat.data_ptr(),
         flat.shape[0],
         cols,
-        weight.values.data_ptr(),
-        weight.scales.data_ptr(),
-        weight.mins.data_ptr(),
-        int(weight.has_mins),
+        values,
+        scales,
+        mins,
+        has_mins,
         weight.bits,
         weight.group_size,
         rows,
-        None if bias32 is None else bias32.data_ptr(),
+        None if bias is None else bias.data_ptr(),
         out.data_ptr(),
     )
     if status != 0:
         raise MemoryError(f"quantised matmul of {tuple(flat.shape)} by {weight.shape}: no memory")
-    return out.view(*x.shape[:-1], rows).to(x.dtype)
+    out = out.view(*x.shape[:-1], rows)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def dequantize(weight: QuantizedTensor) -> Tensor:
@@ -66,8 +71,7 @@ def dequantize(weight: QuantizedTensor) -> Tensor:
 
 def uses_kernels(x: Tensor, weight: QuantizedTensor) -> bool:
     """Whether the C kernels can take this product: CPU tensors, columns in chunks of 32."""
-    on_cpu = x.device.type == "cpu" and weight.values.device.type == "cpu"
-    return on_cpu and weight.shape[1] % 32 == 0
+    return x.device.type == "cpu" and weight.kernel_ready
 
 
 def _dequantized(kernels: native.Kernels, weight: QuantizedTensor) -> Tensor:
