@@ -54,6 +54,10 @@ _ROPE_ARGS = (
     + [ctypes.c_int64] * 4  # x, num_tokens, row_stride, num_heads, head_dim
     + [ctypes.c_void_p, ctypes.c_void_p]  # cos, sin
 )
+_RMS_NORM_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, rows, cols, weight
+    + [ctypes.c_float, ctypes.c_void_p]  # eps, out
+)
 _WRITE_KV_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # k, stride, v, stride
     + [ctypes.c_int64, ctypes.c_int64]  # num_tokens, width
@@ -74,6 +78,7 @@ class Kernels:
     decode_attention: ctypes._CFuncPtr  # one new token per sequence over its paged keys
     rope: ctypes._CFuncPtr  # rotary embedding in place
     write_kv: ctypes._CFuncPtr  # new keys and values into their cache slots
+    rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
 
 
 @functools.cache
@@ -93,12 +98,15 @@ def kernels() -> Kernels | None:
     library.pagedkv_rope.restype = None
     library.pagedkv_write_kv.argtypes = _WRITE_KV_ARGS
     library.pagedkv_write_kv.restype = None
+    library.pagedkv_rms_norm.argtypes = _RMS_NORM_ARGS
+    library.pagedkv_rms_norm.restype = None
     return Kernels(
         library.pagedkv_qmatmul,
         library.pagedkv_dequantize,
         library.pagedkv_decode_attention,
         library.pagedkv_rope,
         library.pagedkv_write_kv,
+        library.pagedkv_rms_norm,
     )
 
 

@@ -3,6 +3,7 @@
  * cache slots. Built with -ffp-contract=off, so `x * cos + rotated * sin` rounds exactly as
  * PyTorch's three separate ops do: the results are the same floats. */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 /* Rotate x [num_tokens, num_heads, head_dim] in place (rows `row_stride` floats apart, heads
@@ -32,5 +33,21 @@ void pagedkv_write_kv(const float *k, int64_t k_stride, const float *v, int64_t 
     for (int64_t t = 0; t < num_tokens; t++) {
         memcpy(k_cache + slots[t] * width, k + t * k_stride, sizeof(float) * (size_t)width);
         memcpy(v_cache + slots[t] * width, v + t * v_stride, sizeof(float) * (size_t)width);
+    }
+}
+
+/* out [rows, cols] = x / sqrt(mean(x^2) + eps) * weight, row by row, in float32 (RMSNorm). */
+void pagedkv_rms_norm(const float *x, int64_t rows, int64_t cols, const float *weight, float eps,
+                      float *out) {
+#pragma omp parallel for schedule(static) if (rows > 64)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * cols;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < cols; i++) squares += v[i] * v[i];
+        float inverse = 1.0f / sqrtf(squares / (float)cols + eps);
+        float *o = out + r * cols;
+#pragma omp simd
+        for (int64_t i = 0; i < cols; i++) o[i] = v[i] * inverse * weight[i];
     }
 }
