@@ -47,7 +47,7 @@ from tests.quant.test_qmatmul import assert_within, dot_path_bound, float_path_b
 from tests.weights.gguf.writer import folder_weights, permute_rows, write_model_gguf
 
 ARCHITECTURES = ["llama", "qwen2"]  # untied head + plain Linear; tied head + q/k/v biases
-PROMPT = random_prompt(24, seed=7)  # 24 tokens: one prefill on the dequantise path
+PROMPT = random_prompt(DOT_ROWS + 8, seed=7)  # one prefill on the dequantise path
 CONTINUATION = random_prompt(16, seed=8)  # 16 teacher-forced decode steps: the dot path
 LAYOUT = {"int8": (8, 32), "int4": (4, 32), QType.Q8_0: (8, 32), QType.Q4_0: (4, 32)}
 # Decode-vs-oracle logit errors measured over llama, qwen2, qwen3 and mistral with five

@@ -170,36 +170,47 @@ static inline __attribute__((always_inline)) __m256i sum_lanes8(const __m256i v[
                             _mm256_permute2x128_si256(low, high, 0x31));
 }
 
-/* One weight row times one activation row, groups of 32: the batch-1 decode case. Eight
- * chunks' integer dot products are summed to one int32 each first, then converted and scaled
+/* One weight row times `rows` activation rows, groups of 32: decode steps. Each block of
+ * eight weight chunks is loaded (and widened) once and reused for every row; per row, the
+ * eight chunks' integer dot products are summed to one int32 each, then converted and scaled
  * as one vector (eight group scales at once) instead of one float op chain per chunk. */
-static inline __attribute__((always_inline)) float row_dot32(const uint8_t *w, int bits,
-                                                             const float *w_scale,
-                                                             const int8_t *a,
-                                                             const float *a_scale, int64_t k) {
+#define MAX_DOT_ROWS 64
+static inline __attribute__((always_inline)) void rows_dot32(
+    const uint8_t *w, int bits, const float *w_scale, const int8_t *a, const float *a_scale,
+    int64_t k, int64_t rows, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t chunks = k / 32, c = 0;
+    int64_t chunks = k / 32, groups = k / 32, c = 0;
+    __m256 acc[MAX_DOT_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (; c + 8 <= chunks; c += 8) {
-        __m256i dots[8];
+        __m256i wv[8], wu[8];
         for (int j = 0; j < 8; j++) {
-            __m256i wv = load_chunk(w, bits, c + j);
-            __m256i av = _mm256_loadu_si256((const __m256i *)(a + (c + j) * 32));
-            __m256i wu = bits == 4 ? wv : _mm256_sign_epi8(wv, wv);
-            dots[j] = byte_dots(wu, bits == 4 ? av : _mm256_sign_epi8(av, wv), ones);
+            wv[j] = load_chunk(w, bits, c + j);
+            wu[j] = bits == 4 ? wv[j] : _mm256_sign_epi8(wv[j], wv[j]);
         }
-        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(w_scale + c), _mm256_loadu_ps(a_scale + c));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), scale, acc);
+        __m256 ws = _mm256_loadu_ps(w_scale + c);
+        for (int64_t r = 0; r < rows; r++) {
+            const int8_t *ar = a + r * k;
+            __m256i dots[8];
+            for (int j = 0; j < 8; j++) {
+                __m256i av = _mm256_loadu_si256((const __m256i *)(ar + (c + j) * 32));
+                dots[j] = byte_dots(wu[j], bits == 4 ? av : _mm256_sign_epi8(av, wv[j]), ones);
+            }
+            __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(a_scale + r * groups + c));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), scale, acc[r]);
+        }
     }
     for (; c < chunks; c++) {
         __m256i wv = load_chunk(w, bits, c);
-        __m256i av = _mm256_loadu_si256((const __m256i *)(a + c * 32));
         __m256i wu = bits == 4 ? wv : _mm256_sign_epi8(wv, wv);
-        __m256i dots = byte_dots(wu, bits == 4 ? av : _mm256_sign_epi8(av, wv), ones);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(w_scale[c] * a_scale[c]),
-                              acc);
+        for (int64_t r = 0; r < rows; r++) {
+            __m256i av = _mm256_loadu_si256((const __m256i *)(a + r * k + c * 32));
+            __m256i dots = byte_dots(wu, bits == 4 ? av : _mm256_sign_epi8(av, wv), ones);
+            __m256 scale = _mm256_set1_ps(w_scale[c] * a_scale[r * groups + c]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[r]);
+        }
     }
-    return hsum(acc);
+    for (int64_t r = 0; r < rows; r++) out[r] = hsum(acc[r]);
 }
 #endif
 
@@ -230,15 +241,21 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
         quantize_activations(x, m, k, g, xq, xs, xsum);
         int64_t row_bytes = bits == 4 ? k / 2 : k;
 #ifdef __AVX2__
-        if (m == 1 && g == 32) {
+        if (g == 32 && m <= MAX_DOT_ROWS) {
 #pragma omp parallel for schedule(static)
             for (int64_t col = 0; col < n; col++) {
                 const uint8_t *w = values + col * row_bytes;
-                float total = bits == 4 ? row_dot32(w, 4, scales + col * groups, xq, xs, k)
-                                        : row_dot32(w, 8, scales + col * groups, xq, xs, k);
-                if (has_mins) total += dot_floats(mins + col * groups, xsum, groups);
-                if (bias != NULL) total += bias[col];
-                y[col] = total;
+                float dots[MAX_DOT_ROWS];
+                if (bits == 4)
+                    rows_dot32(w, 4, scales + col * groups, xq, xs, k, m, dots);
+                else
+                    rows_dot32(w, 8, scales + col * groups, xq, xs, k, m, dots);
+                for (int64_t r = 0; r < m; r++) {
+                    float total = dots[r];
+                    if (has_mins) total += dot_floats(mins + col * groups, xsum + r * groups, groups);
+                    if (bias != NULL) total += bias[col];
+                    y[r * n + col] = total;
+                }
             }
             goto done;
         }
