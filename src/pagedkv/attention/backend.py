@@ -184,11 +184,12 @@ class CPUAttention(TorchAttention):
             return super().attend(query, k_cache, v_cache, batch, scale, sliding_window)
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        tables = batch.step_state("cpu-tables", lambda: _decode_tables(batch))
+        tables = self.decode_tables(batch)
         query = query.contiguous()
         out = torch.empty_like(query)
         status = kernels.decode_attention(
             query.data_ptr(),
+            num_heads * head_dim,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             tables[0].data_ptr(),
@@ -207,6 +208,17 @@ class CPUAttention(TorchAttention):
         if status != 0:
             raise MemoryError(f"decode attention over {num_seqs} sequences: no scratch memory")
         return out
+
+    @staticmethod
+    def decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """Block tables, each sequence's table row and context lengths as the C kernels read
+        them, made once per forward pass."""
+        return batch.step_state("cpu-tables", lambda: _decode_tables(batch))
+
+    @staticmethod
+    def takes(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:
+        """Whether the C kernels can read these caches and tensors (float32, CPU memory)."""
+        return _native_cache(k_cache, v_cache, *tensors)
 
 
 def _native_cache(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:

@@ -69,10 +69,11 @@ static float softmax_numerators(float *scores, int64_t n, float max) {
     return sum;
 }
 
-/* out [num_seqs, num_heads, head_dim] = attention of q (same shape) over each sequence's
- * context_lens[s] cached positions; its block table is row table_rows[s] of block_tables.
- * Returns 0, or -1 when scratch memory cannot be allocated. */
-int pagedkv_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+/* out [num_seqs, num_heads, head_dim] = attention of q (rows `q_stride` floats apart, heads
+ * contiguous) over each sequence's context_lens[s] cached positions; its block table is row
+ * table_rows[s] of block_tables. Returns 0, or -1 when scratch memory cannot be allocated. */
+int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
+                             const float *v_cache,
                              const int32_t *block_tables, int64_t table_stride,
                              const int64_t *table_rows, const int32_t *context_lens,
                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -96,7 +97,7 @@ int pagedkv_decode_attention(const float *q, const float *k_cache, const float *
             int64_t start = window > 0 && ctx > window ? ctx - window : 0;
             int64_t n = ctx - start;
             const int32_t *table = block_tables + table_rows[s] * table_stride;
-            const float *qh = q + (s * num_heads + h * group) * head_dim;
+            const float *qh = q + s * q_stride + h * group * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 float max = -INFINITY;
                 for (int64_t p = start; p < ctx; p++) {

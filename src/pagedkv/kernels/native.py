@@ -27,7 +27,8 @@ from pathlib import Path
 from pagedkv.hub import cache_dir
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("qmatmul.c", "decode_attention.c", "rope_kv.c")
+    Path(__file__).with_name(name)
+    for name in ("qmatmul.c", "decode_attention.c", "rope_kv.c", "decode_layer.c")
 )
 # -ffp-contract=off: `a * b + c` stays two roundings, so the C dequantiser gives the very
 # floats QuantizedTensor.dequantize does in torch, on any compiler.
@@ -44,7 +45,8 @@ _DEQUANTIZE_ARGS = (
     + [ctypes.c_void_p]  # out
 )
 _DECODE_ATTENTION_ARGS = (
-    [ctypes.c_void_p] * 4  # q, k_cache, v_cache, block_tables
+    [ctypes.c_void_p, ctypes.c_int64]  # q, q_stride
+    + [ctypes.c_void_p] * 3  # k_cache, v_cache, block_tables
     + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, table_rows, context_lens
     + [ctypes.c_int64] * 5  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
     + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]  # scale, window, out
@@ -53,6 +55,33 @@ _ROPE_ARGS = (
     [ctypes.c_void_p]
     + [ctypes.c_int64] * 4  # x, num_tokens, row_stride, num_heads, head_dim
     + [ctypes.c_void_p, ctypes.c_void_p]  # cos, sin
+)
+
+
+class QuantizedWeightArgs(ctypes.Structure):
+    """decode_layer.c's `QuantizedWeight`: one quantised projection's arrays and sizes."""
+
+    _fields_ = [
+        ("values", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("has_mins", ctypes.c_int64),
+        ("bits", ctypes.c_int64),
+        ("group_size", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+_DECODE_LAYER_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # hidden, m, hidden_size
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]  # input_norm, post_norm, eps
+    + [ctypes.c_void_p]
+    + [ctypes.c_int64] * 3  # weights, num_heads, num_kv_heads, head_dim
+    + [ctypes.c_void_p] * 6  # cos, sin, k_cache, v_cache, slots, block_tables
+    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, rows, context_lens
+    + [ctypes.c_int64, ctypes.c_float, ctypes.c_int64]  # block_size, scale, window
 )
 _RMS_NORM_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, rows, cols, weight
@@ -79,6 +108,7 @@ class Kernels:
     rope: ctypes._CFuncPtr  # rotary embedding in place
     write_kv: ctypes._CFuncPtr  # new keys and values into their cache slots
     rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
+    decode_layer: ctypes._CFuncPtr  # a whole decoder layer of a decode step
 
 
 @functools.cache
@@ -100,6 +130,8 @@ def kernels() -> Kernels | None:
     library.pagedkv_write_kv.restype = None
     library.pagedkv_rms_norm.argtypes = _RMS_NORM_ARGS
     library.pagedkv_rms_norm.restype = None
+    library.pagedkv_decode_layer.argtypes = _DECODE_LAYER_ARGS
+    library.pagedkv_decode_layer.restype = ctypes.c_int
     return Kernels(
         library.pagedkv_qmatmul,
         library.pagedkv_dequantize,
@@ -107,6 +139,7 @@ def kernels() -> Kernels | None:
         library.pagedkv_rope,
         library.pagedkv_write_kv,
         library.pagedkv_rms_norm,
+        library.pagedkv_decode_layer,
     )
 
 

@@ -1,0 +1,114 @@
+/* One Llama-family decoder layer for a decode step, in one call, on the CPU.
+ *
+ * At batch 1 a layer's arithmetic is a few hundred microseconds of matmuls, but run as ~20
+ * PyTorch ops and 8 module calls it pays 5-15 us of dispatch each: more than the arithmetic.
+ * This runs the same steps, through the same kernels, with no Python in between:
+ *
+ *   x = rms_norm(h); qkv = x Wqkv^T (+ b); rope(q, k); write k, v to their slots;
+ *   a = attention(q); h += a Wo^T; x = rms_norm(h); g, u = x Wgu^T; h += (silu(g) * u) Wd^T
+ *
+ * Every matmul is pagedkv_qmatmul over quantised weights, rope and the K/V write those of
+ * rope_kv.c, attention that of decode_attention.c: the floats are the unfused path's, except
+ * silu (expf here, PyTorch's own there), a difference of float32 rounding.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* A quantised projection as pagedkv_qmatmul takes it (see formats.py for the layout). */
+typedef struct {
+    const uint8_t *values;
+    const float *scales;
+    const float *mins;
+    int64_t has_mins;
+    int64_t bits;
+    int64_t group_size;
+    int64_t out_features;
+    int64_t in_features;
+    const float *bias; /* NULL when none */
+} QuantizedWeight;
+
+int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
+                    const float *scales, const float *mins, int has_mins, int bits, int64_t g,
+                    int64_t n, const float *bias, float *y);
+int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
+                             const float *v_cache, const int32_t *block_tables,
+                             int64_t table_stride, const int64_t *table_rows,
+                             const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             float scale, int64_t window, float *out);
+void pagedkv_rope(float *x, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
+                  int64_t head_dim, const float *cos, const float *sin);
+void pagedkv_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                      int64_t num_tokens, int64_t width, const int64_t *slots, float *k_cache,
+                      float *v_cache);
+void pagedkv_rms_norm(const float *x, int64_t rows, int64_t cols, const float *weight, float eps,
+                      float *out);
+
+static int project(const float *x, int64_t m, const QuantizedWeight *w, float *y) {
+    return pagedkv_qmatmul(x, m, w->in_features, w->values, w->scales, w->mins,
+                           (int)w->has_mins, (int)w->bits, w->group_size, w->out_features,
+                           w->bias, y);
+}
+
+/* weights: qkv, o, gate_up, down. hidden [m, hidden_size] is updated in place.
+ * Returns 0, or -1 when scratch memory cannot be allocated. */
+int pagedkv_decode_layer(float *hidden, int64_t m, int64_t hidden_size,
+                         const float *input_norm, const float *post_norm, float eps,
+                         const QuantizedWeight *weights, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, const float *cos,
+                         const float *sin, float *k_cache, float *v_cache,
+                         const int64_t *slots, const int32_t *block_tables,
+                         int64_t table_stride, const int64_t *table_rows,
+                         const int32_t *context_lens, int64_t block_size, float scale,
+                         int64_t window) {
+    const QuantizedWeight *qkv = &weights[0], *o = &weights[1], *gate_up = &weights[2],
+                          *down = &weights[3];
+    int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    int64_t qkv_size = qkv->out_features, inter = gate_up->out_features / 2;
+    float *normed = malloc(sizeof(float) * (size_t)(m * hidden_size));
+    float *mixed = malloc(sizeof(float) * (size_t)(m * qkv_size));
+    float *attended = malloc(sizeof(float) * (size_t)(m * q_size));
+    float *projected = malloc(sizeof(float) * (size_t)(m * hidden_size));
+    float *gated = malloc(sizeof(float) * (size_t)(m * 2 * inter));
+    float *activated = malloc(sizeof(float) * (size_t)(m * inter));
+    int status = -1;
+    if (normed && mixed && attended && projected && gated && activated) {
+        pagedkv_rms_norm(hidden, m, hidden_size, input_norm, eps, normed);
+        status = project(normed, m, qkv, mixed);
+        if (status == 0) {
+            pagedkv_rope(mixed, m, qkv_size, num_heads, head_dim, cos, sin);
+            pagedkv_rope(mixed + q_size, m, qkv_size, num_kv_heads, head_dim, cos, sin);
+            pagedkv_write_kv(mixed + q_size, qkv_size, mixed + q_size + kv_size, qkv_size, m,
+                             kv_size, slots, k_cache, v_cache);
+            status = pagedkv_decode_attention(mixed, qkv_size, k_cache, v_cache, block_tables,
+                                              table_stride, table_rows, context_lens, m,
+                                              num_heads, num_kv_heads, head_dim, block_size,
+                                              scale, window, attended);
+        }
+        if (status == 0) status = project(attended, m, o, projected);
+        if (status == 0) {
+            for (int64_t i = 0; i < m * hidden_size; i++) hidden[i] += projected[i];
+            pagedkv_rms_norm(hidden, m, hidden_size, post_norm, eps, normed);
+            status = project(normed, m, gate_up, gated);
+        }
+        if (status == 0) {
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t i = 0; i < inter; i++) {
+                    float g = gated[r * 2 * inter + i];
+                    float silu = g / (1.0f + expf(-g));
+                    activated[r * inter + i] = silu * gated[r * 2 * inter + inter + i];
+                }
+            status = project(activated, m, down, projected);
+        }
+        if (status == 0)
+            for (int64_t i = 0; i < m * hidden_size; i++) hidden[i] += projected[i];
+    }
+    free(normed);
+    free(mixed);
+    free(attended);
+    free(projected);
+    free(gated);
+    free(activated);
+    return status;
+}
