@@ -38,9 +38,10 @@ from typing import IO, Any, Protocol
 
 import torch
 
+from pagedkv.bench.main import positive_int
 from pagedkv.bench.transformers_baselines import load_hf_model, run_hf_generate
 from pagedkv.bench.workloads import Workload, WorkloadSpec, make_workload
-from pagedkv.weights.assemble import QUANTIZATIONS
+from pagedkv.quant.schemes import QUANTIZATIONS
 from pagedkv.worker.threads import physical_cores
 
 SYSTEMS = ("pagedkv", "llama.cpp", "transformers")
@@ -582,11 +583,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=DEFAULT_MODEL,
         help=f"a built-in model name or a .gguf file (default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--rounds", type=_positive, default=3, help="rounds (default: 3)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="CPU threads for every system (default: this machine's physical cores)",
     )
@@ -597,10 +598,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="pagedkv's weights: auto (the GGUF's own blocks), none, int8, int4 (default: auto)",
     )
     parser.add_argument(
-        "--num-prompts", type=_positive, default=32, help="prompts in the batch (default: 32)"
+        "--num-prompts", type=positive_int, default=32, help="prompts in the batch (default: 32)"
     )
     parser.add_argument(
-        "--max-tokens", type=_positive, default=128, help="new tokens per prompt (default: 128)"
+        "--max-tokens", type=positive_int, default=128, help="new tokens per prompt (default: 128)"
     )
     parser.add_argument(
         "--systems",
@@ -689,13 +690,6 @@ def _token_count_errors(config: Config, report: dict[str, Any]) -> list[str]:
         for count in figures[key]
         if count != want
     ]
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 if __name__ == "__main__":

@@ -149,11 +149,8 @@ class CPUAttention(TorchAttention):
         self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
     ) -> None:
         kernels = native.kernels()
-        rows_ok = all(
-            t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-            for t in (key, value)
-        )
-        if kernels is None or not rows_ok or not _native_cache(k_cache, v_cache, key, value):
+        rows_ok = all(t.dtype == torch.float32 and native.heads_packed(t) for t in (key, value))
+        if kernels is None or not rows_ok or not self.takes(k_cache, v_cache, key, value):
             super().write_kv(key, value, k_cache, v_cache, batch)
             return
         slots = batch.slot_mapping
@@ -180,7 +177,7 @@ class CPUAttention(TorchAttention):
     ) -> Tensor:
         kernels = native.kernels()
         all_decode = max(batch.host_query_lens) == 1
-        if kernels is None or not all_decode or not _native_cache(k_cache, v_cache, query):
+        if kernels is None or not all_decode or not self.takes(k_cache, v_cache, query):
             return super().attend(query, k_cache, v_cache, batch, scale, sliding_window)
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -217,17 +214,13 @@ class CPUAttention(TorchAttention):
 
     @staticmethod
     def takes(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:
-        """Whether the C kernels can read these caches and tensors (float32, CPU memory)."""
-        return _native_cache(k_cache, v_cache, *tensors)
-
-
-def _native_cache(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:
-    """Whether the C kernels can read these: float32 caches in CPU memory, inputs there too."""
-    caches_ok = all(
-        c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous()
-        for c in (k_cache, v_cache)
-    )
-    return caches_ok and all(t.device.type == "cpu" for t in tensors)
+        """Whether the C kernels can read these: float32 caches in CPU memory, inputs there
+        too."""
+        caches_ok = all(
+            c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous()
+            for c in (k_cache, v_cache)
+        )
+        return caches_ok and all(t.device.type == "cpu" for t in tensors)
 
 
 def _decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="uniform: 32 prompts of 32-256 tokens, 128 new; mixed: 48 prompts of 32-256, "
         "outputs 16-512 (default: all, one after the other)",
     )
-    parser.add_argument("--rounds", type=_positive, default=2, help="rounds (default: 2)")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="rounds (default: 2)")
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
@@ -69,24 +69,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-tokens",
-        type=_positive,
+        type=positive_int,
         default=8192,
         help="KV budget in tokens for every system (default: 8192; --num-gpu-blocks wins "
         "for pagedkv)",
     )
-    parser.add_argument("--num-prompts", type=_positive, help="override the workload's count")
+    parser.add_argument("--num-prompts", type=positive_int, help="override the workload's count")
     parser.add_argument(
-        "--prompt-len", type=_positive, nargs=2, metavar=("MIN", "MAX"), help="override"
+        "--prompt-len", type=positive_int, nargs=2, metavar=("MIN", "MAX"), help="override"
     )
     parser.add_argument(
-        "--output-len", type=_positive, nargs=2, metavar=("MIN", "MAX"), help="override"
+        "--output-len", type=positive_int, nargs=2, metavar=("MIN", "MAX"), help="override"
     )
     parser.add_argument(
         "--workload-seed", type=int, default=0, help="seed of prompts and lengths (default: 0)"
     )
     parser.add_argument(
         "--cb-page-size",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="transformers CB page size in tokens (default: the engine's --block-size)",
     )
@@ -177,7 +177,8 @@ def _model_folder(model: str, seed: int) -> tuple[Path, str]:
     return converted_folder(model), model
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer above zero."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")

@@ -143,6 +143,12 @@ def kernels() -> Kernels | None:
     )
 
 
+def heads_packed(x) -> bool:
+    """Whether `x` `[tokens, heads, head_dim]` has its heads packed within each row (rows
+    may be strided, as q/k/v views of one fused projection are): how the kernels read it."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def unavailable_reason() -> str | None:
     """Why `kernels()` is None (the compiler's complaint), or None when the kernel loads."""
     try:

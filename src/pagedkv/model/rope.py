@@ -64,10 +64,7 @@ def _rotatable(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether the C kernel reads these as laid out: float32 CPU rows of contiguous heads."""
     tables_ok = all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
     return tables_ok and all(
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
+        x.device.type == "cpu" and x.dtype == torch.float32 and native.heads_packed(x)
         for x in (query, key)
     )
 

@@ -70,6 +70,11 @@ def dequantize(weight: QuantizedTensor) -> Tensor:
     return _dequantized(kernels, weight).clone()
 
 
+def as_dense(tensor: Tensor | QuantizedTensor) -> Tensor:
+    """A float tensor as it is, a quantised one dequantised (`dequantize`)."""
+    return dequantize(tensor) if isinstance(tensor, QuantizedTensor) else tensor
+
+
 def uses_kernels(x: Tensor, weight: QuantizedTensor) -> bool:
     """Whether the C kernels can take this product: CPU tensors, columns in chunks of 32."""
     return x.device.type == "cpu" and weight.kernel_ready

@@ -32,6 +32,20 @@ def quantize(weight: Tensor, scheme: str) -> QuantizedTensor:
     raise ValueError(f"quantization scheme must be one of {SCHEMES}, got {scheme!r}")
 
 
+def to_scheme(tensor: Tensor | QuantizedTensor, scheme: str) -> QuantizedTensor:
+    """What a checkpoint tensor is kept as under `scheme` once it is to be quantised.
+
+    "auto" keeps a file's quantised blocks as they are and quantises a float tensor to int8
+    (near-lossless: it only happens beside quantised parts of the same layer); "int8" and
+    "int4" quantise every tensor to that layout, a file's blocks dequantised first.
+    """
+    if scheme == "auto":
+        return tensor if isinstance(tensor, QuantizedTensor) else quantize_int8(tensor)
+    if isinstance(tensor, QuantizedTensor):
+        tensor = tensor.dequantize()
+    return quantize(tensor, scheme)
+
+
 def quantize_int8(weight: Tensor) -> QuantizedTensor:
     """Symmetric int8 per group of 32: `w ~ scale * q`, q in -127..127."""
     groups = _groups(weight)

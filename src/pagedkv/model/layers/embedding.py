@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.matmul import dequantize, quantized_linear
-from pagedkv.quant.quantize import GROUP_SIZE, quantize
+from pagedkv.quant.matmul import as_dense, dequantize, quantized_linear
+from pagedkv.quant.quantize import GROUP_SIZE, to_scheme
 
 
 class Embedding(nn.Module):
@@ -42,12 +42,9 @@ class Embedding(nn.Module):
         if self.scheme is None or (
             self.scheme == "auto" and not isinstance(tensor, QuantizedTensor)
         ):
-            self.weight.copy_(dequantize(tensor) if isinstance(tensor, QuantizedTensor) else tensor)
+            self.weight.copy_(as_dense(tensor))
             return
-        if not isinstance(tensor, QuantizedTensor) or self.scheme != "auto":
-            dense = dequantize(tensor) if isinstance(tensor, QuantizedTensor) else tensor
-            tensor = quantize(dense, "int8" if self.scheme == "auto" else self.scheme)
-        self.qweight = tensor
+        self.qweight = to_scheme(tensor, self.scheme)
         self.weight = None
 
     def dense_weight(self) -> Tensor:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.matmul import dequantize, quantized_linear
-from pagedkv.quant.quantize import GROUP_SIZE, common_layout, quantize
+from pagedkv.quant.matmul import as_dense, dequantize, quantized_linear
+from pagedkv.quant.quantize import GROUP_SIZE, common_layout, to_scheme
 
 
 class LinearMethod(ABC):
@@ -131,29 +131,16 @@ class Linear(nn.Module):
             if all(pending is not None for pending in self._pending):
                 self._pack()
             return
-        if isinstance(tensor, QuantizedTensor):
-            tensor = dequantize(tensor)
-        self.part_view(param_name, part).copy_(tensor)
+        self.part_view(param_name, part).copy_(as_dense(tensor))
 
     def _pack(self) -> None:
         """Every part has arrived: stack them into the layer's one weight."""
         parts, self._pending = self._pending, []
-        floats = [part for part in parts if not isinstance(part, QuantizedTensor)]
-        if (self.scheme == "auto" and len(floats) == len(parts)) or self.in_features % GROUP_SIZE:
-            dense = [dequantize(p) if isinstance(p, QuantizedTensor) else p for p in parts]
-            self.weight = nn.Parameter(torch.cat(dense).to(self.dtype), requires_grad=False)
+        all_float = not any(isinstance(part, QuantizedTensor) for part in parts)
+        if (self.scheme == "auto" and all_float) or self.in_features % GROUP_SIZE:
+            dense = torch.cat([as_dense(part) for part in parts]).to(self.dtype)
+            self.weight = nn.Parameter(dense, requires_grad=False)
             self.method = DENSE
             return
-        # auto: a float part beside quantised ones (rare) is kept at int8, near-lossless
-        target = "int8" if self.scheme == "auto" else self.scheme
-        self.qweight = common_layout(
-            [
-                part
-                if isinstance(part, QuantizedTensor) and self.scheme == "auto"
-                else quantize(
-                    dequantize(part) if isinstance(part, QuantizedTensor) else part, target
-                )
-                for part in parts
-            ]
-        )
+        self.qweight = common_layout([to_scheme(part, self.scheme) for part in parts])
         self.method = QUANTIZED
