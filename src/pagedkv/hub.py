@@ -85,6 +85,12 @@ def gguf_path(name: str) -> Path:
     return model_dir(name) / builtin_model(name).filename
 
 
+def is_pulled(name: str) -> bool:
+    """Whether built-in model `name`'s file is in the cache, with the expected size."""
+    target = gguf_path(name)
+    return target.is_file() and target.stat().st_size == builtin_model(name).size
+
+
 def pull(name: str, *, progress: Callable[[str], None] = print, force: bool = False) -> Path:
     """Download, verify and cache the GGUF file of built-in model `name`; return its path.
 
@@ -93,7 +99,7 @@ def pull(name: str, *, progress: Callable[[str], None] = print, force: bool = Fa
     """
     entry = builtin_model(name)
     target = gguf_path(name)
-    if not force and target.is_file() and target.stat().st_size == entry.size:
+    if not force and is_pulled(name):
         progress(f"{name}: already in {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -103,3 +103,27 @@ def test_every_sampling_flag_reaches_its_sampling_parameter():
     )
     defaults = sampling_params_from_args(parser.parse_args(["--prompt", "x"]))
     assert defaults == SamplingParams(temperature=0.0, max_tokens=256)  # greedy by default
+
+
+def _pool_blocks(stderr: str) -> int:
+    return int(re.search(r"KV cache: (\d+) blocks", stderr)[1])
+
+
+@pytest.mark.parametrize(("max_tokens", "n"), [(12, 1), (40, 3)])
+def test_without_a_pool_size_the_pool_holds_what_the_request_can_need(
+    zoo, hf_tokenizer, capsys, max_tokens, n
+):
+    prompt_len = len(hf_tokenizer(PROMPT)["input_ids"])
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    argv += ["--max-tokens", str(max_tokens), "--n", str(n), "--temperature", "0.8"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    # Each sample: its prompt and output in 16-token blocks, plus one block of lookahead.
+    assert _pool_blocks(err) == n * (-(-(prompt_len + max_tokens) // 16) + 1)
+    assert re.search(r"loaded in [\d.]+ s: kernels [\d.]+ s, weights [\d.]+ s, KV pool", err)
+
+
+def test_a_given_pool_size_is_kept(zoo, capsys):
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    assert main([*argv, "--max-tokens", "4", *ENGINE_FLAGS]) == 0
+    assert _pool_blocks(capsys.readouterr().err) == 32

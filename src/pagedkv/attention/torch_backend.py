@@ -149,6 +149,10 @@ def _decode_attention(
         probs = scores.sub_(best[chunk.rows]).exp_()
         total[chunk.rows] += probs.sum(dim=-1, keepdim=True)
         values = buffers.gather(v_cache, chunk.blocks)
+        if chunk.hidden is not None:
+            # A hidden key's weight is 0, but 0 * NaN is NaN: slots past a sequence's length
+            # (and padding columns) may never have been written, so their values are zeroed.
+            values.masked_fill_(chunk.hidden[:, None, :, None], 0.0)
         acc[chunk.rows].view(-1, group, head_dim).baddbmm_(
             probs.view(-1, group, probs.shape[-1]), values.view(-1, *values.shape[2:])
         )

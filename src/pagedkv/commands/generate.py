@@ -3,6 +3,10 @@
 Text is printed as the engine produces it, piece by piece; with `--n` above 1 each sample is
 printed whole once all are done. Timing and KV figures go to stderr, so stdout holds only
 the completion.
+
+One request needs a few hundred tokens of KV, not the memory-based pool of a server: unless a
+pool size is given, the pool holds what this request can use (`blocks_for_request`), so the
+command neither reserves gigabytes nor ever preempts.
 """
 
 from __future__ import annotations
@@ -10,6 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedkv.engine import EngineArgs, SamplingParams
+    from pagedkv.weights.load import LoadedModel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,17 +39,27 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.commands.sampling_args import sampling_params_from_args
     from pagedkv.engine import Engine, EngineArgs
     from pagedkv.model.errors import ModelError
+    from pagedkv.weights.load import load
 
     try:
         params = sampling_params_from_args(args)
-        engine = Engine(EngineArgs.from_cli_args(args))
+        engine_args = EngineArgs.from_cli_args(args)
+        loaded = load(
+            engine_args.model,
+            dtype=engine_args.resolved_dtype,
+            device=engine_args.device,
+            quantization=engine_args.quantization,
+        )
         if args.chat is not None:
             messages = [{"role": "user", "content": args.chat}]
             if args.system is not None:
                 messages.insert(0, {"role": "system", "content": args.system})
-            prompt: str | list[int] = engine.tokenizer.encode_chat(messages)
+            prompt: str | list[int] = loaded.tokenizer.encode_chat(messages)
         else:
             prompt = args.prompt
+        if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
+            engine_args.num_gpu_blocks = blocks_for_request(engine_args, prompt, params, loaded)
+        engine = Engine(engine_args, loaded=loaded)
         engine.add_request("cli", prompt, params)
     except (ValueError, ModelError, OSError) as error:
         print(f"pagedkv generate: {error}", file=sys.stderr)
@@ -71,3 +90,18 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def blocks_for_request(
+    engine_args: EngineArgs,
+    prompt: str | list[int],
+    params: SamplingParams,
+    loaded: LoadedModel,
+) -> int:
+    """KV blocks that one request's samples can fill: each sample's prompt and output, up to
+    the model length, plus one block each for the slot the scheduler reserves ahead."""
+    max_model_len = engine_args.max_model_len or loaded.config.max_position_embeddings
+    prompt_len = len(loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+    tokens = min(prompt_len + max_tokens, max_model_len)
+    return params.n * (-(-tokens // engine_args.block_size) + 1)

@@ -9,18 +9,24 @@ copy is ever made); asked for float weights ("none"), it is converted once into 
 Hugging Face folder beside the file, so later starts read safetensors instead of dequantising
 again. A `.gguf` path given directly is read on every load: caching a float32 copy of an
 arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
+
+What loading spent is kept by phase (`LoadedModel.seconds`) for the engine's start-up line: a
+first start that compiles the CPU kernels or pulls the model should say so, not just be slow.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, model_dir, pull
+from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, model_dir, pull
+from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import ConvertTargetExists
@@ -35,13 +41,20 @@ CONVERTED_FOLDER = "hf"  # inside a built-in model's cache folder
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model in eval mode, its tokenizer and config, the name it was asked for, its files."""
+    """A model in eval mode, its tokenizer and config, the name it was asked for, its files,
+    and the seconds loading spent by phase, in order: "pull" and "convert" when a built-in
+    model was downloaded or converted now, "kernels" on a CPU, "weights" (and tokenizer)."""
 
     model: DecoderModel
     tokenizer: Tokenizer
     config: ModelConfig
     name: str
     path: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def load(
@@ -50,47 +63,70 @@ def load(
     dtype: torch.dtype | str = "float32",
     device: torch.device | str = "cpu",
     quantization: str = "none",
-    progress: Callable[[str], None] = print,
+    progress: Callable[[str], None] = _to_stderr,
 ) -> LoadedModel:
     """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
 
     An existing path wins over a built-in name of the same spelling. `quantization` says what
     the weights are kept as (`assemble.build_model`); a built-in model under "auto" loads its
     GGUF file with the blocks as they are, otherwise its float32 folder. `progress` receives a
-    line per step of a first-use pull and conversion.
+    line per step of a first-use pull and conversion (stderr by default: stdout is the
+    commands' output).
     """
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
     path = Path(model)
     name = str(model)
     if not path.exists() and name in BUILTIN_MODELS:
-        if effective_quantization(quantization, device) == "auto":
-            path = pull(name, progress=progress)
-        else:
+        if not is_pulled(name):
+            pull(name, progress=progress)
+            seconds["pull"] = _lap(started)
+        path = gguf_path(name)
+        if effective_quantization(quantization, device) != "auto":
+            convert_started = time.perf_counter()
+            fresh = not (model_dir(name) / CONVERTED_FOLDER).is_dir()
             path = converted_folder(name, progress=progress)
+            if fresh:
+                seconds["convert"] = _lap(convert_started)
+    if torch.device(device).type == "cpu":
+        kernels_started = time.perf_counter()
+        native.kernels()  # compiled on a machine's first start, then loaded from the cache
+        seconds["kernels"] = _lap(kernels_started)
+    weights_started = time.perf_counter()
     if path.is_file():
         gguf_model = GGUFModel.open(path)
-        return LoadedModel(
+        loaded = LoadedModel(
             model=gguf_model.model(dtype=dtype, device=device, quantization=quantization),
             tokenizer=gguf_model.tokenizer(),
             config=gguf_model.config,
             name=name if name in BUILTIN_MODELS else path.stem,
             path=path,
+            seconds=seconds,
         )
-    if not path.is_dir():
+    elif path.is_dir():
+        raw_config = read_config(path)  # parsed once: the model and the eos ids both read it
+        config = ModelConfig.from_dict(raw_config, path / "config.json")
+        loaded = LoadedModel(
+            model=load_model(
+                path, dtype=dtype, device=device, config=config, quantization=quantization
+            ),
+            tokenizer=Tokenizer.from_folder(path, config=raw_config),
+            config=config,
+            name=name,
+            path=path,
+            seconds=seconds,
+        )
+    else:
         raise UnknownModelName(name, list(BUILTIN_MODELS))
-    raw_config = read_config(path)  # parsed once: the model and the eos ids both read it
-    config = ModelConfig.from_dict(raw_config, path / "config.json")
-    return LoadedModel(
-        model=load_model(
-            path, dtype=dtype, device=device, config=config, quantization=quantization
-        ),
-        tokenizer=Tokenizer.from_folder(path, config=raw_config),
-        config=config,
-        name=name,
-        path=path,
-    )
+    seconds["weights"] = _lap(weights_started)
+    return loaded
 
 
-def converted_folder(name: str, *, progress: Callable[[str], None] = print) -> Path:
+def _lap(started: float) -> float:
+    return time.perf_counter() - started
+
+
+def converted_folder(name: str, *, progress: Callable[[str], None] = _to_stderr) -> Path:
     """The cached Hugging Face folder of built-in model `name`, pulling and converting once."""
     folder = model_dir(name) / CONVERTED_FOLDER
     if folder.is_dir():

@@ -7,6 +7,13 @@ one indexing op. A CPU-side swap space receives swapped-out blocks; it is block-
 (`[num_cpu_blocks, num_layers, 2, ...]`) so that consecutive CPU blocks are one contiguous
 range a swap copies in one go.
 
+The pool is allocated, never filled: `torch.empty` of a large tensor maps pages that the
+operating system (or the GPU allocator) backs only when a block is first written, so a 4 GiB
+pool costs nothing at start and memory grows with the blocks actually used. Never-written slots
+therefore hold whatever the memory held, NaN included; every attention path reads only slots
+below each sequence's length, or masks the rest out of both the scores and the values
+(tests/model/test_uninitialised_pool.py fills the pool with NaN and checks outputs).
+
 A step's `MemoryPlan` runs as a whole through `execute`, in the order the memory manager
 produced it, before the next forward pass: a block that a swap-out releases can be the
 destination of a copy-on-write or a swap-in later in the same step, so running that later
@@ -51,13 +58,14 @@ class KVCache:
         device = torch.device(device)
         block_shape = (block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.cache = torch.zeros(
+        self.cache = torch.empty(
             num_layers, 2, num_blocks, *block_shape, dtype=dtype, device=device
         )
         # Block-major, so one CPU block (all layers, K and V) is contiguous and a run of
         # consecutive CPU blocks is one contiguous range that a swap copies in one go. Pinned
-        # host memory lets swaps overlap with compute on a GPU; plain memory otherwise.
-        self.swap_space = torch.zeros(
+        # host memory lets swaps overlap with compute on a GPU; plain memory otherwise. A CPU
+        # block is read only after a swap-out wrote it.
+        self.swap_space = torch.empty(
             num_cpu_blocks,
             num_layers,
             2,

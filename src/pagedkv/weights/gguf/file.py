@@ -1,8 +1,8 @@
 """GGUFFile: an open GGUF file with typed metadata reads that name the key when they fail.
 
 GGUF (llama.cpp's format) holds metadata as typed key/value pairs and tensors as raw, often
-quantised, blocks. `gguf.GGUFReader` memory-maps the file, so opening it reads only the header;
-tensor bytes are touched when a tensor is dequantised.
+quantised, blocks. `reader.read_gguf` memory-maps the file, so opening it reads only the
+header; tensor bytes are touched when a tensor is dequantised or re-packed.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing
+from pagedkv.weights.gguf.reader import GGUFTensor, read_gguf
 
 _MISSING = object()
 
@@ -25,13 +25,9 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFileMissing(self.path, "the GGUF file")
-        try:
-            reader = gguf.GGUFReader(self.path)
-        except (ValueError, OSError, IndexError, KeyError) as error:
-            # The reader reports a bad magic or a truncated header with any of these.
-            raise MalformedModelFile(self.path, f"not a valid GGUF file: {error}") from error
-        self.fields = reader.fields
-        self.tensors: dict[str, gguf.ReaderTensor] = {t.name: t for t in reader.tensors}
+        contents = read_gguf(self.path)
+        self.fields = contents.fields
+        self.tensors: dict[str, GGUFTensor] = contents.tensors
 
     @property
     def architecture(self) -> str:
@@ -44,12 +40,11 @@ class GGUFFile:
 
     def value(self, key: str, default: Any = _MISSING) -> Any:
         """The decoded value of `key` (str, int, float, bool or a list of them)."""
-        field = self.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             if default is _MISSING:
                 raise MalformedModelFile(self.path, f"metadata key {key!r} is missing")
             return default
-        return field.contents()
+        return self.fields[key]
 
     def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
         """An integer >= `minimum`; `default` (when not None) stands in for an absent key."""

@@ -26,6 +26,7 @@ from pagedkv.model.registry import gguf_architecture
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.gguf_blocks import BLOCK_TYPES, from_gguf_blocks
 from pagedkv.weights.gguf.file import GGUFFile
+from pagedkv.weights.gguf.reader import GGUFTensor
 
 SUPPORTED_TYPES = (
     QType.F32,
@@ -104,9 +105,7 @@ def hf_tensor_name(file: GGUFFile, name: str, layer_names: dict[str, str]) -> st
     return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
 
 
-def dequantize(
-    file: GGUFFile, tensor: gguf.ReaderTensor, row_order: np.ndarray | None = None
-) -> Tensor:
+def dequantize(file: GGUFFile, tensor: GGUFTensor, row_order: np.ndarray | None = None) -> Tensor:
     """One tensor as float32 in PyTorch's `[out, in]` order (GGUF lists dims innermost first).
 
     `row_order[i]` names the stored row that becomes row `i`: rows are gathered while they are
@@ -144,7 +143,7 @@ def dequantize(
 
 
 def quantized(
-    file: GGUFFile, tensor: gguf.ReaderTensor, row_order: np.ndarray | None = None
+    file: GGUFFile, tensor: GGUFTensor, row_order: np.ndarray | None = None
 ) -> QuantizedTensor:
     """One block-quantised matrix re-packed into a QuantizedTensor, rows in `row_order`."""
     cols = int(tensor.shape[0])
