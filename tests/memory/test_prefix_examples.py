@@ -64,3 +64,17 @@ def test_stats_count_queried_and_hit_tokens(manager: KVCacheManager) -> None:
     assert manager.stats.prefix_queried_tokens == 200
     assert manager.stats.prefix_hit_tokens == 96
     assert manager.stats.prefix_hit_rate == pytest.approx(0.48)
+
+
+def test_read_cache_false_computes_everything_and_still_offers_its_blocks(
+    manager: KVCacheManager,
+) -> None:
+    cached_blocks = {b for b in range(manager.num_gpu_blocks) if manager.is_cached(b)}
+    queried = manager.stats.prefix_queried_tokens
+    assert manager.allocate("B", PROMPT_A, read_cache=False) == 0
+    assert not cached_blocks & set(manager.block_table("B"))  # fresh blocks, not A's
+    assert manager.stats.prefix_queried_tokens == queried  # it asked the cache nothing
+    manager.mark_computed("B", 100)
+    manager.free("B")
+    manager.check_invariants()
+    assert manager.allocate("C", PROMPT_A) == 96

@@ -80,8 +80,10 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) 
     stops at max_model_len with finish_reason "length".
     """
     _check_vocabulary(params, limits.vocab_size)
-    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
-        raise TooManyLogprobs(params.logprobs, limits.max_logprobs)
+    for name in ("logprobs", "prompt_logprobs"):
+        count = getattr(params, name)
+        if count is not None and count > limits.max_logprobs:
+            raise TooManyLogprobs(name, count, limits.max_logprobs)
     num_prompt = len(token_ids)
     if num_prompt >= limits.max_model_len:
         raise PromptTooLong(num_prompt, limits.max_model_len)

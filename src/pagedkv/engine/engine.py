@@ -28,7 +28,7 @@ from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.engine.sampler import Sampler, SamplingRow
+from pagedkv.engine.sampler import Sampler, SamplingRow, token_logprobs
 from pagedkv.engine.sched.policy import make_policy
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, kv_utilisation
@@ -40,7 +40,7 @@ from pagedkv.weights.load import LoadedModel, load
 from pagedkv.worker.kv_budget import PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.runner import ModelRunner
-from pagedkv.worker.step import SchedulerOutput
+from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
@@ -230,6 +230,8 @@ class Engine:
         if not output.chunks and not output.plan:
             return {}  # nothing to run: e.g. a step that only reports aborts
         logits = self.runner.execute(output)
+        if logits is not None:
+            self._score_prompts(output.chunks, logits)
         touched = self.scheduler.update(
             output,
             new_sample=self._new_sample,
@@ -241,6 +243,39 @@ class Engine:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
         return {request.request_id: request for request in touched}
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Prompt logprobs from the rows of chunks that score their prompt tokens.
+
+        Row `i` of a chunk starting at position `s` holds the logits after token `s + i`, so
+        it scores prompt token `s + i + 1`; each token is scored once, in order (a chunk
+        recomputed after a preemption adds nothing), and the row past the prompt samples.
+        """
+        first_row = 0
+        for chunk in chunks:
+            rows = range(first_row, first_row + chunk.num_logits)
+            first_row += chunk.num_logits
+            request = self._requests.get(chunk.seq_id[0])
+            if request is None or not request.scores_prompt or chunk.num_logits <= chunk.sample:
+                continue
+            prompt = request.prompt_token_ids
+            targets = range(chunk.num_computed + 1, chunk.num_computed + 1 + chunk.num_logits)
+            picked = [
+                (row, target)
+                for row, target in zip(rows, targets, strict=True)
+                if len(request.prompt_logprobs) <= target < len(prompt)
+            ]
+            if not picked:
+                continue
+            row_index = torch.tensor([row for row, _ in picked], device=logits.device)
+            target_ids = [prompt[target] for _, target in picked]
+            entries = token_logprobs(
+                logits[row_index],
+                torch.tensor(target_ids, device=logits.device),
+                [request.params.prompt_logprobs or 0] * len(picked),
+            )
+            for token_id, entry in zip(target_ids, entries, strict=True):
+                request.prompt_logprobs.append(self._logprob_entry(token_id, entry))
 
     def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None) -> None:
         """Sample every row's next token from its chunk's logits; append it, apply stops."""
@@ -297,6 +332,11 @@ class Engine:
             seq.new_token_ids = []
             seq.new_logprobs = []
             seq.finish_reported = seq.finished
+        prompt_logprobs = None
+        scored = len(request.prompt_logprobs) == len(request.prompt_token_ids)
+        if request.scores_prompt and scored and not request.prompt_logprobs_reported:
+            prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_reported = True
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -305,6 +345,7 @@ class Engine:
             finished=request.status is RequestStatus.FINISHED,
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- reporting -------------------------------------------------------------------------

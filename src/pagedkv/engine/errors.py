@@ -70,9 +70,9 @@ class TooManySamples(RequestRejected):
 class TooManyLogprobs(RequestRejected):
     """The request asks for more logprobs per token than the engine's max_logprobs."""
 
-    def __init__(self, logprobs: int, max_logprobs: int) -> None:
+    def __init__(self, name: str, logprobs: int, max_logprobs: int) -> None:
         super().__init__(
-            f"logprobs is {logprobs}, but the engine allows at most {max_logprobs} "
+            f"{name} is {logprobs}, but the engine allows at most {max_logprobs} "
             "(max_logprobs; raise it when starting the engine)"
         )
 

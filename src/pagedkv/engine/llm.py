@@ -227,6 +227,7 @@ def _empty_like(delta: RequestOutput) -> RequestOutput:
         finished=False,
         metrics=delta.metrics,
         num_cached_tokens=delta.num_cached_tokens,
+        prompt_logprobs=delta.prompt_logprobs,
     )
 
 
@@ -251,6 +252,8 @@ def _accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
     whole.finished = delta.finished
     whole.metrics = delta.metrics
     whole.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        whole.prompt_logprobs = delta.prompt_logprobs
 
 
 class _Progress:

@@ -67,3 +67,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's)
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-k (the
+    # first is None), in the delta that carries the first sampled token (and the whole output).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -38,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k per prompt token (RequestOutput.prompt_logprobs)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
@@ -73,8 +74,9 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id, minimum=0)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)  # the engine's max_logprobs caps it
+        for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs caps them
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)

@@ -103,6 +103,15 @@ class Request:
     forked: bool = False  # True once all n samples exist (from the start when n == 1)
     # params.bad_words as token sequences (tokenized once, when the request is added).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token scored so far (the first is
+    # None: nothing predicts it), complete once the prompt is computed.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+    prompt_logprobs_reported: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether every prompt token's logprob is asked for (params.prompt_logprobs)."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def live_sequences(self) -> list[Sequence]:

@@ -210,23 +210,33 @@ def _logprobs(
     if not wanted:
         return result
     index = torch.tensor(wanted, device=logits.device)
-    logprobs = logits[index].log_softmax(dim=-1)
-    chosen_logprobs = logprobs.gather(1, chosen[index][:, None])
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    vocab = logits.shape[-1]
-    counts = [min(rows[i].params.logprobs or 0, vocab) for i in wanted]  # never beyond vocab
-    max_k = max(counts)
-    top = logprobs.topk(max_k, dim=-1) if max_k else None
-    for position, (row_index, k) in enumerate(zip(wanted, counts, strict=True)):
-        top_ids = top.indices[position, :k].tolist() if top is not None else []
-        top_values = top.values[position, :k].tolist() if top is not None else []
-        result[row_index] = (
-            chosen_logprobs[position, 0].item(),
-            int(ranks[position]),
-            top_ids,
-            top_values,
-        )
+    counts = [rows[i].params.logprobs or 0 for i in wanted]
+    entries = token_logprobs(logits[index], chosen[index], counts)
+    for row_index, entry in zip(wanted, entries, strict=True):
+        result[row_index] = entry
     return result
+
+
+def token_logprobs(
+    logits: Tensor, chosen: Tensor, counts: Sequence[int]
+) -> list[tuple[float, int, list[int], list[float]]]:
+    """Per row: the chosen token's logprob and rank (1: the most likely), and the row's
+    `counts[i]` most likely tokens with their logprobs (a count above the vocabulary is
+    clamped to it). Used for sampled tokens and, with the prompt's tokens, prompt logprobs."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])
+    ranks = ((logprobs > chosen_logprobs).sum(dim=-1) + 1).tolist()
+    counts = [min(count, logits.shape[-1]) for count in counts]
+    max_k = max(counts, default=0)
+    top = logprobs.topk(max_k, dim=-1) if max_k else None
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in counts]
+    top_values = top.values.tolist() if top is not None else [[] for _ in counts]
+    return [
+        (chosen_logprob, rank, ids[:k], values[:k])
+        for chosen_logprob, rank, ids, values, k in zip(
+            chosen_logprobs[:, 0].tolist(), ranks, top_ids, top_values, counts, strict=True
+        )
+    ]
 
 
 def _flat_ids(

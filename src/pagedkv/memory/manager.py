@@ -108,6 +108,7 @@ class KVCacheManager:
         seq_id: SeqId,
         tokens: SequenceTokens | Sequence[int],
         cache_salt: str | None = None,
+        read_cache: bool = True,
     ) -> int:
         """Create the block table for a prompt; return how many leading tokens are cached.
 
@@ -117,7 +118,9 @@ class KVCacheManager:
         always leaves at least one token to compute, because the forward pass needs it to
         produce the next-token logits. With a `cache_salt`, only blocks computed under the
         same salt are hits (and this sequence's blocks serve only that salt), so tenants
-        cannot probe each other's prompts.
+        cannot probe each other's prompts. With `read_cache` False nothing is read from the
+        cache (a request that scores every prompt token must compute each); its blocks are
+        still offered to later prompts.
         """
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id)
@@ -125,12 +128,12 @@ class KVCacheManager:
         if len(record) == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
         root = root_hash(cache_salt)
-        hits, hashes = self._find_cached_prefix(record.token_ids, root)
+        hits, hashes = self._find_cached_prefix(record.token_ids, root) if read_cache else ([], [])
         num_blocks = self._blocks_for(len(record))
         self._take(hits, num_blocks - len(hits))
         blocks = hits + self._pool.allocate(num_blocks - len(hits))
         num_cached = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and read_cache:
             self._prefix_queried_tokens += len(record)
             self._prefix_hit_tokens += num_cached
         record.num_computed = num_cached

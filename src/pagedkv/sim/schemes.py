@@ -247,8 +247,15 @@ class SlabMemory:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._slabs
 
-    def allocate(self, seq_id: SeqId, tokens: SequenceTokens, cache_salt: str | None = None) -> int:
-        """Reserve the sample's slab and write its prompt; no prefix is ever cached."""
+    def allocate(
+        self,
+        seq_id: SeqId,
+        tokens: SequenceTokens,
+        cache_salt: str | None = None,
+        read_cache: bool = True,
+    ) -> int:
+        """Reserve the sample's slab and write its prompt; no prefix is ever cached (so
+        `read_cache` changes nothing)."""
         size = self._reservation(seq_id[0])
         try:
             offset = self.allocator.reserve(seq_id, size)

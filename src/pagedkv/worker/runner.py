@@ -3,8 +3,9 @@
 The scheduler decides; the runner owns the model and the KV cache tensors and does what the
 `SchedulerOutput` says, in order: forget the tables of dropped sequences, run the step's memory
 plan (copy-on-write copies and swaps, as one ordered plan), then one flat forward pass over
-every scheduled chunk, then return the logits of the chunks that end at a sequence's last token
-(the ones that sample; only their rows go through the LM head). It keeps each running
+every scheduled chunk, then return the logits of the rows each chunk asks for
+(`ScheduledChunk.num_logits`: the sampling rows, and prompt rows scored for prompt logprobs;
+only those go through the LM head). It keeps each running
 sequence's block table and receives only changes to it (`ScheduledChunk.table_update`), not
 every table every step.
 """
@@ -36,9 +37,8 @@ class ModelRunner:
         self.last_num_seqs = 0  # sequences in the last forward pass (0: the step ran none)
 
     def execute(self, output: SchedulerOutput) -> Tensor | None:
-        """Run the plan and the forward pass; float32 logits of the sampling chunks, in order.
-
-        None when no chunk samples (nothing scheduled, or only prompt chunks mid-prompt).
+        """Run the plan and the forward pass; float32 logits of the rows the chunks ask for,
+        in chunk order. None when no chunk asks for any (e.g. only prompt chunks mid-prompt).
         """
         started = time.perf_counter()
         for seq_id in output.dropped:
@@ -51,7 +51,7 @@ class ModelRunner:
         batch = ForwardBatch.build(
             [
                 SequenceInput(
-                    chunk.token_ids, chunk.num_computed, self._table(chunk), int(chunk.sample)
+                    chunk.token_ids, chunk.num_computed, self._table(chunk), chunk.num_logits
                 )
                 for chunk in output.chunks
             ],

@@ -22,7 +22,9 @@ class ScheduledChunk:
     `table_update` is `(first, block_ids)` when the sequence's block table changed since the
     runner last saw it: entries from `first` on (the whole table for a sequence new to the
     runner). `sample` is True when the chunk ends at the sequence's last token: its logits
-    choose the sequence's next token.
+    choose the sequence's next token. `num_logits` is how many of its last tokens need logits:
+    1 for a sampling chunk, 0 for a prompt chunk, every token of a chunk of a request that
+    asks for prompt logprobs (a position's logits score the next prompt token).
     """
 
     seq_id: tuple[str, int]
@@ -30,6 +32,7 @@ class ScheduledChunk:
     num_computed: int
     table_update: tuple[int, list[int]] | None
     sample: bool
+    num_logits: int
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -137,7 +137,7 @@ class Scheduler:
         running = {request.request_id: request for request in self.running}
         rows: list[SampleRow] = []
         touched: dict[str, Request] = {}
-        for row, chunk in enumerate(chunk for chunk in output.chunks if chunk.sample):
+        for row, chunk in _sampling_rows(output.chunks):
             request = running[chunk.seq_id[0]]
             if not request.forked:  # all n samples start from the prompt's logits
                 self._fork(request, new_sample)
@@ -176,7 +176,7 @@ class Scheduler:
                 continue
             while True:
                 try:
-                    chunks.append(self._chunk(seq, num_new, step.output.plan))
+                    chunks.append(self._chunk(request, seq, num_new, step.output.plan))
                     break
                 except NoFreeBlocks:
                     victim = self.policy.victim(self.running)
@@ -205,7 +205,10 @@ class Scheduler:
         try:
             for seq in request.live_sequences:
                 num_cached = self.manager.allocate(
-                    seq.seq_id, seq.tokens, cache_salt=request.cache_salt
+                    seq.seq_id,
+                    seq.tokens,
+                    cache_salt=request.cache_salt,
+                    read_cache=not request.scores_prompt,
                 )
                 allocated.append(seq)
                 if request.metrics.first_scheduled_time is None:
@@ -242,22 +245,33 @@ class Scheduler:
             num_new = min(self._num_to_compute(seq), step.budget)
             if num_new <= 0:
                 break
-            step.output.chunks.append(self._chunk(seq, num_new, step.output.plan))
+            step.output.chunks.append(self._chunk(request, seq, num_new, step.output.plan))
             step.budget -= num_new
             step.num_seqs += 1
 
-    def _chunk(self, seq: Sequence, num_new: int, plan: MemoryPlan) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, seq: Sequence, num_new: int, plan: MemoryPlan
+    ) -> ScheduledChunk:
         """Make the memory hold the chunk's tokens (may raise NoFreeBlocks) and describe it."""
         num_computed = seq.tokens.num_computed
         end = num_computed + num_new
         if end > self.manager.num_tokens(seq.seq_id):
             plan.extend(self.manager.grow(seq.seq_id, end))
+        sample = end == len(seq.tokens)
+        # Rows that score prompt tokens not scored yet (a recompute never scores them twice).
+        num_prompt = len(request.prompt_token_ids)
+        scores_prompt = (
+            request.scores_prompt
+            and len(request.prompt_logprobs) < num_prompt
+            and num_computed < num_prompt
+        )
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[num_computed:end].tolist(),
             num_computed=num_computed,
             table_update=self.manager.take_table_update(seq.seq_id),
-            sample=end == len(seq.tokens),
+            sample=sample,
+            num_logits=num_new if scores_prompt else int(sample),
         )
 
     def _preempt(self, request: Request, step: _Step) -> None:
@@ -332,7 +346,9 @@ class KVMemory(Protocol):
     @property
     def num_free_cpu_blocks(self) -> int: ...
     def __contains__(self, seq_id: SeqId) -> bool: ...
-    def allocate(self, seq_id: SeqId, tokens: SequenceTokens, cache_salt: str | None) -> int: ...
+    def allocate(
+        self, seq_id: SeqId, tokens: SequenceTokens, cache_salt: str | None, read_cache: bool
+    ) -> int: ...
     def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan: ...
     def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None: ...
     def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None: ...
@@ -344,10 +360,19 @@ class KVMemory(Protocol):
     def num_tokens(self, seq_id: SeqId) -> int: ...
 
 
+def _sampling_rows(chunks: list[ScheduledChunk]) -> Iterator[tuple[int, ScheduledChunk]]:
+    """(logits row, chunk) of each chunk that samples: the last of the rows it asked for."""
+    first_row = 0
+    for chunk in chunks:
+        first_row += chunk.num_logits
+        if chunk.sample:
+            yield first_row - 1, chunk
+
+
 @dataclass(frozen=True)
 class SampleRow:
     """One sample that draws its next token this step, from row `row` of the step's logits
-    (the row of its chunk among the chunks that sample; forked samples share a row)."""
+    (its chunk's last row; forked samples share a row)."""
 
     row: int
     request: Request
