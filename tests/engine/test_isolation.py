@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedkv.engine import SamplingParams
+from pagedkv.engine.penalties import TokenCounts
 from pagedkv.engine.sampler import Sampler, SamplingRow
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.model.tiny_models import VOCAB_SIZE, random_prompt
@@ -44,7 +45,10 @@ EXTREME = {
 
 def sampler_row(params: SamplingParams, seed: int | None = None) -> SamplingRow:
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return SamplingRow(params, [1, 2, 3], [4, 4], [0, SAMPLER_VOCAB - 1], generator)
+    counts = TokenCounts.for_prompt([1, 2, 3], SAMPLER_VOCAB, "cpu")
+    counts.add(4)
+    counts.add(4)
+    return SamplingRow(params, 2, [0, SAMPLER_VOCAB - 1], generator, counts, (4, 4))
 
 
 @pytest.mark.parametrize("normal", NORMAL, ids=["greedy", "seeded"])

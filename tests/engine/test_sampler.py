@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.penalties import TokenCounts
 from pagedkv.engine.sampler import Sampler, SamplingRow, _filtered_probs
 from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
@@ -18,8 +19,14 @@ from tests.model.tiny_models import random_prompt
 VOCAB = 12
 
 
-def row(params: SamplingParams, output=(), prompt=(), stop_ids=(), generator=None) -> SamplingRow:
-    return SamplingRow(params, list(prompt), list(output), list(stop_ids), generator)
+def row(
+    params: SamplingParams, output=(), prompt=(), stop_ids=(), generator=None, vocab=VOCAB
+) -> SamplingRow:
+    """A row as the engine builds it for a sample with these prompt and output tokens."""
+    counts = TokenCounts.for_prompt(prompt, vocab, "cpu")
+    for token_id in output:
+        counts.add(token_id)
+    return SamplingRow(params, len(output), list(stop_ids), generator, counts, tuple(output))
 
 
 def oracle_filtered(
@@ -142,12 +149,12 @@ def test_penalties_follow_their_formulas():
         want[token] = want[token] / 1.5 if want[token] > 0 else want[token] * 1.5
     for token in set(output):
         want[token] -= 0.3 * output.count(token) + 0.4
-    got = Sampler()(logits, [row(params, output=output, prompt=prompt)])
+    got = Sampler()(logits, [row(params, output=output, prompt=prompt, vocab=6)])
     assert got.token_ids == [max(range(6), key=lambda i: want[i])]
     from pagedkv.engine.sampler import _apply_penalties
 
     penalised = logits.clone()
-    _apply_penalties(penalised, [row(params, output=output, prompt=prompt)])
+    _apply_penalties(penalised, [row(params, output=output, prompt=prompt, vocab=6)])
     assert penalised[0].tolist() == pytest.approx(want)
 
 

@@ -27,6 +27,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sampler import Sampler, SamplingRow, token_logprobs
 from pagedkv.engine.sched.policy import make_policy
@@ -304,6 +305,8 @@ class Engine:
     ) -> None:
         seq.token_ids.append(token_id)
         seq.new_token_ids.append(token_id)
+        if seq.counts is not None:
+            seq.counts.add(token_id)
         if logprobs is not None:
             seq.new_logprobs.append(self._logprob_entry(token_id, logprobs))
             seq.cumulative_logprob += logprobs[0]
@@ -396,6 +399,9 @@ class Engine:
             seed = (params.seed + index * _SAMPLE_SEED_STRIDE) % 2**64
             generator = torch.Generator(device=self.device).manual_seed(seed)
         tokens = SequenceTokens((request_id, index), token_ids)
+        counts = None
+        if uses_penalties(params):
+            counts = TokenCounts.for_prompt(token_ids, self.config.vocab_size, self.device)
         return Sequence(
             seq_id=(request_id, index),
             index=index,
@@ -405,24 +411,32 @@ class Engine:
                 self.tokenizer, tokens.token_ids, len(tokens), params.skip_special_tokens
             ),
             generator=generator,
+            counts=counts,
         )
 
     def _new_sample(self, request: Request, index: int) -> Sequence:
         """Sample `index` of a request whose prompt was just computed (the prompt's tokens)."""
-        return self._new_sequence(
+        seq = self._new_sequence(
             request.request_id, index, request.sequences[0].token_ids, request.params
         )
+        first = request.sequences[0].counts
+        if first is not None:  # the prompt's mask is the request's: one for all samples
+            seq.counts = first.sibling()
+        return seq
 
     def _sampling_row(self, request: Request, seq: Sequence) -> SamplingRow:
         stop_ids = list(request.params.stop_token_ids or [])
         if not request.params.ignore_eos:
             stop_ids += [t for t in self._stop_ids if t not in stop_ids]
+        # Bad words compare only the output's last tokens, as many as the longest word's prefix.
+        tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, seq.num_output_tokens)
         return SamplingRow(
             params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            num_output_tokens=seq.num_output_tokens,
             stop_token_ids=stop_ids,
             generator=seq.generator,
+            counts=seq.counts,
+            output_tail=seq.token_ids[len(seq.token_ids) - tail :] if tail else (),
             bad_words_token_ids=request.bad_words_token_ids,
         )
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedkv.engine.detokenizer import IncrementalDetokenizer
+    from pagedkv.engine.penalties import TokenCounts
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,7 @@ class Sequence:
     num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer | None = None  # the engine's; the simulator makes no text
     generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
+    counts: TokenCounts | None = None  # what its penalties read, when the request has any
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -28,17 +28,20 @@ import torch
 from torch import Tensor
 
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.penalties import TokenCounts, apply_penalties, uses_penalties
 
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What the sampler needs of one sequence: its settings and its tokens so far."""
+    """What the sampler needs of one sequence: its settings and what it has sampled so far,
+    never its whole token list: a count, the tail bad words compare, and penalty counts."""
 
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    num_output_tokens: int
     stop_token_ids: Sequence[int]  # eos ids (unless ignore_eos) + stop_token_ids
     generator: torch.Generator | None
+    counts: TokenCounts | None = None  # kept when the params use penalties
+    output_tail: Sequence[int] = ()  # the last output tokens, as many as bad words need
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, as tokens
 
 
@@ -90,7 +93,7 @@ def _apply_bad_words(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     for index, row in enumerate(rows):
         for word in row.bad_words_token_ids:
             prefix = list(word[:-1])
-            output = row.output_token_ids
+            output = row.output_tail
             if len(prefix) <= len(output) and list(output[len(output) - len(prefix) :]) == prefix:
                 row_ids.append(index)
                 token_ids.append(word[-1])
@@ -118,23 +121,15 @@ def _apply_logit_bias(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
-    num_rows, vocab = logits.shape
-    repetition = [row.params.repetition_penalty for row in rows]
-    presence = [row.params.presence_penalty for row in rows]
-    frequency = [row.params.frequency_penalty for row in rows]
-    if any(p != 1.0 for p in repetition):
-        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=logits.device)
-        seen_ids, seen_rows = _flat_ids(rows, with_prompt=True, device=logits.device)
-        seen[seen_rows, seen_ids] = True
-        penalty = torch.tensor(repetition, device=logits.device)[:, None]
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits.copy_(torch.where(seen, penalised, logits))
-    if any(presence) or any(frequency):
-        counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=logits.device)
-        out_ids, out_rows = _flat_ids(rows, with_prompt=False, device=logits.device)
-        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=logits.dtype), True)
-        logits -= torch.tensor(frequency, device=logits.device)[:, None] * counts
-        logits -= torch.tensor(presence, device=logits.device)[:, None] * (counts > 0)
+    """Repetition, presence and frequency penalties of the rows that set any."""
+    penalised = [i for i, row in enumerate(rows) if uses_penalties(row.params)]
+    if not penalised:
+        return
+    counts = [rows[i].counts for i in penalised]
+    if any(c is None for c in counts):
+        raise ValueError("a row with penalties needs its TokenCounts")
+    params = [rows[i].params for i in penalised]
+    apply_penalties(logits, penalised, params, counts)  # type: ignore[arg-type]
 
 
 def _apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -142,7 +137,7 @@ def _apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     row_ids: list[int] = []
     token_ids: list[int] = []
     for index, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
+        if row.num_output_tokens < row.params.min_tokens:
             row_ids.extend([index] * len(row.stop_token_ids))
             token_ids.extend(row.stop_token_ids)
     _mask(logits, row_ids, token_ids)
@@ -237,21 +232,3 @@ def token_logprobs(
             chosen_logprobs[:, 0].tolist(), ranks, top_ids, top_values, counts, strict=True
         )
     ]
-
-
-def _flat_ids(
-    rows: Sequence[SamplingRow], *, with_prompt: bool, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """(token ids, row index of each) over every row's output (and prompt) tokens."""
-    ids: list[int] = []
-    row_ids: list[int] = []
-    for index, row in enumerate(rows):
-        tokens = list(row.output_token_ids)
-        if with_prompt:
-            tokens += list(row.prompt_token_ids)
-        ids.extend(tokens)
-        row_ids.extend([index] * len(tokens))
-    return (
-        torch.tensor(ids, dtype=torch.int64, device=device),
-        torch.tensor(row_ids, dtype=torch.int64, device=device),
-    )
