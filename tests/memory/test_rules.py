@@ -13,7 +13,8 @@ def snapshot(manager: KVCacheManager) -> tuple:
     tables = {s: (manager.block_table(s), manager.num_tokens(s)) for s in manager.seq_ids}
     refs = [manager.block_ref_count(b) for b in range(manager.num_gpu_blocks)]
     cached = [manager.is_cached(b) for b in range(manager.num_gpu_blocks)]
-    return tables, refs, cached, manager.num_free_blocks, manager.num_free_cpu_blocks, manager.stats
+    free = manager.num_free_blocks, manager.num_free_cpu_blocks
+    return tables, refs, cached, free, manager.stats, manager.offload_stats
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])

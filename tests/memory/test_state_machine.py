@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv.memory import InvalidTokenIds, KVCacheManager, MemoryPlan, NoFreeBlocks
+from pagedkv.memory import InvalidTokenIds, KVCacheManager, MemoryPlan, MoveKind, NoFreeBlocks
 from pagedkv.memory.tokens import SequenceTokens
 
 from .kv_oracle import SlotStore
@@ -52,15 +52,15 @@ class ModelSeq:
     record: SequenceTokens | None = None  # the owner's record, shared with the manager
 
 
-class KVCacheMachine(RuleBasedStateMachine):
-    @initialize(
-        block_size=st.sampled_from([1, 2, 3, 4]),
-        num_gpu_blocks=st.integers(2, 20),
-        num_cpu_blocks=st.integers(0, 8),
-        prefix_caching=st.booleans(),
-    )
-    def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching) -> None:
-        self.manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks, prefix_caching)
+class MemoryRules(RuleBasedStateMachine):
+    """The rules and invariants; subclasses choose the pools they run over."""
+
+    def setup(
+        self, block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching, num_offload_blocks
+    ) -> None:
+        self.manager = KVCacheManager(
+            num_gpu_blocks, block_size, num_cpu_blocks, prefix_caching, num_offload_blocks
+        )
         self.store = SlotStore(self.manager)
         self.step_plan = MemoryPlan()  # moves of this step, not yet executed
         self.model: dict[int, ModelSeq] = {}
@@ -108,7 +108,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         record = SequenceTokens(seq_id, prompt) if shared else None
         if self._fails_cleanly(self.manager.allocate, seq_id, record or prompt, salt):
+            assert not self.manager.take_pending_plan()
             return
+        # Host-tier saves and copies back, run with the step as the engine's scheduler does.
+        pending = self.manager.take_pending_plan()
+        if any(move.kind is MoveKind.SWAP_IN for move in pending):
+            event("a prefix hit served from the host tier")
+        self.step_plan.extend(pending)
         num_cached = self.result
         size = self.manager.block_size
         assert num_cached % size == 0 and num_cached < len(prompt)
@@ -290,7 +296,56 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.manager.num_free_cpu_blocks == self.manager.num_cpu_blocks
 
 
+class KVCacheMachine(MemoryRules):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        num_gpu_blocks=st.integers(2, 20),
+        num_cpu_blocks=st.integers(0, 8),
+        prefix_caching=st.booleans(),
+        num_offload_blocks=st.sampled_from([0, 0, 1, 3, 8]),
+    )
+    def start(self, block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching, num_offload_blocks):
+        self.setup(block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching, num_offload_blocks)
+
+
 KVCacheMachine.TestCase.settings = settings(
     max_examples=1000, stateful_step_count=30, deadline=None
 )
 test_kv_cache_manager = KVCacheMachine.TestCase
+
+
+class HostTierMachine(MemoryRules):
+    """The same rules over GPU pools of a few blocks with a host tier, plus prompts that
+    repeat computed prefixes, so cached blocks are evicted to the tier and served back from
+    it often (the machine above rarely gets there)."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_gpu_blocks=st.integers(3, 8),
+        num_cpu_blocks=st.integers(0, 4),
+        num_offload_blocks=st.integers(1, 10),
+    )
+    def start(self, block_size, num_gpu_blocks, num_cpu_blocks, num_offload_blocks):
+        self.setup(block_size, num_gpu_blocks, num_cpu_blocks, True, num_offload_blocks)
+
+    @rule(prompt=prompts, salt=salts)
+    def a_request_comes_and_goes(self, prompt, salt):
+        """Computed, then freed: its full blocks stay cached until the pool evicts them."""
+        seq_id = self.next_id
+        self.allocate(prompt, salt, compute=True, shared=False)
+        if seq_id in self.model:
+            self.free(sorted(self.model).index(seq_id))
+
+    @rule(pick=picks, tail=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def allocate_a_computed_prefix_again(self, pick, tail):
+        if self.computed_prefixes:
+            salt, prefix = sorted(self.computed_prefixes, key=repr)[
+                pick % len(self.computed_prefixes)
+            ]
+            self.allocate(list(prefix) + tail, salt, compute=True, shared=False)
+
+
+HostTierMachine.TestCase.settings = settings(
+    max_examples=500, stateful_step_count=40, deadline=None
+)
+test_host_tier = HostTierMachine.TestCase

@@ -51,6 +51,8 @@ _HELP = {
     "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
     "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
     "threads": "CPU threads for the model (default: this machine's physical cores)",
+    "kv_offloading_size": "GiB of host RAM for a second tier of the prefix cache: blocks the "
+    "KV pool evicts are kept there and copied back on a hit instead of recomputed (0: off)",
 }
 
 
@@ -78,6 +80,7 @@ class EngineArgs:
     max_logprobs: int = 20
     quantization: str = "auto"
     threads: int | None = None
+    kv_offloading_size: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks_override is not None:
@@ -93,6 +96,7 @@ class EngineArgs:
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give at most one of num_gpu_blocks and kv_cache_memory")
         _gib("swap_space_gb", self.swap_space_gb)
+        _gib("kv_offloading_size", self.kv_offloading_size)
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES} or None, "
@@ -185,6 +189,7 @@ _CLI_TYPES = {
     "kv_cache_memory": int,
     "swap_space_gb": float,
     "swap_space": float,
+    "kv_offloading_size": float,
     "threads": int,
     "max_logprobs": int,
     "max_num_seqs": int,

@@ -38,7 +38,7 @@ from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
 from pagedkv.weights.load import LoadedModel, load
-from pagedkv.worker.kv_budget import PoolRequest, kv_budget
+from pagedkv.worker.kv_budget import GIB, PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
@@ -86,11 +86,14 @@ class Engine:
             ),
             loaded.model,
         )
+        # The host tier's blocks follow the swap pool's in the one CPU tensor (split, not
+        # shared: see memory/host_tier.py).
+        num_offload_blocks = int(args.kv_offloading_size * GIB) // budget.bytes_per_block
         self.kv_cache = KVCache.for_model(  # the model's dtype and device
             loaded.model,
             block_size=args.block_size,
             num_blocks=budget.num_gpu_blocks,
-            num_cpu_blocks=budget.num_cpu_blocks,
+            num_cpu_blocks=budget.num_cpu_blocks + num_offload_blocks,
         )
         pool_seconds = time.perf_counter() - pool_started
         self.manager = KVCacheManager(
@@ -98,6 +101,7 @@ class Engine:
             args.block_size,
             budget.num_cpu_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
+            num_offload_blocks=num_offload_blocks,
         )
         self.scheduler = Scheduler(
             self.manager,
@@ -357,6 +361,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """Queues, KV memory, prefix cache, preemptions and throughput now."""
         memory = self.manager.stats
+        offload = self.manager.offload_stats
         now = time.monotonic()
         while self._recent_tokens and now - self._recent_tokens[0][0] > THROUGHPUT_WINDOW_S:
             self._recent_tokens.popleft()
@@ -383,6 +388,10 @@ class Engine:
             block_size=self.manager.block_size,
             step_seconds_total=self._step_seconds,
             forward_seconds_total=self.runner.forward_seconds,
+            num_offload_blocks=self.manager.num_offload_blocks,
+            offload_blocks=offload.num_blocks,
+            offload_queries_total=offload.queries,
+            offload_hits_total=offload.hits,
         )
 
     def kv_snapshot(self) -> KVSnapshot:

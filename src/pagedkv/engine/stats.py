@@ -36,6 +36,11 @@ class EngineStats:
     block_size: int
     step_seconds_total: float
     forward_seconds_total: float
+    # The prefix cache's host tier (0 blocks: off): blocks held now, lookups and hits.
+    num_offload_blocks: int = 0
+    offload_blocks: int = 0
+    offload_queries_total: int = 0
+    offload_hits_total: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
         """JSON-ready fields."""

@@ -1,4 +1,5 @@
-"""KVCacheManager: per-sequence block tables over one BlockPool (GPU) and a CPU swap pool.
+"""KVCacheManager: per-sequence block tables over one BlockPool (GPU), a CPU swap pool and
+an optional host-RAM tier of the prefix cache (`host_tier.py`).
 
 The manager decides where KV lives and never touches KV data. Each operation that needs
 data moved returns a `MemoryPlan` the runner executes on the cache tensors before the next
@@ -7,6 +8,11 @@ Every operation either succeeds completely or raises and changes nothing, so the
 can treat `NoFreeBlocks` as its signal to wait or preempt. Token ids are checked where they
 enter (`allocate`, `append`: ints in [0, 2**63), `InvalidTokenIds` otherwise), so nothing
 later can fail on them.
+
+With a host tier, a cached block the GPU pool evicts is saved to it in the plan of the call
+that evicted it, ahead of the moves that overwrite the block, and a prompt whose prefix hits
+the tier gets its blocks copied back; `allocate` returns only a count, so its moves wait in
+`take_pending_plan` for the caller to add to the step's plan right after it.
 
 Plans must be executed in the order they were returned (join a step's plans with
 `MemoryPlan.extend`). Blocks are released at once, so a block that `swap_out` is saving can
@@ -33,6 +39,7 @@ from pagedkv.memory.errors import (
     UnknownSequence,
 )
 from pagedkv.memory.hashing import BlockHash, chain_hashes, root_hash
+from pagedkv.memory.host_tier import HostTier, HostTierStats
 from pagedkv.memory.moves import BlockMove, MemoryPlan, MoveKind
 from pagedkv.memory.pool import Block, BlockPool
 from pagedkv.memory.tokens import SequenceTokens, token_array
@@ -82,7 +89,10 @@ class KVCacheManager:
         block_size: int = 16,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        num_offload_blocks: int = 0,
     ) -> None:
+        """`num_cpu_blocks` is the swap pool of preemption; `num_offload_blocks` the host tier
+        of the prefix cache (0: none), its ids after the swap pool's."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_cpu_blocks < 0:
@@ -92,6 +102,8 @@ class KVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._pool = BlockPool(num_gpu_blocks)
+        self._tier = HostTier(num_offload_blocks if enable_prefix_caching else 0, num_cpu_blocks)
+        self._pending = MemoryPlan()  # moves of `allocate` calls, for take_pending_plan
         # Reversed so pop() hands out CPU block 0 first: plans read naturally in demos.
         self._free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
         self._seqs: dict[SeqId, _Sequence] = {}
@@ -128,10 +140,27 @@ class KVCacheManager:
         if len(record) == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
         root = root_hash(cache_salt)
-        hits, hashes = self._find_cached_prefix(record.token_ids, root) if read_cache else ([], [])
+        hits, hashes, num_tier_queries = (
+            self._find_cached_prefix(record.token_ids, root) if read_cache else ([], [], 0)
+        )
+        gpu_hits = [hit for hit in hits if isinstance(hit, Block)]
+        host_hits = frozenset(hit for hit in hits if isinstance(hit, int))
         num_blocks = self._blocks_for(len(record))
-        self._take(hits, num_blocks - len(hits))
-        blocks = hits + self._pool.allocate(num_blocks - len(hits))
+        self._take(gpu_hits, num_blocks - len(gpu_hits))
+        new_blocks = iter(self._allocate(num_blocks - len(gpu_hits), self._pending, host_hits))
+        blocks = []
+        for hit, block_hash in zip(hits, hashes, strict=True):
+            if isinstance(hit, Block):
+                blocks.append(hit)
+                continue
+            block = next(new_blocks)  # copied back from the host tier, cached as it arrives
+            self._pending.moves.append(BlockMove(MoveKind.SWAP_IN, hit, block.block_id))
+            token_bytes = self._block_bytes(record.token_ids, len(blocks))
+            self._pool.cache([block], [(block_hash, token_bytes)])
+            blocks.append(block)
+        blocks.extend(new_blocks)
+        tier_hashes = [h for hit, h in zip(hits, hashes, strict=True) if isinstance(hit, int)]
+        self._tier.take(tier_hashes, num_tier_queries)
         num_cached = len(hits) * self.block_size
         if self.enable_prefix_caching and read_cache:
             self._prefix_queried_tokens += len(record)
@@ -273,8 +302,8 @@ class KVCacheManager:
                 reused[index] = block
         num_new = len(seq.cpu_blocks) - len(reused)
         self._take(list(reused.values()), num_new)
-        new_blocks = iter(self._pool.allocate(num_new))
         plan = MemoryPlan()
+        new_blocks = iter(self._allocate(num_new, plan))
         blocks = []
         for index, cpu in enumerate(seq.cpu_blocks):
             block = reused.get(index)
@@ -289,6 +318,12 @@ class KVCacheManager:
         copied = [index for index in range(len(hashed)) if index not in reused]
         self._pool.cache([blocks[index] for index in copied], [hashed[index] for index in copied])
         self._blocks_swapped_in += len(plan)
+        return plan
+
+    def take_pending_plan(self) -> MemoryPlan:
+        """The moves `allocate` calls made since last taken (host-tier saves and copies back),
+        to run in the step that uses the allocation; empty without a host tier."""
+        plan, self._pending = self._pending, MemoryPlan()
         return plan
 
     def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None:
@@ -352,6 +387,16 @@ class KVCacheManager:
         return len(self._free_cpu_blocks)
 
     @property
+    def num_offload_blocks(self) -> int:
+        """Host blocks of the prefix cache's host tier (0: no tier)."""
+        return self._tier.num_blocks
+
+    @property
+    def offload_stats(self) -> HostTierStats:
+        """Host-tier blocks held, block lookups in it and hits since the manager was made."""
+        return self._tier.stats
+
+    @property
     def usage(self) -> float:
         """Fraction of GPU blocks held by sequences."""
         return 1.0 - self._pool.num_free_blocks / self._pool.num_blocks
@@ -371,6 +416,7 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken rule of the memory design."""
         self._pool.check_invariants()
+        self._tier.check_invariants()
         expected_refs: Counter[int] = Counter()
         held_cpu: list[int] = []
         for seq_id, seq in self._seqs.items():
@@ -412,22 +458,28 @@ class KVCacheManager:
 
     def _find_cached_prefix(
         self, tokens: array, root: BlockHash
-    ) -> tuple[list[Block], list[BlockHash]]:
-        """Leading cached blocks of a prompt and their hashes, leaving >= 1 token to compute."""
+    ) -> tuple[list[Block | int], list[BlockHash], int]:
+        """Leading cached blocks of a prompt and their hashes, leaving >= 1 token to compute
+        (each a GPU block, or else the id of a host-tier block holding it), and how many
+        blocks were looked up in the host tier."""
         if not self.enable_prefix_caching:
-            return [], []
-        hits: list[Block] = []
+            return [], [], 0
+        hits: list[Block | int] = []
         hashes: list[BlockHash] = []
+        num_tier_queries = 0
         max_hit_tokens = (len(tokens) - 1) // self.block_size * self.block_size
         for block_hash, block_tokens in chain_hashes(
             root, tokens[:max_hit_tokens].tobytes(), self.block_size
         ):
-            block = self._pool.lookup(block_hash, block_tokens)
-            if block is None:
+            hit: Block | int | None = self._pool.lookup(block_hash, block_tokens)
+            if hit is None and self._tier.num_blocks:
+                num_tier_queries += 1
+                hit = self._tier.find(block_hash, block_tokens)
+            if hit is None:
                 break
-            hits.append(block)
+            hits.append(hit)
             hashes.append(block_hash)
-        return hits, hashes
+        return hits, hashes, num_tier_queries
 
     def _take(self, hits: list[Block], num_new: int) -> None:
         """Reference the hit blocks, checking first that `num_new` more blocks fit as well.
@@ -455,8 +507,24 @@ class KVCacheManager:
         return list(chain_hashes(parent, new_tokens, self.block_size))
 
     def _block_tokens(self, seq: _Sequence, index: int) -> bytes:
+        return self._block_bytes(seq.tokens.token_ids, index)
+
+    def _allocate(
+        self, count: int, plan: MemoryPlan, keep: frozenset[int] = frozenset()
+    ) -> list[Block]:
+        """`count` fresh GPU blocks; cached KV they held is saved to the host tier first, by
+        moves appended to `plan` (ahead of any later move that writes these blocks). Host
+        blocks in `keep` are about to be read back and are not overwritten."""
+        blocks = self._pool.allocate(count)
+        for block_id, block_hash, token_bytes in self._pool.last_evicted:
+            host_id = self._tier.store(block_hash, token_bytes, keep)
+            if host_id is not None:
+                plan.moves.append(BlockMove(MoveKind.SWAP_OUT, block_id, host_id))
+        return blocks
+
+    def _block_bytes(self, token_ids: array, index: int) -> bytes:
         start = index * self.block_size
-        return seq.tokens.token_ids[start : start + self.block_size].tobytes()
+        return token_ids[start : start + self.block_size].tobytes()
 
     def _grow(self, seq: _Sequence, num_tokens: int) -> MemoryPlan:
         """Slots up to `num_tokens`, copying a shared partial last block first; all or nothing."""
@@ -469,7 +537,7 @@ class KVCacheManager:
             raise NoFreeBlocks(num_new + needs_copy, self._pool.num_free_blocks)
         plan = MemoryPlan()
         if needs_copy:
-            [private] = self._pool.allocate(1)
+            [private] = self._allocate(1, plan)
             self._pool.release([last])
             seq.blocks[-1] = private
             plan.moves.append(BlockMove(MoveKind.COPY, last.block_id, private.block_id))
@@ -477,7 +545,7 @@ class KVCacheManager:
             self._mark_table_changed(seq, len(seq.blocks) - 1)
         if num_new:
             self._mark_table_changed(seq, len(seq.blocks))
-        seq.blocks.extend(self._pool.allocate(num_new))
+        seq.blocks.extend(self._allocate(num_new, plan))
         seq.num_held = num_tokens
         return plan
 

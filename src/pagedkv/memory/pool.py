@@ -40,6 +40,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
+        # (block id, hash, token bytes) of the cached blocks the last `allocate` evicted: the
+        # KV they still hold until it is overwritten, for a host tier to save.
+        self.last_evicted: list[tuple[int, BlockHash, bytes]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -56,6 +59,7 @@ class BlockPool:
         if count > len(self.free_queue):
             raise NoFreeBlocks(count, len(self.free_queue))
         taken = self.free_queue.popleft_many(count)
+        self.last_evicted = []
         for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
@@ -105,6 +109,7 @@ class BlockPool:
                 cached[block_hash] = block
 
     def _evict(self, block: Block) -> None:
+        self.last_evicted.append((block.block_id, block.block_hash, block.token_bytes))
         del self.cached[block.block_hash]
         block.block_hash = None
         block.token_bytes = None

@@ -279,6 +279,10 @@ class SlabMemory:
         self.allocator.release(seq_id)
         self._slabs.pop(seq_id).tokens.num_computed = 0
 
+    def take_pending_plan(self) -> MemoryPlan:
+        """Nothing: a slab has no prefix cache, so no host tier either."""
+        return MemoryPlan()
+
     def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None:
         """The slab's span once, when first asked: it never moves."""
         slab = self._slabs[seq_id]
