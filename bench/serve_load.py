@@ -4,9 +4,12 @@ Starts `pagedkv serve` (or targets `--url`), sends `--num-requests` streamed com
 mixed prompt and output lengths from `--concurrency` clients at once, each with `ignore_eos`
 so it must produce exactly the tokens it asked for, and prints requests/s, output tokens/s,
 time to first token and time per output token (p50 / p99). It then checks through
-`GET /v1/kv` that every KV block is free again. Exits non-zero if any check fails.
+`GET /v1/kv` that every KV block is free again. Exits non-zero if any check fails. With
+`--page-map-viewers N`, N clients read the page map's stream (`/v1/kv/stream`) throughout, as
+N open browser tabs would: quote a run with 50 beside the run without.
 
     .venv/bin/python bench/serve_load.py                      # the built-in model
+    .venv/bin/python bench/serve_load.py --page-map-viewers 50
     .venv/bin/python bench/serve_load.py --model PATH --serve-arg=--num-gpu-blocks=2048
 """
 
@@ -67,15 +70,13 @@ def main() -> int:
     try:
         wait_for_health(url, STARTUP_TIMEOUT_S)
         model = httpx2.get(f"{url}/v1/models", headers=auth(args)).json()["data"][0]["id"]
-        started = time.perf_counter()
-        results = asyncio.run(run_load(url, model, workload, args))
-        elapsed = time.perf_counter() - started
+        results, elapsed, frames = asyncio.run(run_load(url, model, workload, args))
         pool = pool_after(url, args)
     finally:
         if server is not None:
             stop_server(server[1])
     baseline = None if args.url or args.no_baseline else engine_alone(workload, args)
-    return report(results, elapsed, args, pool, baseline)
+    return report(results, elapsed, args, pool, baseline, frames)
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,6 +100,13 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=64,
         help="words of the system prompt every other request starts with (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--page-map-viewers",
+        type=int,
+        default=0,
+        help="page-map streams read during the load, each on its own connection (default: "
+        "%(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -135,6 +143,8 @@ def start_server(args: argparse.Namespace) -> tuple[str, subprocess.Popen]:
     print(f"starting pagedkv serve --model {args.model} on port {port} (log: {log_path})")
     command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", args.model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--max-waiting", "100000"]
+    if args.page_map_viewers:
+        command += ["--max-page-map-viewers", str(args.page_map_viewers)]
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in the server
@@ -170,8 +180,10 @@ def wait_for_health(url: str, timeout: float) -> None:
 
 async def run_load(
     url: str, model: str, workload: list[tuple[str, int]], args: argparse.Namespace
-) -> list[Result]:
-    """Every request of `workload`, at most `--concurrency` in flight."""
+) -> tuple[list[Result], float, list[int]]:
+    """Every request of `workload`, at most `--concurrency` in flight, while the page-map
+    viewers (all connected before the clock starts) watch; the results, the wall time and
+    the frames each viewer received."""
     limits = httpx2.Limits(
         max_connections=args.concurrency, max_keepalive_connections=args.concurrency
     )
@@ -180,9 +192,16 @@ async def run_load(
     for item in workload:
         queue.put_nowait(item)
     results: list[Result] = []
-    async with httpx2.AsyncClient(
-        base_url=url, limits=limits, timeout=timeout, headers=auth(args)
-    ) as client:
+    frames = [0] * args.page_map_viewers
+    viewer_limits = httpx2.Limits(max_connections=max(1, args.page_map_viewers))
+    async with (
+        httpx2.AsyncClient(
+            base_url=url, limits=limits, timeout=timeout, headers=auth(args)
+        ) as client,
+        httpx2.AsyncClient(
+            base_url=url, limits=viewer_limits, timeout=timeout, headers=auth(args)
+        ) as viewer_client,
+    ):
 
         async def worker() -> None:
             while not queue.empty():
@@ -192,8 +211,32 @@ async def run_load(
                 if done % 32 == 0:
                     print(f"  {done}/{len(workload)} requests done", flush=True)
 
+        viewers = [
+            asyncio.create_task(watch_page_map(viewer_client, frames, index))
+            for index in range(args.page_map_viewers)
+        ]
+        while not all(frames) and not any(viewer.done() for viewer in viewers):
+            await asyncio.sleep(0.05)
+        for viewer in viewers:
+            if viewer.done():
+                viewer.result()  # a refused viewer: its SystemExit
+        started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-    return results
+        elapsed = time.perf_counter() - started
+        for viewer in viewers:
+            viewer.cancel()
+        await asyncio.gather(*viewers, return_exceptions=True)
+    return results, elapsed, frames
+
+
+async def watch_page_map(client: httpx2.AsyncClient, frames: list[int], index: int) -> None:
+    """One page-map viewer: reads `/v1/kv/stream` until cancelled, counting its frames."""
+    async with client.stream("GET", "/v1/kv/stream") as response:
+        if response.status_code != 200:
+            raise SystemExit(f"page map: HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                frames[index] += 1
 
 
 async def one_request(
@@ -297,6 +340,7 @@ def report(
     args: argparse.Namespace,
     pool: PoolAfter,
     baseline: float | None,
+    frames: list[int],
 ) -> int:
     """Print the figures; 0 if every request got its tokens and the pool is empty."""
     complete = [
@@ -317,6 +361,8 @@ def report(
         f"outputs {args.output_tokens[0]}-{args.output_tokens[1]} tokens, half after a shared "
         f"{args.shared_prefix_words}-word system prompt, {args.model}"
     )
+    if frames:
+        print(f"page-map viewers    {len(frames):8d}   ({min(frames)}-{max(frames)} frames each)")
     print(f"wall time           {elapsed:8.1f} s")
     print(f"requests/s          {len(results) / elapsed:8.2f}")
     print(f"output tokens/s     {output_tokens / elapsed:8.1f}   ({output_tokens} tokens)")

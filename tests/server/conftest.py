@@ -1,5 +1,8 @@
 """Servers for the server tests: a tiny seeded model, uvicorn in a thread, a free loopback port.
 
+The servers are built as `pagedkv serve` builds its own (`build_server`): the same connection
+limits, and the same drain when they stop.
+
 Each test module starts one server (module scope) with the engine settings it needs; the
 model folder is built once per session with `tests.model.tiny_models`.
 """
@@ -7,6 +10,7 @@ model folder is built once per session with `tests.model.tiny_models`.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,11 +21,11 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from pagedkv.engine import Engine, EngineArgs
-from pagedkv.server import ServerConfig, build_app
+from pagedkv.server import ServerConfig, build_app, build_server
+from pagedkv.server.http_server import DrainingServer
 from tests.model.tiny_models import build_model_folder
 
 STARTUP_TIMEOUT_S = 30.0
@@ -45,7 +49,7 @@ class RunningServer:
 
     url: str
     app: FastAPI
-    server: uvicorn.Server
+    server: DrainingServer
     thread: threading.Thread
     api_key: str | None
 
@@ -61,9 +65,9 @@ class RunningServer:
         return httpx2.Client(base_url=self.url, headers=headers, timeout=30.0)
 
     def stop(self) -> None:
-        """Ask uvicorn to exit and wait for its thread."""
+        """Ask uvicorn to exit (it drains first) and wait for its thread."""
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.thread.join(timeout=HANG_GUARD_S)
 
 
 def start_server(
@@ -77,9 +81,7 @@ def start_server(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
-    )
+    server = build_server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -133,3 +135,31 @@ def wait_until(condition: Any, timeout: float = HANG_GUARD_S, interval: float = 
         if time.monotonic() - started > timeout:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def slow_down(server: RunningServer, step_s: float) -> None:
+    """Make each engine step take at least `step_s` longer (a bigger model, in effect)."""
+    engine = server.app.state.engine_loop.engine
+    real_step = engine.step
+
+    def slow_step() -> list:
+        time.sleep(step_s)
+        return real_step()
+
+    engine.step = slow_step
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def answers_health(url: str, server: subprocess.Popen) -> bool:
+    """True once /health says 200; fails at once if the server has exited."""
+    assert server.poll() is None, "pagedkv serve exited"
+    try:
+        return httpx2.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx2.TransportError:
+        return False

@@ -1,8 +1,14 @@
-"""Page-map frames: a full frame first, then only the blocks that changed, names sent once."""
+"""Page-map frames: a full frame first, then only the blocks that changed, names sent once;
+a viewer joining mid-stream gets a full frame naming every request the deltas may use."""
 
 from __future__ import annotations
 
-from pagedkv.server.kv_frames import FULL_FRAME_INTERVAL_S, KVFrame, KVFrameEncoder
+from pagedkv.server.kv_frames import (
+    FULL_FRAME_INTERVAL_S,
+    KVFrame,
+    KVFrameEncoder,
+    full_message,
+)
 
 FREE = (0, False, ())
 CACHED = (0, True, ())
@@ -33,3 +39,18 @@ def test_a_full_frame_is_resent_after_the_interval_and_on_a_resize() -> None:
     assert encoder.encode(frame(1.0, [FREE]))["type"] == "delta"
     assert encoder.encode(frame(FULL_FRAME_INTERVAL_S + 1, [FREE]))["type"] == "full"
     assert encoder.encode(frame(FULL_FRAME_INTERVAL_S + 2, [FREE, FREE]))["type"] == "full"
+
+
+def test_a_joiner_gets_a_full_frame_with_the_whole_name_table_the_deltas_go_on_using() -> None:
+    encoder = KVFrameEncoder()
+    held_by_a = (1, False, (("a", 0, 0),))
+    encoder.encode(frame(0.0, [held_by_a, FREE, FREE]))
+    now = frame(0.25, [held_by_a, (1, False, (("b", 0, 0),)), FREE])
+    encoder.encode(now)
+
+    joiner = full_message(now, encoder.names)
+    assert joiner["type"] == "full" and joiner["names"] == {"0": "a", "1": "b"}
+    assert joiner["gpu"] == [[1, 0, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0]]
+    # The next delta, sent to everyone, refers to "a" by the index the joiner was given.
+    delta = encoder.encode(frame(0.5, [held_by_a, FREE, (1, False, (("a", 0, 1),))]))
+    assert delta["names"] == {} and delta["gpu"] == [[1, 0, 0], [2, 1, 0, 0, 0, 1]]

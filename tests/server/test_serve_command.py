@@ -24,7 +24,8 @@ def test_serve_help_lists_engine_and_server_options(capsys) -> None:
         assert exit.code == 0
     help_text = capsys.readouterr().out
     options = ("--model", "--num-gpu-blocks", "--host", "--port", "--api-key", "--max-waiting")
-    for option in (*options, "--strict-fields"):
+    hardening = ("--max-connections", "--request-read-timeout", "--max-page-map-viewers")
+    for option in (*options, "--strict-fields", *hardening, "--shutdown-timeout"):
         assert option in help_text
 
 

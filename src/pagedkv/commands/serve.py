@@ -1,7 +1,8 @@
 """`pagedkv serve`: the OpenAI-compatible server with the live KV page map, under uvicorn.
 
 Binds to 127.0.0.1 unless told otherwise: the API has no per-user limits, so exposing it is
-a decision the user makes with `--host` (and should pair with `--api-key`).
+a decision the user makes with `--host` (and should pair with `--api-key`). SIGINT and
+SIGTERM drain the server (see `pagedkv.server.drain`) and exit 0.
 """
 
 from __future__ import annotations
@@ -11,22 +12,23 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from pagedkv.commands.arguments import positive_int
+from pagedkv.commands.arguments import non_negative_float, positive_float, positive_int
 
 if TYPE_CHECKING:
     from pagedkv.server import ServerConfig
 
 API_KEY_ENV = "PAGEDKV_API_KEY"
 DEFAULT_MAX_WAITING = 512
-SHUTDOWN_GRACE_S = 5
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options (the same flags as `generate` and `bench`) plus the server's own."""
     from pagedkv.engine import EngineArgs
+    from pagedkv.server import ServerConfig
     from pagedkv.server.metrics import DEFAULT_PREFIX, PREFIXES
 
+    defaults = ServerConfig()
     EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -65,6 +67,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "DNS rebinding (default: localhost 127.0.0.1 [::1] when --host is loopback, else any)",
     )
     server.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=defaults.max_connections,
+        help="open connections at most; more are closed as they open (lowered to fit "
+        "`ulimit -n` if need be; default: %(default)s)",
+    )
+    server.add_argument(
+        "--request-read-timeout",
+        type=positive_float,
+        default=defaults.request_read_timeout,
+        metavar="SECONDS",
+        help="close a connection that has not sent a whole request (headers and body) "
+        "this long after the server began reading it (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-page-map-viewers",
+        type=positive_int,
+        default=defaults.max_page_map_viewers,
+        help="page-map streams at once; more get 503 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=defaults.shutdown_timeout,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, refuse new requests and let running ones finish for this "
+        "long, then end them with an error (default: %(default)s)",
+    )
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: the --model argument)",
@@ -73,24 +104,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
-    import uvicorn
-
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.server import build_app
+    from pagedkv.server import build_app, build_server
 
     if args.host not in LOOPBACK_ADDRESSES and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     engine = Engine(EngineArgs.from_cli_args(args))
     app = build_app(engine, server_config(args))
     print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
-    return 0
+    server = build_server(app, host=args.host, port=args.port, log_level="info")
+    server.run()
+    return 0 if server.started else 1
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -109,4 +133,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         strict_fields=args.strict_fields,
         metrics_prefix=args.metrics_prefix,
         allowed_hosts=None if allowed_hosts is None else tuple(allowed_hosts),
+        max_connections=args.max_connections,
+        request_read_timeout=args.request_read_timeout,
+        max_page_map_viewers=args.max_page_map_viewers,
+        shutdown_timeout=args.shutdown_timeout,
     )

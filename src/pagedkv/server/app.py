@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI routes, metrics, health and the page map, around one EngineLoop.
 
 `build_app(engine, config)` returns an app whose lifespan starts the engine thread and stops
-it (aborting whatever is in flight) on shutdown. With `config.api_key` every `/v1` route
-needs `Authorization: Bearer KEY`; `/`, `/static`, `/health` and `/metrics` stay open, as in
-vLLM, so probes and scrapers need no secret (the page asks for the key itself).
+it (aborting whatever is in flight) on shutdown; `http_server.build_server(app)` serves it,
+draining first. With `config.api_key` every `/v1` route needs `Authorization: Bearer KEY`;
+`/`, `/static`, `/health` and `/metrics` stay open, as in vLLM, so probes and scrapers need
+no secret (the page asks for the key itself).
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from pagedkv.server import page_map
+from pagedkv.server import connections, page_map
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
+from pagedkv.server.drain import SHUTDOWN_TIMEOUT_S, Drain
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.header_guard import HeaderGuard
 from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
-from pagedkv.server.serving import ARRIVAL_TIME, ServingContext, now
+from pagedkv.server.serving import ARRIVAL_TIME, ServingContext, now, shutting_down
 from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
@@ -48,6 +50,10 @@ class ServerConfig:
     strict_fields: bool = False  # unknown request fields: 400 instead of a log line
     metrics_prefix: str = DEFAULT_PREFIX  # "vllm": metric names exactly as vLLM's
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered (any port); None: any
+    max_connections: int = connections.MAX_CONNECTIONS  # more are closed as they open
+    request_read_timeout: float = connections.REQUEST_READ_TIMEOUT_S  # s to send a request
+    max_page_map_viewers: int = page_map.MAX_VIEWERS  # more get 503
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # s running requests may go on when stopping
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -81,7 +87,10 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(
         title="pagedkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    feed = page_map.PageMapFeed(engine_loop, config.max_page_map_viewers)
     app.state.engine_loop = engine_loop
+    app.state.config = config
+    app.state.drain = Drain(engine_loop, feed)
     app.add_middleware(BodyLimit)
     # Added last, so outermost: it refuses on the headers before BodyLimit reads any body.
     app.add_middleware(HeaderGuard, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
@@ -116,7 +125,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @v1.get("/kv/stream")
     async def kv_stream() -> Response:
-        return page_map.stream_response(engine_loop)
+        return feed.stream_response()
 
     app.include_router(v1)
 
@@ -124,6 +133,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def health() -> JSONResponse:
         if engine_loop.failure is not None:
             return APIError(503, engine_loop.failure, type="server_error").response()
+        if engine_loop.draining:
+            return shutting_down("server shutting down").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

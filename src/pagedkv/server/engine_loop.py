@@ -6,7 +6,15 @@ is unfinished, and hands each step's outputs to the requests' asyncio queues wit
 `loop.call_soon_threadsafe` per event loop. Commands are processed in order, so an abort sent
 after an add always finds its request; an abort frees the request's blocks before the next
 step. After each step the thread publishes the engine's stats (read by /metrics) and, a few
-times a second while someone watches the page map, a compact snapshot of the KV pool.
+times a second while someone watches the page map, a snapshot of the KV pool: only taking it
+needs the engine thread, so everything done with it afterwards happens elsewhere.
+
+On shutdown, `drain()` refuses new requests (`ShuttingDown`) and says when the running ones
+have finished; `interrupt_all` ends those still running.
+
+Over 400 lines, and still one idea: every way in is a command on one queue, and the order of
+that queue is what each guarantee above rests on, so the commands and the thread that
+serves them are read together.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.errors import StepFailed
-from pagedkv.server.kv_frames import KVFrame
+from pagedkv.server.kv_frames import KVSample, KVWatch
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine, EngineStats, SamplingParams
@@ -45,6 +53,10 @@ class Overloaded(Exception):
 
 class EngineFailed(Exception):
     """The engine raised while stepping; the requests it was running are lost."""
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down: it takes no new requests, or ended this one."""
 
 
 @dataclass
@@ -77,6 +89,21 @@ class _Call:
     done: asyncio.Future
 
 
+@dataclass
+class _Drain:
+    """From now on, resolve `idle` once no request is in flight."""
+
+    loop: asyncio.AbstractEventLoop
+    idle: asyncio.Future
+
+
+@dataclass
+class _Interrupt:
+    """End every request in flight with ShuttingDown(reason)."""
+
+    reason: str
+
+
 _STOP = object()
 
 
@@ -102,7 +129,9 @@ class EngineLoop:
         self._kv_dirty = True
         self._last_frame = 0.0
         self._added_since_stats = 0
+        self._drained: _Drain | None = None  # engine thread only
         self.failure: str | None = None  # why the engine thread stopped serving, if it did
+        self.draining = False  # set (on the event loop) once `drain` has been called
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -128,11 +157,15 @@ class EngineLoop:
         `arrival_time` (time.monotonic, default: now) is when its HTTP request arrived: the
         request's latencies then include the wait for this thread, as vLLM's do.
 
-        Raises what `Engine.add_request` raises (RequestRejected) or `Overloaded`; nothing
-        is left queued then. If the caller is cancelled while waiting, the request is aborted.
-        Several requests may share one `outputs` queue (one per prompt of a batch).
+        Raises what `Engine.add_request` raises (RequestRejected), `Overloaded` or, once the
+        server drains, `ShuttingDown`; nothing is left queued then. If the caller is cancelled
+        while waiting, the request is aborted. Several requests may share one `outputs` queue
+        (one per prompt of a batch).
         """
         self._check_alive()
+        if self.draining:
+            # Checked and queued with no await between, so no add can follow drain's command.
+            raise ShuttingDown("server shutting down: it takes no new requests")
         loop = asyncio.get_running_loop()
         route = _Route(loop, outputs)
         done = loop.create_future()
@@ -160,6 +193,21 @@ class EngineLoop:
         self._commands.put(_Call(function, loop, done))
         return await done
 
+    def drain(self) -> asyncio.Future:
+        """Refuse new requests from now on; the future resolves once none is in flight."""
+        self.draining = True
+        idle = asyncio.get_running_loop().create_future()
+        if self._thread.is_alive():
+            self._commands.put(_Drain(idle.get_loop(), idle))
+        else:  # it failed, so nothing is in flight (or it never ran)
+            idle.set_result(None)
+        return idle
+
+    def interrupt_all(self, reason: str) -> None:
+        """End every request in flight: its client gets ShuttingDown(reason), its blocks are
+        freed before the next step."""
+        self._commands.put(_Interrupt(reason))
+
     def watch_kv(self) -> KVWatch:
         """Subscribe to page-map frames; call `unwatch_kv` when done."""
         watch = KVWatch()
@@ -186,11 +234,13 @@ class EngineLoop:
                 self.stats = self.engine.stats
                 self._added_since_stats = 0
                 self._maybe_publish_frame()
+                self._notify_if_drained()
         except Exception as error:  # a bug outside engine.step(): nothing can run any more
             logger.exception("the engine thread failed")
             self.failure = f"engine thread failed: {error}"
             self._refuse_queued()
         self._abort_all()
+        self._notify_if_drained()
 
     def _refuse_queued(self) -> None:
         """Fail every command still queued once the thread can no longer serve them."""
@@ -203,6 +253,8 @@ class EngineLoop:
                 _resolve(command.route.loop, command.done, error=EngineFailed(self.failure))
             elif isinstance(command, _Call):
                 _resolve(command.loop, command.done, error=EngineFailed(self.failure))
+            elif isinstance(command, _Drain):  # nothing runs any more
+                _resolve(command.loop, command.idle)
 
     def _drain_commands(self, block: bool) -> bool:
         """Process queued commands (waiting for one if `block`); False once told to stop."""
@@ -229,6 +281,10 @@ class EngineLoop:
                 self._kv_dirty = True
         elif isinstance(command, _Add):
             self._add(command)
+        elif isinstance(command, _Drain):
+            self._drained = command
+        elif isinstance(command, _Interrupt):
+            self._fail_all(ShuttingDown(command.reason))
         elif isinstance(command, _Call):
             try:
                 result = command.function(self.engine)
@@ -321,7 +377,13 @@ class EngineLoop:
         self._routes.clear()
 
     def _abort_all(self) -> None:
-        self._fail_all(EngineFailed("server shutting down"))
+        self._fail_all(ShuttingDown("server shutting down"))
+
+    def _notify_if_drained(self) -> None:
+        """Resolve a drain's future once its last request has finished."""
+        if self._drained is not None and not self._routes:
+            _resolve(self._drained.loop, self._drained.idle)
+            self._drained = None
 
     def _frame_wait(self) -> float:
         """How long an idle thread may sleep before the next page-map frame is due."""
@@ -343,7 +405,7 @@ class EngineLoop:
         if since < due:
             return
         try:
-            frame = KVFrame.capture(self.engine.kv_snapshot(), self.stats)
+            sample = KVSample(time.time(), self.engine.kv_snapshot(), self.stats)
         except Exception:  # the page map is not worth stopping the engine for
             logger.exception("page-map snapshot failed")
             return
@@ -351,27 +413,7 @@ class EngineLoop:
             self._last_frame = time.monotonic()
         self._kv_dirty = False
         for loop, watch in watchers:
-            _call_soon(loop, watch.put, frame)
-
-
-class KVWatch:
-    """The latest page-map frame for one watcher; older unread frames are dropped."""
-
-    def __init__(self) -> None:
-        self._frame: KVFrame | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, frame: KVFrame) -> None:
-        """Replace the pending frame (event-loop thread only)."""
-        self._frame = frame
-        self._ready.set()
-
-    async def next(self) -> KVFrame:
-        """Wait for a frame newer than the last one returned."""
-        await self._ready.wait()
-        self._ready.clear()
-        assert self._frame is not None
-        return self._frame
+            _call_soon(loop, watch.put, sample)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -1,18 +1,21 @@
 """Page-map frames: the KV pool as compact JSON, in full or as the blocks that changed.
 
-The engine thread captures a `KVFrame` (immutable tuples, safe to hand to the event loop) a
-few times a second. Each `/v1/kv/stream` connection has its own `KVFrameEncoder`, which sends
-one full frame, then only the blocks that changed since the frame it last sent, and a new
-full frame every `FULL_FRAME_INTERVAL_S` so its table of request names stays small.
+A `KVFrame` holds what the page map needs of one `KVSample` (the snapshot and stats the
+engine thread took between two steps, handed to each `KVWatch`), as immutable tuples. One
+`KVFrameEncoder` turns the successive frames into the one stream of messages every viewer is
+sent: a full frame first, then only the blocks that changed since the previous frame, and a
+new full frame every `FULL_FRAME_INTERVAL_S` so its table of request names stays small. A
+viewer that joins mid-stream (or missed a message) is sent `full_message` of the latest
+frame instead, naming every request the next messages may refer to.
 
 A block is encoded as a flat list `[ref_count, cached, r0, s0, p0, r1, s1, p1, ...]`: one
-`(request, sample, position)` triple per holder, `r` indexing the frame's `names`. A delta
-entry puts the block id first.
+`(request, sample, position)` triple per holder, `r` indexing the stream's table of `names`.
+A delta entry puts the block id first.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     from pagedkv.engine import EngineStats, KVSnapshot
 
 FULL_FRAME_INTERVAL_S = 30.0
+
 
 Holder = tuple[str, int, int]  # request id, sample index, block index in that sequence
 Block = tuple[int, bool, tuple[Holder, ...]]  # ref count, cached, holders
@@ -36,14 +40,15 @@ class KVFrame:
     stats: dict[str, Any]
 
     @classmethod
-    def capture(cls, snapshot: KVSnapshot, stats: EngineStats) -> KVFrame:
-        """Copy what the page map needs out of a snapshot (engine thread)."""
+    def capture(cls, sample: KVSample) -> KVFrame:
+        """Copy what the page map needs out of a sample (O(pool): not on the engine thread)."""
+        snapshot = sample.snapshot
         return cls(
-            time=time.time(),
+            time=sample.time,
             block_size=snapshot.block_size,
             gpu=tuple(_block(state) for state in snapshot.gpu),
             cpu=tuple(_block(state) for state in snapshot.cpu),
-            stats=stats.to_dict(),
+            stats=sample.stats.to_dict(),
         )
 
 
@@ -56,12 +61,17 @@ def _block(state: Any) -> Block:
 
 
 class KVFrameEncoder:
-    """Turns successive frames into full or delta messages for one stream connection."""
+    """Turns successive frames into the one stream of full and delta messages."""
 
     def __init__(self) -> None:
         self._sent: KVFrame | None = None
         self._sent_full_at = 0.0
         self._names: dict[str, int] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The stream's table of request names so far, in index order."""
+        return tuple(self._names)
 
     def encode(self, frame: KVFrame) -> dict[str, Any]:
         """The message for `frame`: `type` "full" or "delta", blocks, new names, stats."""
@@ -77,36 +87,90 @@ class KVFrameEncoder:
             self._sent_full_at = frame.time
         known = len(self._names)
         if full or sent is None:
-            gpu = [self._encode(block) for block in frame.gpu]
-            cpu = [self._encode(block) for block in frame.cpu]
+            gpu = [_encode(block, self._names) for block in frame.gpu]
+            cpu = [_encode(block, self._names) for block in frame.cpu]
         else:
             gpu = self._changed(sent.gpu, frame.gpu)
             cpu = self._changed(sent.cpu, frame.cpu)
         self._sent = frame
         new_names = list(self._names)[known:]
-        return {
-            "type": "full" if full else "delta",
-            "time": frame.time,
-            "block_size": frame.block_size,
-            "num_gpu_blocks": len(frame.gpu),
-            "num_cpu_blocks": len(frame.cpu),
-            "names": {str(known + i): name for i, name in enumerate(new_names)},
-            "gpu": gpu,
-            "cpu": cpu,
-            "stats": frame.stats,
-        }
+        return _message(frame, "full" if full else "delta", gpu, cpu, new_names, known)
 
     def _changed(self, before: tuple[Block, ...], after: tuple[Block, ...]) -> list[list[Any]]:
         return [
-            [block_id, *self._encode(block)]
+            [block_id, *_encode(block, self._names)]
             for block_id, (old, block) in enumerate(zip(before, after, strict=True))
             if old != block
         ]
 
-    def _encode(self, block: Block) -> list[Any]:
-        ref_count, cached, holders = block
-        encoded: list[Any] = [ref_count, int(cached)]
-        for request_id, sample, position in holders:
-            index = self._names.setdefault(request_id, len(self._names))
-            encoded += (index, sample, position)
-        return encoded
+
+def full_message(frame: KVFrame, names: tuple[str, ...]) -> dict[str, Any]:
+    """A full message of `frame` for a viewer joining a stream whose table was `names` when
+    it encoded `frame`: the whole table comes with it, for the deltas that follow (it holds
+    every name the frame uses, each added when its block was first encoded)."""
+    index = {name: i for i, name in enumerate(names)}
+    gpu = [_encode(block, index) for block in frame.gpu]
+    cpu = [_encode(block, index) for block in frame.cpu]
+    return _message(frame, "full", gpu, cpu, list(names), 0)
+
+
+def _encode(block: Block, names: dict[str, int]) -> list[Any]:
+    """A block as a flat list, adding holders not yet in `names` to it."""
+    ref_count, cached, holders = block
+    encoded: list[Any] = [ref_count, int(cached)]
+    for request_id, sample, position in holders:
+        encoded += (names.setdefault(request_id, len(names)), sample, position)
+    return encoded
+
+
+def _message(
+    frame: KVFrame,
+    kind: str,
+    gpu: list[list[Any]],
+    cpu: list[list[Any]],
+    names: list[str],
+    first_index: int,
+) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "time": frame.time,
+        "block_size": frame.block_size,
+        "num_gpu_blocks": len(frame.gpu),
+        "num_cpu_blocks": len(frame.cpu),
+        "names": {str(first_index + i): name for i, name in enumerate(names)},
+        "gpu": gpu,
+        "cpu": cpu,
+        "stats": frame.stats,
+    }
+
+
+@dataclass(frozen=True)
+class KVSample:
+    """The KV pool and the stats as the engine thread saw them between two steps.
+
+    `kv_snapshot()` copies what it reports, so a sample may be read on any thread.
+    """
+
+    time: float  # time.time() when it was taken
+    snapshot: KVSnapshot
+    stats: EngineStats
+
+
+class KVWatch:
+    """The latest KV sample for one watcher; older unread samples are dropped."""
+
+    def __init__(self) -> None:
+        self._sample: KVSample | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, sample: KVSample) -> None:
+        """Replace the pending sample (event-loop thread only)."""
+        self._sample = sample
+        self._ready.set()
+
+    async def next(self) -> KVSample:
+        """Wait for a sample newer than the last one returned."""
+        await self._ready.wait()
+        self._ready.clear()
+        assert self._sample is not None
+        return self._sample

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
-from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded
+from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, Usage, unknown_fields
 from pagedkv.server.token_bytes import TokenBytes
@@ -242,6 +242,8 @@ class Generation:
                 ) from error
             if isinstance(error, EngineFailed):
                 raise APIError(503, str(error), type="server_error") from error
+            if isinstance(error, ShuttingDown):
+                raise shutting_down(str(error)) from error
             if isinstance(error, RequestRejected):
                 code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
                 raise APIError(400, str(error), code=code) from error
@@ -251,6 +253,9 @@ class Generation:
         """Every choice's deltas as they arrive, until all requests have finished."""
         while self._unfinished:
             item = await self._outputs.get()
+            if isinstance(item, ShuttingDown):
+                self._unfinished.clear()
+                raise shutting_down(str(item))
             if isinstance(item, EngineFailed):
                 self._unfinished.clear()
                 raise APIError(500, str(item), type="server_error")
@@ -277,6 +282,14 @@ class Generation:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
+
+
+def shutting_down(message: str) -> APIError:
+    """The 503 a draining server answers (new requests, and those it ends), in OpenAI's shape;
+    the connection is closed after it, so a client's next attempt reaches a server that runs."""
+    return APIError(
+        503, message, type="server_error", code="shutting_down", headers={"Connection": "close"}
+    )
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:

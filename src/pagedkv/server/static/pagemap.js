@@ -272,7 +272,7 @@ async function follow() {
       document.getElementById("key-form").hidden = false;
       return;
     }
-    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    if (!response.ok) throw new Error(await refusal(response));
     status.textContent = "live";
     status.className = "status live";
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -298,6 +298,16 @@ async function follow() {
     status.textContent = `disconnected (${error.message}); retrying…`;
     status.className = "status error";
     setTimeout(follow, 1000);
+  }
+}
+
+// Why the server refused the stream (its error in OpenAI's shape: too many viewers, shutting
+// down), or else the status.
+async function refusal(response) {
+  try {
+    return (await response.json()).error.message;
+  } catch {
+    return `HTTP ${response.status}`;
   }
 }
 
