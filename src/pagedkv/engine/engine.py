@@ -19,20 +19,28 @@ from pagedkv.engine.admission import (
     Limits,
     bad_words_token_ids,
     check_request,
+    max_model_len,
     tokenize,
     truncate,
 )
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
-from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedkv.engine.logprobs import logprob_entry, score_prompts
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.engine.sampler import Sampler, SamplingRow, token_logprobs
+from pagedkv.engine.sampler import Sampler, SamplingRow
 from pagedkv.engine.sched.policy import make_policy
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
-from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, kv_utilisation
+from pagedkv.engine.stats import (
+    EngineStats,
+    KVSnapshot,
+    kv_snapshot,
+    memory_fields,
+    startup_line,
+)
 from pagedkv.engine.stops import apply_stops, take_text
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
@@ -41,7 +49,7 @@ from pagedkv.weights.load import LoadedModel, load
 from pagedkv.worker.kv_budget import GIB, PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.runner import ModelRunner
-from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
+from pagedkv.worker.step import SchedulerOutput
 from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
@@ -73,7 +81,8 @@ class Engine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
-        self.max_model_len = _max_model_len(args, loaded.config.max_position_embeddings)
+        context = loaded.config.max_position_embeddings
+        self.max_model_len = max_model_len(args.max_model_len, context)
         budget = kv_budget(
             PoolRequest(
                 block_size=args.block_size,
@@ -236,7 +245,7 @@ class Engine:
             return {}  # nothing to run: e.g. a step that only reports aborts
         logits = self.runner.execute(output)
         if logits is not None:
-            self._score_prompts(output.chunks, logits)
+            score_prompts(output.chunks, logits, self._requests, self.tokenizer)
         touched = self.scheduler.update(
             output,
             new_sample=self._new_sample,
@@ -248,39 +257,6 @@ class Engine:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
         return {request.request_id: request for request in touched}
-
-    def _score_prompts(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> None:
-        """Prompt logprobs from the rows of chunks that score their prompt tokens.
-
-        Row `i` of a chunk starting at position `s` holds the logits after token `s + i`, so
-        it scores prompt token `s + i + 1`; each token is scored once, in order (a chunk
-        recomputed after a preemption adds nothing), and the row past the prompt samples.
-        """
-        first_row = 0
-        for chunk in chunks:
-            rows = range(first_row, first_row + chunk.num_logits)
-            first_row += chunk.num_logits
-            request = self._requests.get(chunk.seq_id[0])
-            if request is None or not request.scores_prompt or chunk.num_logits <= chunk.sample:
-                continue
-            prompt = request.prompt_token_ids
-            targets = range(chunk.num_computed + 1, chunk.num_computed + 1 + chunk.num_logits)
-            picked = [
-                (row, target)
-                for row, target in zip(rows, targets, strict=True)
-                if len(request.prompt_logprobs) <= target < len(prompt)
-            ]
-            if not picked:
-                continue
-            row_index = torch.tensor([row for row, _ in picked], device=logits.device)
-            target_ids = [prompt[target] for _, target in picked]
-            entries = token_logprobs(
-                logits[row_index],
-                torch.tensor(target_ids, device=logits.device),
-                [request.params.prompt_logprobs or 0] * len(picked),
-            )
-            for token_id, entry in zip(target_ids, entries, strict=True):
-                request.prompt_logprobs.append(self._logprob_entry(token_id, entry))
 
     def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None) -> None:
         """Sample every row's next token from its chunk's logits; append it, apply stops."""
@@ -312,7 +288,7 @@ class Engine:
         if seq.counts is not None:
             seq.counts.add(token_id)
         if logprobs is not None:
-            seq.new_logprobs.append(self._logprob_entry(token_id, logprobs))
+            seq.new_logprobs.append(logprob_entry(self.tokenizer, token_id, logprobs))
             seq.cumulative_logprob += logprobs[0]
         apply_stops(request, seq, token_id, self._stop_ids, self.max_model_len)
 
@@ -360,8 +336,6 @@ class Engine:
     @property
     def stats(self) -> EngineStats:
         """Queues, KV memory, prefix cache, preemptions and throughput now."""
-        memory = self.manager.stats
-        offload = self.manager.offload_stats
         now = time.monotonic()
         while self._recent_tokens and now - self._recent_tokens[0][0] > THROUGHPUT_WINDOW_S:
             self._recent_tokens.popleft()
@@ -372,26 +346,14 @@ class Engine:
             num_running=sum(len(r.live_sequences) for r in self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
-            kv_usage=self.manager.usage,
-            kv_utilisation=kv_utilisation(self.manager),
-            prefix_queried_tokens=memory.prefix_queried_tokens,
-            prefix_hit_tokens=memory.prefix_hit_tokens,
-            prefix_hit_rate=memory.prefix_hit_rate,
             num_swap_preemptions=self.scheduler.num_swap_preemptions,
             num_recompute_preemptions=self.scheduler.num_recompute_preemptions,
-            num_swapped_blocks=self.manager.num_cpu_blocks - self.manager.num_free_cpu_blocks,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             tokens_per_s=recent / span,
-            num_gpu_blocks=self.manager.num_gpu_blocks,
-            num_cpu_blocks=self.manager.num_cpu_blocks,
-            block_size=self.manager.block_size,
             step_seconds_total=self._step_seconds,
             forward_seconds_total=self.runner.forward_seconds,
-            num_offload_blocks=self.manager.num_offload_blocks,
-            offload_blocks=offload.num_blocks,
-            offload_queries_total=offload.queries,
-            offload_hits_total=offload.hits,
+            **memory_fields(self.manager),
         )
 
     def kv_snapshot(self) -> KVSnapshot:
@@ -448,31 +410,3 @@ class Engine:
             output_tail=seq.token_ids[len(seq.token_ids) - tail :] if tail else (),
             bad_words_token_ids=request.bad_words_token_ids,
         )
-
-    def _logprob_entry(
-        self, token_id: int, logprobs: tuple[float, int, list[int], list[float]]
-    ) -> dict[int, Logprob]:
-        chosen, rank, top_ids, top_values = logprobs
-        entry = {token_id: Logprob(chosen, rank, self.tokenizer.decode([token_id], False))}
-        for position, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True)):
-            if top_id not in entry:
-                entry[top_id] = Logprob(value, position + 1, self.tokenizer.decode([top_id], False))
-        return entry
-
-
-def _max_model_len(args: EngineArgs, max_position_embeddings: int) -> int:
-    if args.max_model_len is None:
-        return max_position_embeddings
-    if args.max_model_len > max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {args.max_model_len} is beyond the model's context length "
-            f"{max_position_embeddings} (max_position_embeddings)"
-        )
-    return args.max_model_len
-
-
-def startup_line(total: float, phases: dict[str, float]) -> str:
-    """`loaded in 0.90 s: weights 0.40 s, KV pool 0.10 s`: where the engine's start went
-    (the total also holds what no phase names: scheduler and sampler set-up)."""
-    parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items())
-    return f"loaded in {total:.2f} s: {parts}"

@@ -1,0 +1,69 @@
+"""Logprob entries as vLLM reports them, for sampled tokens and for prompt tokens.
+
+The sampler computes figures (`sampler.token_logprobs`: chosen logprob, rank, top k); this
+module turns them into `{token_id: Logprob}` entries with decoded text, and scores prompt
+tokens from the rows a step computed for them (`SamplingParams.prompt_logprobs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from pagedkv.engine.outputs import Logprob, TokenLogprobs
+from pagedkv.engine.request import Request
+from pagedkv.engine.sampler import token_logprobs
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.worker.step import ScheduledChunk
+
+
+def logprob_entry(
+    tokenizer: Tokenizer, token_id: int, logprobs: tuple[float, int, list[int], list[float]]
+) -> TokenLogprobs:
+    """The chosen token's entry first, then the top k not already there, ranked 1..k."""
+    chosen, rank, top_ids, top_values = logprobs
+    entry = {token_id: Logprob(chosen, rank, tokenizer.decode([token_id], False))}
+    for position, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True)):
+        if top_id not in entry:
+            entry[top_id] = Logprob(value, position + 1, tokenizer.decode([top_id], False))
+    return entry
+
+
+def score_prompts(
+    chunks: list[ScheduledChunk],
+    logits: torch.Tensor,
+    requests: Mapping[str, Request],
+    tokenizer: Tokenizer,
+) -> None:
+    """Append prompt logprobs from the rows of chunks that score their prompt tokens.
+
+    Row `i` of a chunk starting at position `s` holds the logits after token `s + i`, so it
+    scores prompt token `s + i + 1`; each token is scored once, in order (a chunk recomputed
+    after a preemption adds nothing), and the row past the prompt samples.
+    """
+    first_row = 0
+    for chunk in chunks:
+        rows = range(first_row, first_row + chunk.num_logits)
+        first_row += chunk.num_logits
+        request = requests.get(chunk.seq_id[0])
+        if request is None or not request.scores_prompt or chunk.num_logits <= chunk.sample:
+            continue
+        prompt = request.prompt_token_ids
+        targets = range(chunk.num_computed + 1, chunk.num_computed + 1 + chunk.num_logits)
+        picked = [
+            (row, target)
+            for row, target in zip(rows, targets, strict=True)
+            if len(request.prompt_logprobs) <= target < len(prompt)
+        ]
+        if not picked:
+            continue
+        row_index = torch.tensor([row for row, _ in picked], device=logits.device)
+        target_ids = [prompt[target] for _, target in picked]
+        entries = token_logprobs(
+            logits[row_index],
+            torch.tensor(target_ids, device=logits.device),
+            [request.params.prompt_logprobs or 0] * len(picked),
+        )
+        for token_id, entry in zip(target_ids, entries, strict=True):
+            request.prompt_logprobs.append(logprob_entry(tokenizer, token_id, entry))
