@@ -187,3 +187,22 @@ def test_iteration_tokens_add_up_to_the_tokens_computed(serve) -> None:
     # One inter-token time per output token after a request's first.
     itl = "pagedkv:inter_token_latency_seconds_count"
     assert value(after, itl) - value(before, itl) == len(prompts) * (max_tokens - 1)
+
+
+def test_offload_metrics_count_host_tier_blocks_queries_and_hits(serve) -> None:
+    """Three prompts through a pool of 6 blocks: the later ones evict the first's blocks to
+    the host tier, and repeating the first serves them back."""
+    server = serve(num_gpu_blocks=6, kv_offloading_size=0.01, seed=0)
+    with server.client() as client:
+        name = client.models.list().data[0].id
+        first = [5 + i % 50 for i in range(60)]
+        others = [[7 + (i * k) % 40 for i in range(60)] for k in (1, 3)]
+        for prompt in (first, *others, first):
+            client.completions.create(model=name, prompt=prompt, max_tokens=1)
+    samples = scrape(server)
+    assert value(samples, "pagedkv:offload_blocks") >= 3
+    hits = value(samples, "pagedkv:offload_hits_total")
+    queries = value(samples, "pagedkv:offload_queries_total")
+    assert 3 <= hits <= queries
+    # The hits served the third prompt: it computed only what the tier did not hold.
+    assert value(samples, "pagedkv:prefix_cache_hits_total") >= hits * 16

@@ -167,13 +167,76 @@ def test_suffix_is_refused_as_unsupported(client, model_name: str) -> None:
     assert "not supported" in raised.value.message
 
 
-def test_echo_with_logprobs_is_refused_as_unsupported(client, model_name: str) -> None:
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(
-            model=model_name, prompt="Hi", echo=True, logprobs=1, max_tokens=2
-        )
-    assert raised.value.param == "echo"
-    assert "prompt logprobs" in raised.value.message
+def hf_tokens(tiny_model, prompt: str | None) -> list[int]:
+    """The prompt's token ids by transformers' tokenizer; None: MESSAGES through the chat
+    template (which places any BOS itself)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    if prompt is not None:
+        return tokenizer(prompt)["input_ids"]
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def hf_prompt_logprobs(tiny_model, token_ids: list[int]) -> list[float]:
+    """transformers' logprob of each prompt token after the first, without a cache."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = model(torch.tensor([token_ids])).logits[0].log_softmax(-1)
+    return [logprobs[i - 1, token_ids[i]].item() for i in range(1, len(token_ids))]
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_first(
+    client, server, model_name: str, tiny_model
+) -> None:
+    args = {"model": model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+    args |= {"echo": True, "logprobs": 2, "extra_body": IGNORE_EOS}
+    whole = client.completions.create(**args).choices[0]
+    streamed = list(client.completions.create(**args, stream=True))
+    prompt_ids = hf_tokens(tiny_model, PROMPT)
+    expected = hf_prompt_logprobs(tiny_model, prompt_ids)
+    logprobs = whole.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 4
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1 : len(prompt_ids)] == pytest.approx(expected, abs=1e-4)
+    assert whole.text.startswith(PROMPT)
+    # Offsets count characters of the returned text, the echoed prompt's included.
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[len(prompt_ids)] == len(PROMPT)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.text
+    streamed_tokens = [
+        t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+    ]
+    assert streamed_tokens == logprobs.tokens
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompt_logprobs_is_vllms_extra_field(
+    server, model_name: str, tiny_model, endpoint
+) -> None:
+    body = {"model": model_name, "max_tokens": 2, "prompt_logprobs": 3}
+    if endpoint == "completions":
+        body["prompt"] = PROMPT
+        response = post(server, "/v1/completions", body).json()
+        prompt_logprobs = response["choices"][0]["prompt_logprobs"]
+        prompt_ids = hf_tokens(tiny_model, PROMPT)
+    else:
+        body["messages"] = MESSAGES
+        response = post(server, "/v1/chat/completions", body).json()
+        prompt_logprobs = response["prompt_logprobs"]
+        prompt_ids = hf_tokens(tiny_model, None)
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    expected = hf_prompt_logprobs(tiny_model, prompt_ids)
+    for position, entry in enumerate(prompt_logprobs[1:], start=1):
+        token = entry[str(prompt_ids[position])]
+        assert token["logprob"] == pytest.approx(expected[position - 1], abs=1e-4)
+        assert {1, 2, 3} <= {e["rank"] for e in entry.values()}  # the top 3, and the token
+        assert len(entry) in (3, 4)
 
 
 def test_best_of_equal_to_n_is_accepted(client, model_name: str) -> None:

@@ -157,4 +157,5 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
                 for choice in choices
             ],
             usage=self.generation.usage(),
+            prompt_logprobs=self._prompt_logprobs(0),
         )

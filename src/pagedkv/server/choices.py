@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import ErrorResponse, SamplingFields
+from pagedkv.server.protocol import ErrorResponse, PromptLogprobs, SamplingFields
 from pagedkv.server.serving import (
     CLIENT_CLOSED_REQUEST,
     SSE_DONE,
@@ -27,12 +27,14 @@ from pagedkv.server.serving import (
     Generation,
     ServingContext,
     now,
+    prompt_logprobs_json,
     sse,
     until_disconnect,
 )
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput
+    from pagedkv.engine.outputs import TokenLogprobs
 
 ChoiceT = TypeVar("ChoiceT", bound="ChoiceState")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
@@ -55,6 +57,9 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         self.generation = generation
         self.created = now()
         self.choices: dict[int, ChoiceT] = {}
+        # Each prompt's logprobs and token ids, once the engine has scored it (by prompt index).
+        self.prompt_entries: dict[int, list[TokenLogprobs | None]] = {}
+        self.prompt_ids: dict[int, list[int]] = {}
 
     async def respond(self, raw: Request) -> Response:
         """Stream or collect, as the request asks; the generation is closed however it ends."""
@@ -92,14 +97,28 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         yield SSE_DONE
 
     def _update(self, delta: ChoiceDelta) -> LogprobsT:
-        """Fold a delta into its choice; return the delta's own logprobs."""
+        """Fold a delta into its choice (keeping its prompt's logprobs when they come);
+        return the delta's own logprobs."""
+        self._keep_prompt(delta)
         choice = self.choices.setdefault(delta.index, self.choice_type(delta.index))
         choice.fold(delta.output)
         return self._logprobs(choice, delta.output)
 
+    def _keep_prompt(self, delta: ChoiceDelta) -> None:
+        """Keep the prompt's logprobs and token ids of the delta that brings them."""
+        if delta.prompt_logprobs is not None and delta.prompt_token_ids is not None:
+            self.prompt_entries[delta.index // self.generation.n] = delta.prompt_logprobs
+            self.prompt_ids[delta.index // self.generation.n] = delta.prompt_token_ids
+
     def _opening(self) -> list[str]:
         """Events a stream starts with, before any delta (none unless overridden)."""
         return []
+
+    def _prompt_logprobs(self, prompt_index: int) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of a prompt, when the request asked for them."""
+        k = self.request.prompt_logprobs
+        entries = self.prompt_entries.get(prompt_index)
+        return None if k is None or entries is None else prompt_logprobs_json(entries, k)
 
     @abstractmethod
     def _logprobs(self, choice: ChoiceT, output: CompletionOutput) -> LogprobsT:

@@ -35,6 +35,7 @@ from pagedkv.server.serving import (
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput
+    from pagedkv.engine.outputs import TokenLogprobs
 
 
 async def create_completion(context: ServingContext, raw: Request) -> Response:
@@ -45,7 +46,10 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
-    params = sampling_params(request, max_tokens, request.logprobs)
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:  # the echoed prompt's tokens get theirs
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+    params = sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
@@ -74,10 +78,6 @@ def _check_unsupported(request: CompletionRequest) -> None:
             f"best_of ({best_of}) above n ({request.n}) cannot stream: the best samples are "
             "known only once all have finished",
             param="best_of",
-        )
-    if request.echo and request.logprobs is not None:
-        raise APIError(
-            400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
         )
 
 
@@ -117,9 +117,36 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
     choice_type = _Choice
     echoed: list[str] | None = None  # with `echo`: each prompt's text, prepended to its choices
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo_sent: set[int] = set()  # choices whose stream already carried the prompt
+
+    @property
+    def _echo_logprobs(self) -> bool:
+        """Echo with logprobs: the prompt's tokens come first in each choice's logprobs, so
+        a stream sends the prompt with its first tokens, once the prompt is scored."""
+        return self.echoed is not None and self.request.logprobs is not None
+
+    def _update(self, delta: ChoiceDelta) -> CompletionLogprobs | None:
+        """With echo and logprobs, fold the prompt's logprobs into the choice ahead of its
+        first tokens'."""
+        choice = self.choices.setdefault(delta.index, self.choice_type(delta.index))
+        if not self._echo_logprobs or choice.logprobs is not None:
+            return super()._update(delta)
+        self._keep_prompt(delta)  # this delta, the choice's first, brings them
+        entries = self.prompt_entries[delta.index // self.generation.n]
+        prompt = self._legacy_logprobs(choice, entries)
+        tokens = super()._update(delta)
+        assert tokens is not None
+        assert tokens is not None
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(prompt, name).extend(getattr(tokens, name))
+        return prompt
+
     def _opening(self) -> list[str]:
-        """With `echo`, each choice's stream starts with its prompt's text."""
-        if self.echoed is None:
+        """With `echo`, each choice's stream starts with its prompt's text (with logprobs too,
+        it comes with the choice's first tokens instead)."""
+        if self.echoed is None or self._echo_logprobs:
             return []
         n = self.request.n
         choices = [
@@ -131,16 +158,26 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
     def _logprobs(self, choice: _Choice, output: CompletionOutput) -> CompletionLogprobs | None:
         if self.request.logprobs is None:
             return None
-        k = self.request.logprobs
+        return self._legacy_logprobs(choice, list(output.logprobs or []))
+
+    def _legacy_logprobs(
+        self, choice: _Choice, positions: list[TokenLogprobs | None]
+    ) -> CompletionLogprobs:
+        """Positions in the legacy shape, also added to `choice`. Each position's own token is
+        its first entry; a prompt's first token (None) has no logprob, only its text."""
+        k = self.request.logprobs or 0
         logprobs = CompletionLogprobs()
-        for token_id, position in zip(output.token_ids, output.logprobs or [], strict=True):
-            chosen = position[token_id]
-            text = chosen.decoded_token
+        for position in positions:
+            if position is None:  # the prompt's first token: nothing predicts it
+                token_id = self.prompt_ids[choice.index // self.generation.n][0]
+                text, chosen_logprob, top = self.context.tokenizer.decode([token_id]), None, None
+            else:
+                token_id, chosen = next(iter(position.items()))
+                text, chosen_logprob, top = chosen.decoded_token, chosen.logprob, {}
+                for _, alt in top_logprobs(position, k):  # most likely first: a shared text
+                    top.setdefault(alt.decoded_token, alt.logprob)
             logprobs.tokens.append(text)
-            logprobs.token_logprobs.append(chosen.logprob)
-            top: dict[str, float] = {}
-            for _, alt in top_logprobs(position, k):  # most likely first: keeps a shared text
-                top.setdefault(alt.decoded_token, alt.logprob)
+            logprobs.token_logprobs.append(chosen_logprob)
             logprobs.top_logprobs.append(top)
             logprobs.text_offset.append(choice.characters_begun())
             choice.text_offset += len(choice.utf8.decode(self._text_bytes(token_id)))
@@ -154,9 +191,13 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
         self, delta: ChoiceDelta, logprobs: CompletionLogprobs | None
     ) -> CompletionChoice:
         output = delta.output
+        text = output.text
+        if self._echo_logprobs and delta.index not in self.echo_sent:
+            self.echo_sent.add(delta.index)
+            text = self._echo(delta.index) + text
         return CompletionChoice(
             index=delta.index,
-            text=output.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
@@ -174,6 +215,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
                     logprobs=choice.logprobs,
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
+                    prompt_logprobs=self._prompt_logprobs(choice.index // self.generation.n),
                 )
                 for index, choice in enumerate(self._best(choices))
             ],

@@ -231,6 +231,19 @@ class EngineStatsCollector(Collector):
         yield counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hit_tokens
         )
+        yield gauge(
+            "offload_blocks",
+            f"KV blocks held by the prefix cache's host tier (of {stats.num_offload_blocks}).",
+            stats.offload_blocks,
+        )
+        yield counter(
+            "offload_queries", "Blocks looked up in the host tier.", stats.offload_queries_total
+        )
+        yield counter(
+            "offload_hits",
+            "Blocks found in the host tier and copied back.",
+            stats.offload_hits_total,
+        )
         preemptions = CounterMetricFamily(
             f"{self.prefix}:num_preemptions",
             "Preemptions by kind: swap (blocks moved to CPU) or recompute (blocks dropped).",

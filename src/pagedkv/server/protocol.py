@@ -89,6 +89,8 @@ class SamplingFields(_Request):
     allowed_token_ids: list[NonNegativeInt] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's: each prompt token's logprob and its top k (in the response's prompt_logprobs).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -244,6 +246,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in vLLM's `prompt_logprobs` (keyed by token id, as a string)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's shape: one dict per prompt token (None for the first: nothing predicts it).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     """One choice of a completion, or one choice's delta in a stream chunk."""
 
@@ -252,6 +266,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -313,6 +328,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(BaseModel):

@@ -28,11 +28,18 @@ from pagedkv.engine import SamplingParams
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import PromptTokensDetails, SamplingFields, Usage, unknown_fields
+from pagedkv.server.protocol import (
+    PromptLogprob,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+    unknown_fields,
+)
 from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
+    from pagedkv.engine.outputs import TokenLogprobs
     from pagedkv.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -98,7 +105,10 @@ class ServingContext:
 
 
 def sampling_params(
-    request: SamplingFields, max_tokens: int | None, logprobs: int | None
+    request: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams (max_tokens None: all the room the context leaves).
 
@@ -121,6 +131,7 @@ def sampling_params(
             ignore_eos=request.ignore_eos,
             seed=request.seed,
             logprobs=logprobs,
+            prompt_logprobs=request.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             logit_bias=(
                 None
@@ -186,6 +197,10 @@ class ChoiceDelta:
 
     index: int
     output: CompletionOutput
+    # The prompt's logprobs (SamplingParams.prompt_logprobs) and token ids, on the delta that
+    # brings them.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Generation:
@@ -263,7 +278,9 @@ class Generation:
             base = self._prompt_index[output.request_id] * self.n
             for completion in output.outputs:
                 self.completion_tokens += len(completion.token_ids)
-                yield ChoiceDelta(base + completion.index, completion)
+                scored = output.prompt_logprobs
+                prompt_ids = output.prompt_token_ids if scored is not None else None
+                yield ChoiceDelta(base + completion.index, completion, scored, prompt_ids)
             if output.finished:
                 self._unfinished.discard(output.request_id)
                 self.cached_tokens += output.metrics.num_cached_tokens
@@ -352,3 +369,25 @@ def top_logprobs(position: dict[int, Logprob], k: int) -> list[tuple[int, Logpro
     """The `k` most likely (token id, logprob) alternatives at one position (the engine adds
     the chosen token)."""
     return sorted(position.items(), key=lambda item: item[1].logprob, reverse=True)[:k]
+
+
+def prompt_logprobs_json(
+    entries: list[TokenLogprobs | None], k: int
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, its own entry and the `k` most likely."""
+    result: list[dict[str, PromptLogprob] | None] = []
+    for position in entries:
+        if position is None:
+            result.append(None)
+            continue
+        chosen_id, chosen = next(iter(position.items()))  # the engine puts the token first
+        kept = {chosen_id: chosen, **dict(top_logprobs(position, k))}
+        result.append(
+            {
+                str(token_id): PromptLogprob(
+                    logprob=entry.logprob, rank=entry.rank, decoded_token=entry.decoded_token
+                )
+                for token_id, entry in kept.items()
+            }
+        )
+    return result
