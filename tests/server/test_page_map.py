@@ -123,3 +123,28 @@ def test_page_assets_are_served_from_the_package(server: RunningServer) -> None:
         assert index.status_code == 200 and '<canvas id="gpu">' in index.text
         for asset in ("/static/pagemap.js", "/static/pagemap.css"):
             assert http.get(asset).status_code == 200
+
+
+def test_page_map_draws_the_host_tier_and_its_hits(serve, browser) -> None:
+    """With --kv-offloading-size, the page shows the host tier: blocks the GPU pool evicted,
+    and a block copied back to the GPU drawn as a hit in the frame after it."""
+    tiered = serve(num_gpu_blocks=6, kv_offloading_size=0.01)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(tiered.url + "/")
+    page.wait_for_function("Number(document.body.dataset.frames) >= 1", timeout=WAIT_MS)
+    assert page.locator("#offload-pool").is_visible()
+    num_offload = page.evaluate("pagemap.offload.blocks.length")
+    assert num_offload > 0
+    page.evaluate(
+        "window.sawHit = false; setInterval(() => {"
+        " if (pagemap.offload.blocks.some((b) => b[1] === 2)) window.sawHit = true; }, 5)"
+    )
+    with tiered.client() as client:
+        name = client.models.list().data[0].id
+        first = [5 + i % 50 for i in range(60)]
+        others = [[7 + (i * k) % 40 for i in range(60)] for k in (1, 3)]
+        for prompt in (first, *others, first):
+            client.completions.create(model=name, prompt=prompt, max_tokens=1)
+    page.wait_for_function("window.sawHit", timeout=WAIT_MS)
+    page.wait_for_function("pagemap.offload.blocks.some((b) => b[1] === 1)", timeout=WAIT_MS)
+    page.close()

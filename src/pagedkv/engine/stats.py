@@ -7,7 +7,7 @@ plain data built on demand from the scheduler's queues and the memory manager.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from pagedkv.engine.request import Request
 from pagedkv.memory import KVCacheManager
@@ -75,17 +75,20 @@ class BlockState:
     ref_count: int
     cached: bool
     holders: list[tuple[str, int, int]]
+    hit: bool = False  # a host-tier block copied back to the GPU since the last snapshot
 
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """Every GPU and CPU block of the pool; a block with ref_count 0 is free."""
+    """Every GPU and CPU block of the pool, and the prefix cache's host tier; a block with
+    ref_count 0 is free (a host-tier block is never held: `cached` says it keeps KV)."""
 
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
     gpu: list[BlockState]
     cpu: list[BlockState]
+    offload: list[BlockState] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready data: holders as [request_id, sample, block_index] lists.
@@ -99,6 +102,7 @@ class KVSnapshot:
             "num_cpu_blocks": self.num_cpu_blocks,
             "gpu": [_block_dict(block) for block in self.gpu],
             "cpu": [_block_dict(block) for block in self.cpu],
+            "offload": [_block_dict(block) for block in self.offload],
         }
 
 
@@ -108,6 +112,7 @@ def _block_dict(block: BlockState) -> dict[str, object]:
         "ref_count": block.ref_count,
         "cached": block.cached,
         "holders": [list(holder) for holder in block.holders],
+        "hit": block.hit,
     }
 
 
@@ -136,12 +141,18 @@ def kv_snapshot(manager: KVCacheManager, requests: Iterable[Request]) -> KVSnaps
     for block in range(manager.num_cpu_blocks):
         holders = cpu_holders.get(block, no_holders)
         cpu.append(BlockState(block, len(holders), False, holders))
+    held, hits = manager.offload_view()
+    offload = [
+        BlockState(block, 0, block in held, no_holders, block in hits)
+        for block in range(manager.num_offload_blocks)
+    ]
     return KVSnapshot(
         block_size=manager.block_size,
         num_gpu_blocks=manager.num_gpu_blocks,
         num_cpu_blocks=manager.num_cpu_blocks,
         gpu=gpu,
         cpu=cpu,
+        offload=offload,
     )
 
 

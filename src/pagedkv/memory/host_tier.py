@@ -43,6 +43,7 @@ class HostTier:
         self._free_ids = list(range(first_id + num_blocks - 1, first_id - 1, -1))
         self._queries = 0
         self._hits = 0
+        self._recent_hits: set[int] = set()  # host ids copied back since last taken
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -61,6 +62,16 @@ class HostTier:
         self._hits += len(hashes)
         for block_hash in hashes:
             self._entries.move_to_end(block_hash)
+            self._recent_hits.add(self._entries[block_hash][0])
+
+    def held_ids(self) -> set[int]:
+        """Host block ids holding an entry (for the page map)."""
+        return {host_id for host_id, _ in self._entries.values()}
+
+    def take_recent_hits(self) -> set[int]:
+        """Host block ids copied back since this was last called (for the page map)."""
+        hits, self._recent_hits = self._recent_hits, set()
+        return hits
 
     def store(
         self, block_hash: BlockHash, token_bytes: bytes, keep: frozenset[int] = frozenset()

@@ -391,6 +391,13 @@ class KVCacheManager:
         """Host blocks of the prefix cache's host tier (0: no tier)."""
         return self._tier.num_blocks
 
+    def offload_view(self) -> tuple[set[int], set[int]]:
+        """Host-tier blocks (numbered from 0) holding KV, and those copied back since the
+        last call: what the page map draws."""
+        first = self._tier.first_id
+        held = {host_id - first for host_id in self._tier.held_ids()}
+        return held, {host_id - first for host_id in self._tier.take_recent_hits()}
+
     @property
     def offload_stats(self) -> HostTierStats:
         """Host-tier blocks held, block lookups in it and hits since the manager was made."""

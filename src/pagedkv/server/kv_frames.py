@@ -9,8 +9,9 @@ viewer that joins mid-stream (or missed a message) is sent `full_message` of the
 frame instead, naming every request the next messages may refer to.
 
 A block is encoded as a flat list `[ref_count, cached, r0, s0, p0, r1, s1, p1, ...]`: one
-`(request, sample, position)` triple per holder, `r` indexing the stream's table of `names`.
-A delta entry puts the block id first.
+`(request, sample, position)` triple per holder, `r` indexing the stream's table of `names`;
+`cached` is 2 for a host-tier block copied back since the previous frame. A delta entry puts
+the block id first. The pools are the GPU pool, the CPU swap pool and the host tier.
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ FULL_FRAME_INTERVAL_S = 30.0
 
 
 Holder = tuple[str, int, int]  # request id, sample index, block index in that sequence
-Block = tuple[int, bool, tuple[Holder, ...]]  # ref count, cached, holders
+Block = tuple[int, int, tuple[Holder, ...]]  # ref count, cached (2: hit just now), holders
+POOLS = ("gpu", "cpu", "offload")
 
 
 @dataclass(frozen=True)
 class KVFrame:
-    """One moment of the pool: every GPU and CPU block, and the engine's stats."""
+    """One moment of the pool: every GPU, CPU and host-tier block, and the engine's stats."""
 
     time: float
     block_size: int
     gpu: tuple[Block, ...]
     cpu: tuple[Block, ...]
     stats: dict[str, Any]
+    offload: tuple[Block, ...] = ()
 
     @classmethod
     def capture(cls, sample: KVSample) -> KVFrame:
@@ -49,13 +52,14 @@ class KVFrame:
             gpu=tuple(_block(state) for state in snapshot.gpu),
             cpu=tuple(_block(state) for state in snapshot.cpu),
             stats=sample.stats.to_dict(),
+            offload=tuple(_block(state) for state in snapshot.offload),
         )
 
 
 def _block(state: Any) -> Block:
     return (
         state.ref_count,
-        bool(state.cached),
+        2 if state.hit else int(bool(state.cached)),
         tuple((str(r), int(s), int(p)) for r, s, p in state.holders),
     )
 
@@ -78,8 +82,7 @@ class KVFrameEncoder:
         sent = self._sent
         full = (
             sent is None
-            or len(sent.gpu) != len(frame.gpu)
-            or len(sent.cpu) != len(frame.cpu)
+            or any(len(getattr(sent, pool)) != len(getattr(frame, pool)) for pool in POOLS)
             or frame.time - self._sent_full_at >= FULL_FRAME_INTERVAL_S
         )
         if full:
@@ -87,14 +90,17 @@ class KVFrameEncoder:
             self._sent_full_at = frame.time
         known = len(self._names)
         if full or sent is None:
-            gpu = [_encode(block, self._names) for block in frame.gpu]
-            cpu = [_encode(block, self._names) for block in frame.cpu]
+            pools = {
+                pool: [_encode(block, self._names) for block in getattr(frame, pool)]
+                for pool in POOLS
+            }
         else:
-            gpu = self._changed(sent.gpu, frame.gpu)
-            cpu = self._changed(sent.cpu, frame.cpu)
+            pools = {
+                pool: self._changed(getattr(sent, pool), getattr(frame, pool)) for pool in POOLS
+            }
         self._sent = frame
         new_names = list(self._names)[known:]
-        return _message(frame, "full" if full else "delta", gpu, cpu, new_names, known)
+        return _message(frame, "full" if full else "delta", pools, new_names, known)
 
     def _changed(self, before: tuple[Block, ...], after: tuple[Block, ...]) -> list[list[Any]]:
         return [
@@ -109,15 +115,14 @@ def full_message(frame: KVFrame, names: tuple[str, ...]) -> dict[str, Any]:
     it encoded `frame`: the whole table comes with it, for the deltas that follow (it holds
     every name the frame uses, each added when its block was first encoded)."""
     index = {name: i for i, name in enumerate(names)}
-    gpu = [_encode(block, index) for block in frame.gpu]
-    cpu = [_encode(block, index) for block in frame.cpu]
-    return _message(frame, "full", gpu, cpu, list(names), 0)
+    pools = {pool: [_encode(block, index) for block in getattr(frame, pool)] for pool in POOLS}
+    return _message(frame, "full", pools, list(names), 0)
 
 
 def _encode(block: Block, names: dict[str, int]) -> list[Any]:
     """A block as a flat list, adding holders not yet in `names` to it."""
     ref_count, cached, holders = block
-    encoded: list[Any] = [ref_count, int(cached)]
+    encoded: list[Any] = [ref_count, cached]
     for request_id, sample, position in holders:
         encoded += (names.setdefault(request_id, len(names)), sample, position)
     return encoded
@@ -126,8 +131,7 @@ def _encode(block: Block, names: dict[str, int]) -> list[Any]:
 def _message(
     frame: KVFrame,
     kind: str,
-    gpu: list[list[Any]],
-    cpu: list[list[Any]],
+    pools: dict[str, list[list[Any]]],
     names: list[str],
     first_index: int,
 ) -> dict[str, Any]:
@@ -137,9 +141,9 @@ def _message(
         "block_size": frame.block_size,
         "num_gpu_blocks": len(frame.gpu),
         "num_cpu_blocks": len(frame.cpu),
+        "num_offload_blocks": len(frame.offload),
         "names": {str(first_index + i): name for i, name in enumerate(names)},
-        "gpu": gpu,
-        "cpu": cpu,
+        **pools,
         "stats": frame.stats,
     }
 

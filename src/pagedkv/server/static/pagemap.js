@@ -1,5 +1,6 @@
 "use strict";
-// The page map: the GPU and CPU KV pools drawn block by block on canvases, live from the
+// The page map: the GPU pool, the CPU swap pool and the prefix cache's host tier (when
+// --kv-offloading-size gives it one) drawn block by block on canvases, live from the
 // server-sent frames of /v1/kv/stream (one full frame, then only the blocks that changed).
 // Canvases rather than one element per block, so 10,000+ blocks stay smooth; a delta frame
 // repaints only its blocks. The stream is read with fetch(), not EventSource, because
@@ -8,6 +9,7 @@
 const COLORS = {
   free: "#242c3a",
   cached: "#3d5a73",
+  tierHit: "#f0c040",
   shared: "#b07ad8",
   text: "#ffffff",
   bg: "#181e28",
@@ -85,6 +87,7 @@ class Pool {
     const [ref, cached] = block;
     if (ref > 1) ctx.fillStyle = COLORS.shared;
     else if (ref === 1) ctx.fillStyle = ownerColor(block[2], block[3]);
+    else if (cached === 2) ctx.fillStyle = COLORS.tierHit; // host tier: just copied back
     else ctx.fillStyle = cached ? COLORS.cached : COLORS.free;
     ctx.fillRect(x, y, size, size);
     if (ref > 0 && cached && size >= 6) {
@@ -148,19 +151,23 @@ const state = {
   history: [],
   gpu: new Pool("GPU", document.getElementById("gpu"), document.getElementById("gpu-count")),
   cpu: new Pool("CPU", document.getElementById("cpu"), document.getElementById("cpu-count")),
+  offload: new Pool(
+    "Host tier",
+    document.getElementById("offload"),
+    document.getElementById("offload-count"),
+  ),
 };
+const POOLS = ["gpu", "cpu", "offload"];
 window.pagemap = state; // for the browser test and for poking around in the console
 
 function applyFrame(frame) {
   if (frame.type === "full") state.names.clear();
   for (const [index, name] of Object.entries(frame.names)) state.names.set(Number(index), name);
   state.blockSize = frame.block_size;
-  if (frame.type === "full") {
-    state.gpu.reset(frame.gpu);
-    state.cpu.reset(frame.cpu);
-  } else {
-    state.gpu.update(frame.gpu);
-    state.cpu.update(frame.cpu);
+  document.getElementById("offload-pool").hidden = frame.num_offload_blocks === 0;
+  for (const pool of POOLS) {
+    if (frame.type === "full") state[pool].reset(frame[pool]);
+    else state[pool].update(frame[pool]);
   }
   showFigures(frame.stats, frame.time);
   state.frames += 1;
@@ -225,7 +232,11 @@ function describe(pool, id) {
   const [ref, cached, ...holders] = pool.blocks[id];
   const lines = [`${pool.name} block ${id}`, `ref count ${ref}${ref > 1 ? " (shared)" : ""}`];
   lines.push(`prefix cache: ${cached ? "yes" : "no"}`);
-  if (ref === 0) lines.push(cached ? "free, KV kept for reuse" : "free");
+  if (pool === state.offload) {
+    if (cached === 2) lines.push("copied back to the GPU just now");
+  } else if (ref === 0) {
+    lines.push(cached ? "free, KV kept for reuse" : "free");
+  }
   const shown = Math.min(holders.length, 3 * TOOLTIP_HOLDERS);
   for (let i = 0; i < shown; i += 3) {
     const [name, sample, position] = holders.slice(i, i + 3);
@@ -318,11 +329,10 @@ document.getElementById("key-form").addEventListener("submit", (event) => {
   follow();
 });
 window.addEventListener("resize", () => {
-  state.gpu.layout();
-  state.gpu.draw();
-  state.cpu.layout();
-  state.cpu.draw();
+  for (const pool of POOLS) {
+    state[pool].layout();
+    state[pool].draw();
+  }
 });
-attachTooltip(state.gpu);
-attachTooltip(state.cpu);
+for (const pool of POOLS) attachTooltip(state[pool]);
 follow();
