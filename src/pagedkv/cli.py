@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "plan": "KV-cache capacity per token, per request and per GPU for a model",
     "simulate": "simulate serving a workload under slab and paged KV allocation",
     "generate": "generate a completion for one prompt, streamed to the terminal",
+    "chat": "chat with a model in the terminal, reusing each turn's KV through the prefix cache",
     "bench": "measure engine throughput against transformers on one workload",
     "serve": "serve a model over an OpenAI-compatible HTTP API with a live KV page map",
     "pull": "download a built-in model into the local cache",

@@ -1,4 +1,4 @@
-"""Sampling flags shared by `pagedkv generate` and `pagedkv demo`: one per SamplingParams field.
+"""Sampling flags shared by `pagedkv generate` and `pagedkv chat`: one per SamplingParams field.
 
 The flags mirror the Python names (`max_tokens` -> `--max-tokens`); values are checked by
 `SamplingParams` itself, so the command line and the API reject the same things. There is no
@@ -12,10 +12,18 @@ import argparse
 from pagedkv.commands.arguments import non_negative_int, positive_int
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """Add `--temperature`, `--max-tokens`, ... with the API's defaults (greedy here)."""
+def add_sampling_args(
+    parser: argparse.ArgumentParser, *, max_tokens: int, samples: bool = True
+) -> None:
+    """Add `--temperature`, `--max-tokens`, ... with the API's defaults (greedy here).
+
+    `samples=False` leaves out `--n` (n is 1) for a command that shows one answer per prompt.
+    """
     group = parser.add_argument_group("sampling")
-    group.add_argument("--n", type=positive_int, default=1, help="samples per prompt")
+    if samples:
+        group.add_argument("--n", type=positive_int, default=1, help="samples per prompt")
+    else:
+        parser.set_defaults(n=1)
     group.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
     )
