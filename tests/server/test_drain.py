@@ -65,9 +65,14 @@ def test_requests_still_running_after_the_grace_period_end_with_an_error(serve) 
     stream = Call(server, "/v1/chat/completions", CHAT | {"max_tokens": 500, "stream": True})
     whole = Call(server, "/v1/completions", BODY | {"max_tokens": 500})
     wait_until(lambda: server.app.state.engine_loop.stats.num_running == 2)
+    metrics = server.app.state.engine_loop.metrics
+    aborts = {"model_name": metrics.model_name, "finished_reason": "abort"}
+    before = metrics.registry.get_sample_value("pagedkv:request_success_total", aborts) or 0
 
     server.stop()
     assert not server.thread.is_alive()
+    # Requests the server ended itself count as aborted, as vLLM counts them.
+    assert metrics.registry.get_sample_value("pagedkv:request_success_total", aborts) == before + 2
     events = stream.join().events()
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]

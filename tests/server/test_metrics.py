@@ -149,6 +149,13 @@ def test_per_request_histograms_add_up_to_the_requests_sent(
     assert delta("request_prompt_tokens_count") == 1
     assert delta("request_prompt_tokens_sum") == PROMPT_LEN
     assert delta("request_generation_tokens_sum") == 3
+    # n samples: every sample's tokens count, as vLLM counts them.
+    client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=4, n=3, extra_body=IGNORE_EOS
+    )
+    n_after = scrape(server)
+    generated = value(n_after, "pagedkv:request_generation_tokens_sum")
+    assert generated - value(after, "pagedkv:request_generation_tokens_sum") == 12
     phases = ["request_queue_time_seconds", "request_prefill_time_seconds"]
     phases.append("request_decode_time_seconds")
     assert all(delta(f"{phase}_count") == 1 for phase in phases)

@@ -354,7 +354,8 @@ class EngineLoop:
             if output.finished:
                 del self._routes[output.request_id]
                 if self.metrics is not None:
-                    self.metrics.observe_finished(output, max(route.num_tokens.values(), default=0))
+                    counts = route.num_tokens.values()
+                    self.metrics.observe_finished(output, sum(counts), max(counts, default=0))
             deliveries.setdefault(route.loop, []).append((route.outputs, output))
         for loop, items in deliveries.items():
             _call_soon(loop, _deliver, items)
@@ -366,6 +367,8 @@ class EngineLoop:
             if route is not None:
                 error = EngineFailed(failure.message_for(request_id))
                 _call_soon(route.loop, _deliver, [(route.outputs, error)])
+                if self.metrics is not None:
+                    self.metrics.count_abort()
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, route in list(self._routes.items()):
@@ -374,6 +377,8 @@ class EngineLoop:
                 self.engine.abort(request_id)
             except Exception:
                 logger.exception("abort of %s failed after an engine error", request_id)
+            if self.metrics is not None:
+                self.metrics.count_abort()
         self._routes.clear()
 
     def _abort_all(self) -> None:

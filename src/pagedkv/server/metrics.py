@@ -142,13 +142,20 @@ class ServerMetrics:
         """Record the time since the request's previous output token."""
         self.inter_token_latency.labels(self.model_name).observe(seconds)
 
-    def observe_finished(self, output: RequestOutput, num_output_tokens: int) -> None:
-        """Record a finished request's latencies (engine thread; prometheus-client is safe)."""
+    def observe_finished(
+        self, output: RequestOutput, generation_tokens: int, num_output_tokens: int
+    ) -> None:
+        """Record a finished request's latencies (engine thread; prometheus-client is safe).
+
+        `generation_tokens` counts every sample's tokens (vLLM's request_generation_tokens);
+        `num_output_tokens` is the longest sample's, whose decode time the per-token time
+        divides.
+        """
         metrics = output.metrics
         reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
         self.request_success.labels(self.model_name, reason).inc()
         self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.labels(self.model_name).observe(num_output_tokens)
+        self.request_generation_tokens.labels(self.model_name).observe(generation_tokens)
         scheduled = metrics.first_scheduled_time
         if scheduled is None or metrics.first_token_time is None or metrics.finished_time is None:
             return  # aborted before its first token: no latency to speak of
@@ -169,6 +176,10 @@ class ServerMetrics:
             self.time_per_output_token.labels(self.model_name).observe(
                 decode_time / (num_output_tokens - 1)
             )
+
+    def count_abort(self) -> None:
+        """A request the server ended itself (a failed step, a shutdown): vLLM's "abort"."""
+        self.request_success.labels(self.model_name, "abort").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

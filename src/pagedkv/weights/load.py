@@ -62,14 +62,15 @@ def load(
     *,
     dtype: torch.dtype | str = "float32",
     device: torch.device | str = "cpu",
-    quantization: str = "none",
+    quantization: str = "auto",
     progress: Callable[[str], None] = _to_stderr,
 ) -> LoadedModel:
     """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
 
     An existing path wins over a built-in name of the same spelling. `quantization` says what
-    the weights are kept as (`assemble.build_model`); a built-in model under "auto" loads its
-    GGUF file with the blocks as they are, otherwise its float32 folder. `progress` receives a
+    the weights are kept as (`assemble.build_model`; "auto", the engine's default too, keeps a
+    GGUF file's blocks and a float checkpoint float); a built-in model under "auto" loads its
+    GGUF file with the blocks as they are, under "none" its float32 folder. `progress` receives a
     line per step of a first-use pull and conversion (stderr by default: stdout is the
     commands' output).
     """

@@ -73,8 +73,8 @@ def gguf_file():
 
 @pytest.fixture(scope="module")
 def ours(gguf_file) -> LoadedModel:
-    """The built-in model as `load` gives it (through its cached converted folder)."""
-    return load(DEFAULT_MODEL, progress=lambda line: None)
+    """The built-in model as `load` gives it in float32 (through its cached converted folder)."""
+    return load(DEFAULT_MODEL, quantization="none", progress=lambda line: None)
 
 
 @pytest.fixture(scope="module")
