@@ -123,7 +123,12 @@ def make_case(contexts: list[int], block_size: int) -> Case:
 
     start = time.perf_counter()
     metadata = AttentionMetadata.build(
-        block_tables, contexts, [1] * num_seqs, block_size, None, key_bytes_per_block(k_cache)
+        block_tables,
+        contexts,
+        [1] * num_seqs,
+        block_size,
+        None,
+        key_bytes_per_block(k_cache, k_cache.dtype),
     )
     plan_seconds = time.perf_counter() - start
 

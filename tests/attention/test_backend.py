@@ -100,7 +100,7 @@ def test_triton_attention_passes_the_batch_tensors_to_the_kernels(monkeypatch) -
 
     calls = []
     monkeypatch.setattr(
-        triton_attention, "triton_paged_attention", lambda *a: calls.append(a) or a[0]
+        triton_attention, "triton_paged_attention", lambda *a, **kw: calls.append(a) or a[0]
     )
     batch = paged()
     step = forward_batch(batch, device="cuda")

@@ -114,7 +114,7 @@ def attend(
         batch.query_lens.tolist(),
         batch.k_cache.shape[1],
         sliding_window,
-        key_bytes_per_block(batch.k_cache),
+        key_bytes_per_block(batch.k_cache, batch.query.dtype),
     )
     query = batch.query if query is None else query
     return paged_attention(query, batch.k_cache, batch.v_cache, metadata, scale)
@@ -313,7 +313,12 @@ def test_a_query_is_computed_alike_on_every_path(
 
     for tail in (1, 2, 5, 16, 33):
         metadata = AttentionMetadata.build(
-            table, [context], [tail], 16, sliding_window, key_bytes_per_block(batch.k_cache)
+            table,
+            [context],
+            [tail],
+            16,
+            sliding_window,
+            key_bytes_per_block(batch.k_cache, batch.query.dtype),
         )
         out = paged_attention(batch.query[-tail:], batch.k_cache, batch.v_cache, metadata, scale)
         same(out, whole[-tail:])

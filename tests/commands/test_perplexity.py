@@ -72,3 +72,23 @@ def test_text_shorter_than_a_window_is_an_error(zoo, tmp_path, capsys) -> None:
     code = main(["perplexity", str(text), "--model", str(zoo.folder("llama")), "--n-ctx", "64"])
     assert code == 2
     assert "fewer than one window of n_ctx 64" in capsys.readouterr().err
+
+
+def test_command_scores_through_an_fp8_cache(zoo, tmp_path, capsys) -> None:
+    """`--kv-cache-dtype fp8` scores through fp8 blocks: the function's fp8 figure, not
+    auto's (the two differ on a tiny model: its logits move with its rounded K/V)."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    folder = zoo.folder("llama")
+    args = ["perplexity", str(text), "--model", str(folder), "--n-ctx", "32"]
+    assert main([*args, "--kv-cache-dtype", "fp8"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "kv_cache_dtype fp8" in line
+    figure = float(re.search(r"perplexity ([\d.]+) over", line)[1])
+    loaded = load(folder)
+    scores = {
+        kv: perplexity(loaded.model, loaded.tokenizer, TEXT, n_ctx=32, kv_cache_dtype=kv)
+        for kv in ("auto", "fp8")
+    }
+    assert figure == pytest.approx(scores["fp8"].perplexity, rel=1e-4)
+    assert scores["fp8"].perplexity != pytest.approx(scores["auto"].perplexity, rel=1e-4)

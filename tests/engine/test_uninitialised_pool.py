@@ -7,6 +7,8 @@ and transformers' greedy tokens where the dtype is float32, through every attent
 CPU takes: the C decode kernel (float32), the fused decode layer (quantised weights), and the
 PyTorch block-wise decode with its padded, masked chunks (16-bit caches), with a sliding window,
 and under swap preemption (whole blocks, unwritten tails included, move to and from swap).
+An fp8 pool is filled with NaN bytes (0xFF in both formats) and read by the same paths: the
+C kernels through their byte table, the fused layer, and the PyTorch gather that widens them.
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ from tests.model.tiny_models import random_prompt
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, logprobs=1)
 PROMPTS = [random_prompt(length, seed=length) for length in (3, 17, 40, 71, 130)]
 CASES = [
-    ("llama", "float32", "none"),
-    ("mistral", "float32", "none"),
-    ("llama", "bfloat16", "none"),
-    ("mistral", "bfloat16", "none"),
-    ("llama", "float32", "int4"),
+    ("llama", "float32", "none", "auto"),
+    ("mistral", "float32", "none", "auto"),
+    ("llama", "bfloat16", "none", "auto"),
+    ("mistral", "bfloat16", "none", "auto"),
+    ("llama", "float32", "int4", "auto"),
+    ("llama", "float32", "none", "fp8"),
+    ("mistral", "bfloat16", "none", "fp8"),
+    ("llama", "float32", "int4", "fp8"),
+    ("mistral", "float32", "none", "fp8_e5m2"),
 ]
+NAN_BYTE = 0xFF  # NaN in float8_e4m3fn and in float8_e5m2
 
 
 def _greedy(engine) -> list[list[int]]:
@@ -41,19 +48,25 @@ def _greedy(engine) -> list[list[int]]:
     return [tokens[str(index)] for index in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize(("name", "dtype", "quantization"), CASES)
-def test_a_nan_filled_pool_changes_no_output(engine_zoo, name, dtype, quantization):
+@pytest.mark.parametrize(("name", "dtype", "quantization", "kv_cache_dtype"), CASES)
+def test_a_nan_filled_pool_changes_no_output(engine_zoo, name, dtype, quantization, kv_cache_dtype):
     outputs = []
-    for fill in (0.0, float("nan")):
+    nan = float("nan") if kv_cache_dtype == "auto" else NAN_BYTE
+    for fill in (0, nan):
         # 12 blocks for 5 prompts of up to 150 tokens: requests are swapped out and back in.
         engine = make_engine(
-            engine_zoo, name, dtype=dtype, quantization=quantization, num_gpu_blocks=12
+            engine_zoo,
+            name,
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            num_gpu_blocks=12,
         )
         engine.kv_cache.cache.fill_(fill)
         engine.kv_cache.swap_space.fill_(fill)
         outputs.append(_greedy(engine))
         assert engine.stats.num_swap_preemptions > 0
     assert outputs[1] == outputs[0]
-    if dtype == "float32" and quantization == "none":
+    if dtype == "float32" and quantization == "none" and kv_cache_dtype == "auto":
         expected = [engine_zoo.hf_greedy(name, tuple(p), GREEDY.max_tokens) for p in PROMPTS]
         assert outputs[1] == expected

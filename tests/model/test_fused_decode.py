@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
+from pagedkv.attention.fp8 import KVScales
 from pagedkv.model import decoder
 from pagedkv.model.fused_decode import run_fused
 from pagedkv.weights.load import load
@@ -37,10 +38,13 @@ def both_ways(monkeypatch) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
     return outputs
 
 
-def decode_steps(model, num_seqs: int, steps: int) -> None:
-    """A prompt per sequence, then `steps` batched decode steps of all of them."""
+def decode_steps(model, num_seqs: int, steps: int, **cache_options) -> None:
+    """A prompt per sequence, then `steps` batched decode steps of all of them (into a cache
+    made with `cache_options`: an fp8 dtype and scales)."""
     block_size = 4
-    cache = KVCache.for_model(model, block_size=block_size, num_blocks=16 * num_seqs)
+    cache = KVCache.for_model(
+        model, block_size=block_size, num_blocks=16 * num_seqs, **cache_options
+    )
     tables = [list(range(16 * s, 16 * (s + 1))) for s in range(num_seqs)]
     prompts = [random_prompt(5 + 3 * s, seed=s) for s in range(num_seqs)]
     model(
@@ -73,6 +77,21 @@ def test_fused_layer_equals_the_op_by_op_layer(zoo, monkeypatch, name, scheme, n
     for fused, plain in decodes:
         scale = plain.abs().max().item()
         assert (fused - plain).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_layer_over_fp8_caches_equals_the_op_by_op_layer(zoo, monkeypatch, dtype):
+    """The C layer rounds K/V into fp8 bytes and reads them back with each layer's scales,
+    as the op-by-op path's kernels do; the same bound as over float32 caches."""
+    model = load(zoo.folder("llama"), quantization="int4").model
+    num_layers = model.config.num_layers
+    scales = [KVScales(0.5 + layer, 0.25 * (layer + 1)) for layer in range(num_layers)]
+    outputs = both_ways(monkeypatch)
+    decode_steps(model, 3, steps=6, dtype=dtype, scales=scales)
+    decodes = [(f, p) for f, p in outputs if p.shape[0] == 3 and f is not None]
+    assert len(decodes) == 6 * num_layers
+    for fused, plain in decodes:
+        assert (fused - plain).abs().max().item() <= 1e-5 * plain.abs().max().item()
 
 
 def test_prompts_and_dense_or_normed_layers_run_op_by_op(zoo, monkeypatch):

@@ -9,6 +9,9 @@ metadata it reads, once per forward pass, and nothing else: the PyTorch backend 
 (`AttentionMetadata`, one plan per sliding window, shared by every layer through the batch);
 the Triton kernels read the batch's own tensors and need no plan.
 
+Every backend writes and reads fp8 caches (`attention/fp8.py`): each write and attention call
+takes the cache's `KVScales`, and a cache tensor's dtype (an fp8 view) says what it holds.
+
 Triton is imported only when a CUDA backend is selected, so `import pagedkv` and every CPU run
 work without it (it is the optional `pagedkv[gpu]` extra); on CUDA without triton the PyTorch
 path runs, with one warning, since it is correct there too, only slower.
@@ -26,15 +29,21 @@ from torch import Tensor
 
 from pagedkv.attention import torch_backend
 from pagedkv.attention.batch import ForwardBatch
+from pagedkv.attention.fp8 import FP8_LAYOUTS, UNIT_SCALES, KVScales, byte_values, is_fp8
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.kernels import native
 
 
 class PagedKVCache(Protocol):
-    """What attention needs of a KV cache: each layer's K and V block tensors."""
+    """What attention needs of a KV cache: each layer's K and V block tensors, and what an
+    fp8 cache's bytes are worth."""
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         """`(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+        ...
+
+    def layer_scales(self, index: int) -> KVScales:
+        """What layer `index`'s fp8 key and value bytes are worth (1 for other caches)."""
         ...
 
     def check_dtype(self, kv_dtype: torch.dtype) -> None:
@@ -43,13 +52,22 @@ class PagedKVCache(Protocol):
 
 
 class AttentionBackend(ABC):
-    """Writes a layer's new K/V into the paged cache and attends over it."""
+    """Writes a layer's new K/V into the paged cache and attends over it.
+
+    `scales` say what an fp8 cache's bytes are worth; other caches ignore them.
+    """
 
     name: str
 
     @abstractmethod
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+        self,
+        key: Tensor,
+        value: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
         """Store the new tokens' K/V `[num_tokens, num_kv_heads, head_dim]` at their slots."""
 
@@ -62,6 +80,7 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None,
+        scales: KVScales = UNIT_SCALES,
     ) -> Tensor:
         """Attention output `[num_tokens, num_heads, head_dim]` of the batch's new tokens."""
 
@@ -72,9 +91,15 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+        self,
+        key: Tensor,
+        value: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
-        torch_backend.write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+        torch_backend.write_kv(key, value, k_cache, v_cache, batch.slot_mapping, scales)
 
     def attend(
         self,
@@ -84,8 +109,9 @@ class TorchAttention(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None,
+        scales: KVScales = UNIT_SCALES,
     ) -> Tensor:
-        key_bytes = torch_backend.key_bytes_per_block(k_cache)
+        key_bytes = torch_backend.key_bytes_per_block(k_cache, query.dtype)
         # Layers of one model share the window and key size, so a forward builds one plan
         # per distinct window, with the first layer that asks.
         metadata = batch.step_state(
@@ -99,7 +125,7 @@ class TorchAttention(AttentionBackend):
                 key_bytes,
             ),
         )
-        return torch_backend.paged_attention(query, k_cache, v_cache, metadata, scale)
+        return torch_backend.paged_attention(query, k_cache, v_cache, metadata, scale, scales)
 
 
 class TritonAttention(AttentionBackend):
@@ -108,11 +134,17 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+        self,
+        key: Tensor,
+        value: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
         from pagedkv.attention.triton.kv import triton_write_kv
 
-        triton_write_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+        triton_write_kv(key, value, k_cache, v_cache, batch.slot_mapping, scales)
 
     def attend(
         self,
@@ -122,6 +154,7 @@ class TritonAttention(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None,
+        scales: KVScales = UNIT_SCALES,
     ) -> Tensor:
         from pagedkv.attention.triton.attention import triton_paged_attention
 
@@ -136,34 +169,52 @@ class TritonAttention(AttentionBackend):
             max(batch.host_context_lens),
             scale,
             sliding_window,
+            scales=scales,
         )
 
 
 class CPUAttention(TorchAttention):
-    """PyTorch, except that a step where every sequence decodes, over float32 caches, is one
-    call of the C decode kernel per layer instead of a dozen small ops."""
+    """PyTorch, except that the K/V write and a step where every sequence decodes, over float32
+    or fp8 caches, are one call of the C kernels per layer instead of a dozen small ops."""
 
     name = "cpu"
 
     def write_kv(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, batch: ForwardBatch
+        self,
+        key: Tensor,
+        value: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        batch: ForwardBatch,
+        scales: KVScales = UNIT_SCALES,
     ) -> None:
         kernels = native.kernels()
         rows_ok = all(t.dtype == torch.float32 and native.heads_packed(t) for t in (key, value))
         if kernels is None or not rows_ok or not self.takes(k_cache, v_cache, key, value):
-            super().write_kv(key, value, k_cache, v_cache, batch)
+            super().write_kv(key, value, k_cache, v_cache, batch, scales)
             return
-        slots = batch.slot_mapping
-        kernels.write_kv(
+        rows = (
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
             value.stride(0),
             key.shape[0],
             key.shape[1] * key.shape[2],
-            slots.data_ptr(),
+            batch.slot_mapping.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+        )
+        fp8 = self.fp8_args(k_cache, scales)
+        if fp8 is None:
+            kernels.write_kv(*rows)
+            return
+        kernels.write_kv_fp8(
+            *rows,
+            fp8.mantissa_bits,
+            fp8.exponent_bias,
+            fp8.max,
+            fp8.k_inverse_scale,
+            fp8.v_inverse_scale,
         )
 
     def attend(
@@ -174,14 +225,17 @@ class CPUAttention(TorchAttention):
         batch: ForwardBatch,
         scale: float,
         sliding_window: int | None,
+        scales: KVScales = UNIT_SCALES,
     ) -> Tensor:
         kernels = native.kernels()
         all_decode = max(batch.host_query_lens) == 1
-        if kernels is None or not all_decode or not self.takes(k_cache, v_cache, query):
-            return super().attend(query, k_cache, v_cache, batch, scale, sliding_window)
+        takes = query.dtype == torch.float32 and self.takes(k_cache, v_cache, query)
+        if kernels is None or not all_decode or not takes:
+            return super().attend(query, k_cache, v_cache, batch, scale, sliding_window, scales)
         num_seqs, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         tables = self.decode_tables(batch)
+        fp8 = self.fp8_args(k_cache, scales)
         query = query.contiguous()
         out = torch.empty_like(query)
         status = kernels.decode_attention(
@@ -200,6 +254,9 @@ class CPUAttention(TorchAttention):
             block_size,
             scale,
             sliding_window or 0,
+            None if fp8 is None else fp8.table,
+            1.0 if fp8 is None else fp8.k_scale,
+            1.0 if fp8 is None else fp8.v_scale,
             out.data_ptr(),
         )
         if status != 0:
@@ -214,13 +271,36 @@ class CPUAttention(TorchAttention):
 
     @staticmethod
     def takes(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:
-        """Whether the C kernels can read these: float32 caches in CPU memory, inputs there
-        too."""
+        """Whether the C kernels can read these: float32 or fp8 caches in CPU memory, inputs
+        there too."""
         caches_ok = all(
-            c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous()
+            (c.dtype == torch.float32 or is_fp8(c.dtype))
+            and c.device.type == "cpu"
+            and c.is_contiguous()
             for c in (k_cache, v_cache)
         )
         return caches_ok and all(t.device.type == "cpu" for t in tensors)
+
+    @staticmethod
+    def fp8_args(k_cache: Tensor, scales: KVScales) -> native.Fp8CacheArgs | None:
+        """An fp8 cache's format and scales as the C kernels take them; None for float32."""
+        return _fp8_args(k_cache.dtype, scales) if is_fp8(k_cache.dtype) else None
+
+
+@cache
+def _fp8_args(dtype: torch.dtype, scales: KVScales) -> native.Fp8CacheArgs:
+    """Made once per format and scales: every layer of every step passes the same."""
+    layout = FP8_LAYOUTS[dtype]
+    return native.Fp8CacheArgs(
+        byte_values(dtype).data_ptr(),
+        layout.mantissa_bits,
+        layout.exponent_bias,
+        layout.max,
+        scales.k,
+        scales.v,
+        1.0 / scales.k,  # the multiplier fp8.quantize uses, so the bytes are torch's
+        1.0 / scales.v,
+    )
 
 
 def _decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:

@@ -36,12 +36,14 @@ class PositionOutOfRange(InvalidBatch):
 
 
 class KVCacheDtypeMismatch(TypeError):
-    """K/V of one dtype meet a KV cache of another: the cache must be made in the model's dtype."""
+    """K/V of one dtype meet a KV cache of another: a cache stores the model's dtype, or fp8
+    (converted on write and read)."""
 
     def __init__(self, kv_dtype: object, cache_dtype: object) -> None:
         super().__init__(
-            f"the model's K/V are {kv_dtype} but the KV cache holds {cache_dtype}; "
-            f"make the cache with KVCache.for_model(model) (it takes the model's dtype)"
+            f"the model's K/V are {kv_dtype} but the KV cache holds {cache_dtype}; a cache "
+            f"stores the model's dtype or an fp8 format: make it with KVCache.for_model(model) "
+            f"(the model's dtype) or pass an fp8 dtype"
         )
         self.kv_dtype = kv_dtype
         self.cache_dtype = cache_dtype

@@ -22,6 +22,13 @@ prompts of a tiny Llama, issue 7). In float64 they differ by ~1e-16, far below h
 ulp, so the rounded outputs agree bit for bit unless an exact value lies within ~1e-16 of a
 rounding boundary: outputs do not depend on what was cached
 (tests/model/test_prefix_cache_precision.py).
+
+fp8 caches (`attention/fp8.py`) hold the model's values in one byte: `write_kv` rounds the new
+keys and values into them, and attention widens each chunk of blocks to the compute dtype as
+its gather copies them into its buffer (prefill: the keys its chunk sees), so no step makes a
+widened copy of the whole cache; the key scale goes into the score scale and the value scale
+into the output. The compute dtype follows the model's (the query's) dtype, as for a cache of
+that dtype.
 """
 
 from __future__ import annotations
@@ -30,34 +37,51 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedkv.attention.fp8 import (
+    UNIT_SCALES,
+    KVScales,
+    as_stored,
+    check_cache_dtypes,
+    is_fp8,
+    quantize,
+)
 from pagedkv.attention.metadata import AttentionMetadata, DecodePlan, PrefillPlan
 
 
-def compute_dtype(cache: Tensor) -> torch.dtype:
-    """The dtype attention accumulates in over ``cache`` (see the module doc).
+def compute_dtype(query_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention accumulates in for a model computing in ``query_dtype`` (see the
+    module doc).
 
-    float64 only for 16-bit caches on the CPU, where SDPA's flash kernel takes float64. On a
+    float64 only for 16-bit models on the CPU, where SDPA's flash kernel takes float64. On a
     GPU this module is the fallback of the Triton kernels, and float64 SDPA there would fall
     back to a kernel that materialises every score, so it accumulates in float32.
     """
-    if cache.dtype.itemsize >= 4:
-        return cache.dtype
-    return torch.float64 if cache.device.type == "cpu" else torch.float32
+    if query_dtype.itemsize >= 4:
+        return query_dtype
+    return torch.float64 if device.type == "cpu" else torch.float32
 
 
-def key_bytes_per_block(k_cache: Tensor) -> int:
+def key_bytes_per_block(k_cache: Tensor, query_dtype: torch.dtype) -> int:
     """Bytes one block of keys takes once gathered in the compute dtype (sizes decode chunks)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    return block_size * num_kv_heads * head_dim * compute_dtype(k_cache).itemsize
+    return (
+        block_size * num_kv_heads * head_dim * compute_dtype(query_dtype, k_cache.device).itemsize
+    )
 
 
 def write_kv(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    scales: KVScales = UNIT_SCALES,
 ) -> None:
     """Write the new tokens' keys and values into their cache slots, in place.
 
     ``key`` and ``value`` are ``[num_tokens, num_kv_heads, head_dim]``; ``slot_mapping`` holds
-    one flat slot id (``block * block_size + offset``) per token.
+    one flat slot id (``block * block_size + offset``) per token. An fp8 cache receives them
+    rounded (`fp8.quantize`) with ``scales``.
     """
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -73,13 +97,21 @@ def write_kv(
             f"slot_mapping {tuple(slot_mapping.shape)}, key {tuple(key.shape)} and value "
             f"{tuple(value.shape)} must agree on num_tokens"
         )
+    if is_fp8(k_cache.dtype):
+        key = as_stored(quantize(key, k_cache.dtype, scales.k))
+        value = as_stored(quantize(value, v_cache.dtype, scales.v))
     slots = slot_mapping.long()
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value
+    as_stored(k_cache).view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key
+    as_stored(v_cache).view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value
 
 
 def paged_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata, scale: float
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    scales: KVScales = UNIT_SCALES,
 ) -> Tensor:
     """Attention of each sequence's new tokens over that sequence's keys in the paged cache.
 
@@ -90,6 +122,7 @@ def paged_attention(
         metadata: the step's plan (block tables, lengths, sliding window), built once per
             forward; see `AttentionMetadata.build`.
         scale: multiplier of ``q @ k`` (usually ``head_dim ** -0.5``).
+        scales: what an fp8 cache's bytes are worth (ignored for other caches).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype. A query at position ``i``
@@ -98,14 +131,18 @@ def paged_attention(
         cached prefix.
     """
     _check_shapes(query, k_cache, v_cache, metadata)
+    # The key scale multiplies every score, the value scale every output: folded into both,
+    # they cost nothing per cached value.
+    k_scale, v_scale = (scales.k, scales.v) if is_fp8(k_cache.dtype) else (1.0, 1.0)
+    dtype = compute_dtype(query.dtype, query.device)
     out = torch.empty_like(query)
     if metadata.decode is not None:
-        buffers = _Buffers.for_plan(metadata, metadata.decode, k_cache)
+        buffers = _Buffers.for_plan(metadata, metadata.decode, k_cache, dtype)
         out[metadata.decode.rows] = _decode_attention(
-            query, k_cache, v_cache, metadata.decode, buffers, scale
+            query, k_cache, v_cache, metadata.decode, buffers, scale * k_scale, v_scale
         )
     for plan in metadata.prefills:
-        _prefill_attention(query, k_cache, v_cache, plan, scale, out)
+        _prefill_attention(query, k_cache, v_cache, plan, scale * k_scale, v_scale, out)
     return out
 
 
@@ -116,6 +153,7 @@ def _decode_attention(
     plan: DecodePlan,
     buffers: _Buffers,
     scale: float,
+    v_scale: float,
 ) -> Tensor:
     """One new token per sequence, all sequences at once, a chunk of block columns at a time.
 
@@ -132,7 +170,7 @@ def _decode_attention(
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    dtype = compute_dtype(k_cache)
+    dtype = buffers.head_major.dtype
     q = query.index_select(0, plan.rows).to(dtype) * scale
     q = q.view(len(q), num_kv_heads, group, head_dim)
     best = q.new_full((*q.shape[:3], 1), float("-inf"))  # each query head's maximum score
@@ -156,7 +194,10 @@ def _decode_attention(
         acc[chunk.rows].view(-1, group, head_dim).baddbmm_(
             probs.view(-1, group, probs.shape[-1]), values.view(-1, *values.shape[2:])
         )
-    return (acc / total).view(len(q), num_heads, head_dim).to(query.dtype)
+    out = acc / total
+    if v_scale != 1.0:
+        out.mul_(v_scale)
+    return out.view(len(q), num_heads, head_dim).to(query.dtype)
 
 
 class _Buffers:
@@ -169,39 +210,51 @@ class _Buffers:
 
     def __init__(self, rows: Tensor, head_major: Tensor) -> None:
         self.rows = rows  # [blocks, block_size, kv_heads, head_dim], as the cache stores them
-        self.head_major = head_major  # the same values, flat, in the compute dtype
+        self.head_major = head_major  # the same values, flat, widened to the compute dtype
 
     @classmethod
-    def for_plan(cls, metadata: AttentionMetadata, plan: DecodePlan, cache: Tensor) -> _Buffers:
-        """The step's buffers for caches shaped like ``cache``, made by the first layer."""
-        dtype = compute_dtype(cache)
-        key = (cache.dtype, cache.device, tuple(cache.shape[1:]))
+    def for_plan(
+        cls, metadata: AttentionMetadata, plan: DecodePlan, cache: Tensor, dtype: torch.dtype
+    ) -> _Buffers:
+        """The step's buffers for caches shaped like ``cache``, computed in ``dtype``, made by
+        the first layer."""
+        key = (cache.dtype, dtype, cache.device, tuple(cache.shape[1:]))
         if key not in metadata.scratch:
-            rows = cache.new_empty(plan.max_chunk_blocks, *cache.shape[1:])
+            rows = as_stored(cache).new_empty(plan.max_chunk_blocks, *cache.shape[1:])
             metadata.scratch[key] = (rows, rows.new_empty(rows.numel(), dtype=dtype))
         return cls(*metadata.scratch[key])
 
     def gather(self, cache: Tensor, blocks: Tensor) -> Tensor:
-        """``cache[blocks]`` for ``blocks [seqs, cols]``, laid out for batched matmuls."""
+        """``cache[blocks]`` for ``blocks [seqs, cols]``, laid out for batched matmuls and
+        widened to the compute dtype (an fp8 cache's bytes are converted by this copy)."""
         num_seqs, num_cols = blocks.shape
         _, block_size, num_kv_heads, head_dim = cache.shape
         rows = self.rows[: blocks.numel()]
-        torch.index_select(cache, 0, blocks.flatten(), out=rows)
-        per_seq = rows.view(num_seqs, num_cols * block_size, num_kv_heads, head_dim)
+        torch.index_select(as_stored(cache), 0, blocks.flatten(), out=rows)
+        per_seq = rows.view(cache.dtype).view(
+            num_seqs, num_cols * block_size, num_kv_heads, head_dim
+        )
         head_major = self.head_major[: rows.numel()].view(per_seq.transpose(1, 2).shape)
         return head_major.copy_(per_seq.transpose(1, 2))
 
 
 def _prefill_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, plan: PrefillPlan, scale: float, out: Tensor
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    v_scale: float,
+    out: Tensor,
 ) -> None:
-    """Several new tokens of one sequence: gather the keys they can see, then SDPA per chunk."""
+    """Several new tokens of one sequence: gather the keys they can see (widened to the
+    compute dtype), then SDPA per chunk."""
     num_kv_heads, head_dim = k_cache.shape[2:]
-    dtype = compute_dtype(k_cache)
+    dtype = compute_dtype(query.dtype, query.device)
 
     def gathered(cache: Tensor) -> Tensor:  # [1, kv_heads, keys, head_dim]
-        keys = cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
-        return keys.transpose(0, 1)[None].to(dtype)
+        keys = as_stored(cache).view(-1, num_kv_heads, head_dim).index_select(0, plan.key_slots)
+        return keys.view(cache.dtype).transpose(0, 1)[None].to(dtype)
 
     keys, values = gathered(k_cache), gathered(v_cache)
     for chunk in plan.chunks:
@@ -218,6 +271,8 @@ def _prefill_attention(
             scale=scale,
             enable_gqa=True,
         )
+        if v_scale != 1.0:
+            result.mul_(v_scale)
         out[rows] = result[0].transpose(0, 1)
 
 
@@ -240,10 +295,7 @@ def _check_shapes(
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"query ({query.dtype}) and caches ({k_cache.dtype}, {v_cache.dtype}) differ in dtype"
-        )
+    check_cache_dtypes(query.dtype, k_cache.dtype, v_cache.dtype)
     if not query.device == k_cache.device == v_cache.device == metadata.device:
         raise ValueError(
             f"query ({query.device}), caches ({k_cache.device}, {v_cache.device}) and the "

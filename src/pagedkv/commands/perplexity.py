@@ -8,7 +8,7 @@ windows go through the same paged KV cache and attention as serving, in pieces o
 `--max-num-batched-tokens` tokens, asking logits only of the scored positions.
 
 Prints the perplexity, tokens scored and tokens/s: run it once per `--quantization` to
-measure what quantised weights cost in accuracy.
+measure what quantised weights cost in accuracy, or per `--kv-cache-dtype` for an fp8 cache.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             max_windows=args.max_windows,
             block_size=engine_args.block_size,
             max_num_batched_tokens=engine_args.max_num_batched_tokens,
+            kv_cache_dtype=engine_args.kv_cache_dtype,
             progress=lambda line: print(line, file=sys.stderr),
         )
     except ValueError as error:
@@ -75,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         f"perplexity {result.perplexity:.4f} over {result.scored} tokens scored "
         f"({result.windows} windows of {args.n_ctx}); {result.tokens_per_s:.1f} tokens/s; "
         f"model {loaded.name}, quantization {engine_args.quantization}, "
+        f"kv_cache_dtype {engine_args.kv_cache_dtype}, "
         f"{torch.get_num_threads()} threads"
     )
     return 0
@@ -99,9 +105,13 @@ def perplexity(
     max_windows: int | None = None,
     block_size: int = 16,
     max_num_batched_tokens: int = 2048,
+    kv_cache_dtype: str = "auto",
     progress: Callable[[str], None] = lambda line: None,
 ) -> Perplexity:
-    """Score `text` with `model` by llama.cpp's method (see the module docstring)."""
+    """Score `text` with `model` by llama.cpp's method (see the module docstring), its KV
+    stored as `kv_cache_dtype` says (vLLM's values)."""
+    from pagedkv.worker.kv_cache import kv_cache_torch_dtype
+
     if n_ctx < 4:
         raise ValueError(f"n_ctx must be at least 4, got {n_ctx}")
     tokens = tokenizer.encode(text, add_special_tokens=False)
@@ -112,12 +122,13 @@ def perplexity(
         raise ValueError(f"{len(tokens)} tokens are fewer than one window of n_ctx {n_ctx}")
     bos = tokenizer.bos_token_id
     started = time.perf_counter()
+    kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, model.dtype)
     total_nll, scored = 0.0, 0
     for index in range(windows):
         window = tokens[index * n_ctx : (index + 1) * n_ctx]
         if bos is not None:
             window[0] = bos
-        nll, count = score_window(model, window, block_size, max_num_batched_tokens)
+        nll, count = score_window(model, window, block_size, max_num_batched_tokens, kv_dtype)
         total_nll += nll
         scored += count
         progress(f"[{index + 1}/{windows}] perplexity so far {math.exp(total_nll / scored):.4f}")
@@ -126,12 +137,17 @@ def perplexity(
 
 
 def score_window(
-    model, window: list[int], block_size: int, max_num_batched_tokens: int
+    model,
+    window: list[int],
+    block_size: int,
+    max_num_batched_tokens: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[float, int]:
     """Negative log-likelihood summed over the second half of `window`, and its count.
 
     Position `i` (from `n_ctx / 2` on) predicts token `i + 1`; the window runs in pieces of
-    `max_num_batched_tokens` through a paged cache just large enough for it.
+    `max_num_batched_tokens` through a paged cache just large enough for it, storing
+    `kv_dtype` (default: the model's).
     """
     import torch
 
@@ -139,7 +155,7 @@ def score_window(
     from pagedkv.worker.kv_cache import KVCache
 
     table = list(range(-(-len(window) // block_size)))
-    cache = KVCache.for_model(model, block_size=block_size, num_blocks=len(table))
+    cache = KVCache.for_model(model, block_size=block_size, num_blocks=len(table), dtype=kv_dtype)
     first = len(window) // 2
     nll, count = 0.0, 0
     step = max_num_batched_tokens

@@ -21,7 +21,7 @@ from pagedkv.commands.arguments import (
 )
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
 from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, resolve_model
-from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
+from pagedkv.kvmath.spec import DTYPE_BYTES, GB, KV_CACHE_DTYPES, ConfigError, format_bytes
 
 DEFAULT_LENGTHS = "2k,8k,32k,128k"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -38,7 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, or a model folder",
     )
-    parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
+    kv_dtype = parser.add_mutually_exclusive_group()
+    kv_dtype.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
+    kv_dtype.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="vLLM's spelling, as the engine takes it: auto (the config's dtype), fp8, "
+        "fp8_e4m3 or fp8_e5m2 (1 byte per value)",
+    )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     pool = parser.add_mutually_exclusive_group(required=True)
     pool.add_argument("--pool-gb", type=positive_gb, help="KV pool size in GB (10^9 bytes)")
@@ -81,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
-        model = resolve_model(args.model, args.kv_dtype)
+        model = resolve_model(args.model, _kv_dtype(args))
         pool = _pool(args, model)
         plan = plan_capacity(
             model.spec,
@@ -99,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_plan(Console(), model, plan)
     return 0
+
+
+def _kv_dtype(args: argparse.Namespace) -> str | None:
+    """The KV dtype asked for under either spelling; None: the config's."""
+    if args.kv_cache_dtype not in (None, "auto"):
+        return args.kv_cache_dtype  # an fp8 name, which KVSpec reads as fp8
+    return args.kv_dtype
 
 
 def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:

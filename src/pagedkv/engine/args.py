@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
+from pagedkv.kvmath.spec import KV_CACHE_DTYPES
 from pagedkv.quant.schemes import QUANTIZATIONS
 
 # vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
@@ -35,6 +36,9 @@ _HELP = {
     "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
     "num_gpu_blocks_override": "vLLM's name for num_gpu_blocks (wins when given)",
     "kv_cache_memory": "bytes for the KV pool, instead of num_gpu_blocks",
+    "kv_cache_dtype": "what KV blocks store: auto (the model's dtype) or one byte per value, "
+    "fp8 (= fp8_e4m3: finer steps) or fp8_e5m2 (wider range); fp8 holds 2x the blocks of "
+    "a 16-bit cache, 4x of float32",
     "swap_space_gb": "GiB of CPU memory for swapped-out blocks (0 disables swap)",
     "swap_space": "vLLM's name for swap_space_gb (wins when given)",
     "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
@@ -65,6 +69,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
     swap_space_gb: float = 1.0
     swap_space: float | None = None
     enable_prefix_caching: bool = True
@@ -113,6 +118,10 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.dtype not in DTYPE_SPELLINGS:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_SPELLINGS)}, got {self.dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -160,6 +169,8 @@ class EngineArgs:
                 kwargs["choices"] = SCHEDULING_POLICIES
             elif field.name == "quantization":
                 kwargs["choices"] = QUANTIZATIONS
+            elif field.name == "kv_cache_dtype":
+                kwargs["choices"] = KV_CACHE_DTYPES
             else:
                 kwargs["type"] = _CLI_TYPES.get(field.name, str)
             if default is not None:

@@ -47,7 +47,7 @@ from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
 from pagedkv.weights.load import LoadedModel, load
 from pagedkv.worker.kv_budget import GIB, PoolRequest, kv_budget
-from pagedkv.worker.kv_cache import KVCache
+from pagedkv.worker.kv_cache import KVCache, kv_dtype_name
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
 from pagedkv.worker.threads import physical_cores
@@ -92,18 +92,23 @@ class Engine:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
+                kv_cache_dtype=args.kv_cache_dtype,
             ),
             loaded.model,
         )
         # The host tier's blocks follow the swap pool's in the one CPU tensor (split, not
         # shared: see memory/host_tier.py).
         num_offload_blocks = int(args.kv_offloading_size * GIB) // budget.bytes_per_block
-        self.kv_cache = KVCache.for_model(  # the model's dtype and device
+        self.kv_cache = KVCache.for_model(  # the model's device; its dtype or fp8
             loaded.model,
             block_size=args.block_size,
             num_blocks=budget.num_gpu_blocks,
             num_cpu_blocks=budget.num_cpu_blocks + num_offload_blocks,
+            dtype=budget.kv_dtype,
         )
+        # What blocks store (auto resolved: float32, bfloat16, fp8_e4m3...) and their bytes.
+        self.kv_cache_dtype = kv_dtype_name(budget.kv_dtype)
+        self.kv_bytes_per_block = budget.bytes_per_block
         pool_seconds = time.perf_counter() - pool_started
         self.manager = KVCacheManager(
             budget.num_gpu_blocks,
@@ -353,6 +358,8 @@ class Engine:
             tokens_per_s=recent / span,
             step_seconds_total=self._step_seconds,
             forward_seconds_total=self.runner.forward_seconds,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_bytes_per_block=self.kv_bytes_per_block,
             **memory_fields(self.manager),
         )
 

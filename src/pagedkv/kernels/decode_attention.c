@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, on the CPU, float32 caches.
+/* Decode attention over the paged KV cache, on the CPU, float32 or fp8 caches.
  *
  * One new token per sequence. Each (sequence, KV head) is one task: its query heads (the
  * group sharing that KV head) read the sequence's keys straight from their blocks through the
@@ -9,6 +9,11 @@
  * Cache layout [num_blocks, block_size, num_kv_heads, head_dim]: token p of a sequence is in
  * slot table[p / block_size] * block_size + p % block_size. A sliding window of w keeps the
  * last w positions (the token itself included), as in Mistral.
+ *
+ * An fp8 cache (one byte per value) is read through a table of the 256 bytes' float values,
+ * the very floats torch's cast gives (pagedkv.attention.fp8.byte_values): each key or value
+ * row is decoded into a head_dim scratch row, then used as a float32 row would be. The key
+ * scale multiplies the scores and the value scale the output, once each.
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,17 +74,30 @@ static float softmax_numerators(float *scores, int64_t n, float max) {
     return sum;
 }
 
+/* Row `row` of a cache of head_dim-value rows as float32: the row itself in a float32 cache
+ * (fp8_table NULL), else its bytes decoded through fp8_table into `scratch`. */
+static const float *cached_row(const void *cache, int64_t row, int64_t head_dim,
+                               const float *fp8_table, float *scratch) {
+    if (fp8_table == NULL) return (const float *)cache + row * head_dim;
+    const uint8_t *bytes = (const uint8_t *)cache + row * head_dim;
+    for (int64_t j = 0; j < head_dim; j++) scratch[j] = fp8_table[bytes[j]];
+    return scratch;
+}
+
 /* out [num_seqs, num_heads, head_dim] = attention of q (rows `q_stride` floats apart, heads
  * contiguous) over each sequence's context_lens[s] cached positions; its block table is row
- * table_rows[s] of block_tables. Returns 0, or -1 when scratch memory cannot be allocated. */
-int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
-                             const float *v_cache,
+ * table_rows[s] of block_tables. The caches hold float32, or fp8 bytes when fp8_table (256
+ * floats) is given, worth k_scale / v_scale times their table value. Returns 0, or -1 when
+ * scratch memory cannot be allocated. */
+int pagedkv_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                             const void *v_cache,
                              const int32_t *block_tables, int64_t table_stride,
                              const int64_t *table_rows, const int32_t *context_lens,
                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                             float *out) {
+                             const float *fp8_table, float k_scale, float v_scale, float *out) {
     int64_t group = num_heads / num_kv_heads;
+    float key_scale = scale * k_scale;
     int64_t longest = 0;
     for (int64_t s = 0; s < num_seqs; s++)
         if (context_lens[s] > longest) longest = context_lens[s];
@@ -88,7 +106,8 @@ int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_ca
     {
         float *scores = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
         float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));
-        failed = scores == NULL || acc == NULL;
+        float *row = malloc(sizeof(float) * (size_t)head_dim);
+        failed = scores == NULL || acc == NULL || row == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {
             if (failed) continue;
@@ -102,9 +121,9 @@ int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_ca
                 float max = -INFINITY;
                 for (int64_t p = start; p < ctx; p++) {
                     int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    float score =
-                        dot(qh + g * head_dim, k_cache + (slot * num_kv_heads + h) * head_dim,
-                            head_dim) * scale;
+                    const float *k =
+                        cached_row(k_cache, slot * num_kv_heads + h, head_dim, fp8_table, row);
+                    float score = dot(qh + g * head_dim, k, head_dim) * key_scale;
                     scores[g * n + (p - start)] = score;
                     max = score > max ? score : max;
                 }
@@ -113,17 +132,19 @@ int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_ca
                 for (int64_t j = 0; j < head_dim; j++) a[j] = 0.0f;
                 for (int64_t p = start; p < ctx; p++) {
                     int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                    const float *v = v_cache + (slot * num_kv_heads + h) * head_dim;
+                    const float *v =
+                        cached_row(v_cache, slot * num_kv_heads + h, head_dim, fp8_table, row);
                     float weight = scores[g * n + (p - start)];
 #pragma omp simd
                     for (int64_t j = 0; j < head_dim; j++) a[j] += weight * v[j];
                 }
                 float *o = out + (s * num_heads + h * group + g) * head_dim;
-                for (int64_t j = 0; j < head_dim; j++) o[j] = a[j] / sum;
+                for (int64_t j = 0; j < head_dim; j++) o[j] = a[j] / sum * v_scale;
             }
         }
         free(scores);
         free(acc);
+        free(row);
     }
     return failed ? -1 : 0;
 }

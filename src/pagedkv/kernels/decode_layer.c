@@ -9,7 +9,8 @@
  *
  * Every matmul is pagedkv_qmatmul over quantised weights, rope and the K/V write those of
  * rope_kv.c, attention that of decode_attention.c: the floats are the unfused path's, except
- * silu (expf here, PyTorch's own there), a difference of float32 rounding.
+ * silu (expf here, PyTorch's own there), a difference of float32 rounding. The caches hold
+ * float32, or fp8 bytes when an Fp8Cache is given: written and read by those same kernels.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,20 +29,38 @@ typedef struct {
     const float *bias; /* NULL when none */
 } QuantizedWeight;
 
+/* An fp8 cache's format (pagedkv.attention.fp8) and scales, as native.Fp8CacheArgs. */
+typedef struct {
+    const float *table; /* the 256 bytes' values */
+    int64_t mantissa_bits;
+    int64_t exponent_bias;
+    float max;
+    float k_scale; /* a stored key byte is worth k_scale x its table value */
+    float v_scale;
+    float k_inverse_scale; /* 1 / k_scale as the writer multiplies by it (torch's float) */
+    float v_inverse_scale;
+} Fp8Cache;
+
 int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     const float *scales, const float *mins, int has_mins, int bits, int64_t g,
                     int64_t n, const float *bias, float *y);
-int pagedkv_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
-                             const float *v_cache, const int32_t *block_tables,
+int pagedkv_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                             const void *v_cache, const int32_t *block_tables,
                              int64_t table_stride, const int64_t *table_rows,
                              const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, int64_t window, float *out);
+                             float scale, int64_t window, const float *fp8_table, float k_scale,
+                             float v_scale, float *out);
 void pagedkv_rope(float *x, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
                   int64_t head_dim, const float *cos, const float *sin);
 void pagedkv_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                       int64_t num_tokens, int64_t width, const int64_t *slots, float *k_cache,
                       float *v_cache);
+void pagedkv_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                          int64_t num_tokens, int64_t width, const int64_t *slots,
+                          uint8_t *k_cache, uint8_t *v_cache, int64_t mantissa_bits,
+                          int64_t bias, float max, float k_inverse_scale,
+                          float v_inverse_scale);
 void pagedkv_rms_norm(const float *x, int64_t rows, int64_t cols, const float *weight, float eps,
                       float *out);
 
@@ -51,17 +70,29 @@ static int project(const float *x, int64_t m, const QuantizedWeight *w, float *y
                            w->bias, y);
 }
 
-/* weights: qkv, o, gate_up, down. hidden [m, hidden_size] is updated in place.
- * Returns 0, or -1 when scratch memory cannot be allocated. */
+/* The new tokens' keys and values (rows `stride` floats apart) into their slots. */
+static void write_kv(const float *k, const float *v, int64_t stride, int64_t m, int64_t width,
+                     const int64_t *slots, void *k_cache, void *v_cache, const Fp8Cache *fp8) {
+    if (fp8 == NULL) {
+        pagedkv_write_kv(k, stride, v, stride, m, width, slots, k_cache, v_cache);
+        return;
+    }
+    pagedkv_write_kv_fp8(k, stride, v, stride, m, width, slots, k_cache, v_cache,
+                         fp8->mantissa_bits, fp8->exponent_bias, fp8->max,
+                         fp8->k_inverse_scale, fp8->v_inverse_scale);
+}
+
+/* weights: qkv, o, gate_up, down. hidden [m, hidden_size] is updated in place. The caches hold
+ * float32 (fp8 NULL) or fp8 bytes. Returns 0, or -1 when scratch memory cannot be allocated. */
 int pagedkv_decode_layer(float *hidden, int64_t m, int64_t hidden_size,
                          const float *input_norm, const float *post_norm, float eps,
                          const QuantizedWeight *weights, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, const float *cos,
-                         const float *sin, float *k_cache, float *v_cache,
+                         const float *sin, void *k_cache, void *v_cache,
                          const int64_t *slots, const int32_t *block_tables,
                          int64_t table_stride, const int64_t *table_rows,
                          const int32_t *context_lens, int64_t block_size, float scale,
-                         int64_t window) {
+                         int64_t window, const Fp8Cache *fp8) {
     const QuantizedWeight *qkv = &weights[0], *o = &weights[1], *gate_up = &weights[2],
                           *down = &weights[3];
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -79,12 +110,13 @@ int pagedkv_decode_layer(float *hidden, int64_t m, int64_t hidden_size,
         if (status == 0) {
             pagedkv_rope(mixed, m, qkv_size, num_heads, head_dim, cos, sin);
             pagedkv_rope(mixed + q_size, m, qkv_size, num_kv_heads, head_dim, cos, sin);
-            pagedkv_write_kv(mixed + q_size, qkv_size, mixed + q_size + kv_size, qkv_size, m,
-                             kv_size, slots, k_cache, v_cache);
-            status = pagedkv_decode_attention(mixed, qkv_size, k_cache, v_cache, block_tables,
-                                              table_stride, table_rows, context_lens, m,
-                                              num_heads, num_kv_heads, head_dim, block_size,
-                                              scale, window, attended);
+            write_kv(mixed + q_size, mixed + q_size + kv_size, qkv_size, m, kv_size, slots,
+                     k_cache, v_cache, fp8);
+            status = pagedkv_decode_attention(
+                mixed, qkv_size, k_cache, v_cache, block_tables, table_stride, table_rows,
+                context_lens, m, num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                fp8 ? fp8->table : NULL, fp8 ? fp8->k_scale : 1.0f, fp8 ? fp8->v_scale : 1.0f,
+                attended);
         }
         if (status == 0) status = project(attended, m, o, projected);
         if (status == 0) {

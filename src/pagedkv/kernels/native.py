@@ -1,4 +1,5 @@
-"""The CPU kernels in C (`qmatmul.c`, `decode_attention.c`), compiled once per machine.
+"""The CPU kernels in C (`qmatmul.c`, `decode_attention.c`, `rope_kv.c`, `decode_layer.c`),
+compiled once per machine.
 
 PyTorch 2.13's CPU build has no fast 4-bit or int8 weight-only matmul on AVX2 machines (its
 `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` fall back to scalar loops there:
@@ -49,7 +50,9 @@ _DECODE_ATTENTION_ARGS = (
     + [ctypes.c_void_p] * 3  # k_cache, v_cache, block_tables
     + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, table_rows, context_lens
     + [ctypes.c_int64] * 5  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-    + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]  # scale, window, out
+    + [ctypes.c_float, ctypes.c_int64]  # scale, window
+    + [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]  # fp8_table, k_scale, v_scale
+    + [ctypes.c_void_p]  # out
 )
 _ROPE_ARGS = (
     [ctypes.c_void_p]
@@ -74,6 +77,21 @@ class QuantizedWeightArgs(ctypes.Structure):
     ]
 
 
+class Fp8CacheArgs(ctypes.Structure):
+    """decode_layer.c's `Fp8Cache`: an fp8 cache's byte table, bit layout and scales."""
+
+    _fields_ = [
+        ("table", ctypes.c_void_p),
+        ("mantissa_bits", ctypes.c_int64),
+        ("exponent_bias", ctypes.c_int64),
+        ("max", ctypes.c_float),
+        ("k_scale", ctypes.c_float),
+        ("v_scale", ctypes.c_float),
+        ("k_inverse_scale", ctypes.c_float),
+        ("v_inverse_scale", ctypes.c_float),
+    ]
+
+
 _DECODE_LAYER_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # hidden, m, hidden_size
     + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]  # input_norm, post_norm, eps
@@ -82,6 +100,7 @@ _DECODE_LAYER_ARGS = (
     + [ctypes.c_void_p] * 6  # cos, sin, k_cache, v_cache, slots, block_tables
     + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, rows, context_lens
     + [ctypes.c_int64, ctypes.c_float, ctypes.c_int64]  # block_size, scale, window
+    + [ctypes.POINTER(Fp8CacheArgs)]  # fp8 (NULL: float32 caches)
 )
 _RMS_NORM_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, rows, cols, weight
@@ -91,6 +110,10 @@ _WRITE_KV_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # k, stride, v, stride
     + [ctypes.c_int64, ctypes.c_int64]  # num_tokens, width
     + [ctypes.c_void_p] * 3  # slots, k_cache, v_cache
+)
+_WRITE_KV_FP8_ARGS = _WRITE_KV_ARGS + (
+    [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]  # mantissa_bits, bias, max
+    + [ctypes.c_float, ctypes.c_float]  # k_inverse_scale, v_inverse_scale
 )
 
 
@@ -107,6 +130,7 @@ class Kernels:
     decode_attention: ctypes._CFuncPtr  # one new token per sequence over its paged keys
     rope: ctypes._CFuncPtr  # rotary embedding in place
     write_kv: ctypes._CFuncPtr  # new keys and values into their cache slots
+    write_kv_fp8: ctypes._CFuncPtr  # the same, rounded into fp8 bytes
     rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
     decode_layer: ctypes._CFuncPtr  # a whole decoder layer of a decode step
 
@@ -128,6 +152,8 @@ def kernels() -> Kernels | None:
     library.pagedkv_rope.restype = None
     library.pagedkv_write_kv.argtypes = _WRITE_KV_ARGS
     library.pagedkv_write_kv.restype = None
+    library.pagedkv_write_kv_fp8.argtypes = _WRITE_KV_FP8_ARGS
+    library.pagedkv_write_kv_fp8.restype = None
     library.pagedkv_rms_norm.argtypes = _RMS_NORM_ARGS
     library.pagedkv_rms_norm.restype = None
     library.pagedkv_decode_layer.argtypes = _DECODE_LAYER_ARGS
@@ -138,6 +164,7 @@ def kernels() -> Kernels | None:
         library.pagedkv_decode_attention,
         library.pagedkv_rope,
         library.pagedkv_write_kv,
+        library.pagedkv_write_kv_fp8,
         library.pagedkv_rms_norm,
         library.pagedkv_decode_layer,
     )

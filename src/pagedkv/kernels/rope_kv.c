@@ -1,7 +1,8 @@
 /* Two small per-layer steps of a forward pass, each one call instead of a handful of ops:
  * rotary embedding of q and k in place, and the copy of the new keys and values into their
- * cache slots. Built with -ffp-contract=off, so `x * cos + rotated * sin` rounds exactly as
- * PyTorch's three separate ops do: the results are the same floats. */
+ * cache slots (float32 rows, or fp8 bytes rounded here). Built with -ffp-contract=off, so
+ * `x * cos + rotated * sin` rounds exactly as PyTorch's three separate ops do: the results are
+ * the same floats, and the fp8 bytes those of torch's cast. */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -33,6 +34,49 @@ void pagedkv_write_kv(const float *k, int64_t k_stride, const float *v, int64_t 
     for (int64_t t = 0; t < num_tokens; t++) {
         memcpy(k_cache + slots[t] * width, k + t * k_stride, sizeof(float) * (size_t)width);
         memcpy(v_cache + slots[t] * width, v + t * v_stride, sizeof(float) * (size_t)width);
+    }
+}
+
+/* The fp8 byte nearest x (ties to even), saturated at +-max, of a format with `mantissa_bits`
+ * and exponent `bias`: the byte torch's float8 cast of clamp(x, -max, max) gives. NaN stays
+ * NaN (0x7F). A normal result keeps float32's exponent, rebiased, and its top mantissa bits,
+ * rounded on the whole bit pattern so a carry moves into the exponent; a subnormal result is
+ * the count of its fixed steps of 2^(1 - bias - mantissa_bits). */
+static uint8_t to_fp8(float x, int64_t mantissa_bits, int64_t bias, float max) {
+    if (isnan(x)) return 0x7F;
+    uint8_t sign = signbit(x) ? 0x80 : 0;
+    float magnitude = fminf(fabsf(x), max);
+    uint32_t bits;
+    memcpy(&bits, &magnitude, sizeof bits);
+    int64_t exponent = (int64_t)(bits >> 23) - 127;
+    uint32_t rounded;
+    if (exponent >= 1 - bias) {
+        int64_t shift = 23 - mantissa_bits;
+        uint32_t half = (1u << (shift - 1)) - 1 + ((bits >> shift) & 1);
+        rounded = ((bits + half) >> shift) - ((uint32_t)(127 - bias) << mantissa_bits);
+    } else {
+        int64_t shift = 24 - bias - mantissa_bits - exponent;
+        if (shift > 31) shift = 31; /* below half the smallest step: rounds to 0 */
+        uint32_t significand = (bits & 0x7FFFFF) | 0x800000;
+        uint32_t half = (1u << (shift - 1)) - 1 + ((significand >> shift) & 1);
+        rounded = (significand + half) >> shift;
+    }
+    return sign | (uint8_t)rounded;
+}
+
+/* As pagedkv_write_kv, into caches of fp8 bytes: each value times k_inverse_scale (keys) or
+ * v_inverse_scale (values), rounded by to_fp8. */
+void pagedkv_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                          int64_t num_tokens, int64_t width, const int64_t *slots,
+                          uint8_t *k_cache, uint8_t *v_cache, int64_t mantissa_bits,
+                          int64_t bias, float max, float k_inverse_scale,
+                          float v_inverse_scale) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        uint8_t *k_row = k_cache + slots[t] * width, *v_row = v_cache + slots[t] * width;
+        for (int64_t i = 0; i < width; i++) {
+            k_row[i] = to_fp8(k[t * k_stride + i] * k_inverse_scale, mantissa_bits, bias, max);
+            v_row[i] = to_fp8(v[t * v_stride + i] * v_inverse_scale, mantissa_bits, bias, max);
+        }
     }
 }
 

@@ -4,7 +4,9 @@ The pool is either given (`--pool-gb`) or worked out the way a server sizes it:
 `memory x utilization - weights - activation reserve`. Concurrency for a request length
 counts whole paged blocks, because that is what a paged server hands out; the
 slab-versus-paged comparison puts a server reserving `max_model_len` per request beside one
-holding only the blocks an average request fills.
+holding only the blocks an average request fills. `pool_blocks` and `max_concurrency` are also
+what the engine's start-up line prints (`worker/kv_budget.py`), so `pagedkv plan` and a
+running engine given the same pool bytes and KV dtype state the same two numbers.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def plan_capacity(
     that many tokens (or the sliding window, if smaller) per request.
     """
     bytes_per_block = spec.bytes_per_block(block_size)
-    pool_blocks = pool.pool_bytes // bytes_per_block
+    pool_blocks = blocks_in_pool(spec, pool.pool_bytes, block_size)
     if pool_blocks == 0:
         raise PlanError(
             f"a KV pool of {format_bytes(pool.pool_bytes)} holds no block: one block of "
@@ -149,6 +151,17 @@ def plan_capacity(
     return CapacityPlan(spec, block_size, pool, pool_tokens, pool_blocks, longest, rows, comparison)
 
 
+def blocks_in_pool(spec: KVSpec, pool_bytes: int, block_size: int) -> int:
+    """Whole blocks of `block_size` tokens that `pool_bytes` hold."""
+    return pool_bytes // spec.bytes_per_block(block_size)
+
+
+def max_concurrency(spec: KVSpec, pool_blocks: int, request_tokens: int, block_size: int) -> int:
+    """Requests of `request_tokens` tokens that `pool_blocks` blocks hold at once: each takes
+    the whole blocks its tokens (or its window's) fill."""
+    return pool_blocks // spec.blocks_per_request(request_tokens, block_size)
+
+
 def _longest_request(
     spec: KVSpec, context: int | None, block_size: int, pool_blocks: int
 ) -> int | None:
@@ -163,13 +176,12 @@ def _longest_request(
 def _length_row(spec: KVSpec, length: int, block_size: int, pool_blocks: int) -> LengthRow:
     if length <= 0:
         raise PlanError(f"request length must be positive, got {length}")
-    blocks = spec.blocks_per_request(length, block_size)
     return LengthRow(
         request_tokens=length,
         tokens_held=spec.tokens_held(length),
         bytes_per_request=spec.bytes_per_request(length),
-        blocks_per_request=blocks,
-        max_concurrency=pool_blocks // blocks,
+        blocks_per_request=spec.blocks_per_request(length, block_size),
+        max_concurrency=max_concurrency(spec, pool_blocks, length, block_size),
         beyond_context=spec.max_model_len is not None and length > spec.max_model_len,
     )
 

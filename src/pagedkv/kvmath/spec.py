@@ -28,6 +28,8 @@ GiB = 2**30
 MiB = 2**20
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+# vLLM's `kv_cache_dtype` values: auto (the model's dtype) or an fp8 format ("fp8" is e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # Spellings found in configs (`torch_dtype`) and on command lines, mapped to the names above.
 _DTYPE_ALIASES: dict[str, str] = {

@@ -62,8 +62,11 @@ class Attention(nn.Module):
         query, key = self.normalize_qk(query, key)
         query, key = rotate_qk(query, key, cos, sin)
         k_cache, v_cache = kv_cache.layer(self.index)
-        self.backend.write_kv(key, value, k_cache, v_cache, batch)
-        out = self.backend.attend(query, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        scales = kv_cache.layer_scales(self.index)
+        self.backend.write_kv(key, value, k_cache, v_cache, batch, scales)
+        out = self.backend.attend(
+            query, k_cache, v_cache, batch, self.scale, self.sliding_window, scales
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def normalize_qk(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
@@ -163,7 +166,8 @@ class DecoderModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype, hence the dtype K/V are written in."""
+        """The activations' dtype, hence the dtype K/V are computed in (and stored in, unless
+        the cache is fp8)."""
         return self.embed_tokens.dtype
 
     @property

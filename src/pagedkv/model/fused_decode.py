@@ -4,8 +4,9 @@ At batch 1 a layer of a small model is ~20 PyTorch ops and 8 module calls whose 
 costs more than their arithmetic; the C layer runs the same kernels (quantised matmuls, rope,
 K/V write, paged decode attention, RMSNorm) with no Python between them. It applies when the
 layer is the plain Llama shape with every projection quantised in groups of 32 and the step
-is all decodes of at most `DOT_ROWS` sequences over float32 CPU caches; otherwise the layer
-runs op by op, which is also what the tests compare it with.
+is all decodes of at most `DOT_ROWS` sequences over float32 or fp8 CPU caches (the C write
+rounds into fp8 bytes exactly as torch does, and attention reads them through a byte table);
+otherwise the layer runs op by op, which is also what the tests compare it with.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def run_fused(
     if not CPUAttention.takes(k_cache, v_cache, hidden):
         return None
     tables, rows, context_lens = CPUAttention.decode_tables(batch)
+    fp8 = CPUAttention.fp8_args(k_cache, kv_cache.layer_scales(attention.index))
     out = hidden.clone()
     status = kernels.decode_layer(
         out.data_ptr(),
@@ -104,6 +106,7 @@ def run_fused(
         k_cache.shape[1],
         attention.scale,
         attention.sliding_window or 0,
+        None if fp8 is None else ctypes.byref(fp8),
     )
     if status != 0:
         raise MemoryError(f"decode layer over {hidden.shape[0]} sequences: no scratch memory")

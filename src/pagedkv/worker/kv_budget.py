@@ -4,6 +4,10 @@ On a GPU the pool is what `gpu_memory_utilization` of the device leaves after th
 and the activation peak of the largest step (measured by one forward pass), as vLLM sizes
 it. On a CPU the pool takes half the available memory, at most `CPU_KV_CACHE_BYTES` (vLLM's
 CPU backend reserves 4 GiB by default), so a laptop keeps room for everything else.
+
+Blocks are counted in the KV dtype the cache stores (`kv_cache_dtype`: an fp8 cache fits twice
+the blocks of a 16-bit one), by the planner's own arithmetic (`kvmath.capacity`), so the
+start-up line and `pagedkv plan` agree on blocks and concurrency.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
-from pagedkv.kvmath.spec import format_bytes
+from pagedkv.kvmath.capacity import blocks_in_pool, max_concurrency
+from pagedkv.kvmath.spec import KVSpec, format_bytes
 from pagedkv.model.decoder import DecoderModel
-from pagedkv.worker.kv_cache import KVCache, bytes_per_block
+from pagedkv.worker.kv_cache import KVCache, kv_cache_torch_dtype, kv_dtype_name, kv_spec
 
 CPU_KV_CACHE_BYTES = 4 << 30
 GIB = 1 << 30
@@ -28,20 +33,26 @@ class KVCacheTooSmallForModel(ValueError):
 
 @dataclass(frozen=True)
 class KVBudget:
-    """Block counts of the device pool and the CPU swap pool, and the bytes per block."""
+    """Block counts of the device pool and the CPU swap pool, what a block stores and its
+    bytes."""
 
     num_gpu_blocks: int
     num_cpu_blocks: int
     bytes_per_block: int
+    kv_dtype: torch.dtype  # what K/V are stored as: the model's dtype or fp8
+    spec: KVSpec  # the arithmetic the counts came from
 
     def describe(self, block_size: int, max_model_len: int) -> str:
-        """vLLM-style start-up line: pool size and how many full-length requests fit."""
+        """vLLM-style start-up line: pool size, KV dtype, and how many full-length requests
+        fit (whole blocks each, as `pagedkv plan` counts them)."""
         tokens = self.num_gpu_blocks * block_size
         gib = self.num_gpu_blocks * self.bytes_per_block / GIB
+        fit = max_concurrency(self.spec, self.num_gpu_blocks, max_model_len, block_size)
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
-            f"({gib:.2f} GiB); max concurrency at max_model_len ({max_model_len} tokens): "
-            f"{tokens / max_model_len:.2f}"
+            f"of {kv_dtype_name(self.kv_dtype)} ({gib:.2f} GiB, "
+            f"{format_bytes(self.bytes_per_block)} per block); max concurrency at "
+            f"max_model_len ({max_model_len} tokens): {fit} requests"
         )
 
 
@@ -52,7 +63,8 @@ class PoolRequest:
     `num_gpu_blocks` wins, then `kv_cache_memory` (bytes); otherwise the device's free memory
     (`gpu_memory_utilization` on CUDA, less the activation peak of a step of
     `max_num_batched_tokens` prompt tokens in sequences of `max_model_len`) or, on a CPU,
-    half the available host memory capped at `CPU_KV_CACHE_BYTES`.
+    half the available host memory capped at `CPU_KV_CACHE_BYTES`. `kv_cache_dtype` (vLLM's
+    values) says what a block stores.
     """
 
     block_size: int
@@ -62,42 +74,48 @@ class PoolRequest:
     gpu_memory_utilization: float
     max_num_batched_tokens: int
     max_model_len: int
+    kv_cache_dtype: str = "auto"
 
 
 def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
     """Size the pools for `model` (its config, dtype and device) as `request` says."""
-    per_block = bytes_per_block(model.config, request.block_size, model.dtype)
-    num_cpu_blocks = int(request.swap_space_gb * GIB) // per_block
+    kv_dtype = kv_cache_torch_dtype(request.kv_cache_dtype, model.dtype)
+    spec = kv_spec(model.config, kv_dtype)
+    per_block = spec.bytes_per_block(request.block_size)
+    num_cpu_blocks = blocks_in_pool(spec, int(request.swap_space_gb * GIB), request.block_size)
     if request.num_gpu_blocks is not None:
-        return KVBudget(request.num_gpu_blocks, num_cpu_blocks, per_block)
+        return KVBudget(request.num_gpu_blocks, num_cpu_blocks, per_block, kv_dtype, spec)
     if request.kv_cache_memory is not None:
         memory = request.kv_cache_memory
     elif model.device.type == "cuda":
-        memory = _free_device_memory(request, model)
+        memory = _free_device_memory(request, model, kv_dtype)
     else:
         memory = min(CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
-    num_blocks = memory // per_block
+    num_blocks = blocks_in_pool(spec, memory, request.block_size)
     if num_blocks <= 0:
         raise KVCacheTooSmallForModel(
             f"{format_bytes(max(memory, 0))} left for the KV cache holds no block of "
             f"{format_bytes(per_block)} (block_size {request.block_size}): lower block_size or "
             "give more memory"
         )
-    return KVBudget(num_blocks, num_cpu_blocks, per_block)
+    return KVBudget(num_blocks, num_cpu_blocks, per_block, kv_dtype, spec)
 
 
-def _free_device_memory(request: PoolRequest, model: DecoderModel) -> int:
+def _free_device_memory(request: PoolRequest, model: DecoderModel, kv_dtype: torch.dtype) -> int:
     """Bytes for KV: the utilisation share of the device, less what is used and the peak step."""
     device = model.device
     torch.cuda.synchronize(device)
-    activation_peak = _profile_activations(request, model, device)
+    activation_peak = _profile_activations(request, model, device, kv_dtype)
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     return int(total * request.gpu_memory_utilization) - used - activation_peak
 
 
-def _profile_activations(request: PoolRequest, model: DecoderModel, device: torch.device) -> int:
-    """Peak extra memory of one forward pass over a full token budget of prompt tokens."""
+def _profile_activations(
+    request: PoolRequest, model: DecoderModel, device: torch.device, kv_dtype: torch.dtype
+) -> int:
+    """Peak extra memory of one forward pass over a full token budget of prompt tokens, into
+    a cache of the dtype the pool will store (an fp8 write has its own scratch)."""
     block_size = request.block_size
     num_tokens = request.max_num_batched_tokens
     seq_len = min(num_tokens, request.max_model_len)
@@ -105,7 +123,7 @@ def _profile_activations(request: PoolRequest, model: DecoderModel, device: torc
     lengths = [seq_len] * num_full + ([rest] if rest else [])
     blocks_per_seq = -(-seq_len // block_size)
     cache = KVCache.for_model(
-        model, block_size=block_size, num_blocks=blocks_per_seq * len(lengths)
+        model, block_size=block_size, num_blocks=blocks_per_seq * len(lengths), dtype=kv_dtype
     )
     sequences = [
         SequenceInput(

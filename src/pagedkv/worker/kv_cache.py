@@ -7,12 +7,19 @@ one indexing op. A CPU-side swap space receives swapped-out blocks; it is block-
 (`[num_cpu_blocks, num_layers, 2, ...]`) so that consecutive CPU blocks are one contiguous
 range a swap copies in one go.
 
+K/V are stored in the model's dtype, or in one byte per value when `kv_cache_dtype` is fp8
+(`attention/fp8.py`: the model computes in its dtype, every attention path converts on write
+and read, and the pool holds twice the blocks of a 16-bit one). An fp8 pool and its swap space
+are `torch.uint8`, viewed as the fp8 dtype per layer: copy-on-write and swaps index bytes,
+which every indexing op takes, and move them exactly as they are.
+
 The pool is allocated, never filled: `torch.empty` of a large tensor maps pages that the
 operating system (or the GPU allocator) backs only when a block is first written, so a 4 GiB
 pool costs nothing at start and memory grows with the blocks actually used. Never-written slots
 therefore hold whatever the memory held, NaN included; every attention path reads only slots
 below each sequence's length, or masks the rest out of both the scores and the values
-(tests/model/test_uninitialised_pool.py fills the pool with NaN and checks outputs).
+(tests/engine/test_uninitialised_pool.py fills the pool with NaN, and an fp8 pool with NaN
+bytes, and checks outputs).
 
 A step's `MemoryPlan` runs as a whole through `execute`, in the order the memory manager
 produced it, before the next forward pass: a block that a swap-out releases can be the
@@ -22,26 +29,38 @@ move first would overwrite KV before it is saved.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from pagedkv.attention.errors import KVCacheDtypeMismatch
-from pagedkv.kvmath.spec import KVSpec
+from pagedkv.attention.fp8 import FP8_DTYPES, UNIT_SCALES, KVScales, is_fp8
+from pagedkv.kvmath.spec import KV_CACHE_DTYPES, KVSpec
 from pagedkv.memory.moves import MemoryPlan, MoveKind
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.worker.errors import KVCacheTooSmall
 
-_KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# KVSpec's names for the dtypes a cache stores (the bytes per value come from there).
+_KV_DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8",
+}
 # A swap packs its blocks in device scratch memory first; capping a copy's length bounds that
 # scratch, which matters because swapping happens when device memory is scarce.
 MAX_BLOCKS_PER_SWAP_COPY = 64
 
 
 class KVCache:
-    """Paged K/V storage on the model's device plus a CPU swap space of the same block shape."""
+    """Paged K/V storage on the model's device plus a CPU swap space of the same block shape.
+
+    `dtype` is what K/V are stored as: the model's dtype, or an fp8 dtype (with one `KVScales`
+    per layer).
+    """
 
     def __init__(
         self,
@@ -54,12 +73,21 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         num_cpu_blocks: int = 0,
+        scales: Sequence[KVScales] | None = None,
     ) -> None:
+        if dtype not in _KV_DTYPE_NAMES:
+            raise ValueError(f"a KV cache stores one of {list(_KV_DTYPE_NAMES)}, not {dtype}")
+        scales = tuple(scales) if scales is not None else (UNIT_SCALES,) * num_layers
+        if len(scales) != num_layers:
+            raise ValueError(f"{len(scales)} KV scales given for {num_layers} layers")
         device = torch.device(device)
         block_shape = (block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        self._scales = scales
+        self._dtype = dtype
+        storage = torch.uint8 if is_fp8(dtype) else dtype
         self.cache = torch.empty(
-            num_layers, 2, num_blocks, *block_shape, dtype=dtype, device=device
+            num_layers, 2, num_blocks, *block_shape, dtype=storage, device=device
         )
         # Block-major, so one CPU block (all layers, K and V) is contiguous and a run of
         # consecutive CPU blocks is one contiguous range that a swap copies in one go. Pinned
@@ -70,7 +98,7 @@ class KVCache:
             num_layers,
             2,
             *block_shape,
-            dtype=dtype,
+            dtype=storage,
             device="cpu",
             pin_memory=device.type == "cuda",
         )
@@ -87,13 +115,16 @@ class KVCache:
         cpu_memory_bytes: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        scales: Sequence[KVScales] | None = None,
     ) -> KVCache:
         """A cache shaped for `model`, sized by `num_blocks` or by a byte budget (not both).
 
-        Given the model, the cache takes its dtype and device: K/V are written in the model's
-        dtype, so a `dtype` that differs is a `KVCacheDtypeMismatch` now rather than a failed
-        write later. Given only a config, float32 on the CPU unless told otherwise.
-        `cpu_memory_bytes`, when given, sizes the swap space instead of `num_cpu_blocks`.
+        Given the model, the cache takes its device and, unless `dtype` is an fp8 dtype, its
+        dtype: K/V are computed in the model's dtype, so another 16- or 32-bit `dtype` is a
+        `KVCacheDtypeMismatch` now rather than a failed write later. Given only a config,
+        float32 on the CPU unless told otherwise. `cpu_memory_bytes`, when given, sizes the
+        swap space instead of `num_cpu_blocks`. `scales` (one per layer, default 1.0 as in
+        vLLM; `attention/fp8.py` says why) say what an fp8 cache's bytes are worth.
         """
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_bytes")
@@ -101,7 +132,7 @@ class KVCache:
             config, model_dtype, model_device = model, torch.float32, torch.device("cpu")
         else:
             config, model_dtype, model_device = model.config, model.dtype, model.device
-            if dtype is not None and dtype != model_dtype:
+            if dtype is not None and dtype != model_dtype and not is_fp8(dtype):
                 raise KVCacheDtypeMismatch(model_dtype, dtype)
         dtype = model_dtype if dtype is None else dtype
         device = model_device if device is None else device
@@ -121,6 +152,7 @@ class KVCache:
             dtype=dtype,
             device=device,
             num_cpu_blocks=num_cpu_blocks,
+            scales=scales,
         )
 
     @property
@@ -134,22 +166,28 @@ class KVCache:
         return self.swap_space.shape[0]
 
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
-        """Views `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
-        return self.cache[index, 0], self.cache[index, 1]
+        """Views `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`
+        of `dtype` (an fp8 pool's bytes viewed as its fp8 dtype)."""
+        return self.cache[index, 0].view(self._dtype), self.cache[index, 1].view(self._dtype)
+
+    def layer_scales(self, index: int) -> KVScales:
+        """What layer `index`'s fp8 key and value bytes are worth (unused by other caches)."""
+        return self._scales[index]
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype K/V are stored in (and must be written in)."""
-        return self.cache.dtype
+        """The dtype K/V are stored as: the model's, or an fp8 dtype."""
+        return self._dtype
 
     def check_dtype(self, kv_dtype: torch.dtype) -> None:
-        """Raise `KVCacheDtypeMismatch` unless K/V of `kv_dtype` can be written here.
+        """Raise `KVCacheDtypeMismatch` unless K/V of `kv_dtype` can be written here: the cache
+        stores that dtype, or fp8 (converted on write).
 
         Meant for the start of a forward pass: one comparison, instead of a bare indexing
         error from the first layer's write.
         """
-        if kv_dtype != self.cache.dtype:
-            raise KVCacheDtypeMismatch(kv_dtype, self.cache.dtype)
+        if kv_dtype != self._dtype and not is_fp8(self._dtype):
+            raise KVCacheDtypeMismatch(kv_dtype, self._dtype)
 
     def execute(self, plan: MemoryPlan) -> None:
         """Run a step's whole plan, in order, before the forward pass that needs it.
@@ -218,10 +256,34 @@ def _consecutive_runs(block_ids: list[int]) -> Iterator[tuple[int, int, int]]:
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V together (arithmetic from KVSpec)."""
-    spec = KVSpec(
+    return kv_spec(config, dtype).bytes_per_block(block_size)
+
+
+def kv_spec(config: ModelConfig, dtype: torch.dtype) -> KVSpec:
+    """The model's KV arithmetic for a cache storing `dtype`. No sliding window: the engine
+    keeps every token's blocks, windowed layers or not, so a request holds all its tokens."""
+    return KVSpec(
         num_layers=config.num_layers,
         kv_dtype=_KV_DTYPE_NAMES[dtype],
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
     )
-    return spec.bytes_per_block(block_size)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What a cache of `kv_cache_dtype` (vLLM's values, `KV_CACHE_DTYPES`) stores: the model's
+    dtype for "auto", else the fp8 format named ("fp8" is e4m3, as in vLLM)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in FP8_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return FP8_DTYPES[kv_cache_dtype]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """How reports name what a cache stores: `float32`, `bfloat16`, `fp8_e4m3`, `fp8_e5m2`."""
+    if dtype == torch.float8_e4m3fn:
+        return "fp8_e4m3"
+    if dtype == torch.float8_e5m2:
+        return "fp8_e5m2"
+    return str(dtype).removeprefix("torch.")

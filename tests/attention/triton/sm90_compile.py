@@ -8,7 +8,8 @@ argument specialisation (16-byte divisibility) a real launch gets. It prints reg
 (spilled) bytes and shared memory per kernel.
 
 Run it with ``TRITON_INTERPRET`` unset (interpreted kernels cannot be compiled):
-``python -m tests.attention.triton.sm90_compile [bfloat16] [float32]``.
+``python -m tests.attention.triton.sm90_compile [bfloat16] [float32] [bfloat16:fp8_e4m3]``
+(``model dtype:KV cache dtype`` for an fp8 cache).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from pagedkv.attention.fp8 import FP8_DTYPES
 from pagedkv.attention.triton import attention as triton_attention
 from pagedkv.attention.triton import kv as triton_kv
 
@@ -39,6 +41,9 @@ _POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e5m2: "*fp8e5",
 }
 _KERNELS = {
     triton_attention: ("_decode_kernel", "_merge_partitions_kernel", "_prefill_kernel"),
@@ -136,11 +141,13 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["STACK"])
 
 
-def serving_launches(dtype: torch.dtype) -> list[Launch]:
-    """The launches of one Llama-8B-shaped layer (32 heads, 8 KV heads, head_dim 128)."""
+def serving_launches(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[Launch]:
+    """The launches of one Llama-8B-shaped layer (32 heads, 8 KV heads, head_dim 128), its
+    cache in `kv_dtype` (default: `dtype`)."""
     meta = torch.device("meta")
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    k_cache = torch.empty(4096, block_size, num_kv_heads, head_dim, dtype=dtype, device=meta)
+    cache_dtype = kv_dtype or dtype
+    k_cache = torch.empty(4096, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=meta)
     v_cache = torch.empty_like(k_cache)
     with recorded_launches() as launches:
         for num_seqs, num_tokens, max_query_len, max_context_len in (
@@ -169,12 +176,15 @@ def serving_launches(dtype: torch.dtype) -> list[Launch]:
 
 
 def main() -> None:
-    """Compile every serving launch in the dtypes named (default: bf16 float32)."""
+    """Compile every serving launch in the dtypes named (default: bf16 float32); a name
+    `model:kv` (bfloat16:fp8_e4m3) gives the cache an fp8 dtype."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dtypes", nargs="*", default=["bfloat16", "float32"])
     for name in parser.parse_args().dtypes:
+        model_dtype, _, kv_name = name.partition(":")
         print(f"{name}:")
-        for launch in serving_launches(getattr(torch, name)):
+        kv_dtype = FP8_DTYPES[kv_name] if kv_name else None
+        for launch in serving_launches(getattr(torch, model_dtype), kv_dtype):
             print(f"  {compile_for_sm90(launch)}", flush=True)
 
 

@@ -9,6 +9,9 @@ device) plus the two host-side maxima the engine already knows when it builds th
 A batch whose sequences all decode (``max_query_len == 1``) takes the split-KV decode kernel;
 any other batch, decodes mixed in included, takes the varlen prefill kernel. Imported only on
 the GPU path and in tests: it imports triton.
+
+fp8 caches are read by the same kernels, converted tile by tile as they are loaded; the key
+scale is folded into the score scale and the value scale into the output.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import triton
 from torch import Tensor
 
+from pagedkv.attention.fp8 import UNIT_SCALES, KVScales, check_cache_dtypes, is_fp8
 from pagedkv.attention.triton.kernels import (
     _decode_kernel,
     _merge_partitions_kernel,
@@ -83,6 +87,7 @@ def triton_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    scales: KVScales = UNIT_SCALES,
     decode_config: DecodeConfig = DecodeConfig(),  # noqa: B008 - frozen, so shared safely
     prefill_config: PrefillConfig = PrefillConfig(),  # noqa: B008
 ) -> Tensor:
@@ -91,7 +96,8 @@ def triton_paged_attention(
     Args:
         query: ``[num_tokens, num_heads, head_dim]``, the new tokens of all sequences in order.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding
-            the new tokens' keys and values (see :func:`triton_write_kv`).
+            the new tokens' keys and values (see :func:`triton_write_kv`): the query's dtype,
+            or an fp8 dtype whose bytes are worth ``scales``.
         block_tables: ``[num_seqs, max_blocks]`` int32; entries past a sequence's last block
             are never read.
         context_lens: ``[num_seqs]`` int32, tokens per sequence including the new ones.
@@ -101,6 +107,7 @@ def triton_paged_attention(
             they size the launch, never decide which keys are read).
         scale: multiplier of ``q @ k``.
         sliding_window: if set, a query at ``i`` sees keys ``j`` with ``i - j < sliding_window``.
+        scales: what an fp8 cache's bytes are worth (ignored for other caches).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype; accumulation is float32.
@@ -110,7 +117,9 @@ def triton_paged_attention(
     if query.shape[0] == 0:
         return out
     window = NO_WINDOW if sliding_window is None else sliding_window
-    batch = _Batch(out, query, k_cache, v_cache, block_tables, context_lens, scale, window)
+    if not is_fp8(k_cache.dtype):
+        scales = UNIT_SCALES
+    batch = _Batch(out, query, k_cache, v_cache, block_tables, context_lens, scale, scales, window)
     if max_query_len == 1:
         if block_tables.shape[0] != query.shape[0]:
             raise ValueError(
@@ -134,6 +143,7 @@ class _Batch:
     block_tables: Tensor
     context_lens: Tensor
     scale: float
+    scales: KVScales
     window: int
 
     @property
@@ -152,12 +162,15 @@ class _Batch:
         return self.query.shape[1] // self.num_kv_heads
 
     def shared_args(self) -> tuple:
-        """Both kernels' arguments from the scale on: scale, window and every stride.
+        """Both kernels' arguments from the scale on: scale, value scale, window and every
+        stride.
 
-        The kernels exponentiate with exp2, so the scale arrives multiplied by log2(e).
+        The kernels exponentiate with exp2, so the scale arrives multiplied by log2(e) (and by
+        an fp8 cache's key scale).
         """
         return (
-            self.scale * math.log2(math.e),
+            self.scale * self.scales.k * math.log2(math.e),
+            self.scales.v,
             self.window,
             *self.query.stride()[:2],
             *self.out.stride()[:2],
@@ -308,10 +321,7 @@ def _check(
             f"query has {num_heads} heads of {head_dim}, the cache {num_kv_heads} KV heads of "
             f"{k_cache.shape[3]}: head_dim must match and heads be a multiple of KV heads"
         )
-    if query.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"query ({query.dtype}) and caches ({k_cache.dtype}, {v_cache.dtype}) differ in dtype"
-        )
+    check_cache_dtypes(query.dtype, k_cache.dtype, v_cache.dtype)
     if any(t.stride(-1) != 1 for t in (query, k_cache, v_cache)) or block_tables.stride(1) != 1:
         raise ValueError("query, caches and block_tables need a contiguous last dimension")
     num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1

@@ -8,6 +8,10 @@ KV head (``GROUP`` heads, padded to at least 16 rows for ``tl.dot``), so each K/
 from memory once per KV head, not once per query head. Softmax is online (running max and sum
 per row) in float32, in base 2: ``qk_scale`` already holds ``log2(e)``.
 
+An fp8 cache's tiles are widened to the query's dtype as they are loaded (the hardware's own
+conversion; exact, since every fp8 value is a bf16, fp16 and float32 value); its key scale is
+in ``qk_scale`` and its value scale multiplies each output once (``v_scale``, 1 otherwise).
+
 - ``_decode_kernel``: one query token per sequence. Each sequence's visible keys (all of them,
   or the sliding window's) are cut into partitions of ``PARTITION_SIZE`` keys; a work item is
   one (sequence, partition) pair, and a fixed grid of programs walks the work list, so the
@@ -39,6 +43,7 @@ def _decode_kernel(
     num_heads,
     max_parts,
     qk_scale,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -100,6 +105,7 @@ def _decode_kernel(
             kv_head,
             window,
             qk_scale,
+            v_scale,
             stride_kb,
             stride_ks,
             stride_kh,
@@ -180,6 +186,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     num_seqs,
     qk_scale,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -247,6 +254,7 @@ def _prefill_kernel(
         kv_head,
         window,
         qk_scale,
+        v_scale,
         stride_kb,
         stride_ks,
         stride_kh,
@@ -278,6 +286,7 @@ def _attend(
     kv_head,
     window,
     qk_scale,
+    v_scale,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -294,9 +303,10 @@ def _attend(
 ):
     """Online softmax of ``q`` over key positions ``[key_lo, key_hi)`` of one sequence.
 
-    Returns the unnormalised output ``[BLOCK_M, HEAD_DIM_P]``, each row's running max (base-2
-    logits) and sum of exponentials. A key is seen by a row at ``query_pos`` when
-    ``0 <= query_pos - key < window``.
+    Returns the unnormalised output ``[BLOCK_M, HEAD_DIM_P]`` (times ``v_scale``), each row's
+    running max (base-2 logits) and sum of exponentials. A key is seen by a row at
+    ``query_pos`` when ``0 <= query_pos - key < window``. K/V tiles of another dtype than
+    ``q`` (fp8) are widened to it.
     """
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -310,9 +320,9 @@ def _attend(
         offsets = key_pos % BLOCK_SIZE
         kv_mask = in_range[:, None] & dim_mask[None, :]
         k_rows = blocks.to(tl.int64)[:, None] * stride_kb + offsets[:, None] * stride_ks
-        k = tl.load(k_head_ptr + k_rows, mask=kv_mask, other=0.0)
+        k = tl.load(k_head_ptr + k_rows, mask=kv_mask, other=0.0).to(q.dtype)
         v_rows = blocks.to(tl.int64)[:, None] * stride_vb + offsets[:, None] * stride_vs
-        v = tl.load(v_head_ptr + v_rows, mask=kv_mask, other=0.0)
+        v = tl.load(v_head_ptr + v_rows, mask=kv_mask, other=0.0).to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         distance = query_pos[:, None] - key_pos[None, :]
@@ -327,4 +337,4 @@ def _attend(
         pv = tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * rescale[:, None] + pv
         row_max = new_max
-    return acc, row_max, row_sum
+    return acc * v_scale, row_max, row_sum
