@@ -171,6 +171,19 @@ def test_cache_config_info_names_the_pool(server) -> None:
     labels = dict(info[0])
     assert (labels["block_size"], labels["num_gpu_blocks"]) == ("16", "256")
     assert int(labels["num_cpu_blocks"]) > 0
+    assert labels["cache_dtype"] == "float32"
+
+
+def test_an_fp8_cache_names_its_dtype_and_halves_its_block_bytes_twice(serve) -> None:
+    """The tiny model's float32 block against its fp8 one: a quarter of the bytes."""
+    sizes = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        server = serve(num_gpu_blocks=32, kv_cache_dtype=kv_cache_dtype)
+        samples = scrape(server)
+        [labels] = [dict(ls) for n, ls in samples if n == "pagedkv:cache_config_info"]
+        sizes[labels["cache_dtype"]] = value(samples, "pagedkv:kv_cache_bytes_per_block")
+    assert set(sizes) == {"float32", "fp8_e4m3"}
+    assert sizes["fp8_e4m3"] * 4 == sizes["float32"] > 0
 
 
 def test_iteration_tokens_add_up_to_the_tokens_computed(serve) -> None:

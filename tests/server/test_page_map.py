@@ -61,6 +61,7 @@ def test_page_map_draws_the_pool_follows_requests_and_names_owners_on_hover(
     page.wait_for_function("Number(document.body.dataset.frames) >= 1", timeout=WAIT_MS)
     assert page.evaluate("pagemap.gpu.blocks.length") == NUM_GPU_BLOCKS
     assert page.evaluate("pagemap.gpu.heldBlocks().length") == 0
+    assert page.locator("#kv-dtype").inner_text().startswith("float32 · ")
     # Smooth at this size means drawn on a canvas, not an element per block.
     assert page.evaluate("document.querySelectorAll('*').length") < NUM_GPU_BLOCKS / 100
     idle = page.locator("#gpu").screenshot()

@@ -216,11 +216,16 @@ class EngineStatsCollector(Collector):
         cache_config = GaugeMetricFamily(
             f"{self.prefix}:cache_config_info",
             "The KV cache's configuration, in the labels (vLLM's names).",
-            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks"],
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype"],
         )
         sizes = [stats.block_size, stats.num_gpu_blocks, stats.num_cpu_blocks]
-        cache_config.add_metric([str(size) for size in sizes], 1)
+        cache_config.add_metric([*(str(size) for size in sizes), stats.kv_cache_dtype], 1)
         yield cache_config
+        yield gauge(
+            "kv_cache_bytes_per_block",
+            "Bytes one KV block takes, all layers, K and V (the KV dtype's size decides it).",
+            stats.kv_bytes_per_block,
+        )
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield gauge("num_requests_swapped", "Requests swapped out to CPU.", stats.num_swapped)
