@@ -143,6 +143,11 @@ moves = st.lists(
 def test_execute_equals_running_the_moves_one_by_one(raw_moves):
     cache = random_cache(num_blocks=6, num_cpu_blocks=6)
     cache.swap_space.copy_(torch.randn_like(cache.swap_space))
+    check_execute_runs_the_moves_one_by_one(cache, raw_moves)
+
+
+def check_execute_runs_the_moves_one_by_one(cache: KVCache, raw_moves) -> None:
+    """`cache.execute` of the moves leaves what copying them one block at a time would."""
     device, cpu = cache.cache.clone(), cache.swap_space.movedim(0, 2).clone()
     spaces = {MoveKind.COPY: (device, device), MoveKind.SWAP_OUT: (device, cpu)}
     for kind, src, dst in raw_moves:

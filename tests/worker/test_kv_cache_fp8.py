@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagedkv.attention.errors import KVCacheDtypeMismatch
 from pagedkv.attention.fp8 import KVScales
-from pagedkv.memory import BlockMove, MemoryPlan, MoveKind
+from pagedkv.memory import MemoryPlan, MoveKind
 from pagedkv.model.llama import LlamaModel
 from pagedkv.worker.kv_budget import PoolRequest, kv_budget
 from pagedkv.worker.kv_cache import (
@@ -21,7 +21,7 @@ from pagedkv.worker.kv_cache import (
     kv_cache_torch_dtype,
     kv_dtype_name,
 )
-from tests.worker.test_kv_cache import LLAMA3_8B, TINY
+from tests.worker.test_kv_cache import LLAMA3_8B, TINY, check_execute_runs_the_moves_one_by_one
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -104,17 +104,7 @@ moves = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(moves, st.sampled_from(FORMATS))
 def test_execute_moves_fp8_bytes_as_moves_one_by_one_would(raw_moves, dtype):
-    cache = random_bytes_cache(dtype)
-    device, cpu = cache.cache.clone(), cache.swap_space.movedim(0, 2).clone()
-    spaces = {MoveKind.COPY: (device, device), MoveKind.SWAP_OUT: (device, cpu)}
-    for kind, src, dst in raw_moves:
-        source, target = spaces.get(kind, (cpu, device))
-        target[:, :, dst] = source[:, :, src]
-
-    cache.execute(MemoryPlan([BlockMove(*move) for move in raw_moves]))
-
-    assert torch.equal(cache.cache, device)
-    assert torch.equal(cache.swap_space.movedim(0, 2), cpu)
+    check_execute_runs_the_moves_one_by_one(random_bytes_cache(dtype), raw_moves)
 
 
 def test_an_fp8_cache_takes_k_v_of_any_model_dtype():

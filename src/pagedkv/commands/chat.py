@@ -302,11 +302,15 @@ def _longest_prefix_reading_as(
 
 
 def pool_counts(engine: Engine) -> PoolCounts:
-    """Count the GPU blocks in use, cached for reuse and empty, from the engine's pool map."""
-    blocks = engine.kv_snapshot().gpu
-    in_use = sum(1 for block in blocks if block.ref_count > 0)
-    cached = sum(1 for block in blocks if block.ref_count == 0 and block.cached)
-    return PoolCounts(in_use=in_use, cached=cached, empty=len(blocks) - in_use - cached)
+    """Count the GPU blocks in use, cached for reuse and empty, from the memory manager's
+    counters (no pool map: that would walk every block of a large pool each turn)."""
+    manager = engine.manager
+    cached = manager.num_free_cached_blocks
+    return PoolCounts(
+        in_use=manager.num_gpu_blocks - manager.num_free_blocks,
+        cached=cached,
+        empty=manager.num_free_blocks - cached,
+    )
 
 
 def _enable_line_editing() -> None:

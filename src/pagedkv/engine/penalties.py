@@ -121,18 +121,16 @@ def apply_penalties(
     repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if repeated:
         ids = [counts[i].seen_ids for i in repeated]
-        row_index, token_index = _flat_index([rows[i] for i in repeated], ids, device)
+        row_index, token_index, lengths = _flat_index([rows[i] for i in repeated], ids, device)
         penalty = torch.repeat_interleave(
-            torch.tensor([params[i].repetition_penalty for i in repeated], device=device),
-            torch.tensor([len(t) for t in ids], device=device),
+            torch.tensor([params[i].repetition_penalty for i in repeated], device=device), lengths
         )
         values = logits[row_index, token_index]
         logits[row_index, token_index] = torch.where(values > 0, values / penalty, values * penalty)
     additive = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if additive:
         ids = [counts[i].output_ids for i in additive]
-        row_index, token_index = _flat_index([rows[i] for i in additive], ids, device)
-        lengths = torch.tensor([len(t) for t in ids], device=device)
+        row_index, token_index, lengths = _flat_index([rows[i] for i in additive], ids, device)
         frequency = torch.tensor([params[i].frequency_penalty for i in additive], device=device)
         presence = torch.tensor([params[i].presence_penalty for i in additive], device=device)
         occurrences = torch.cat(
@@ -145,8 +143,9 @@ def apply_penalties(
 
 def _flat_index(
     rows: Sequence[int], ids: Sequence[Tensor], device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """(row, token) index pairs of every id of every row, for one gather or scatter."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(row, token) index pairs of every id of every row, for one gather or scatter, and how
+    many ids each row has (to spread per-row values over its pairs)."""
     lengths = torch.tensor([len(t) for t in ids], device=device)
     row_index = torch.repeat_interleave(torch.tensor(list(rows), device=device), lengths)
-    return row_index, torch.cat(list(ids))
+    return row_index, torch.cat(list(ids)), lengths

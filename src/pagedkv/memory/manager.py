@@ -382,6 +382,11 @@ class KVCacheManager:
         return self._pool.num_free_blocks
 
     @property
+    def num_free_cached_blocks(self) -> int:
+        """Free GPU blocks that still hold prefix-cache KV (reused last, revived on a hit)."""
+        return sum(1 for block in self._pool.cached.values() if block.ref_count == 0)
+
+    @property
     def num_free_cpu_blocks(self) -> int:
         """CPU blocks no swapped sequence holds."""
         return len(self._free_cpu_blocks)
