@@ -28,7 +28,8 @@ from gguf import GGMLQuantizationType as QType
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.engine.args import EngineArgs
 from pagedkv.model import footprint
-from pagedkv.model.decoder import DecoderLayer, DecoderModel
+from pagedkv.model.decoder import DecoderModel
+from pagedkv.model.fused_decode import LayerRun
 from pagedkv.model.layers import embedding as embedding_module
 from pagedkv.model.layers import linear as linear_module
 from pagedkv.model.layers.embedding import Embedding
@@ -48,7 +49,7 @@ from tests.weights.gguf.writer import folder_weights, permute_rows, write_model_
 
 ARCHITECTURES = ["llama", "qwen2"]  # untied head + plain Linear; tied head + q/k/v biases
 PROMPT = random_prompt(DOT_ROWS + 8, seed=7)  # one prefill on the dequantise path
-CONTINUATION = random_prompt(16, seed=8)  # 16 teacher-forced decode steps: the dot path
+CONTINUATION = random_prompt(48, seed=8)  # 48 teacher-forced decode steps: the dot path
 LAYOUT = {"int8": (8, 32), "int4": (4, 32), QType.Q8_0: (8, 32), QType.Q4_0: (4, 32)}
 # Decode-vs-oracle logit errors measured over llama, qwen2, qwen3 and mistral with five
 # prompts each, as fractions of the logits' standard deviation, and the share of decode steps
@@ -64,7 +65,7 @@ PREFILL_ATOL = 1e-4
 def forward_logits(model: DecoderModel) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits at every prompt position (one prefill) and at each of the fixed continuation's
     decode steps (tokens fed regardless of the model's choice, so both models see the same)."""
-    block_size, num_blocks = 16, 4
+    block_size, num_blocks = 16, 6
     cache = KVCache.for_model(model, block_size=block_size, num_blocks=num_blocks)
     table = list(range(num_blocks))
     prompt = SequenceInput(PROMPT, 0, table, num_logits=len(PROMPT))
@@ -182,8 +183,10 @@ def test_quantised_model_computes_what_its_weights_say(zoo, monkeypatch, name, s
     float32 rounding on the prompt, every decode product within its derived bound, and the
     decode logits within the measured bounds (module docstring)."""
     # Op by op, so every product is seen (the one-call decode layer is checked against this
-    # path in test_fused_decode.py).
-    monkeypatch.setattr(DecoderLayer, "fused_weights", lambda layer: None)
+    # runs in test_fused_decode.py).
+    monkeypatch.setattr(
+        DecoderModel, "layer_runs", lambda model: [LayerRun(0, len(model.layers), None)]
+    )
     float_model = load(zoo.folder(name), quantization="none").model
     model = load(zoo.folder(name), quantization=scheme).model
     assert_quantised(model, LAYOUT[scheme])

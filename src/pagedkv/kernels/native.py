@@ -92,15 +92,29 @@ class Fp8CacheArgs(ctypes.Structure):
     ]
 
 
-_DECODE_LAYER_ARGS = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # hidden, m, hidden_size
-    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]  # input_norm, post_norm, eps
-    + [ctypes.c_void_p]
-    + [ctypes.c_int64] * 3  # weights, num_heads, num_kv_heads, head_dim
-    + [ctypes.c_void_p] * 6  # cos, sin, k_cache, v_cache, slots, block_tables
+class DecodeLayerArgs(ctypes.Structure):
+    """decode_layer.c's `DecodeLayer`: one layer's norms, projections, caches and window."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("weights", QuantizedWeightArgs * 4),  # qkv, o, gate_up, down
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+        ("fp8", ctypes.POINTER(Fp8CacheArgs)),  # NULL: float32 caches
+    ]
+
+
+_DECODE_LAYERS_ARGS = (
+    [ctypes.c_void_p]
+    + [ctypes.c_int64] * 3  # hidden, m, hidden_size, num_layers
+    + [ctypes.POINTER(DecodeLayerArgs)]
+    + [ctypes.c_int64] * 3  # num_heads, num_kv_heads, head_dim
+    + [ctypes.c_void_p] * 4  # cos, sin, slots, block_tables
     + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, rows, context_lens
-    + [ctypes.c_int64, ctypes.c_float, ctypes.c_int64]  # block_size, scale, window
-    + [ctypes.POINTER(Fp8CacheArgs)]  # fp8 (NULL: float32 caches)
+    + [ctypes.c_int64, ctypes.c_float]  # block_size, scale
 )
 _RMS_NORM_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, rows, cols, weight
@@ -132,7 +146,7 @@ class Kernels:
     write_kv: ctypes._CFuncPtr  # new keys and values into their cache slots
     write_kv_fp8: ctypes._CFuncPtr  # the same, rounded into fp8 bytes
     rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
-    decode_layer: ctypes._CFuncPtr  # a whole decoder layer of a decode step
+    decode_layers: ctypes._CFuncPtr  # consecutive decoder layers of a decode step
 
 
 @functools.cache
@@ -156,8 +170,8 @@ def kernels() -> Kernels | None:
     library.pagedkv_write_kv_fp8.restype = None
     library.pagedkv_rms_norm.argtypes = _RMS_NORM_ARGS
     library.pagedkv_rms_norm.restype = None
-    library.pagedkv_decode_layer.argtypes = _DECODE_LAYER_ARGS
-    library.pagedkv_decode_layer.restype = ctypes.c_int
+    library.pagedkv_decode_layers.argtypes = _DECODE_LAYERS_ARGS
+    library.pagedkv_decode_layers.restype = ctypes.c_int
     return Kernels(
         library.pagedkv_qmatmul,
         library.pagedkv_dequantize,
@@ -166,7 +180,7 @@ def kernels() -> Kernels | None:
         library.pagedkv_write_kv,
         library.pagedkv_write_kv_fp8,
         library.pagedkv_rms_norm,
-        library.pagedkv_decode_layer,
+        library.pagedkv_decode_layers,
     )
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from pagedkv.attention.backend import AttentionBackend, PagedKVCache, select_backend
 from pagedkv.attention.batch import ForwardBatch
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.fused_decode import layer_weights, run_fused
+from pagedkv.model.fused_decode import LayerRun, layer_runs, run_fused
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.layers.norm import RMSNorm
@@ -103,29 +103,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv_cache: PagedKVCache
     ) -> Tensor:
-        fused = self.fused_weights()
-        if fused is not None:
-            out = run_fused(self, fused, hidden, cos, sin, batch, kv_cache)
-            if out is not None:
-                return out
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-    def fused_weights(self):
-        """The projections as the one-call C layer takes them (see `fused_decode.py`), made
-        once after loading; None when this layer cannot take that path."""
-        if not hasattr(self, "_fused"):
-            plain = type(self.self_attn).normalize_qk is Attention.normalize_qk
-            norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-            floats = all(w.dtype == torch.float32 and w.device.type == "cpu" for w in norms)
-            projections = (
-                self.self_attn.qkv_proj,
-                self.self_attn.o_proj,
-                self.mlp.gate_up_proj,
-                self.mlp.down_proj,
-            )
-            self._fused = layer_weights(projections) if plain and floats else None
-        return self._fused
 
 
 class DecoderModel(nn.Module):
@@ -188,12 +167,24 @@ class DecoderModel(nn.Module):
         kv_cache.check_dtype(self.dtype)
         hidden = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, batch, kv_cache)
+        for run in self.layer_runs():
+            fused = run_fused(run, self.layers, hidden, cos, sin, batch, kv_cache)
+            if fused is not None:
+                hidden = fused
+                continue
+            for layer in self.layers[run.start : run.stop]:
+                hidden = layer(hidden, cos, sin, batch, kv_cache)
         last = self.norm(hidden[batch.logits_indices])
         if self.lm_head is None:
             return self.embed_tokens.logits(last).float()
         return self.lm_head(last).float()
+
+    def layer_runs(self) -> list[LayerRun]:
+        """The layers in runs that a decode step may run as one C call each, or op by op
+        (see `fused_decode.py`); made once, after loading."""
+        if not hasattr(self, "_layer_runs"):
+            self._layer_runs = layer_runs(self.layers, Attention)
+        return self._layer_runs
 
     def quantize(self, scheme: str) -> None:
         """Keep every projection and the embedding table quantised (`Linear.quantize` says
