@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
+from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
@@ -35,7 +36,6 @@ from pagedkv.server.protocol import (
     Usage,
     unknown_fields,
 )
-from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
