@@ -25,6 +25,16 @@ if TYPE_CHECKING:
 
 # What json_object=True means: any JSON object (vLLM's and OpenAI's "json_object").
 ANY_OBJECT = '{"type": "object"}'
+# JSON is written as `json.dumps` writes it (", " and ": ", no other whitespace): free
+# whitespace (vLLM's default) lets a small model spend its max_tokens on blank lines. Keywords
+# llguidance does not implement are ignored rather than refused (`lenient`), as a schema from
+# a client library often carries some ("format" values, "uniqueItems").
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
 
 
 def grammar_spec(params: StructuredOutputsParams) -> str:
@@ -35,11 +45,9 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     """
     kind = params.kind
     try:
-        if kind == "json":
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            spec = llguidance.grammar_from("json_schema", schema)
-        elif kind == "json_object":
-            spec = llguidance.grammar_from("json_schema", ANY_OBJECT)
+        if kind in ("json", "json_object"):
+            schema = ANY_OBJECT if kind == "json_object" else params.json
+            spec = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         elif kind == "choice":
             spec = llguidance.grammar_from("choice", json.dumps(params.choice))
         else:  # regex, or grammar: Lark or GBNF text
