@@ -54,10 +54,41 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ResponseFormat(_Request):
-    """`response_format`: only plain text until structured outputs exist (checked in serving)."""
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: the schema the output must match, and its name."""
 
-    type: str
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # "schema" is pydantic's
+    strict: bool | None = None  # OpenAI's: every schema is enforced here, strict or not
+
+
+class ResponseFormat(_Request):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+
+class StructuredOutputsFields(_Request):
+    """vLLM's `structured_outputs` extra field: exactly one constraint (checked by the engine's
+    StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
 
 class SamplingFields(_Request):
@@ -82,6 +113,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag: accepted for compatibility, unused
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None  # vLLM's
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
     # OpenAI's: token id (as a string) -> bias added to its logit, -100 to 100.
     logit_bias: dict[str, float] | None = None
@@ -163,18 +195,64 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """The function a tool call names, and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    """One tool call: in an assistant message sent back, or in a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call: its name and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     """One message of the conversation, rendered by the model's chat template."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:
         """Only an assistant message may come without content (OpenAI's tool-call turns)."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
         return self
 
     def text(self) -> str:
@@ -195,7 +273,30 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     store: bool | None = None  # OpenAI's: nothing is stored here; accepted for compatibility
-    parallel_tool_calls: bool | None = None  # accepted for compatibility: no tools yet
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call (with "required")
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        """A tool choice other than "none" needs tools, and a named one must be among them."""
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice needs tools")
+        names = {tool.function.name for tool in self.tools}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{choice.function.name}', not among the tools")
+        return self
+
+    @property
+    def resolved_tool_choice(self) -> str | NamedToolChoice:
+        """The tool choice, its default filled in."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the older `max_tokens`, else None (the model's room)."""
@@ -302,10 +403,12 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The generated message of one chat choice."""
+    """The generated message of one chat choice: text, or tool calls (content then None,
+    unless the model wrote text before them)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -331,11 +434,36 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    """A tool call's function in a stream chunk: its name once, then arguments text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """One tool call's part of a stream chunk (OpenAI's: id and type come with the first)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
 class ChatDelta(BaseModel):
     """What one stream chunk adds to a choice's message: only the fields it sets are sent."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
