@@ -1,8 +1,8 @@
 """The grammar's token mask, applied to the constrained rows of a step's logits.
 
 Masks of all constrained rows are computed together by llguidance's thread pool into one
-bitmask (a bit per token), moved to the logits' device and unpacked there; rows without a
-grammar are not touched and cost nothing.
+bitmask (a bit per token), unpacked by numpy into one bool per token and applied to those
+rows; rows without a grammar are not touched and cost nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from functools import cache
 
 import llguidance
 import llguidance.numpy
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,8 +34,10 @@ def apply_grammar_masks(
     bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), vocab)
     matchers = [(state.matcher, position) for position, state in enumerate(states)]
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), matchers, bitmask)
-    bits = torch.from_numpy(bitmask).to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    banned = torch.from_numpy(bits == 0).to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: in place, no gather
+        logits.masked_fill_(banned, float("-inf"))
+        return
     index = torch.tensor(list(rows), device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
