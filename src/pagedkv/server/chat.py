@@ -56,9 +56,6 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     request = context.parse(await raw.body(), ChatCompletionRequest)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    prompt = await asyncio.to_thread(_render, context, request)
-    max_tokens = request.requested_max_tokens()  # None: the room the context leaves
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None
     constraint = structured_outputs(request)
     tool_schema = tool_constraint(request)
     if constraint is not None and tool_schema is not None:
@@ -68,6 +65,9 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
             "it cannot also follow response_format or structured_outputs",
             param="tool_choice",
         )
+    prompt = await asyncio.to_thread(_render, context, request)
+    max_tokens = request.requested_max_tokens()  # None: the room the context leaves
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n)
     await generation.start([prompt], params, request.priority)

@@ -278,19 +278,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (with "required")
 
-    @model_validator(mode="after")
-    def _check_tool_choice(self) -> ChatCompletionRequest:
-        """A tool choice other than "none" needs tools, and a named one must be among them."""
-        choice = self.tool_choice
-        if choice is None or choice == "none":
-            return self
-        if not self.tools:
-            raise ValueError("tool_choice needs tools")
-        names = {tool.function.name for tool in self.tools}
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names '{choice.function.name}', not among the tools")
-        return self
-
     @property
     def resolved_tool_choice(self) -> str | NamedToolChoice:
         """The tool choice, its default filled in."""

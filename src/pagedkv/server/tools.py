@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.engine import StructuredOutputsParams
+from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -111,8 +112,18 @@ def _tool_json(tool: Tool) -> str:
 
 
 def tool_constraint(request: ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """The schema a "required" or named tool choice holds the output to (None otherwise)."""
+    """The schema a "required" or named tool choice holds the output to (None otherwise);
+    a 400 for a tool choice without tools, or naming a function not among them."""
     choice = request.resolved_tool_choice
+    if choice != "none" and not request.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    names = {tool.function.name for tool in request.tools or []}
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice names '{choice.function.name}', not among the tools",
+            param="tool_choice",
+        )
     if isinstance(choice, NamedToolChoice):
         return StructuredOutputsParams(json=_parameters(_tool(request, choice.function.name)))
     if choice != "required":
