@@ -6,7 +6,7 @@ server can ignore them with a log line, as vLLM does, or refuse them under `--st
 Besides OpenAI's fields the requests accept vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`).
 Range checks that need the model (prompt length, token ids) live in `serving`, next to the
-engine.
+engine. The parts of structured outputs and tools live in `formats`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
     model_validator,
+)
+
+from pagedkv.server.formats import (
+    NamedToolChoice,
+    RequestModel,
+    ResponseFormat,
+    StructuredOutputsFields,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
 )
 
 MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
@@ -29,10 +38,6 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one completions request
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
@@ -48,50 +53,13 @@ def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     """`stream_options`: whether the last chunk before [DONE] carries the usage."""
 
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Request):
-    """`response_format.json_schema`: the schema the output must match, and its name."""
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
-
-    name: str = "response"
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # "schema" is pydantic's
-    strict: bool | None = None  # OpenAI's: every schema is enforced here, strict or not
-
-
-class ResponseFormat(_Request):
-    """`response_format`: free text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _check_schema(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a json_schema object")
-        return self
-
-
-class StructuredOutputsFields(_Request):
-    """vLLM's `structured_outputs` extra field: exactly one constraint (checked by the engine's
-    StructuredOutputsParams)."""
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
-
-
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """Fields both endpoints share; names and ranges follow OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
@@ -188,56 +156,14 @@ def _is_single_prompt(prompt: Any) -> bool:
     )
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     """One part of a message's content; only text parts are supported."""
 
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Request):
-    """The function a tool call names, and its arguments as JSON text (OpenAI's shape)."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(_Request):
-    """One tool call: in an assistant message sent back, or in a response."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDefinition(_Request):
-    """A function the model may call: its name and the JSON schema of its arguments."""
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Request):
-    """One entry of `tools`."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that function."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One message of the conversation, rendered by the model's chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -419,30 +345,6 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
-
-
-class FunctionCallDelta(BaseModel):
-    """A tool call's function in a stream chunk: its name once, then arguments text."""
-
-    name: str | None = None
-    arguments: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {name: value for name, value in handler(self).items() if value is not None}
-
-
-class ToolCallDelta(BaseModel):
-    """One tool call's part of a stream chunk (OpenAI's: id and type come with the first)."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ChatDelta(BaseModel):

@@ -26,9 +26,7 @@ from typing import Any
 
 from pagedkv.engine import StructuredOutputsParams
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
+from pagedkv.server.formats import (
     FunctionCall,
     FunctionCallDelta,
     NamedToolChoice,
@@ -36,6 +34,7 @@ from pagedkv.server.protocol import (
     ToolCall,
     ToolCallDelta,
 )
+from pagedkv.server.protocol import ChatCompletionRequest, ChatMessage
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

@@ -44,7 +44,7 @@ class CompiledGrammar:
 
     def new_state(self) -> GrammarState:
         """A sample's state at the grammar's start (its matcher copied when first needed)."""
-        return GrammarState(self)
+        return GrammarState(self.new_matcher)
 
     def new_matcher(self) -> llguidance.LLMatcher:
         """A matcher at the grammar's start, for one sample (blocks until compiled)."""

@@ -10,26 +10,26 @@ grammar is compiled, so that copy never waits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import llguidance
 
-    from pagedkv.engine.structured.compiler import CompiledGrammar
-
 
 class GrammarState:
     """One sample's matcher over its grammar."""
 
-    def __init__(self, grammar: CompiledGrammar) -> None:
-        self._grammar = grammar
+    def __init__(self, new_matcher: Callable[[], llguidance.LLMatcher]) -> None:
+        """`new_matcher()`: a matcher at the grammar's start (the compiled grammar's copy)."""
+        self._new_matcher = new_matcher
         self._matcher: llguidance.LLMatcher | None = None
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
         """The sample's llguidance matcher (what the sampler's mask is computed from)."""
         if self._matcher is None:
-            self._matcher = self._grammar.new_matcher()
+            self._matcher = self._new_matcher()
         return self._matcher
 
     def accept(self, token_id: int) -> None:
