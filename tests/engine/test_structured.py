@@ -172,3 +172,19 @@ def test_a_compiling_grammar_holds_up_no_other_request(engine_zoo, monkeypatch):
     jsonschema.validate(json.loads(text), SCHEMAS[9])
     params = StructuredOutputsParams(json=SCHEMAS[9])
     assert engine.grammars.submit(params) is engine.grammars.submit(params)
+
+
+def test_aborting_a_request_whose_grammar_compiles_leaves_nothing(engine_zoo, monkeypatch):
+    release = threading.Event()
+    real_compile = compiler._compile
+    monkeypatch.setattr(
+        compiler, "_compile", lambda vocab, spec: release.wait(60) and real_compile(vocab, spec)
+    )
+    engine = make_engine(engine_zoo)
+    engine.add_request("held", [3, 4], constrained(0, regex="[ab]{4}"))
+    assert engine.has_unfinished() and engine.stats.num_waiting == 1
+    engine.abort("held")
+    [aborted] = engine.step()
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.stats.num_waiting == 0
+    release.set()
