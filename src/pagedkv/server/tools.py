@@ -90,10 +90,12 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 def _hermes_message(message: ChatMessage) -> dict[str, Any]:
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message.text()}\n</tool_response>"}
-    content = message.text()
-    for call in message.tool_calls or []:
-        body = json.dumps({"name": call.function.name, "arguments": _arguments(call)})
-        content += f"{chr(10) if content else ''}{CALL_START}\n{body}\n{CALL_END}"
+    blocks = [
+        f"{CALL_START}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c)})}\n"
+        f"{CALL_END}"
+        for c in message.tool_calls or []
+    ]
+    content = "\n".join(part for part in (message.text(), *blocks) if part)
     return {"role": _role(message), "content": content}
 
 
