@@ -58,6 +58,8 @@ def test_auto_reads_hermes_tool_calls_and_the_content_before_them():
     assert parsed.content == "Let me add."
     assert calls(parsed) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
     assert parse_output(request(), "no call here").content == "no call here"
+    listed = '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 1}}]</tool_call>'
+    assert calls(parse_output(request(), listed)) == [("add", {"a": 1, "b": 1})]
     broken = "<tool_call>{not json</tool_call>"
     assert parse_output(request(), broken).content == broken
     assert not parse_output(request("none"), text).tool_calls

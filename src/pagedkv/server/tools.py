@@ -181,17 +181,19 @@ def parse_output(request: ChatCompletionRequest, text: str) -> ParsedMessage:
 
 
 def _parse_hermes(text: str) -> ParsedMessage:
-    """Hermes `<tool_call>` blocks (the last may lack its closing tag); text before the first
-    is content. Blocks that are not a JSON call leave the whole text as content."""
+    """Hermes `<tool_call>` blocks (the last may lack its closing tag), each one call or a
+    list of calls (SmolLM2's own format); text before the first is content. Blocks that are
+    not JSON calls leave the whole text as content."""
     start = text.find(CALL_START)
     if start == -1:
         return ParsedMessage(text)
     calls = []
     for body in _HERMES_CALL.findall(text[start:]):
         try:
-            call = json.loads(body)
-            arguments = call.get("arguments", call.get("parameters", {}))
-            calls.append(_call(call["name"], json.dumps(arguments)))
+            block = json.loads(body)
+            for call in block if isinstance(block, list) else [block]:
+                arguments = call.get("arguments", call.get("parameters", {}))
+                calls.append(_call(call["name"], json.dumps(arguments)))
         except (ValueError, TypeError, KeyError, AttributeError):
             return ParsedMessage(text)
     content = text[:start].strip()
