@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-_ENGINE_NAMES = ("LLM", "SamplingParams", "Engine", "EngineArgs", "RequestOutput")
+_ENGINE_NAMES = (
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "Engine",
+    "EngineArgs",
+    "RequestOutput",
+)
 __all__ = list(_ENGINE_NAMES)
 
 

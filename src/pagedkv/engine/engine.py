@@ -31,17 +31,12 @@ from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.engine.sampler import Sampler, SamplingRow
+from pagedkv.engine.sampler import Sampler, sampling_row
 from pagedkv.engine.sched.policy import make_policy
 from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
-from pagedkv.engine.stats import (
-    EngineStats,
-    KVSnapshot,
-    kv_snapshot,
-    memory_fields,
-    startup_line,
-)
+from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
 from pagedkv.engine.stops import apply_stops, take_text
+from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
@@ -126,6 +121,7 @@ class Engine:
         )
         self.runner = ModelRunner(loaded.model, self.kv_cache)
         self.sampler = Sampler(args.seed, device=self.device)
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self._limits = Limits(
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
@@ -184,6 +180,8 @@ class Engine:
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
         max_tokens = check_request(token_ids, params, self._limits)
+        so = params.structured_outputs
+        grammar = None if so is None else self.grammars.submit(so)
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )
@@ -193,12 +191,13 @@ class Engine:
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=max_tokens,
-            sequences=[self._new_sequence(request_id, 0, token_ids, params)],
+            sequences=[self._new_sequence(request_id, 0, token_ids, params, grammar)],
             metrics=metrics,
             cache_salt=cache_salt,
             priority=priority,
             forked=params.n == 1,
             bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
+            grammar=grammar,
         )
         self.scheduler.add(request)  # refuses a priority the policy does not order by
         self._requests[request_id] = request
@@ -269,7 +268,8 @@ class Engine:
         row_ids = [row.row for row in rows]
         if row_ids != list(range(logits.shape[0])):
             logits = logits[torch.tensor(row_ids, device=logits.device)]
-        sampled = self.sampler(logits, [self._sampling_row(row.request, row.seq) for row in rows])
+        batch = [sampling_row(row.request, row.seq, self._stop_ids) for row in rows]
+        sampled = self.sampler(logits, batch)
         now = time.monotonic()
         for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
             self._append_token(row.request, row.seq, token_id, logprobs)
@@ -292,6 +292,8 @@ class Engine:
         seq.new_token_ids.append(token_id)
         if seq.counts is not None:
             seq.counts.add(token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
         if logprobs is not None:
             seq.new_logprobs.append(logprob_entry(self.tokenizer, token_id, logprobs))
             seq.cumulative_logprob += logprobs[0]
@@ -349,7 +351,7 @@ class Engine:
         span = max(now - self._recent_tokens[0][0], 1.0) if self._recent_tokens else 1.0
         return EngineStats(
             num_running=sum(len(r.live_sequences) for r in self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             num_swapped=len(self.scheduler.swapped),
             num_swap_preemptions=self.scheduler.num_swap_preemptions,
             num_recompute_preemptions=self.scheduler.num_recompute_preemptions,
@@ -370,7 +372,12 @@ class Engine:
     # -- helpers ---------------------------------------------------------------------------
 
     def _new_sequence(
-        self, request_id: str, index: int, token_ids: SequenceOf[int], params: SamplingParams
+        self,
+        request_id: str,
+        index: int,
+        token_ids: SequenceOf[int],
+        params: SamplingParams,
+        grammar: CompiledGrammar | None,
     ) -> Sequence:
         generator = None
         if params.seed is not None:
@@ -390,30 +397,15 @@ class Engine:
             ),
             generator=generator,
             counts=counts,
+            grammar=None if grammar is None else grammar.new_state(),
         )
 
     def _new_sample(self, request: Request, index: int) -> Sequence:
         """Sample `index` of a request whose prompt was just computed (the prompt's tokens)."""
+        first = request.sequences[0]
         seq = self._new_sequence(
-            request.request_id, index, request.sequences[0].token_ids, request.params
+            request.request_id, index, first.token_ids, request.params, request.grammar
         )
-        first = request.sequences[0].counts
-        if first is not None:  # the prompt's mask is the request's: one for all samples
-            seq.counts = first.sibling()
+        if first.counts is not None:  # the prompt's mask is the request's: one for all samples
+            seq.counts = first.counts.sibling()
         return seq
-
-    def _sampling_row(self, request: Request, seq: Sequence) -> SamplingRow:
-        stop_ids = list(request.params.stop_token_ids or [])
-        if not request.params.ignore_eos:
-            stop_ids += [t for t in self._stop_ids if t not in stop_ids]
-        # Bad words compare only the output's last tokens, as many as the longest word's prefix.
-        tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, seq.num_output_tokens)
-        return SamplingRow(
-            params=request.params,
-            num_output_tokens=seq.num_output_tokens,
-            stop_token_ids=stop_ids,
-            generator=seq.generator,
-            counts=seq.counts,
-            output_tail=seq.token_ids[len(seq.token_ids) - tail :] if tail else (),
-            bad_words_token_ids=request.bad_words_token_ids,
-        )

@@ -116,3 +116,11 @@ class StepFailed(RuntimeError):
     def message_for(self, request_id: str) -> str:
         """What the owner of one aborted request is told: the others' ids are not theirs."""
         return f"engine step failed ({self._cause}); request {request_id} was aborted"
+
+
+class InvalidStructuredOutput(RequestRejected):
+    """A request's structured output (JSON schema, regex, choice, grammar) does not compile."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"structured_outputs.{kind} is invalid: {reason.strip()}")
+        self.kind = kind

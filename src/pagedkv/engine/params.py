@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from pagedkv.engine.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy: dividing logits by a near-zero number
 # overflows to inf and turns sampling into NaNs.
 GREEDY_TEMPERATURE = 1e-5
@@ -46,6 +48,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # their token sequences are never completed
     # Keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for).
     truncate_prompt_tokens: int | None = None
+    # The output must match this JSON schema, regex, choice or grammar (one per request).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +94,9 @@ class SamplingParams:
             not isinstance(keep, int) or isinstance(keep, bool) or keep == 0 or keep < -1
         ):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
     from pagedkv.engine.detokenizer import IncrementalDetokenizer
     from pagedkv.engine.penalties import TokenCounts
+    from pagedkv.engine.structured.compiler import CompiledGrammar
+    from pagedkv.engine.structured.state import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +56,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # the engine's; the simulator makes no text
     generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
     counts: TokenCounts | None = None  # what its penalties read, when the request has any
+    grammar: GrammarState | None = None  # its place in the request's structured output
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -109,6 +112,13 @@ class Request:
     # None: nothing predicts it), complete once the prompt is computed.
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
     prompt_logprobs_reported: bool = False
+    # params.structured_outputs compiling (or compiled): admitted only once it is ready.
+    grammar: CompiledGrammar | None = None
+
+    @property
+    def grammar_ready(self) -> bool:
+        """False while the request's grammar compiles (vLLM's WAITING_FOR_FSM)."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def scores_prompt(self) -> bool:

@@ -1,12 +1,12 @@
 """Sampler: the next token of every sampled sequence, from one `[num_rows, vocab]` logits tensor.
 
 Every step is a tensor op over the whole batch; Python loops only over rows to gather their
-settings, never over the vocabulary. The order is vLLM's: allowed_token_ids (every other token
-masked), bad_words (a bad word's last token masked where the output ends with the rest of
-it), logit_bias (added), penalties (repetition on prompt and output, presence and frequency on
-output), min_tokens (stop tokens masked), then greedy rows
-take the argmax while the others are scaled by temperature and filtered by top_k, top_p and
-min_p before sampling.
+settings, never over the vocabulary. The order is vLLM's: the structured-output grammar's mask
+(tokens it does not allow masked), allowed_token_ids (every other token masked), bad_words (a
+bad word's last token masked where the output ends with the rest of it), logit_bias (added),
+penalties (repetition on prompt and output, presence and frequency on output), min_tokens
+(stop tokens masked), then greedy rows take the argmax while the others are scaled by
+temperature and filtered by top_k, top_p and min_p before sampling.
 
 Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which picks token `i`
 with probability `probs[i]`. A request with a seed draws its noise from its own generator, so
@@ -21,7 +21,7 @@ against the vocabulary when the request was added.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,10 @@ from torch import Tensor
 
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts, apply_penalties, uses_penalties
+from pagedkv.engine.request import Request
+from pagedkv.engine.request import Sequence as SequenceState
+from pagedkv.engine.structured.mask import apply_grammar_masks
+from pagedkv.engine.structured.state import GrammarState
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,26 @@ class SamplingRow:
     counts: TokenCounts | None = None  # kept when the params use penalties
     output_tail: Sequence[int] = ()  # the last output tokens, as many as bad words need
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, as tokens
+    grammar: GrammarState | None = None  # with structured outputs: what the grammar allows
+
+
+def sampling_row(request: Request, seq: SequenceState, eos_ids: Collection[int]) -> SamplingRow:
+    """The row of one sample about to draw a token (`eos_ids`: the tokenizer's)."""
+    stop_ids = list(request.params.stop_token_ids or [])
+    if not request.params.ignore_eos:
+        stop_ids += [t for t in eos_ids if t not in stop_ids]
+    # Bad words compare only the output's last tokens, as many as the longest word's prefix.
+    tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, seq.num_output_tokens)
+    return SamplingRow(
+        params=request.params,
+        num_output_tokens=seq.num_output_tokens,
+        stop_token_ids=stop_ids,
+        generator=seq.generator,
+        counts=seq.counts,
+        output_tail=seq.token_ids[len(seq.token_ids) - tail :] if tail else (),
+        bad_words_token_ids=request.bad_words_token_ids,
+        grammar=seq.grammar,
+    )
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,8 @@ class Sampler:
         """Sample one token per row of float32 `logits [len(rows), vocab]`."""
         raw_logits = logits
         logits = logits.clone()
+        constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
+        apply_grammar_masks(logits, constrained, [rows[i].grammar for i in constrained])
         _apply_allowed_token_ids(logits, rows)
         _apply_bad_words(logits, rows)
         _apply_logit_bias(logits, rows)

@@ -4,7 +4,9 @@ Checked after every sampled token, in vLLM's order: nothing stops a sample befor
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
 ends it without adding that token's text; then a stop string found in the text ends it with
 the text cut just before the string, or just after it with `include_stop_str_in_output` (the
-search covers the tail where a string split across tokens can complete); then `max_tokens`.
+search covers the tail where a string split across tokens can complete); then a structured
+output's grammar that is complete (it would allow only EOS: vLLM's finished FSM); then
+`max_tokens`.
 While stop strings are set and excluded from the output, the last `len(longest) - 1`
 characters are held back from streaming, since they may still turn out to be the start of a
 stop string. (With the string included nothing is held back: all text up to its end is
@@ -38,6 +40,9 @@ def apply_stops(
         )
         if seq.finished:
             return
+    if may_stop and seq.grammar is not None and seq.grammar.finished:
+        _finish(seq, "stop", None)  # the grammar is complete: it would allow only EOS now
+        return
     if seq.num_output_tokens >= request.max_tokens or len(seq.token_ids) >= max_model_len:
         _finish(seq, "length", None)
 

@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server import connections, page_map
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
@@ -32,7 +33,6 @@ from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
 from pagedkv.server.protocol import ModelCard, ModelList
 from pagedkv.server.serving import ARRIVAL_TIME, ServingContext, now, shutting_down
-from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine

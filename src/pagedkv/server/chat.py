@@ -2,6 +2,8 @@
 
 As for completions, every refusal happens before a stream starts. A streamed choice begins
 with a role-only delta and ends with a chunk carrying its finish reason, as OpenAI's does.
+With tools (`tools.py`), a choice whose output holds tool calls carries them in `tool_calls`
+(streamed as deltas) with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ from pagedkv.server.serving import (
     sse,
     top_logprobs,
 )
+from pagedkv.server.structured import structured_outputs
+from pagedkv.server.tools import (
+    ToolCallStream,
+    parse_output,
+    render_messages,
+    tool_constraint,
+)
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput
@@ -47,33 +56,42 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     request = context.parse(await raw.body(), ChatCompletionRequest)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    constraint = structured_outputs(request)
+    tool_schema = tool_constraint(request)
+    if constraint is not None and tool_schema is not None:
+        raise APIError(
+            400,
+            "a required or named tool_choice fixes the output to a tool call: "
+            "it cannot also follow response_format or structured_outputs",
+            param="tool_choice",
+        )
     prompt = await asyncio.to_thread(_render, context, request)
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, max_tokens, logprobs)
+    params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n)
     await generation.start([prompt], params, request.priority)
     return await _ChatCompletion(context, request, generation).respond(raw)
 
 
 def _render(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation plus the assistant's generation prompt."""
-    messages = [
-        # Templates predate OpenAI's "developer" role: it plays the system prompt's part.
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in request.messages
-    ]
+    """Token ids of the conversation (and tools) plus the assistant's generation prompt."""
+    tokenizer = context.tokenizer
+    messages, variables = render_messages(request, tokenizer.chat_template)
     try:
-        return context.tokenizer.encode_chat(messages)
+        text = tokenizer.render_chat(messages, template_kwargs=variables)
+        return tokenizer.encode(text, add_special_tokens=False)
     except ChatTemplateError as error:
         raise APIError(400, str(error), param="messages") from error
 
 
 @dataclass
 class _Choice(ChoiceState):
-    """One chat choice: its message text, plus its token logprobs (if requested)."""
+    """One chat choice: its message text, plus its token logprobs (if requested) and, when
+    streamed with tools, what of it has gone out as content and tool calls."""
 
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_stream: ToolCallStream | None = None
 
 
 class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[TokenLogprob]]):
@@ -115,15 +133,42 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         choice.logprobs.extend(entries)
         return entries
 
-    def _chunk_choice(self, delta: ChoiceDelta, logprobs: list[TokenLogprob]) -> ChatChunkChoice:
+    def _chunk_choice(
+        self, delta: ChoiceDelta, logprobs: list[TokenLogprob]
+    ) -> ChatChunkChoice | None:
         output = delta.output
+        message = ChatDelta(content=output.text)
+        finish_reason = output.finish_reason
+        if self._uses_tools:
+            choice = self.choices[delta.index]
+            if choice.tool_stream is None:
+                choice.tool_stream = ToolCallStream(self.request)
+            content, calls = choice.tool_stream.feed(output.text, finish_reason is not None)
+            message = ChatDelta(content=content, tool_calls=calls or None)
+            finish_reason = _finish_reason(finish_reason, choice.tool_stream.called)
+            if not (content or calls or finish_reason or self.request.logprobs):
+                return None  # text held back until it is known to be content or a call
         return ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=output.text),
+            delta=message,
             logprobs=ChatLogprobs(content=logprobs) if self.request.logprobs else None,
-            finish_reason=output.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=output.stop_reason,
         )
+
+    @property
+    def _uses_tools(self) -> bool:
+        """Whether outputs are read for tool calls (tools given, tool_choice not "none")."""
+        return self.request.resolved_tool_choice != "none"
+
+    def _message(self, choice: _Choice) -> tuple[AssistantMessage, str | None]:
+        """A finished choice's message, and its finish reason ("tool_calls" if it called)."""
+        text = "".join(choice.text)
+        if not self._uses_tools:
+            return AssistantMessage(content=text), choice.finish_reason
+        parsed = parse_output(self.request, text)
+        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls)
+        return message, _finish_reason(choice.finish_reason, bool(parsed.tool_calls))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: bool = False) -> str:
         chunk = ChatCompletionChunk(
@@ -147,15 +192,21 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             choices=[
                 ChatChoice(
                     index=choice.index,
-                    message=AssistantMessage(content="".join(choice.text)),
+                    message=message,
                     logprobs=ChatLogprobs(content=choice.logprobs)
                     if self.request.logprobs
                     else None,
-                    finish_reason=choice.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=choice.stop_reason,
                 )
                 for choice in choices
+                for message, finish_reason in [self._message(choice)]
             ],
             usage=self.generation.usage(),
             prompt_logprobs=self._prompt_logprobs(0),
         )
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """ "tool_calls" for an output that ended by itself with tool calls (vLLM's rule)."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -88,7 +88,9 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
                 output = delta.output
                 if not (output.text or output.token_ids or output.finish_reason):
                     continue
-                yield self._chunk([self._chunk_choice(delta, self._update(delta))])
+                choice = self._chunk_choice(delta, self._update(delta))
+                if choice is not None:
+                    yield self._chunk([choice])
             options = self.request.stream_options
             if options is not None and options.include_usage:
                 yield self._chunk([], usage=True)
@@ -125,8 +127,8 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         """The delta's logprobs in the endpoint's shape, also added to `choice`."""
 
     @abstractmethod
-    def _chunk_choice(self, delta: ChoiceDelta, logprobs: LogprobsT) -> BaseModel:
-        """One choice's part of a stream chunk."""
+    def _chunk_choice(self, delta: ChoiceDelta, logprobs: LogprobsT) -> BaseModel | None:
+        """One choice's part of a stream chunk (None: this delta adds nothing to send yet)."""
 
     @abstractmethod
     def _chunk(self, choices: list, usage: bool = False) -> str:

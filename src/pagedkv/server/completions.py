@@ -32,6 +32,7 @@ from pagedkv.server.serving import (
     sse,
     top_logprobs,
 )
+from pagedkv.server.structured import structured_outputs
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput
@@ -49,7 +50,9 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:  # the echoed prompt's tokens get theirs
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-    params = sampling_params(request, max_tokens, request.logprobs, prompt_logprobs)
+    params = sampling_params(
+        request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs(request)
+    )
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)

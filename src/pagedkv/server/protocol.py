@@ -6,7 +6,7 @@ server can ignore them with a log line, as vLLM does, or refuse them under `--st
 Besides OpenAI's fields the requests accept vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`).
 Range checks that need the model (prompt length, token ids) live in `serving`, next to the
-engine.
+engine. The parts of structured outputs and tools live in `formats`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
     model_validator,
+)
+
+from pagedkv.server.formats import (
+    NamedToolChoice,
+    RequestModel,
+    ResponseFormat,
+    StructuredOutputsFields,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
 )
 
 MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
@@ -29,10 +38,6 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one completions request
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
@@ -48,19 +53,13 @@ def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     """`stream_options`: whether the last chunk before [DONE] carries the usage."""
 
     include_usage: bool = False
 
 
-class ResponseFormat(_Request):
-    """`response_format`: only plain text until structured outputs exist (checked in serving)."""
-
-    type: str
-
-
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """Fields both endpoints share; names and ranges follow OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
@@ -82,6 +81,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user tag: accepted for compatibility, unused
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None  # vLLM's
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
     # OpenAI's: token id (as a string) -> bias added to its logit, -100 to 100.
     logit_bias: dict[str, float] | None = None
@@ -156,25 +156,29 @@ def _is_single_prompt(prompt: Any) -> bool:
     )
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     """One part of a message's content; only text parts are supported."""
 
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One message of the conversation, rendered by the model's chat template."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:
         """Only an assistant message may come without content (OpenAI's tool-call turns)."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
         return self
 
     def text(self) -> str:
@@ -195,7 +199,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     store: bool | None = None  # OpenAI's: nothing is stored here; accepted for compatibility
-    parallel_tool_calls: bool | None = None  # accepted for compatibility: no tools yet
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call (with "required")
+
+    @property
+    def resolved_tool_choice(self) -> str | NamedToolChoice:
+        """The tool choice, its default filled in."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the older `max_tokens`, else None (the model's room)."""
@@ -302,10 +316,12 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The generated message of one chat choice."""
+    """The generated message of one chat choice: text, or tool calls (content then None,
+    unless the model wrote text before them)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -336,6 +352,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedkv.engine import SamplingParams
+from pagedkv.engine import SamplingParams, StructuredOutputsParams
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
+from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
@@ -35,7 +36,6 @@ from pagedkv.server.protocol import (
     Usage,
     unknown_fields,
 )
-from pagedkv.server.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput, Logprob, RequestOutput
@@ -75,14 +75,6 @@ class ServingContext:
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options needs stream=true", param="stream_options")
-        response_format = request.response_format
-        if response_format is not None and response_format.type != "text":
-            raise APIError(
-                400,
-                f"response_format type '{response_format.type}' is not supported "
-                "(no structured outputs): only 'text'",
-                param="response_format",
-            )
         return request
 
     def check_model(self, requested: str | None) -> None:
@@ -109,8 +101,10 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams (max_tokens None: all the room the context leaves).
+    """The engine's SamplingParams (max_tokens None: all the room the context leaves), with
+    `structured` the output's constraint (from response_format, structured_outputs or tools).
 
     The engine checks values again and its ValueErrors (naming the parameter) become 400s.
     """
@@ -141,6 +135,7 @@ def sampling_params(
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=structured,
         )
     except ValueError as error:
         raise APIError(400, str(error)) from error

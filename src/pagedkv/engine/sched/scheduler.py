@@ -10,6 +10,8 @@ there are no separate prefill and decode phases. Each step:
 2. swapped requests, in the policy's order, when nothing was preempted this step;
 3. waiting requests, in the policy's order, when nothing is swapped, while the pool keeps a
    watermark of free blocks (so admitting does not force a preemption on the next decode).
+   A new request whose structured-output grammar still compiles waits apart (`compiling`)
+   and joins the waiting queue once it is ready, so it holds up no one behind it.
 After the runner has computed the step, `update` records it: marks the chunks computed, forks
 the samples of prompts that just finished, has the caller sample (the engine from logits, the
 simulator by making tokens up), then frees finished samples and retires finished requests.
@@ -37,6 +39,8 @@ from pagedkv.worker.step import PreemptionMode, ScheduledChunk, SchedulerOutput
 
 # Blocks kept free when admitting, as a share of the pool (at least one block).
 WATERMARK_FRACTION = 0.01
+# When only compiling grammars are left, a step waits this long for one (rather than spin).
+COMPILE_WAIT_S = 0.01
 
 SeqId = tuple[str, int]
 
@@ -63,6 +67,8 @@ class Scheduler:
         self.waiting = self.policy.new_queue()
         self.running: list[Request] = []  # in admission order
         self.swapped = self.policy.new_queue()
+        # New requests whose grammar still compiles, in arrival order: queued once it is ready.
+        self.compiling: list[Request] = []
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
         self._arrivals = itertools.count()
@@ -75,11 +81,14 @@ class Scheduler:
         self.policy.check_priority(request.priority)
         request.arrival_index = next(self._arrivals)
         request.status = RequestStatus.WAITING
-        self.waiting.add(request)
+        if request.grammar_ready:
+            self.waiting.add(request)
+        else:
+            self.compiling.append(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out of its queue and free every block its samples hold."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.compiling):
             if request in queue:
                 queue.remove(request)
         for seq in request.sequences:
@@ -94,12 +103,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped."""
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.compiling)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted yet: queued, or waiting for their grammar."""
+        return len(self.waiting) + len(self.compiling)
 
     # -- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks; preempt, resume and admit as the pool allows."""
+        self._queue_compiled()
         step = _Step(budget=self.max_num_batched_tokens)
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING:
@@ -115,7 +130,15 @@ class Scheduler:
             step.output.dropped, self._dropped = self._dropped, []
         else:
             step.output.dropped = []
+            if self.compiling:  # nothing runs: wait a moment for a grammar
+                self.compiling[0].grammar.wait(COMPILE_WAIT_S)  # type: ignore[union-attr]
         return step.output
+
+    def _queue_compiled(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue (in arrival order)."""
+        for request in [r for r in self.compiling if r.grammar_ready]:
+            self.compiling.remove(request)
+            self.waiting.add(request)
 
     def update(
         self,

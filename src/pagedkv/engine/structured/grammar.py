@@ -1,0 +1,96 @@
+"""From a request's constraint to an llguidance grammar, and the vocabulary it masks over.
+
+llguidance (rather than xgrammar) because it is one dependency-free wheel and computes masks
+on the fly from an Earley parser, so a large schema costs little to compile; the comparison
+is in `bench/grammar_engines.py` and the README. Grammars are built for the engine's own
+tokenizer, whichever file it came from (tokenizer.json or a GGUF vocabulary): every token id
+of the model's vocabulary is given the bytes it stands for (`TokenBytes`); special tokens and
+ids the tokenizer does not use can never spell grammar text, only end it (the EOS ids).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import llguidance
+
+from pagedkv.engine.errors import InvalidStructuredOutput
+from pagedkv.engine.structured.params import StructuredOutputsParams
+from pagedkv.engine.token_bytes import TokenBytes
+
+if TYPE_CHECKING:
+    from pagedkv.tokenizer import Tokenizer
+
+# What json_object=True means: any JSON object (vLLM's and OpenAI's "json_object").
+ANY_OBJECT = '{"type": "object"}'
+# JSON is written as `json.dumps` writes it (", " and ": ", no other whitespace): free
+# whitespace (vLLM's default) lets a small model spend its max_tokens on blank lines. Keywords
+# llguidance does not implement are ignored rather than refused (`lenient`), as a schema from
+# a client library often carries some ("format" values, "uniqueItems").
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": True,
+}
+
+
+def grammar_spec(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of `params`; raise `InvalidStructuredOutput` naming what is wrong.
+
+    Checked without the vocabulary (as vLLM's front end does), which is cheap: the costly
+    token-level part is left to the compile thread.
+    """
+    kind = params.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = ANY_OBJECT if kind == "json_object" else params.json
+            spec = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        elif kind == "choice":
+            spec = llguidance.grammar_from("choice", json.dumps(params.choice))
+        else:  # regex, or grammar: Lark or GBNF text
+            spec = llguidance.grammar_from(kind, getattr(params, kind))
+    except ValueError as error:
+        raise InvalidStructuredOutput(kind, str(error)) from error
+    error = llguidance.LLMatcher.validate_grammar(spec)
+    if error:
+        raise InvalidStructuredOutput(kind, error)
+    return spec
+
+
+def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """An llguidance tokenizer over the model's `vocab_size` ids, from our tokenizer's bytes.
+
+    Takes a fraction of a second (49k tokens), so it is built on the compile thread.
+    """
+    token_bytes = TokenBytes(tokenizer)
+    tokens: list[bytes] = []
+    special: list[int] = []
+    for token_id in range(vocab_size):
+        piece = token_bytes(token_id) if token_id < tokenizer.vocab_size else b""
+        if token_id in token_bytes.special_ids or not piece:
+            special.append(token_id)
+            piece = piece or f"<|unused_{token_id}|>".encode()
+        tokens.append(piece)
+    eos_ids = [token_id for token_id in tokenizer.eos_token_ids if token_id < vocab_size]
+    wrapper = llguidance.TokenizerWrapper(_Vocabulary(tokenizer, tokens, special, eos_ids))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos_ids)
+
+
+class _Vocabulary:
+    """What `llguidance.TokenizerWrapper` reads: token bytes, special ids, EOS, and a
+    tokenize function (used to tokenize text the grammar forces)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, tokens: list[bytes], special: list[int], eos: Sequence[int]
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = tokenizer.bos_token_id
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tokenizer.encode(text.decode("utf-8", "replace"), add_special_tokens=False)

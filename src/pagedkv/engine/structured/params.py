@@ -1,0 +1,62 @@
+"""StructuredOutputsParams: the constraint one request's output must satisfy (vLLM's shape).
+
+Exactly one kind is set: a JSON schema (`json`, a dict or its JSON text), a regular
+expression, a list of choices, a grammar (Lark or GBNF text), or `json_object=True` (any JSON
+object). The kind and its value are checked here for shape only; whether a schema or a regex
+compiles is checked when the request is added (`grammar.grammar_spec`), so a bad one is
+refused there with the grammar engine's own message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's `StructuredOutputsParams` fields)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {set_kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs.json must be a dict or a string: {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            choices = self.choice
+            if not isinstance(choices, list | tuple) or not choices:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if not all(isinstance(choice, str) for choice in choices):
+                raise ValueError(f"structured_outputs.choice must hold strings, got {choices!r}")
+            self.choice = list(choices)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool: {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of `KINDS`."""
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def key(self) -> str:
+        """A text naming the constraint exactly: what compiled grammars are cached by."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict | list):
+            value = json.dumps(value)  # key order kept: it orders the output too
+        return f"{self.kind}:{value}"

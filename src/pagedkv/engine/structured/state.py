@@ -1,0 +1,42 @@
+"""GrammarState: where one sample is in its grammar, advanced with every token it keeps.
+
+Each sample owns one (n > 1 forks start each sample from the compiled grammar's start, so
+they diverge freely). The state lives on the `Sequence`, so it survives preemption: a
+recomputed or swapped sample keeps its tokens and its state, and recomputing its KV samples
+nothing new, so the state is neither replayed nor rolled back. The matcher is copied from the
+compiled grammar when the sample first samples: the scheduler admits a request only once its
+grammar is compiled, so that copy never waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+class GrammarState:
+    """One sample's matcher over its grammar."""
+
+    def __init__(self, new_matcher: Callable[[], llguidance.LLMatcher]) -> None:
+        """`new_matcher()`: a matcher at the grammar's start (the compiled grammar's copy)."""
+        self._new_matcher = new_matcher
+        self._matcher: llguidance.LLMatcher | None = None
+
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        """The sample's llguidance matcher (what the sampler's mask is computed from)."""
+        if self._matcher is None:
+            self._matcher = self._new_matcher()
+        return self._matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advance over a sampled token (masked sampling only picks tokens the grammar allows)."""
+        self.matcher.consume_token(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """True when the grammar allows nothing more (complete, or failed): the sample ends."""
+        return self.matcher.is_stopped() or self.matcher.is_error()

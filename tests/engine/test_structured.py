@@ -1,0 +1,190 @@
+"""Structured outputs through the engine, on a tiny random model: the grammar alone must make
+its garbage valid. Oracles: `jsonschema` validation, `re.fullmatch`, and the same request run
+alone (unconstrained neighbours, preemption) giving the same tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from pagedkv.engine import InvalidStructuredOutput, SamplingParams, StructuredOutputsParams
+from pagedkv.engine.structured import compiler
+from tests.engine.conftest import make_engine, make_llm, run_to_completion
+from tests.structured_schemas import SCHEMAS
+
+MAX_TOKENS = 256  # far above what any of the schemas needs: each must end by its grammar
+
+
+def constrained(seed: int, max_tokens: int = MAX_TOKENS, n: int = 1, **kind) -> SamplingParams:
+    return SamplingParams(
+        n=n,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**kind),
+    )
+
+
+@pytest.fixture(scope="module")
+def llm(engine_zoo):
+    return make_llm(engine_zoo)
+
+
+def test_every_schema_gives_valid_json_for_every_sample(llm):
+    prompts = [[5, 6, 7 + index] for index in range(len(SCHEMAS))]
+    params = [constrained(index, n=3, json=schema) for index, schema in enumerate(SCHEMAS)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for schema, output in zip(SCHEMAS, outputs, strict=True):
+        assert len(output.outputs) == 3
+        for sample in output.outputs:
+            assert sample.finish_reason == "stop", (schema, sample.text)
+            jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_regex_choice_grammar_and_json_object_outputs_match(llm):
+    regex = r"[a-z]{2,5}@[0-9]{1,3}\.(com|org)"
+    choices = ["yes", "no", "maybe so", 'quote "this"']
+    grammar = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,2}/'
+    params = [
+        constrained(1, n=3, regex=regex),
+        constrained(2, n=3, choice=choices),
+        constrained(3, n=3, grammar=grammar),
+        constrained(4, n=3, json_object=True),
+    ]
+    outputs = llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
+    regex_out, choice_out, grammar_out, object_out = (o.outputs for o in outputs)
+    assert all(re.fullmatch(regex, s.text) for s in regex_out)
+    assert all(s.text in choices for s in choice_out)
+    assert all(re.fullmatch(r"\([0-9]{1,2}(\+[0-9]{1,2})*\)", s.text) for s in grammar_out)
+    for sample in object_out:
+        if sample.finish_reason == "stop":  # any object may be long: only a whole one parses
+            assert isinstance(json.loads(sample.text), dict)
+        else:
+            assert sample.text.startswith("{")
+
+
+def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(llm):
+    plain = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True, n=2),
+    ]
+    prompts = [[9, 10, 11], [12, 13]]
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    mixed_params = [plain[0], constrained(3, n=2, json=SCHEMAS[19]), plain[1]]
+    mixed = llm.generate([prompts[0], [4, 5], prompts[1]], mixed_params, use_tqdm=False)
+    for before, after in zip(alone, [mixed[0], mixed[2]], strict=True):
+        assert [s.token_ids for s in before.outputs] == [s.token_ids for s in after.outputs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_grammar_state_survives_preemption(engine_zoo, mode):
+    """A pool too small for every request preempts some; each sample's tokens still equal
+    those it draws in a pool that never preempts, so its grammar state was kept."""
+    params = [constrained(i, 56, n=2, json=SCHEMAS[13 + i]) for i in range(6)]
+    prompts = [[20 + i] * 8 for i in range(6)]
+    results = []
+    for blocks in (256, 8):
+        engine = make_engine(engine_zoo, num_gpu_blocks=blocks, preemption_mode=mode)
+        for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(index), prompt, p)
+        tokens: dict[tuple[str, int], list[int]] = {}
+        stopped = set()
+        for outputs in run_to_completion(engine):
+            for output in outputs:
+                for sample in output.outputs:
+                    key = (output.request_id, sample.index)
+                    tokens.setdefault(key, []).extend(sample.token_ids)
+                    if sample.finish_reason == "stop":
+                        stopped.add(key)
+        stats = engine.stats
+        results.append((tokens, stats.num_swap_preemptions + stats.num_recompute_preemptions))
+    (calm, no_preemptions), (tight, preemptions) = results
+    assert no_preemptions == 0 and preemptions > 0
+    assert tight == calm
+    assert len(stopped) >= len(tight) // 2  # the others reached max_tokens
+    for request_id, index in stopped:
+        text = engine.tokenizer.decode(tight[request_id, index])
+        jsonschema.validate(json.loads(text), SCHEMAS[13 + int(request_id)])
+
+
+def test_max_tokens_cuts_the_json_with_finish_reason_length(llm):
+    schema = {"type": "array", "items": SCHEMAS[9], "minItems": 3, "maxItems": 3}
+    [output] = llm.generate([[5, 6]], constrained(0, max_tokens=6, json=schema), use_tqdm=False)
+    sample = output.outputs[0]
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 6
+    assert sample.text.startswith("[")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(sample.text)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}),
+        dict(json="{not json"),
+        dict(json={"type": "string", "pattern": "[a-"}),
+        dict(regex="a(b"),
+        dict(grammar="start: missing_rule"),
+    ],
+)
+def test_a_bad_constraint_is_refused_at_add_request_and_leaves_nothing(engine_zoo, kind):
+    engine = make_engine(engine_zoo)
+    with pytest.raises(InvalidStructuredOutput, match=f"structured_outputs.{next(iter(kind))}"):
+        engine.add_request("bad", [1, 2], constrained(0, **kind))
+    assert not engine.has_unfinished() and engine.stats.num_waiting == 0
+    engine.add_request("bad", [1, 2], SamplingParams(max_tokens=2))  # the id is free again
+    assert list(run_to_completion(engine))
+
+
+def test_constraint_needs_exactly_one_kind():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+
+
+def test_a_compiling_grammar_holds_up_no_other_request(engine_zoo, monkeypatch):
+    """While one grammar compiles (held here), another request runs to the end; the held one
+    waits unadmitted, then runs once its grammar is ready. Compiled grammars are cached."""
+    release = threading.Event()
+    real_compile = compiler._compile
+
+    def held_compile(vocab, spec):
+        release.wait(timeout=60)
+        return real_compile(vocab, spec)
+
+    monkeypatch.setattr(compiler, "_compile", held_compile)
+    engine = make_engine(engine_zoo)
+    engine.add_request("held", [3, 4], constrained(0, json=SCHEMAS[9]))
+    engine.add_request("free", [3, 4], SamplingParams(max_tokens=5, ignore_eos=True))
+    finished = set()
+    while "free" not in finished:
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert engine.stats.num_waiting == 1 and engine.has_unfinished()
+    release.set()
+    text = ""
+    for outputs in run_to_completion(engine):
+        text += "".join(o.outputs[0].text for o in outputs if o.request_id == "held")
+    jsonschema.validate(json.loads(text), SCHEMAS[9])
+    params = StructuredOutputsParams(json=SCHEMAS[9])
+    assert engine.grammars.submit(params) is engine.grammars.submit(params)
+
+
+def test_aborting_a_request_whose_grammar_compiles_leaves_nothing(engine_zoo, monkeypatch):
+    release = threading.Event()
+    real_compile = compiler._compile
+    monkeypatch.setattr(
+        compiler, "_compile", lambda vocab, spec: release.wait(60) and real_compile(vocab, spec)
+    )
+    engine = make_engine(engine_zoo)
+    engine.add_request("held", [3, 4], constrained(0, regex="[ab]{4}"))
+    assert engine.has_unfinished() and engine.stats.num_waiting == 1
+    engine.abort("held")
+    [aborted] = engine.step()
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.stats.num_waiting == 0
+    release.set()

@@ -1,0 +1,78 @@
+"""Structured outputs on the built-in model (SmolLM2-135M-Instruct, pulled from the package
+index), through the official `openai` client: the 20 schemas with n=3 (half streamed, half
+whole, all in flight at once), and a required tool call. Oracle: `jsonschema`."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+
+from pagedkv.hub import DEFAULT_MODEL
+from tests.server.conftest import start_server
+from tests.server.test_structured_outputs import PARAMETERS, WEATHER, streamed_tool_calls
+from tests.structured_schemas import SCHEMAS
+
+pytestmark = pytest.mark.slow
+MESSAGES = [{"role": "user", "content": "Give me an example as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    server = start_server(DEFAULT_MODEL, num_gpu_blocks=512)  # type: ignore[arg-type]
+    with server.client() as client:
+        yield client, client.models.list().data[0].id
+    server.stop()
+
+
+def test_every_schema_validates_on_the_builtin_model(builtin):
+    client, model = builtin
+
+    def ask(index: int) -> list[tuple[str, str]]:
+        response_format = {"type": "json_schema", "json_schema": {"schema": SCHEMAS[index]}}
+        args = dict(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=160,
+            n=3,
+            temperature=0.8,
+            seed=index,
+            response_format=response_format,
+        )
+        if index % 2 == 0:
+            response = client.chat.completions.create(**args)
+            return [(c.message.content, c.finish_reason) for c in response.choices]
+        texts: dict[int, str] = {}
+        reasons: dict[int, str] = {}
+        for chunk in client.chat.completions.create(**args, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+                reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+        return [(texts[i], reasons[i]) for i in sorted(texts)]
+
+    with ThreadPoolExecutor(len(SCHEMAS)) as pool:
+        results = list(pool.map(ask, range(len(SCHEMAS))))
+    for schema, choices in zip(SCHEMAS, results, strict=True):
+        assert len(choices) == 3
+        for text, finish_reason in choices:
+            assert finish_reason == "stop", (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_required_tool_call_on_the_builtin_model(builtin):
+    client, model = builtin
+    messages = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    args = dict(model=model, messages=messages, tools=[WEATHER], tool_choice="required")
+    response = client.chat.completions.create(**args, max_tokens=120, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_weather"])
+    streamed, _, finish_reason = streamed_tool_calls(client, **args, max_tokens=120, temperature=0)
+    assert finish_reason == "tool_calls"
+    assert streamed == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+    ]
