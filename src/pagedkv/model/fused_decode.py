@@ -6,7 +6,9 @@ K/V write, paged decode attention, RMSNorm) with no Python between them. It appl
 layer is the plain Llama shape with every projection quantised in groups of 32 and the step
 is all decodes of at most `DOT_ROWS` sequences over float32 or fp8 CPU caches (the C write
 rounds into fp8 bytes exactly as torch does, and attention reads them through a byte table);
-otherwise the layer runs op by op, which is also what the tests compare it with.
+otherwise the layer runs op by op, which is also what the tests compare it with. A
+tensor-parallel layer never takes it: its projections are dense shards (quantised weights are
+not sharded) and the C layer has no all-reduce between attention and the MLP.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class PoolRequest:
 def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
     """Size the pools for `model` (its config, dtype and device) as `request` says."""
     kv_dtype = kv_cache_torch_dtype(request.kv_cache_dtype, model.dtype)
-    spec = kv_spec(model.config, kv_dtype)
+    spec = kv_spec(model, kv_dtype)
     per_block = spec.bytes_per_block(request.block_size)
     num_cpu_blocks = blocks_in_pool(spec, int(request.swap_space_gb * GIB), request.block_size)
     if request.num_gpu_blocks is not None:
@@ -99,6 +99,22 @@ def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
             "give more memory"
         )
     return KVBudget(num_blocks, num_cpu_blocks, per_block, kv_dtype, spec)
+
+
+def kv_pool(
+    model: DecoderModel, budget: KVBudget, block_size: int, offloading_gib: float
+) -> KVCache:
+    """The pool `budget` sizes, on the model's device: the swap space's blocks followed by
+    `offloading_gib` of host-tier blocks in the one CPU tensor (split, not shared: see
+    memory/host_tier.py)."""
+    num_offload_blocks = int(offloading_gib * GIB) // budget.bytes_per_block
+    return KVCache.for_model(  # the model's device; its dtype or fp8
+        model,
+        block_size=block_size,
+        num_blocks=budget.num_gpu_blocks,
+        num_cpu_blocks=budget.num_cpu_blocks + num_offload_blocks,
+        dtype=budget.kv_dtype,
+    )
 
 
 def _free_device_memory(request: PoolRequest, model: DecoderModel, kv_dtype: torch.dtype) -> int:
