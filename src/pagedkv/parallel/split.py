@@ -28,10 +28,12 @@ class Split:
 
 
 def split_even(num_units: int, rank: int, size: int, what: str) -> Split:
-    """Rank `rank`'s equal share of `num_units`; `NotDivisible` (naming `what`) otherwise."""
+    """Rank `rank`'s equal share of `num_units`; `NotDivisible` otherwise, naming the units
+    (`what`: "heads of q_proj")."""
     if num_units % size:
         raise NotDivisible(
-            f"{what} ({num_units}) is not divisible by tensor_parallel_size ({size})"
+            f"{num_units} {what} are not divisible by tensor_parallel_size ({size}) (vLLM "
+            "likewise requires num_attention_heads % tensor_parallel_size == 0)"
         )
     per_rank = num_units // size
     return Split(rank * per_rank, per_rank, per_rank)

@@ -127,14 +127,18 @@ class Linear(nn.Module):
         if self.parallel == "column":
             self.row_splits = tuple(
                 _rows(
-                    _column_split(unit_count, group.rank, group.size, gather_output),
+                    _column_split(unit_count, group.rank, group.size, gather_output, what),
                     size // unit_count,
                 )
-                for size, unit_count in zip(self.full_part_sizes, units, strict=True)
+                for size, unit_count, what in zip(
+                    self.full_part_sizes, units, _unit_names(parts, part_units), strict=True
+                )
             )
             method = GATHERED_COLUMN if gather_output else method
         elif self.parallel == "row":
-            split = split_even(in_features, group.rank, group.size, "a row-parallel input")
+            split = split_even(
+                in_features, group.rank, group.size, "input features of a row-parallel projection"
+            )
             self.col_split = (split.first, split.count)
             method = ROW_PARALLEL
         self.in_features = self.col_split[1]
@@ -225,11 +229,18 @@ class Linear(nn.Module):
         self.method = QUANTIZED
 
 
-def _column_split(units: int, rank: int, group_size: int, padded: bool) -> Split:
+def _column_split(units: int, rank: int, group_size: int, padded: bool, what: str) -> Split:
     """Rank `rank`'s heads (or channels, or vocabulary rows) of one part of `units` units."""
     if padded:
         return split_padded(units, rank, group_size)
-    return split_or_replicate(units, rank, group_size, f"a column-parallel part of {units} units")
+    return split_or_replicate(units, rank, group_size, what)
+
+
+def _unit_names(parts: Sequence[str] | None, part_units: Sequence[int] | None) -> list[str]:
+    """How errors name each part's units: "heads of k_proj", "output rows of gate_proj"."""
+    unit = "heads" if part_units is not None else "output rows"
+    names = parts if parts is not None else ["a column-parallel projection"]
+    return [f"{unit} of {name}" for name in names]
 
 
 def _rows(split: Split, unit_size: int) -> tuple[int, int, int]:

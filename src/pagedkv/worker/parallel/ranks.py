@@ -146,6 +146,11 @@ class TensorParallelRanks(SingleRank):
             raise ranks._failed(error) from error
         return ranks
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers spawned here, rank 1 first (none under torchrun)."""
+        return [process.pid for process in self._processes]
+
     def load(self) -> LoadedModel:
         try:
             return load_shard(self.spec, self.group, self.link.device)
