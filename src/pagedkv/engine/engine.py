@@ -354,6 +354,7 @@ class Engine:
             forward_seconds_total=self.runner.forward_seconds,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block,
+            tensor_parallel_size=self.args.tensor_parallel_size,
             **memory_fields(self.manager),
         )
 

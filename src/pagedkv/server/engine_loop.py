@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.errors import StepFailed
 from pagedkv.server.kv_frames import KVSample, KVWatch
+from pagedkv.worker.parallel.errors import WorkerFailed
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine, EngineStats, SamplingParams
@@ -132,6 +133,12 @@ class EngineLoop:
         self._drained: _Drain | None = None  # engine thread only
         self.failure: str | None = None  # why the engine thread stopped serving, if it did
         self.draining = False  # set (on the event loop) once `drain` has been called
+
+    def health_failure(self) -> str | None:
+        """Why the engine cannot serve, if it cannot: its thread stopped, or a tensor-parallel
+        worker failed (noticed by the ranks' keepalive even while no request runs)."""
+        worker_failure = self.engine.ranks.failure
+        return self.failure or (None if worker_failure is None else str(worker_failure))
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -325,6 +332,8 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except StepFailed as error:  # the engine aborted the step's requests; the rest go on
+            if isinstance(error.__cause__, WorkerFailed):  # no step can run again: stop serving
+                raise EngineFailed(str(error.__cause__)) from error
             logger.exception("engine step failed; failing the requests it was running")
             self._fail(error)
             return

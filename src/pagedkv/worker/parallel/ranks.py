@@ -209,19 +209,30 @@ class TensorParallelRanks(SingleRank):
             self.link.close()
 
     def _keep_alive(self) -> None:
-        """While idle, keep the workers' receive from timing out and notice a dead worker."""
+        """While idle, keep the workers' receive from timing out, and notice a worker that
+        died meanwhile: a spawned one's exit at once, any other's at the next pulse."""
         interval = self.link.timeout_s / 4
         while not self._closed.wait(min(interval / 4, 1.0)):
             with self._lock:
-                idle = time.monotonic() - self._last_message >= interval
-                if not idle or self.failure is not None or self._closed.is_set():
+                if self.failure is not None or self._closed.is_set():
                     continue
                 try:
-                    self.link.send(Keepalive())
-                    self.link.pulse()
-                    self._last_message = time.monotonic()
+                    self._check_processes()
+                    if time.monotonic() - self._last_message >= interval:
+                        self.link.send(Keepalive())
+                        self.link.pulse()
+                        self._last_message = time.monotonic()
                 except Exception as error:  # noqa: BLE001 - kept as `failure`, raised next step
                     self._failed(error)
+
+    def _check_processes(self, wait_s: float = 0.0) -> None:
+        """Raise a `WorkerFailed` for the first spawned worker whose process has exited."""
+        for rank, process in enumerate(self._processes, start=1):
+            process.join(wait_s)
+            if process.exitcode is not None:
+                raise WorkerFailed(
+                    rank, f"its process (pid {process.pid}) exited with code {process.exitcode}"
+                )
 
     def _failed(self, error: Exception) -> WorkerFailed:
         """Name the rank behind a failed collective, and remember it: the group is broken."""
@@ -238,12 +249,10 @@ class TensorParallelRanks(SingleRank):
         if reported:
             rank = min(reported)
             return WorkerFailed(rank, reported[rank])
-        for rank, process in enumerate(self._processes, start=1):
-            process.join(0.1)
-            if process.exitcode is not None:
-                return WorkerFailed(
-                    rank, f"its process (pid {process.pid}) exited with code {process.exitcode}"
-                )
+        try:
+            self._check_processes(wait_s=0.1)
+        except WorkerFailed as failure:
+            return failure
         try:
             silent = self.link.silent_ranks()
         except Exception:  # noqa: BLE001
