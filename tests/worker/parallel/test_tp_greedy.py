@@ -10,8 +10,11 @@ compare with transformers).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedkv.engine import LLM, SamplingParams
+from pagedkv.kvmath.parallel import per_rank_spec
+from pagedkv.worker.kv_cache import kv_spec
 from tests.model.tiny_models import random_prompt
 from tests.worker.parallel.conftest import FAMILIES
 
@@ -74,3 +77,6 @@ def test_each_rank_holds_its_share_of_every_block(engines):
         == single.engine.kv_bytes_per_block * heads_per_rank
     )
     assert parallel.engine.runner.kv_cache.cache.shape[4] == heads_per_rank
+    # The planner's per-rank arithmetic (`pagedkv plan --tensor-parallel-size 2`) agrees.
+    planned = per_rank_spec(kv_spec(config, torch.float32), 2)
+    assert planned.bytes_per_block(16) == parallel.engine.kv_bytes_per_block
