@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 _TIMEOUT_KEY = "pagedkv/timeout_s"
+_DEVICE_KEY = "pagedkv/device_type"
 HEARTBEAT_S = 0.5  # how often a worker's heartbeat counter moves
 STORE_WAIT_S = 600.0  # how long a worker waits for rank 0's store and timeout to appear
 
@@ -76,14 +77,15 @@ class Link:
         port: int,
         rank: int,
         size: int,
-        device_type: str,
         local_rank: int,
+        device_type: str | None = None,
         timeout_s: float | None = None,
         host_store: bool = True,
     ) -> None:
-        """Reach the group's store; rank 0 gives `timeout_s` and hosts the store (`port` 0
-        picks a free one) unless `host_store` is False (torchrun's agent already hosts one).
-        `start_group` then joins the process group, which waits for every rank."""
+        """Reach the group's store; rank 0 gives `device_type` and `timeout_s`, which the
+        others read from the store, and hosts the store (`port` 0 picks a free one) unless
+        `host_store` is False (torchrun's agent already hosts one). `start_group` then joins
+        the process group, which waits for every rank."""
         self.rank = rank
         self.size = size
         self.host = host
@@ -98,7 +100,9 @@ class Link:
         )
         self.port = self.store.port
         if rank == 0:
+            self.store.set(_DEVICE_KEY, str(device_type))
             self.store.set(_TIMEOUT_KEY, str(timeout_s))
+        device_type = self.store.get(_DEVICE_KEY).decode()
         self.timeout_s = float(self.store.get(_TIMEOUT_KEY).decode())
         self.device = torch.device("cpu")
         if device_type == "cuda":

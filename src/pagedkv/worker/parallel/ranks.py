@@ -114,7 +114,7 @@ class TensorParallelRanks(SingleRank):
             for rank in range(1, size):
                 process = context.Process(
                     target=run_worker,
-                    args=(rank, size, link.host, link.port, spec.device, rank),
+                    args=(rank, size, link.host, link.port, rank),
                     name=f"pagedkv-tp-rank{rank}",
                     daemon=True,
                 )

@@ -21,23 +21,13 @@ from pagedkv.worker.threads import physical_cores
 
 
 def run_worker(
-    rank: int,
-    size: int,
-    host: str,
-    port: int,
-    device_type: str,
-    local_rank: int,
-    host_store: bool = True,
+    rank: int, size: int, host: str, port: int, local_rank: int, host_store: bool = True
 ) -> None:
-    """Serve as rank `rank` of `size` until rank 0 says stop (or fails)."""
+    """Serve as rank `rank` of `size` until rank 0 says stop (or fails); rank 0's store is
+    at `host:port` (hosted by torchrun's agent when not `host_store`) and says the device
+    type; `local_rank` picks this machine's GPU."""
     link = Link(
-        host=host,
-        port=port,
-        rank=rank,
-        size=size,
-        device_type=device_type,
-        local_rank=local_rank,
-        host_store=host_store,
+        host=host, port=port, rank=rank, size=size, local_rank=local_rank, host_store=host_store
     )
     link.start_group()
     link.start_heartbeat()
