@@ -6,6 +6,10 @@ subclasses a piece and names it in its own module (`qwen3.py`). Attention reads 
 only through the paged cache, via the attention backend chosen when the model is built, so one
 forward pass serves any mix of prefills, prefix-cached prefills, prompt chunks and decodes.
 
+Under tensor parallelism each projection says how it splits (q/k/v and gate/up column-parallel,
+o and down row-parallel, the LM head gathered; `layers/linear.py`), and attention computes with
+the heads its projections hold: the same code runs a whole model or one rank's shard.
+
 Parameter names are those of the Hugging Face checkpoints without their `model.` prefix, except
 that q/k/v are one fused `qkv_proj` and gate/up one `gate_up_proj` (`layers/linear.py` says how
 checkpoint tensors fill them).

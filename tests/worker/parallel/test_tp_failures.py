@@ -152,3 +152,14 @@ def test_workers_exit_when_rank_0_is_killed(folder):
     )
     (pid,) = map(int, result.stdout.split())
     assert wait_until_gone(pid)
+
+
+def test_a_new_group_ends_the_one_an_earlier_engine_left_open(folder):
+    first = start(folder)
+    (first_pid,) = first.engine.ranks.worker_pids
+    second = start(folder)  # torch.distributed allows one group per process
+    assert not alive(first_pid)
+    assert second.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(StepFailed, match="shut down"):
+        first.generate(PROMPT, GREEDY, use_tqdm=False)
+    second.engine.shutdown()

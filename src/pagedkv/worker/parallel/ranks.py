@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
@@ -98,6 +100,7 @@ class TensorParallelRanks(SingleRank):
     def start(cls, size: int, spec: LoadSpec) -> TensorParallelRanks:
         """Spawn `size - 1` workers on this machine, or (under torchrun's environment) join
         the workers started elsewhere; then send them what to load."""
+        _end_previous_group()
         env = TorchrunEnv.from_environ()
         processes: list[Any] = []
         if env is None:
@@ -138,12 +141,14 @@ class TensorParallelRanks(SingleRank):
                 host_store=not env.agent_store,
             )
         ranks = cls(spec, link, processes)
+        _open_groups.append(ranks)
         try:
             link.start_group()
             link.send(spec)
         except Exception as error:
+            failure = ranks._failed(error)
             ranks.shutdown()
-            raise ranks._failed(error) from error
+            raise failure from error
         return ranks
 
     @property
@@ -163,9 +168,13 @@ class TensorParallelRanks(SingleRank):
             with self._lock:
                 self.link.send(request)
                 return agreed_budget(self.link, request, model)
-        except Exception as error:
+        except ValueError:  # a pool too small: every rank finds it alike
             self.shutdown()
-            raise self._failed(error) from error
+            raise
+        except Exception as error:
+            failure = self._failed(error)
+            self.shutdown()
+            raise failure from error
 
     def runner(self, model: DecoderModel, kv_cache: KVCache) -> ModelRunner:
         self._keepalive = threading.Thread(
@@ -197,6 +206,8 @@ class TensorParallelRanks(SingleRank):
             return
         self._closed.set()
         atexit.unregister(self.shutdown)
+        if self in _open_groups:
+            _open_groups.remove(self)
         with self._lock:
             if self.failure is None:
                 with contextlib.suppress(Exception):  # a dead worker needs no stop message
@@ -263,7 +274,27 @@ class TensorParallelRanks(SingleRank):
                 f"it stopped responding (no heartbeat for {3 * HEARTBEAT_S:g} s; the "
                 f"collective gave up after {self.link.timeout_s:g} s)",
             )
-        return WorkerFailed(None, f"a collective failed ({type(error).__name__}: {error})")
+        if isinstance(error, dist.DistError):
+            return WorkerFailed(None, f"a collective failed ({type(error).__name__}: {error})")
+        # Rank 0's own error mid-step: the workers may be waiting inside the step for ever.
+        return WorkerFailed(0, f"{type(error).__name__}: {error}")
+
+
+# The group this process leads, if any: torch.distributed allows one per process.
+_open_groups: list[TensorParallelRanks] = []
+
+
+def _end_previous_group() -> None:
+    """Shut down a group an earlier engine of this process left open (it was never shut down,
+    or its start failed half-way), so a new engine can lead one; the old engine's steps then
+    fail with a `WorkerFailed`."""
+    for ranks in list(_open_groups):
+        print(
+            "pagedkv: shutting down the tensor-parallel workers of an earlier engine (one group "
+            "per process; call Engine.shutdown() when done with an engine)",
+            file=sys.stderr,
+        )
+        ranks.shutdown()
 
 
 class BroadcastingRunner(ModelRunner):
