@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.model.errors import ModelError
     from pagedkv.weights.load import load
 
+    engine = loaded = None
     try:
         params = sampling_params_from_args(args)
         engine_args = EngineArgs.from_cli_args(args)
-        engine = loaded = None
         if engine_args.tensor_parallel_size > 1:  # every rank loads its own shard: the engine
             engine = Engine(engine_args)  # loads, and sizes its pool from memory
             tokenizer = engine.tokenizer
