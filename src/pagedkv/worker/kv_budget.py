@@ -40,7 +40,8 @@ class KVBudget:
     num_cpu_blocks: int
     bytes_per_block: int
     kv_dtype: torch.dtype  # what K/V are stored as: the model's dtype or fp8
-    spec: KVSpec  # the arithmetic the counts came from
+    spec: KVSpec  # the arithmetic the counts came from (one rank's under tensor parallelism)
+    tensor_parallel_size: int = 1  # ranks that each hold every block (their heads of it)
 
     def describe(self, block_size: int, max_model_len: int) -> str:
         """vLLM-style start-up line: pool size, KV dtype, and how many full-length requests
@@ -48,10 +49,12 @@ class KVBudget:
         tokens = self.num_gpu_blocks * block_size
         gib = self.num_gpu_blocks * self.bytes_per_block / GIB
         fit = max_concurrency(self.spec, self.num_gpu_blocks, max_model_len, block_size)
+        ranks = self.tensor_parallel_size
+        on_each_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
             f"of {kv_dtype_name(self.kv_dtype)} ({gib:.2f} GiB, "
-            f"{format_bytes(self.bytes_per_block)} per block); max concurrency at "
+            f"{format_bytes(self.bytes_per_block)} per block){on_each_rank}; max concurrency at "
             f"max_model_len ({max_model_len} tokens): {fit} requests"
         )
 

@@ -32,4 +32,9 @@ def agreed_budget(link: Link, request: PoolRequest, model: torch.nn.Module) -> K
     block."""
     budget = kv_budget(request, model)
     gpu_blocks, cpu_blocks = link.agree_min([budget.num_gpu_blocks, budget.num_cpu_blocks])
-    return replace(budget, num_gpu_blocks=gpu_blocks, num_cpu_blocks=cpu_blocks)
+    return replace(
+        budget,
+        num_gpu_blocks=gpu_blocks,
+        num_cpu_blocks=cpu_blocks,
+        tensor_parallel_size=link.size,
+    )
