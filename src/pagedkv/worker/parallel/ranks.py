@@ -198,6 +198,9 @@ class TensorParallelRanks(SingleRank):
                 return execute(output)
             except Exception as error:
                 raise self._failed(error) from error
+            except BaseException as interrupt:  # Ctrl-C: the workers may be mid-step for ever
+                self._failed(WorkerFailed(0, f"{type(interrupt).__name__} in the middle of a step"))
+                raise
 
     def shutdown(self) -> None:
         """Tell every worker to stop, wait for their processes (killing one that does not
