@@ -8,6 +8,7 @@ a rank 0 that is killed all end every worker.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -163,3 +164,11 @@ def test_a_new_group_ends_the_one_an_earlier_engine_left_open(folder):
     with pytest.raises(StepFailed, match="shut down"):
         first.generate(PROMPT, GREEDY, use_tqdm=False)
     second.engine.shutdown()
+
+
+def test_an_engine_dropped_without_shutdown_ends_its_workers(folder):
+    llm = start(folder)
+    (pid,) = llm.engine.ranks.worker_pids
+    del llm
+    gc.collect()
+    assert wait_until_gone(pid)

@@ -11,7 +11,8 @@ and a failed step names the rank (the error a worker left in the store, its exit
 stopped heartbeat) in a `WorkerFailed`, after which every step raises it again. While the engine
 is idle a thread sends a `Keepalive` every quarter timeout and pulses the group, so an idle
 worker never times out and a worker that died while idle is still noticed (`failure`).
-`shutdown` stops every worker and reaps its process; it also runs at exit.
+`shutdown` stops every worker and reaps its process; it also runs when the engine is
+garbage-collected, and at exit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -93,8 +95,7 @@ class TensorParallelRanks(SingleRank):
         self._lock = threading.Lock()  # one collective sequence at a time: steps, keepalives
         self._last_message = time.monotonic()
         self._closed = threading.Event()
-        self._keepalive: threading.Thread | None = None
-        atexit.register(self.shutdown)
+        _open_groups.add(self)
 
     @classmethod
     def start(cls, size: int, spec: LoadSpec) -> TensorParallelRanks:
@@ -141,7 +142,6 @@ class TensorParallelRanks(SingleRank):
                 host_store=not env.agent_store,
             )
         ranks = cls(spec, link, processes)
-        _open_groups.append(ranks)
         try:
             link.start_group()
             link.send(spec)
@@ -177,10 +177,14 @@ class TensorParallelRanks(SingleRank):
             raise failure from error
 
     def runner(self, model: DecoderModel, kv_cache: KVCache) -> ModelRunner:
-        self._keepalive = threading.Thread(
-            target=self._keep_alive, name="pagedkv-tp-keepalive", daemon=True
-        )
-        self._keepalive.start()
+        # The thread holds the ranks only weakly, so an engine dropped without `shutdown`
+        # is collected and its workers ended (`__del__`).
+        threading.Thread(
+            target=_keep_alive,
+            args=(weakref.ref(self), self._closed, min(self.link.timeout_s / 16, 1.0)),
+            name="pagedkv-tp-keepalive",
+            daemon=True,
+        ).start()
         return BroadcastingRunner(model, kv_cache, self)
 
     def step(
@@ -208,9 +212,7 @@ class TensorParallelRanks(SingleRank):
         if self._closed.is_set():
             return
         self._closed.set()
-        atexit.unregister(self.shutdown)
-        if self in _open_groups:
-            _open_groups.remove(self)
+        _open_groups.discard(self)
         with self._lock:
             if self.failure is None:
                 with contextlib.suppress(Exception):  # a dead worker needs no stop message
@@ -222,22 +224,24 @@ class TensorParallelRanks(SingleRank):
                     process.join()
             self.link.close()
 
-    def _keep_alive(self) -> None:
-        """While idle, keep the workers' receive from timing out, and notice a worker that
-        died meanwhile: a spawned one's exit at once, any other's at the next pulse."""
-        interval = self.link.timeout_s / 4
-        while not self._closed.wait(min(interval / 4, 1.0)):
-            with self._lock:
-                if self.failure is not None or self._closed.is_set():
-                    continue
-                try:
-                    self._check_processes()
-                    if time.monotonic() - self._last_message >= interval:
-                        self.link.send(Keepalive())
-                        self.link.pulse()
-                        self._last_message = time.monotonic()
-                except Exception as error:  # noqa: BLE001 - kept as `failure`, raised next step
-                    self._failed(error)
+    def __del__(self) -> None:
+        self.shutdown()
+
+    def keep_alive(self) -> None:
+        """While idle, keep the workers' receive from timing out (a keepalive every quarter
+        timeout), and notice a worker that died meanwhile: a spawned one's exit at once, any
+        other's at the next pulse."""
+        with self._lock:
+            if self.failure is not None or self._closed.is_set():
+                return
+            try:
+                self._check_processes()
+                if time.monotonic() - self._last_message >= self.link.timeout_s / 4:
+                    self.link.send(Keepalive())
+                    self.link.pulse()
+                    self._last_message = time.monotonic()
+            except Exception as error:  # noqa: BLE001 - kept as `failure`, raised next step
+                self._failed(error)
 
     def _check_processes(self, wait_s: float = 0.0) -> None:
         """Raise a `WorkerFailed` for the first spawned worker whose process has exited."""
@@ -284,7 +288,26 @@ class TensorParallelRanks(SingleRank):
 
 
 # The group this process leads, if any: torch.distributed allows one per process.
-_open_groups: list[TensorParallelRanks] = []
+_open_groups: weakref.WeakSet[TensorParallelRanks] = weakref.WeakSet()
+
+
+def _keep_alive(
+    ref: weakref.ref[TensorParallelRanks], closed: threading.Event, poll_s: float
+) -> None:
+    """The keepalive thread: `keep_alive` every `poll_s` until the ranks close or are gone."""
+    while not closed.wait(poll_s):
+        ranks = ref()
+        if ranks is None:
+            return
+        ranks.keep_alive()
+        del ranks
+
+
+@atexit.register
+def _shutdown_open_groups() -> None:
+    """At exit, end every worker this process still leads."""
+    for ranks in list(_open_groups):
+        ranks.shutdown()
 
 
 def _end_previous_group() -> None:
