@@ -54,3 +54,13 @@ def test_plan_refuses_ranks_the_heads_cannot_split(capsys):
     argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "20", "--tensor-parallel-size", "3"]
     assert main(argv) == 2
     assert "8 KV heads are not divisible by tensor_parallel_size (3)" in capsys.readouterr().err
+
+
+def test_plan_from_a_gpu_counts_each_ranks_share_of_the_weights(capsys):
+    argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--json"]
+    assert main(argv) == 0
+    single = json.loads(capsys.readouterr().out)["pool"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    double = json.loads(capsys.readouterr().out)["pool"]
+    assert double["weight_bytes"] == single["weight_bytes"] // 2
+    assert double["pool_bytes"] == single["pool_bytes"] + single["weight_bytes"] // 2

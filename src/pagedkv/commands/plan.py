@@ -188,7 +188,7 @@ def _print_plan(console: Console, model: Model, plan: CapacityPlan, ranks: dict[
         console.print(f"  sliding window: a request holds at most {spec.sliding_window:,} tokens")
     console.print()
     if plan.pool.gpu is not None:
-        console.print(_pool_table(model, plan.pool))
+        console.print(_pool_table(model, plan.pool, ranks["tensor_parallel_size"]))
     else:
         console.print(f"KV pool {format_bytes(plan.pool.pool_bytes)}, given")
     console.print(
@@ -204,7 +204,7 @@ def _print_plan(console: Console, model: Model, plan: CapacityPlan, ranks: dict[
         console.print(_comparison_table(plan))
 
 
-def _pool_table(model: Model, pool: PoolBudget) -> Table:
+def _pool_table(model: Model, pool: PoolBudget, tensor_parallel_size: int) -> Table:
     table = Table(
         title=f"KV pool on {pool.gpu} ({GPU_PRESETS[pool.gpu].product})", title_justify="left"
     )
@@ -216,12 +216,18 @@ def _pool_table(model: Model, pool: PoolBudget) -> Table:
     for term, value, source in (
         ("GPU memory", pool.memory_bytes, f"{GPU_PRESETS[pool.gpu].memory_mib:,} MiB (nvidia-smi)"),
         (f"x utilization {pool.utilization:g}", usable, ""),
-        ("- weights", pool.weight_bytes, model.weight_source),
+        ("- weights", pool.weight_bytes, _weight_source(model, tensor_parallel_size)),
         ("- activation reserve", pool.activation_bytes, "--activation-gb"),
         ("= KV pool", pool.pool_bytes, ""),
     ):
         table.add_row(term, f"{value / GB:,.2f}", f"{value / 2**30:,.2f}", source)
     return table
+
+
+def _weight_source(model: Model, tensor_parallel_size: int) -> str:
+    if tensor_parallel_size == 1:
+        return model.weight_source
+    return f"{model.weight_source}, / {tensor_parallel_size} ranks"
 
 
 def _lengths_table(plan: CapacityPlan) -> Table:
