@@ -1,6 +1,7 @@
 """`pagedkv serve --tensor-parallel-size 2`: the OpenAI client streams the one-process greedy
 text, the page map shows one logical pool whose blocks are half as many bytes on each rank,
-and a worker that dies turns /health into a 503 naming its rank; SIGTERM then ends everything.
+and a worker that dies mid-request ends that request and turns /health (and every new
+request) into a 503 naming its rank; SIGTERM then ends everything.
 """
 
 from __future__ import annotations
@@ -65,10 +66,17 @@ def test_serve_with_two_ranks_streams_the_one_rank_text_and_fails_health_when_a_
         assert stats["tensor_parallel_size"] == 2
         assert stats["kv_bytes_per_block"] * 2 == single.engine.kv_bytes_per_block
         (worker,) = [pid for pid in children(server.pid) if b"spawn_main" in _cmdline(pid)]
-        os.kill(worker, signal.SIGKILL)
-        # Noticed while idle: no request has to fail first.
+        body = {"prompt": PROMPT, "max_tokens": 900, "stream": True, "ignore_eos": True}
+        with httpx2.stream("POST", f"{url}/v1/completions", json=body) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+            next(lines)  # generating: the worker dies mid-request
+            os.kill(worker, signal.SIGKILL)
+            events = [line.removeprefix("data: ") for line in lines]
+        assert "tensor-parallel rank 1 failed" in json.loads(events[-2])["error"]["message"]
         wait_until(lambda: httpx2.get(f"{url}/health").status_code == 503, interval=0.2)
         assert "tensor-parallel rank 1 failed" in httpx2.get(f"{url}/health").text
+        refused = httpx2.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and "rank 1" in refused.text
         server.send_signal(signal.SIGTERM)
         output = server.communicate(timeout=HANG_GUARD_S)[0].decode()
     finally:

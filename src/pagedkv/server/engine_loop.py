@@ -185,8 +185,9 @@ class EngineLoop:
             raise
 
     def _check_alive(self) -> None:
-        if self.failure is not None:
-            raise EngineFailed(self.failure)
+        failure = self.health_failure()
+        if failure is not None:
+            raise EngineFailed(failure)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step); unknown ids are ignored."""
@@ -333,7 +334,9 @@ class EngineLoop:
             outputs = self.engine.step()
         except StepFailed as error:  # the engine aborted the step's requests; the rest go on
             if isinstance(error.__cause__, WorkerFailed):  # no step can run again: stop serving
-                raise EngineFailed(str(error.__cause__)) from error
+                failure = EngineFailed(str(error.__cause__))
+                self._fail_all(failure)  # every request in flight learns why
+                raise failure from error
             logger.exception("engine step failed; failing the requests it was running")
             self._fail(error)
             return
