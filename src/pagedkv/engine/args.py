@@ -129,6 +129,12 @@ class EngineArgs:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
+        if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"device must be 'cpu' or 'cuda' with tensor_parallel_size "
+                f"{self.tensor_parallel_size} (each rank takes its LOCAL_RANK's GPU), "
+                f"got {self.device!r}"
+            )
         if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
             raise ValueError(
                 f"quantization {self.quantization!r} cannot be combined with "

@@ -130,6 +130,8 @@ def test_bad_sizes_are_refused_with_the_numbers(folder):
         LLM(str(folder), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="quantised weights are not sharded"):
         LLM(str(folder), tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="each rank takes its LOCAL_RANK's GPU"):
+        LLM(str(folder), tensor_parallel_size=2, device="cuda:1")
     # 4 query heads cannot be split across 3 ranks (vLLM requires the same divisibility).
     with pytest.raises(ValueError, match=r"4 heads .*not divisible by tensor_parallel_size \(3\)"):
         start(folder, tensor_parallel_size=3)
