@@ -8,7 +8,10 @@ nano-vllm fuse them). Each part is loaded into its rows by `load`; the loader as
 checkpoint was split.
 
 How the product is computed is the layer's `LinearMethod`: a dense float matrix, or (after
-`quantize(scheme)`) one `QuantizedTensor` kept at 4 or 8 bits, or a tensor-parallel shard.
+`quantize(scheme)`) one `QuantizedTensor` kept at 4 or 8 bits, or a tensor-parallel shard. A
+quantised layer collects its parts as they load (a GGUF file's blocks, re-packed exactly, or
+float tensors it quantises itself) and packs them into one tensor when the last arrives, so a
+fused projection stays one matmul even when a file stores its parts in different formats.
 
 Under tensor parallelism (a layer built inside `parallel.group.sharding`) a layer declared
 `parallel="column"` keeps its rank's rows of every part (`part_units` says how many heads a
@@ -16,11 +19,7 @@ part holds, so q/k/v split by heads, KV heads replicated when fewer than the ran
 `parallel/split.py`), and with `gather_output` (the LM head) the ranks' outputs are gathered on
 rank 0; `parallel="row"` keeps its rank's input columns and all-reduces the product. The
 checkpoint tensors still arrive whole: `part_shape` names their whole shape and `load` cuts
-the rank's slice. Quantised weights are not sharded: `quantize` refuses a sharded layer. A
-quantised layer collects its parts as they
-load (a GGUF file's blocks, re-packed exactly, or float tensors it quantises itself) and packs
-them into one tensor when the last arrives, so a fused projection stays one matmul even when
-a file stores its parts in different formats.
+the rank's slice. Quantised weights are not sharded: `quantize` refuses a sharded layer.
 """
 
 from __future__ import annotations
