@@ -44,7 +44,7 @@ from pagedkv.worker.parallel.worker import run_worker
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
 
-COLLECTIVE_TIMEOUT_S = 300.0  # a hung rank is named after this long; a dead one at once
+COLLECTIVE_TIMEOUT_S = 120.0  # a hung rank is named after this long; a dead one at once
 SHUTDOWN_WAIT_S = 10.0  # how long a worker gets to exit after `Stop` before it is killed
 
 
