@@ -3,9 +3,9 @@
 Every `import` in `src/pagedkv` is read with `ast` (function-local and type-only imports
 included: they are dependencies too) and checked against the rooms' order:
 commands -> server, sim, bench -> engine -> worker -> weights -> tokenizer -> model ->
-attention, quant -> kernels -> memory, kvmath, hub. A room imports only from rooms below it, so
-nothing imports upward and no two rooms import each other; within a room, no two modules
-import each other.
+attention, quant -> kernels, parallel -> memory, kvmath, hub. A room imports only from rooms
+below it, so nothing imports upward and no two rooms import each other; within a room, no two
+modules import each other.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ RANKS = {
     "memory": 0,
     "hub": 0,
     "kernels": 1,
+    "parallel": 1,
     "attention": 2,
     "quant": 2,
     "model": 3,

@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "pull": "download a built-in model into the local cache",
     "convert": "convert a GGUF file into a Hugging Face folder",
     "perplexity": "a model's perplexity on a text file (llama.cpp's method)",
+    "worker": "serve as one tensor-parallel rank of an engine on another machine (torchrun's "
+    "environment)",
 }
 
 

@@ -126,11 +126,14 @@ TINY_MODELS: dict[str, TinyModel] = {
 }
 
 
-def build_model_folder(name: str, folder: Path, seed: int = 0) -> Path:
-    """Save the seeded tiny model `name` with tokenizer files into `folder`; return it."""
+def build_model_folder(
+    name: str, folder: Path, seed: int = 0, spec: TinyModel | None = None
+) -> Path:
+    """Save the seeded tiny model `name` (or `spec`, a model outside `TINY_MODELS`) with
+    tokenizer files into `folder`; return it."""
     import transformers
 
-    spec = TINY_MODELS[name]
+    spec = spec or TINY_MODELS[name]
     config_class = getattr(transformers, spec.architecture.replace("ForCausalLM", "Config"))
     model_class = getattr(transformers, spec.architecture)
     torch.manual_seed(seed + spec.seed_offset)

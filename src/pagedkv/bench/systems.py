@@ -97,6 +97,8 @@ class Systems:
         (The scheduler does not pass `cache_salt` to the memory manager yet, so a salt per
         round would not keep a second round from hitting the first round's blocks.)
         """
+        if self.engine is not None:
+            self.engine.shutdown()  # its tensor-parallel workers, if any, before new ones start
         self.engine = None
         gc.collect()
         self.engine = Engine(self.config.engine_args)

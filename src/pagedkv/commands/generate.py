@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedkv.engine import EngineArgs, SamplingParams
+    from pagedkv.engine import Engine, EngineArgs, SamplingParams
     from pagedkv.weights.load import LoadedModel
 
 
@@ -41,29 +41,46 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.model.errors import ModelError
     from pagedkv.weights.load import load
 
+    engine = loaded = None
     try:
         params = sampling_params_from_args(args)
         engine_args = EngineArgs.from_cli_args(args)
-        loaded = load(
-            engine_args.model,
-            dtype=engine_args.resolved_dtype,
-            device=engine_args.device,
-            quantization=engine_args.quantization,
-        )
+        if engine_args.tensor_parallel_size > 1:  # every rank loads its own shard: the engine
+            engine = Engine(engine_args)  # loads, and sizes its pool from memory
+            tokenizer = engine.tokenizer
+        else:
+            loaded = load(
+                engine_args.model,
+                dtype=engine_args.resolved_dtype,
+                device=engine_args.device,
+                quantization=engine_args.quantization,
+            )
+            tokenizer = loaded.tokenizer
         if args.chat is not None:
             messages = [{"role": "user", "content": args.chat}]
             if args.system is not None:
                 messages.insert(0, {"role": "system", "content": args.system})
-            prompt: str | list[int] = loaded.tokenizer.encode_chat(messages)
+            prompt: str | list[int] = tokenizer.encode_chat(messages)
         else:
             prompt = args.prompt
-        if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
-            engine_args.num_gpu_blocks = blocks_for_request(engine_args, prompt, params, loaded)
-        engine = Engine(engine_args, loaded=loaded)
+        if loaded is not None:
+            if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
+                engine_args.num_gpu_blocks = blocks_for_request(engine_args, prompt, params, loaded)
+            engine = Engine(engine_args, loaded=loaded)
         engine.add_request("cli", prompt, params)
     except (ValueError, ModelError, OSError) as error:
+        if engine is not None:
+            engine.shutdown()
         print(f"pagedkv generate: {error}", file=sys.stderr)
         return 2
+    try:
+        return _stream(engine, params)
+    finally:
+        engine.shutdown()  # ends the tensor-parallel workers, if any
+
+
+def _stream(engine: Engine, params: SamplingParams) -> int:
+    """Step until the request finishes, printing its text; the figures go to stderr."""
     started = time.perf_counter()
     samples: dict[int, list[str]] = {}
     num_tokens = 0

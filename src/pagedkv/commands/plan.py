@@ -20,6 +20,7 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
+from pagedkv.kvmath.parallel import per_rank_spec
 from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, resolve_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, GB, KV_CACHE_DTYPES, ConfigError, format_bytes
 
@@ -82,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len", type=positive_int, help="context a slab reserves (default: the model's)"
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="ranks the KV heads (and, with --gpu, the weights) are split across: figures are "
+        "per rank, whose pool holds the same blocks as every other rank's (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -89,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
         model = resolve_model(args.model, _kv_dtype(args))
+        spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         pool = _pool(args, model)
         plan = plan_capacity(
-            model.spec,
+            spec,
             pool,
             args.lengths,
             block_size=args.block_size,
@@ -101,11 +110,23 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
+    ranks = _ranks(model, args.tensor_parallel_size)
     if args.json:
-        print(json.dumps({"model": model.name, **plan.to_dict()}, indent=2))
+        print(json.dumps({"model": model.name, **ranks, **plan.to_dict()}, indent=2))
     else:
-        _print_plan(Console(), model, plan)
+        _print_plan(Console(), model, plan, ranks)
     return 0
+
+
+def _ranks(model: Model, tensor_parallel_size: int) -> dict[str, int]:
+    """What tensor parallelism changes: KV heads and bytes per token on one rank and all."""
+    spec = per_rank_spec(model.spec, tensor_parallel_size)
+    return {
+        "tensor_parallel_size": tensor_parallel_size,
+        "kv_heads_per_rank": spec.num_kv_heads,
+        "bytes_per_token_per_rank": spec.bytes_per_token,
+        "bytes_per_token_all_ranks": spec.bytes_per_token * tensor_parallel_size,
+    }
 
 
 def _kv_dtype(args: argparse.Namespace) -> str | None:
@@ -132,6 +153,7 @@ def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
         raise ConfigError(
             f"cannot size the weights of {model.name} ({model.weight_source}); give --weights-gb"
         )
+    weight_bytes //= args.tensor_parallel_size  # each rank's share (norms aside)
     return PoolBudget.from_gpu(
         gpu.name,
         gpu.memory_bytes,
@@ -145,20 +167,28 @@ def _default(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def _print_plan(console: Console, model: Model, plan: CapacityPlan) -> None:
+def _print_plan(console: Console, model: Model, plan: CapacityPlan, ranks: dict[str, int]) -> None:
     spec = plan.spec
+    per_rank = " on each rank" if ranks["tensor_parallel_size"] > 1 else ""
     console.print(
-        f"[bold]{model.name}[/]: {spec.bytes_per_token:,} B of KV per token "
+        f"[bold]{model.name}[/]: {spec.bytes_per_token:,} B of KV per token{per_rank} "
         f"= {format_bytes(spec.bytes_per_token)}"
     )
     console.print(f"  = {spec.formula()}")
+    if per_rank:
+        console.print(
+            f"  tensor parallel over {ranks['tensor_parallel_size']} ranks: "
+            f"{ranks['kv_heads_per_rank']} of {model.spec.num_kv_heads} KV heads per rank, "
+            f"{ranks['bytes_per_token_all_ranks']:,} B per token on all ranks together; the "
+            "pool and capacity below are one rank's, and every rank holds the same blocks"
+        )
     if spec.max_model_len:
         console.print(f"  context {spec.max_model_len:,} tokens")
     if spec.sliding_window:
         console.print(f"  sliding window: a request holds at most {spec.sliding_window:,} tokens")
     console.print()
     if plan.pool.gpu is not None:
-        console.print(_pool_table(model, plan.pool))
+        console.print(_pool_table(model, plan.pool, ranks["tensor_parallel_size"]))
     else:
         console.print(f"KV pool {format_bytes(plan.pool.pool_bytes)}, given")
     console.print(
@@ -174,7 +204,7 @@ def _print_plan(console: Console, model: Model, plan: CapacityPlan) -> None:
         console.print(_comparison_table(plan))
 
 
-def _pool_table(model: Model, pool: PoolBudget) -> Table:
+def _pool_table(model: Model, pool: PoolBudget, tensor_parallel_size: int) -> Table:
     table = Table(
         title=f"KV pool on {pool.gpu} ({GPU_PRESETS[pool.gpu].product})", title_justify="left"
     )
@@ -186,12 +216,18 @@ def _pool_table(model: Model, pool: PoolBudget) -> Table:
     for term, value, source in (
         ("GPU memory", pool.memory_bytes, f"{GPU_PRESETS[pool.gpu].memory_mib:,} MiB (nvidia-smi)"),
         (f"x utilization {pool.utilization:g}", usable, ""),
-        ("- weights", pool.weight_bytes, model.weight_source),
+        ("- weights", pool.weight_bytes, _weight_source(model, tensor_parallel_size)),
         ("- activation reserve", pool.activation_bytes, "--activation-gb"),
         ("= KV pool", pool.pool_bytes, ""),
     ):
         table.add_row(term, f"{value / GB:,.2f}", f"{value / 2**30:,.2f}", source)
     return table
+
+
+def _weight_source(model: Model, tensor_parallel_size: int) -> str:
+    if tensor_parallel_size == 1:
+        return model.weight_source
+    return f"{model.weight_source}, / {tensor_parallel_size} ranks"
 
 
 def _lengths_table(plan: CapacityPlan) -> Table:

@@ -113,7 +113,10 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, server_config(args))
     print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)
     server = build_server(app, host=args.host, port=args.port, log_level="info")
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # ends the tensor-parallel workers, if any
     return 0 if server.started else 1
 
 

@@ -18,6 +18,7 @@ from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.kvmath.spec import KV_CACHE_DTYPES
 from pagedkv.quant.schemes import QUANTIZATIONS
+from pagedkv.worker.parallel.messages import LoadSpec
 
 # vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
 DTYPE_SPELLINGS = {
@@ -55,6 +56,9 @@ _HELP = {
     "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
     "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
     "threads": "CPU threads for the model (default: this machine's physical cores)",
+    "tensor_parallel_size": "processes (one GPU each on CUDA) the model and the KV pool are "
+    "split across, Megatron-style; the others are spawned here, or started by `pagedkv worker` "
+    "under torchrun's environment",
     "kv_offloading_size": "GiB of host RAM for a second tier of the prefix cache: blocks the "
     "KV pool evicts are kept there and copied back on a hit instead of recomputed (0: off)",
 }
@@ -86,6 +90,7 @@ class EngineArgs:
     quantization: str = "auto"
     threads: int | None = None
     kv_offloading_size: float = 0.0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks_override is not None:
@@ -93,7 +98,13 @@ class EngineArgs:
         if self.swap_space is not None:
             _gib("swap_space", self.swap_space)
             self.swap_space_gb = self.swap_space
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_logprobs",
+            "tensor_parallel_size",
+        ):
             _positive_int(name, getattr(self, name))
         for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
             if getattr(self, name) is not None:
@@ -117,6 +128,18 @@ class EngineArgs:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"device must be 'cpu' or 'cuda' with tensor_parallel_size "
+                f"{self.tensor_parallel_size} (each rank takes its LOCAL_RANK's GPU), "
+                f"got {self.device!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
+            raise ValueError(
+                f"quantization {self.quantization!r} cannot be combined with "
+                f"tensor_parallel_size {self.tensor_parallel_size}: quantised weights are not "
+                "sharded (use quantization 'none'; 'auto' loads float weights under it)"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
@@ -144,6 +167,17 @@ class EngineArgs:
         if resolved is None:
             return "float32" if self.device == "cpu" else "bfloat16"
         return resolved
+
+    def load_spec(self) -> LoadSpec:
+        """What every rank loads (each its shard under tensor parallelism)."""
+        return LoadSpec(
+            model=self.model,
+            dtype=self.resolved_dtype,
+            device=self.device,
+            quantization=self.quantization,
+            threads=self.threads,
+            kv_offloading_size=self.kv_offloading_size,
+        )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -206,6 +240,7 @@ _CLI_TYPES = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
+    "tensor_parallel_size": int,
     "seed": int,
     "gpu_memory_utilization": float,
 }

@@ -40,10 +40,10 @@ from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
-from pagedkv.weights.load import LoadedModel, load
-from pagedkv.worker.kv_budget import GIB, PoolRequest, kv_budget
-from pagedkv.worker.kv_cache import KVCache, kv_dtype_name
-from pagedkv.worker.runner import ModelRunner
+from pagedkv.weights.load import LoadedModel
+from pagedkv.worker.kv_budget import PoolRequest, kv_pool
+from pagedkv.worker.kv_cache import kv_dtype_name
+from pagedkv.worker.parallel.ranks import start_ranks
 from pagedkv.worker.step import SchedulerOutput
 from pagedkv.worker.threads import physical_cores
 
@@ -62,23 +62,21 @@ class Engine:
         started = time.perf_counter()
         self.args = args
         self.device = torch.device(args.device)
-        torch.set_num_threads(args.threads or physical_cores())
+        torch.set_num_threads(args.threads or max(1, physical_cores() // args.tensor_parallel_size))
         # A model the caller loaded took its time before this call: count it in the total.
         loaded_before = 0.0 if loaded is None else sum(loaded.seconds.values())
-        if loaded is None:
-            loaded = load(
-                args.model,
-                dtype=args.resolved_dtype,
-                device=self.device,
-                quantization=args.quantization,
-            )
+        # This process alone, or rank 0 of a tensor-parallel group (worker/parallel/).
+        self.ranks = start_ranks(
+            args.tensor_parallel_size, args.load_spec(), preloaded=loaded is not None
+        )
+        loaded = loaded or self.ranks.load()
         pool_started = time.perf_counter()
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
         context = loaded.config.max_position_embeddings
         self.max_model_len = max_model_len(args.max_model_len, context)
-        budget = kv_budget(
+        budget = self.ranks.kv_budget(
             PoolRequest(
                 block_size=args.block_size,
                 swap_space_gb=args.swap_space_gb,
@@ -91,16 +89,8 @@ class Engine:
             ),
             loaded.model,
         )
-        # The host tier's blocks follow the swap pool's in the one CPU tensor (split, not
-        # shared: see memory/host_tier.py).
-        num_offload_blocks = int(args.kv_offloading_size * GIB) // budget.bytes_per_block
-        self.kv_cache = KVCache.for_model(  # the model's device; its dtype or fp8
-            loaded.model,
-            block_size=args.block_size,
-            num_blocks=budget.num_gpu_blocks,
-            num_cpu_blocks=budget.num_cpu_blocks + num_offload_blocks,
-            dtype=budget.kv_dtype,
-        )
+        self.kv_cache = kv_pool(loaded.model, budget, args.block_size, args.kv_offloading_size)
+        num_offload_blocks = self.kv_cache.num_cpu_blocks - budget.num_cpu_blocks
         # What blocks store (auto resolved: float32, bfloat16, fp8_e4m3...) and their bytes.
         self.kv_cache_dtype = kv_dtype_name(budget.kv_dtype)
         self.kv_bytes_per_block = budget.bytes_per_block
@@ -119,7 +109,7 @@ class Engine:
             preemption_mode=args.resolved_preemption_mode,  # type: ignore[arg-type]
             policy=make_policy(args.scheduling_policy),
         )
-        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        self.runner = self.ranks.runner(loaded.model, self.kv_cache)
         self.sampler = Sampler(args.seed, device=self.device)
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self._limits = Limits(
@@ -213,6 +203,10 @@ class Engine:
                 seq.finish_reason = "abort"
         request.metrics.finished_time = time.monotonic()
         self._aborted[request_id] = request
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers, if any (also done at exit); no step runs after."""
+        self.ranks.shutdown()
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped (or an abort is unreported)."""
@@ -362,6 +356,7 @@ class Engine:
             forward_seconds_total=self.runner.forward_seconds,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block,
+            tensor_parallel_size=self.args.tensor_parallel_size,
             **memory_fields(self.manager),
         )
 

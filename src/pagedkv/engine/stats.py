@@ -37,7 +37,8 @@ class EngineStats:
     step_seconds_total: float
     forward_seconds_total: float
     kv_cache_dtype: str  # what blocks store: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2
-    kv_bytes_per_block: int  # one block, every layer's K and V, in that dtype
+    kv_bytes_per_block: int  # one block, every layer's K and V, in that dtype (on each rank)
+    tensor_parallel_size: int  # ranks each block (and the model) is split across
     # The prefix cache's host tier (0 blocks: off): blocks held now, lookups and hits.
     num_offload_blocks: int = 0
     offload_blocks: int = 0

@@ -6,6 +6,10 @@ subclasses a piece and names it in its own module (`qwen3.py`). Attention reads 
 only through the paged cache, via the attention backend chosen when the model is built, so one
 forward pass serves any mix of prefills, prefix-cached prefills, prompt chunks and decodes.
 
+Under tensor parallelism each projection says how it splits (q/k/v and gate/up column-parallel,
+o and down row-parallel, the LM head gathered; `layers/linear.py`), and attention computes with
+the heads its projections hold: the same code runs a whole model or one rank's shard.
+
 Parameter names are those of the Hugging Face checkpoints without their `model.` prefix, except
 that q/k/v are one fused `qkv_proj` and gate/up one `gate_up_proj` (`layers/linear.py` says how
 checkpoint tensors fill them).
@@ -34,20 +38,24 @@ class Attention(nn.Module):
         super().__init__()
         self.index = index
         self.backend = backend
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[index]
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(
             config.hidden_size,
-            (self.q_size, self.kv_size, self.kv_size),
+            (q_size, kv_size, kv_size),
             bias=config.qkv_bias,
             parts=("q_proj", "k_proj", "v_proj"),
+            parallel="column",
+            part_units=(config.num_heads, config.num_kv_heads, config.num_kv_heads),
         )
-        self.o_proj = Linear(self.q_size, (config.hidden_size,), bias=config.o_bias)
+        self.o_proj = Linear(q_size, (config.hidden_size,), bias=config.o_bias, parallel="row")
+        # The heads this layer computes: all of them, or this rank's under tensor parallelism.
+        self.q_size, self.kv_size, _ = self.qkv_proj.part_sizes
+        self.num_heads = self.q_size // config.head_dim
+        self.num_kv_heads = self.kv_size // config.head_dim
 
     def forward(
         self, hidden: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv_cache: PagedKVCache
@@ -81,9 +89,13 @@ class MLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = Linear(
-            config.hidden_size, (size, size), bias=config.mlp_bias, parts=("gate_proj", "up_proj")
+            config.hidden_size,
+            (size, size),
+            bias=config.mlp_bias,
+            parts=("gate_proj", "up_proj"),
+            parallel="column",
         )
-        self.down_proj = Linear(size, (config.hidden_size,), bias=config.mlp_bias)
+        self.down_proj = Linear(size, (config.hidden_size,), bias=config.mlp_bias, parallel="row")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -134,7 +146,13 @@ class DecoderModel(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, (config.vocab_size,), bias=False)
+            else Linear(
+                config.hidden_size,
+                (config.vocab_size,),
+                bias=False,
+                parallel="column",
+                gather_output=True,
+            )
         )
         # Not a weight: recomputed from the config, so it is never looked for in a checkpoint.
         self.register_buffer(
@@ -150,6 +168,12 @@ class DecoderModel(nn.Module):
         return self.embed_tokens.dtype
 
     @property
+    def num_kv_heads(self) -> int:
+        """KV heads each layer stores: the config's, or this rank's under tensor parallelism
+        (one replicated head when the config has fewer KV heads than ranks)."""
+        return self.layers[0].self_attn.num_kv_heads
+
+    @property
     def device(self) -> torch.device:
         """Where the weights (and so the KV cache) live."""
         return self.inv_freq.device
@@ -158,6 +182,8 @@ class DecoderModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> Tensor:
         """Run one step; returns float32 logits `[num_logits, vocab_size]` of the rows each
         sequence asked for (`SequenceInput.num_logits`: its last token, unless it says otherwise).
+        Under tensor parallelism every rank runs it and rank 0 gets the logits (the other ranks
+        their own vocabulary slice's).
 
         Every layer writes the new tokens' K/V into `kv_cache` at `batch.slot_mapping` before
         attending, so the cache holds their K/V afterwards. Token ids outside the vocabulary and

@@ -7,7 +7,9 @@ run of consecutive layers at once. A layer joins a run when it is the plain Llam
 every projection quantised in groups of 32; a step takes the C path when it is all decodes of
 at most `DOT_ROWS` sequences over float32 or fp8 CPU caches (the C write rounds into fp8 bytes
 exactly as torch does, and attention reads them through a byte table). Other layers and steps
-run op by op, which is also what the tests compare the C path with.
+run op by op, which is also what the tests compare the C path with. A tensor-parallel layer
+never takes it: its projections are dense shards (quantised weights are not sharded) and the
+C code has no all-reduce between attention and the MLP.
 
 One call per run rather than per layer matters beyond dispatch: measured on SmolLM2-135M at
 batch 1 (2 threads), a layer called from Python took 176 us where the same layer called again

@@ -131,8 +131,9 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        if engine_loop.failure is not None:
-            return APIError(503, engine_loop.failure, type="server_error").response()
+        failure = engine_loop.health_failure()
+        if failure is not None:
+            return APIError(503, failure, type="server_error").response()
         if engine_loop.draining:
             return shutting_down("server shutting down").response()
         return JSONResponse({"status": "ok"})

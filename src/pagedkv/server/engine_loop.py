@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.errors import StepFailed
 from pagedkv.server.kv_frames import KVSample, KVWatch
+from pagedkv.worker.parallel.errors import WorkerFailed
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine, EngineStats, SamplingParams
@@ -133,6 +134,12 @@ class EngineLoop:
         self.failure: str | None = None  # why the engine thread stopped serving, if it did
         self.draining = False  # set (on the event loop) once `drain` has been called
 
+    def health_failure(self) -> str | None:
+        """Why the engine cannot serve, if it cannot: its thread stopped, or a tensor-parallel
+        worker failed (noticed by the ranks' keepalive even while no request runs)."""
+        worker_failure = self.engine.ranks.failure
+        return self.failure or (None if worker_failure is None else str(worker_failure))
+
     def start(self) -> None:
         """Start the engine thread."""
         self._thread.start()
@@ -178,8 +185,9 @@ class EngineLoop:
             raise
 
     def _check_alive(self) -> None:
-        if self.failure is not None:
-            raise EngineFailed(self.failure)
+        failure = self.health_failure()
+        if failure is not None:
+            raise EngineFailed(failure)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step); unknown ids are ignored."""
@@ -325,6 +333,10 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except StepFailed as error:  # the engine aborted the step's requests; the rest go on
+            if isinstance(error.__cause__, WorkerFailed):  # no step can run again: stop serving
+                failure = EngineFailed(str(error.__cause__))
+                self._fail_all(failure)  # every request in flight learns why
+                raise failure from error
             logger.exception("engine step failed; failing the requests it was running")
             self._fail(error)
             return

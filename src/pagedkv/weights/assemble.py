@@ -117,7 +117,7 @@ def checkpoint_slots(model: DecoderModel) -> dict[str, _Slot]:
     for module_name, module in model.named_modules():
         if isinstance(module, Embedding):  # its table may be quantised: no parameter then
             name = f"{model.checkpoint_name(module_name)}.weight"
-            slots[name] = _Slot(module, "weight", None, (module.qweight or module.weight).shape)
+            slots[name] = _Slot(module, "weight", None, module.checkpoint_shape)
         elif isinstance(module, Linear):  # its weight may be quantised: no parameter then
             parent, _, own = module_name.rpartition(".")
             param_names = ("weight",) if module.bias is None else ("weight", "bias")

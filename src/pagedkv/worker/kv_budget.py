@@ -40,7 +40,8 @@ class KVBudget:
     num_cpu_blocks: int
     bytes_per_block: int
     kv_dtype: torch.dtype  # what K/V are stored as: the model's dtype or fp8
-    spec: KVSpec  # the arithmetic the counts came from
+    spec: KVSpec  # the arithmetic the counts came from (one rank's under tensor parallelism)
+    tensor_parallel_size: int = 1  # ranks that each hold every block (their heads of it)
 
     def describe(self, block_size: int, max_model_len: int) -> str:
         """vLLM-style start-up line: pool size, KV dtype, and how many full-length requests
@@ -48,10 +49,12 @@ class KVBudget:
         tokens = self.num_gpu_blocks * block_size
         gib = self.num_gpu_blocks * self.bytes_per_block / GIB
         fit = max_concurrency(self.spec, self.num_gpu_blocks, max_model_len, block_size)
+        ranks = self.tensor_parallel_size
+        on_each_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
             f"of {kv_dtype_name(self.kv_dtype)} ({gib:.2f} GiB, "
-            f"{format_bytes(self.bytes_per_block)} per block); max concurrency at "
+            f"{format_bytes(self.bytes_per_block)} per block){on_each_rank}; max concurrency at "
             f"max_model_len ({max_model_len} tokens): {fit} requests"
         )
 
@@ -80,7 +83,7 @@ class PoolRequest:
 def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
     """Size the pools for `model` (its config, dtype and device) as `request` says."""
     kv_dtype = kv_cache_torch_dtype(request.kv_cache_dtype, model.dtype)
-    spec = kv_spec(model.config, kv_dtype)
+    spec = kv_spec(model, kv_dtype)
     per_block = spec.bytes_per_block(request.block_size)
     num_cpu_blocks = blocks_in_pool(spec, int(request.swap_space_gb * GIB), request.block_size)
     if request.num_gpu_blocks is not None:
@@ -99,6 +102,22 @@ def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
             "give more memory"
         )
     return KVBudget(num_blocks, num_cpu_blocks, per_block, kv_dtype, spec)
+
+
+def kv_pool(
+    model: DecoderModel, budget: KVBudget, block_size: int, offloading_gib: float
+) -> KVCache:
+    """The pool `budget` sizes, on the model's device: the swap space's blocks followed by
+    `offloading_gib` of host-tier blocks in the one CPU tensor (split, not shared: see
+    memory/host_tier.py)."""
+    num_offload_blocks = int(offloading_gib * GIB) // budget.bytes_per_block
+    return KVCache.for_model(  # the model's device; its dtype or fp8
+        model,
+        block_size=block_size,
+        num_blocks=budget.num_gpu_blocks,
+        num_cpu_blocks=budget.num_cpu_blocks + num_offload_blocks,
+        dtype=budget.kv_dtype,
+    )
 
 
 def _free_device_memory(request: PoolRequest, model: DecoderModel, kv_dtype: torch.dtype) -> int:

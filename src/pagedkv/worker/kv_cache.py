@@ -136,7 +136,8 @@ class KVCache:
                 raise KVCacheDtypeMismatch(model_dtype, dtype)
         dtype = model_dtype if dtype is None else dtype
         device = model_device if device is None else device
-        per_block = bytes_per_block(config, block_size, dtype)
+        spec = kv_spec(model, dtype)
+        per_block = spec.bytes_per_block(block_size)
         if memory_bytes is not None:
             num_blocks = memory_bytes // per_block
             if num_blocks == 0:
@@ -147,7 +148,7 @@ class KVCache:
             num_layers=config.num_layers,
             num_blocks=num_blocks,
             block_size=block_size,
-            num_kv_heads=config.num_kv_heads,
+            num_kv_heads=spec.num_kv_heads,
             head_dim=config.head_dim,
             dtype=dtype,
             device=device,
@@ -254,18 +255,24 @@ def _consecutive_runs(block_ids: list[int]) -> Iterator[tuple[int, int, int]]:
             start = position
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(model: DecoderModel | ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V together (arithmetic from KVSpec)."""
-    return kv_spec(config, dtype).bytes_per_block(block_size)
+    return kv_spec(model, dtype).bytes_per_block(block_size)
 
 
-def kv_spec(config: ModelConfig, dtype: torch.dtype) -> KVSpec:
-    """The model's KV arithmetic for a cache storing `dtype`. No sliding window: the engine
-    keeps every token's blocks, windowed layers or not, so a request holds all its tokens."""
+def kv_spec(model: DecoderModel | ModelConfig, dtype: torch.dtype) -> KVSpec:
+    """The model's KV arithmetic for a cache storing `dtype`: the config's KV heads, or a
+    tensor-parallel shard's own (each rank's cache holds only its heads). No sliding window:
+    the engine keeps every token's blocks, windowed layers or not, so a request holds all its
+    tokens."""
+    if isinstance(model, ModelConfig):
+        config, num_kv_heads = model, model.num_kv_heads
+    else:
+        config, num_kv_heads = model.config, model.num_kv_heads
     return KVSpec(
         num_layers=config.num_layers,
         kv_dtype=_KV_DTYPE_NAMES[dtype],
-        num_kv_heads=config.num_kv_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=config.head_dim,
     )
 

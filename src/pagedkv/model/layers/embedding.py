@@ -3,6 +3,11 @@
 Quantised (`quantize`), the table stays in its 4- or 8-bit layout: a lookup dequantises only
 the rows it gathers, and a tied LM head multiplies by the quantised table directly. At
 SmolLM2's 49k x 576 the table is a fifth of the model, so keeping it small matters.
+
+Under tensor parallelism (built inside `parallel.group.sharding`) the table is split by
+vocabulary rows, padded to an equal share per rank: a lookup finds each token on the one rank
+that holds its row (zeros elsewhere) and all-reduces, and tied logits are each rank's rows'
+logits gathered on rank 0. A sharded table stays dense (`quantize` refuses it).
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedkv.parallel.collectives import all_reduce, gather_last_dim
+from pagedkv.parallel.group import building_group
+from pagedkv.parallel.split import split_padded
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import as_dense, dequantize, quantized_linear
 from pagedkv.quant.quantize import GROUP_SIZE, to_scheme
@@ -22,7 +30,12 @@ class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self._dtype = torch.get_default_dtype()
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.checkpoint_shape = (vocab_size, hidden_size)
+        group = building_group()
+        self.sharded = group.size > 1
+        # This rank's vocabulary rows: all of them unless sharded.
+        self.split = split_padded(vocab_size, group.rank, group.size)
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(self.split.local, hidden_size))
         self.qweight: QuantizedTensor | None = None
         self.scheme: str | None = None
 
@@ -33,12 +46,22 @@ class Embedding(nn.Module):
 
     def quantize(self, scheme: str) -> None:
         """Keep the table quantised (`Linear.quantize` says what `scheme` means); before loading."""
+        if self.sharded:
+            raise ValueError(
+                f"quantization {scheme!r} cannot be combined with tensor parallelism: quantised "
+                "weights are not sharded (use quantization 'none')"
+            )
         if self.weight.shape[1] % GROUP_SIZE == 0:
             self.scheme = scheme
 
     @torch.no_grad()
     def load(self, tensor: Tensor | QuantizedTensor) -> None:
-        """Fill the table from a checkpoint tensor (already shape-checked)."""
+        """Fill the table (this rank's rows of it) from a checkpoint tensor (shape-checked)."""
+        if self.sharded:
+            rows = as_dense(tensor)[self.split.first : self.split.first + self.split.count]
+            self.weight[: self.split.count].copy_(rows)
+            self.weight[self.split.count :].zero_()
+            return
         if self.scheme is None or (
             self.scheme == "auto" and not isinstance(tensor, QuantizedTensor)
         ):
@@ -52,6 +75,11 @@ class Embedding(nn.Module):
         return self.weight.detach() if self.qweight is None else dequantize(self.qweight)
 
     def forward(self, token_ids: Tensor) -> Tensor:
+        if self.sharded:
+            local = token_ids - self.split.first
+            mine = (local >= 0) & (local < self.split.count)
+            rows = F.embedding(torch.where(mine, local, 0), self.weight)
+            return all_reduce(rows * mine.unsqueeze(-1))
         if self.qweight is None:
             return F.embedding(token_ids, self.weight)
         return (
@@ -61,7 +89,10 @@ class Embedding(nn.Module):
         )
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """`hidden @ table.T`: the LM head of a model with tied embeddings."""
+        """`hidden @ table.T`: the LM head of a model with tied embeddings (on rank 0 under
+        tensor parallelism)."""
+        if self.sharded:
+            return gather_last_dim(F.linear(hidden, self.weight), self.checkpoint_shape[0])
         if self.qweight is None:
             return F.linear(hidden, self.weight)
         return quantized_linear(hidden, self.qweight, None)

@@ -8,22 +8,33 @@ nano-vllm fuse them). Each part is loaded into its rows by `load`; the loader as
 checkpoint was split.
 
 How the product is computed is the layer's `LinearMethod`: a dense float matrix, or (after
-`quantize(scheme)`) one `QuantizedTensor` kept at 4 or 8 bits; tensor-parallel shards would
-be a further method behind the same `forward`. A quantised layer collects its parts as they
-load (a GGUF file's blocks, re-packed exactly, or float tensors it quantises itself) and packs
-them into one tensor when the last arrives, so a fused projection stays one matmul even when
-a file stores its parts in different formats.
+`quantize(scheme)`) one `QuantizedTensor` kept at 4 or 8 bits, or a tensor-parallel shard. A
+quantised layer collects its parts as they load (a GGUF file's blocks, re-packed exactly, or
+float tensors it quantises itself) and packs them into one tensor when the last arrives, so a
+fused projection stays one matmul even when a file stores its parts in different formats.
+
+Under tensor parallelism (a layer built inside `parallel.group.sharding`) a layer declared
+`parallel="column"` keeps its rank's rows of every part (`part_units` says how many heads a
+part holds, so q/k/v split by heads, KV heads replicated when fewer than the ranks; see
+`parallel/split.py`), and with `gather_output` (the LM head) the ranks' outputs are gathered on
+rank 0; `parallel="row"` keeps its rank's input columns and all-reduces the product. The
+checkpoint tensors still arrive whole: `part_shape` names their whole shape and `load` cuts
+the rank's slice. Quantised weights are not sharded: `quantize` refuses a sharded layer.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagedkv.parallel.collectives import all_reduce, gather_last_dim
+from pagedkv.parallel.group import building_group
+from pagedkv.parallel.split import Split, split_even, split_or_replicate, split_padded
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import as_dense, dequantize, quantized_linear
 from pagedkv.quant.quantize import GROUP_SIZE, common_layout, to_scheme
@@ -51,8 +62,27 @@ class QuantizedMethod(LinearMethod):
         return quantized_linear(x, layer.qweight, layer.bias)
 
 
+class RowParallelMethod(LinearMethod):
+    """This rank's input columns times its slice of `x`, summed over the ranks, then the bias
+    (whole on every rank, so added once, after the sum)."""
+
+    def apply(self, layer: Linear, x: Tensor) -> Tensor:
+        out = all_reduce(F.linear(x, layer.weight))
+        return out if layer.bias is None else out + layer.bias
+
+
+class GatheredColumnMethod(LinearMethod):
+    """This rank's output rows, gathered with the other ranks' on rank 0 (the LM head)."""
+
+    def apply(self, layer: Linear, x: Tensor) -> Tensor:
+        return gather_last_dim(F.linear(x, layer.weight, layer.bias), layer.full_out_features)
+
+
 DENSE = DenseMethod()
 QUANTIZED = QuantizedMethod()
+ROW_PARALLEL = RowParallelMethod()
+GATHERED_COLUMN = GatheredColumnMethod()
+Parallel = Literal["column", "row"]
 
 
 class Linear(nn.Module):
@@ -61,7 +91,9 @@ class Linear(nn.Module):
     `parts` names the checkpoint modules whose weights are stacked, in output order, each with
     its number of output rows (`part_sizes`); a plain projection has one part, its own name.
     Parameters are allocated uninitialised, in the current default dtype and device: the
-    loader fills every row.
+    loader fills every row. `parallel`, `part_units` and `gather_output` say how the layer
+    splits under tensor parallelism (see the module docstring); outside `sharding` they do
+    nothing.
     """
 
     def __init__(
@@ -72,17 +104,51 @@ class Linear(nn.Module):
         bias: bool,
         parts: Sequence[str] | None = None,
         method: LinearMethod = DENSE,
+        parallel: Parallel | None = None,
+        part_units: Sequence[int] | None = None,
+        gather_output: bool = False,
     ) -> None:
         super().__init__()
         if parts is not None and len(parts) != len(part_sizes):
             raise ValueError(f"{len(parts)} part names for {len(part_sizes)} part sizes")
-        self.in_features = in_features
-        self.part_sizes = tuple(part_sizes)
+        group = building_group()
+        self.parallel = parallel if group.size > 1 else None
+        # The checkpoint's shapes, whole; the parameters below hold this rank's slice of them.
+        self.full_in_features = in_features
+        self.full_part_sizes = tuple(part_sizes)
+        self.full_out_features = sum(self.full_part_sizes)
+        units = tuple(part_units) if part_units is not None else self.full_part_sizes
+        # Per part, the checkpoint rows this rank keeps (column-parallel) and where they go.
+        self.row_splits: tuple[tuple[int, int, int], ...] = tuple(
+            (0, size, size) for size in self.full_part_sizes
+        )
+        self.col_split = (0, in_features)
+        if self.parallel == "column":
+            self.row_splits = tuple(
+                _rows(
+                    _column_split(unit_count, group.rank, group.size, gather_output, what),
+                    size // unit_count,
+                )
+                for size, unit_count, what in zip(
+                    self.full_part_sizes, units, _unit_names(parts, part_units), strict=True
+                )
+            )
+            method = GATHERED_COLUMN if gather_output else method
+        elif self.parallel == "row":
+            split = split_even(
+                in_features, group.rank, group.size, "input features of a row-parallel projection"
+            )
+            self.col_split = (split.first, split.count)
+            method = ROW_PARALLEL
+        self.in_features = self.col_split[1]
+        self.part_sizes = tuple(local for _, _, local in self.row_splits)
         self.parts = None if parts is None else tuple(parts)
         self.out_features = sum(self.part_sizes)
         self.method = method
         self.dtype = torch.get_default_dtype()
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(self.out_features, in_features))
+        self.weight: nn.Parameter | None = nn.Parameter(
+            torch.empty(self.out_features, self.in_features)
+        )
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.qweight: QuantizedTensor | None = None
         self.scheme: str | None = None  # see `quantize`
@@ -101,8 +167,8 @@ class Linear(nn.Module):
 
     def part_shape(self, param_name: str, part: int) -> tuple[int, ...]:
         """The shape the checkpoint tensor of `part` must have for `weight` or `bias`."""
-        rows = self.part_sizes[part]
-        return (rows, self.in_features) if param_name == "weight" else (rows,)
+        rows = self.full_part_sizes[part]
+        return (rows, self.full_in_features) if param_name == "weight" else (rows,)
 
     def part_view(self, param_name: str, part: int) -> Tensor:
         """The rows of `weight` (dequantised if quantised) or `bias` that part `part` fills."""
@@ -118,20 +184,36 @@ class Linear(nn.Module):
         are dequantised and quantised again); "auto" keeps quantised parts as they come and
         stays dense if every part arrives in floating point. The dense matrix allocated at
         construction was never written, so dropping it frees memory that was never touched.
+        A tensor-parallel shard stays dense: sharding quantised blocks is not supported.
         """
+        if self.parallel is not None:
+            raise ValueError(
+                f"quantization {scheme!r} cannot be combined with tensor parallelism: quantised "
+                "weights are not sharded (use quantization 'none')"
+            )
         self.scheme = scheme
         self.weight = None
         self._pending = [None] * len(self.part_sizes)
 
     @torch.no_grad()
     def load(self, param_name: str, part: int, tensor: Tensor | QuantizedTensor) -> None:
-        """Put checkpoint tensor `tensor` (already shape-checked) into part `part`'s rows."""
+        """Put checkpoint tensor `tensor` (already shape-checked) into part `part`'s rows (this
+        rank's slice of them under tensor parallelism)."""
         if param_name == "weight" and self.scheme is not None:
             self._pending[part] = tensor
             if all(pending is not None for pending in self._pending):
                 self._pack()
             return
-        self.part_view(param_name, part).copy_(as_dense(tensor))
+        if self.parallel is None:
+            self.part_view(param_name, part).copy_(as_dense(tensor))
+            return
+        first, count, _ = self.row_splits[part]
+        dense = as_dense(tensor)[first : first + count]
+        if param_name == "weight":
+            dense = dense[:, self.col_split[0] : self.col_split[0] + self.col_split[1]]
+        view = self.part_view(param_name, part)
+        view[:count].copy_(dense)
+        view[count:].zero_()  # a padded vocabulary's rows past its end
 
     def _pack(self) -> None:
         """Every part has arrived: stack them into the layer's one weight."""
@@ -144,3 +226,22 @@ class Linear(nn.Module):
             return
         self.qweight = common_layout([to_scheme(part, self.scheme) for part in parts])
         self.method = QUANTIZED
+
+
+def _column_split(units: int, rank: int, group_size: int, padded: bool, what: str) -> Split:
+    """Rank `rank`'s heads (or channels, or vocabulary rows) of one part of `units` units."""
+    if padded:
+        return split_padded(units, rank, group_size)
+    return split_or_replicate(units, rank, group_size, what)
+
+
+def _unit_names(parts: Sequence[str] | None, part_units: Sequence[int] | None) -> list[str]:
+    """How errors name each part's units: "heads of k_proj", "output rows of gate_proj"."""
+    unit = "heads" if part_units is not None else "output rows"
+    names = parts if parts is not None else ["a column-parallel projection"]
+    return [f"{unit} of {name}" for name in names]
+
+
+def _rows(split: Split, unit_size: int) -> tuple[int, int, int]:
+    """`(first row, rows kept, local rows)` of a split of units of `unit_size` rows each."""
+    return split.first * unit_size, split.count * unit_size, split.local * unit_size

@@ -183,7 +183,9 @@ function showFigures(stats, time) {
   text("tokens-per-s", stats.tokens_per_s.toFixed(1));
   text("pool-size", `${stats.num_gpu_blocks.toLocaleString()} × ${stats.block_size}`);
   const kib = (stats.kv_bytes_per_block / 1024).toFixed(stats.kv_bytes_per_block < 10240 ? 1 : 0);
-  text("kv-dtype", `${stats.kv_cache_dtype} · ${kib} KiB/block`);
+  const ranks = stats.tensor_parallel_size;
+  const perRank = ranks > 1 ? ` per rank × ${ranks} ranks` : "";
+  text("kv-dtype", `${stats.kv_cache_dtype} · ${kib} KiB/block${perRank}`);
   state.history.push([time, stats.kv_usage, stats.kv_utilisation]);
   while (state.history.length && state.history[0][0] < time - CHART_SECONDS) state.history.shift();
   drawChart(time);

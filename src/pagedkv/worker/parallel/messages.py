@@ -1,0 +1,32 @@
+"""What rank 0 broadcasts to the workers, besides each step's `SchedulerOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What every rank loads its shard from, and with how many threads.
+
+    `device` is the device type ("cpu" or "cuda"): rank `r` of a machine uses CUDA device
+    `local_rank`. `kv_offloading_size` (GiB) sizes the host tier beside the swap space.
+    """
+
+    model: str
+    dtype: str
+    device: str
+    quantization: str
+    threads: int | None
+    kv_offloading_size: float
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """Sent when rank 0 has been idle a while: workers answer with a pulse (an all-reduce), so
+    neither side's collective timeout fires while there is simply nothing to do."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The engine is shutting down: workers leave their loop and exit."""

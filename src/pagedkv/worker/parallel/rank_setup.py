@@ -1,0 +1,40 @@
+"""What every rank does the same way before the first step: load its shard, agree on the pool.
+
+Rank 0 and the workers call these with the same arguments (rank 0 broadcasts them), so each
+rank's model is its slice of the same weights and each rank's KV cache has the same number of
+blocks: a block id means the same block everywhere, and each rank's block holds only its heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from pagedkv.parallel.group import TPGroup, sharding
+from pagedkv.weights.load import LoadedModel, load
+from pagedkv.worker.kv_budget import KVBudget, PoolRequest, kv_budget
+from pagedkv.worker.parallel.link import Link
+from pagedkv.worker.parallel.messages import LoadSpec
+
+
+def load_shard(spec: LoadSpec, group: TPGroup, device: torch.device) -> LoadedModel:
+    """This rank's shard of the model. Quantised weights are not sharded: "auto" loads float
+    weights (a GGUF file's blocks dequantised) and int8/int4 are refused by the layers."""
+    quantization = "none" if spec.quantization == "auto" and group.size > 1 else spec.quantization
+    with sharding(group):
+        return load(spec.model, dtype=spec.dtype, device=device, quantization=quantization)
+
+
+def agreed_budget(link: Link, request: PoolRequest, model: torch.nn.Module) -> KVBudget:
+    """Every rank sizes its pool from its own memory (a GPU pool profiles one forward pass,
+    which every rank runs together); the group keeps the smallest, so every rank holds every
+    block."""
+    budget = kv_budget(request, model)
+    gpu_blocks, cpu_blocks = link.agree_min([budget.num_gpu_blocks, budget.num_cpu_blocks])
+    return replace(
+        budget,
+        num_gpu_blocks=gpu_blocks,
+        num_cpu_blocks=cpu_blocks,
+        tensor_parallel_size=link.size,
+    )

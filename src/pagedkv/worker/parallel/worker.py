@@ -1,0 +1,62 @@
+"""A worker rank's life: join the group, load its shard, then run every step rank 0 sends.
+
+Spawned by rank 0 on one machine (`ranks.py`) or started by `pagedkv worker` on another
+(`torchrun`'s environment), a worker keeps no scheduler: it receives the `LoadSpec`, the pool
+request, then one message at a time (a `SchedulerOutput` to execute, a `Keepalive` to answer,
+`Stop`) and ends on `Stop`, on any error (after leaving it in the store for rank 0 to report),
+or when rank 0's store disappears (the heartbeat thread exits the process).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.parallel.group import TPGroup
+from pagedkv.worker.kv_budget import kv_pool
+from pagedkv.worker.parallel.link import Link
+from pagedkv.worker.parallel.messages import Keepalive, Stop
+from pagedkv.worker.parallel.rank_setup import agreed_budget, load_shard
+from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.threads import physical_cores
+
+
+def run_worker(
+    rank: int, size: int, host: str, port: int, local_rank: int, host_store: bool = True
+) -> None:
+    """Serve as rank `rank` of `size` until rank 0 says stop (or fails); rank 0's store is
+    at `host:port` (hosted by torchrun's agent when not `host_store`) and says the device
+    type; `local_rank` picks this machine's GPU."""
+    link = Link(
+        host=host, port=port, rank=rank, size=size, local_rank=local_rank, host_store=host_store
+    )
+    link.start_group()
+    link.start_heartbeat()
+    try:
+        _serve(link)
+    except BaseException as error:
+        link.report_error(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        link.close()
+
+
+def _serve(link: Link) -> None:
+    spec = link.receive()
+    if isinstance(spec, Stop):
+        return
+    torch.set_num_threads(spec.threads or max(1, physical_cores() // link.size))
+    loaded = load_shard(spec, TPGroup(link.rank, link.size), link.device)
+    request = link.receive()
+    if isinstance(request, Stop):  # rank 0 failed to load, or was shut down meanwhile
+        return
+    budget = agreed_budget(link, request, loaded.model)
+    cache = kv_pool(loaded.model, budget, request.block_size, spec.kv_offloading_size)
+    runner = ModelRunner(loaded.model, cache)
+    while True:
+        message = link.receive()
+        if isinstance(message, Stop):
+            return
+        if isinstance(message, Keepalive):
+            link.pulse()
+        else:
+            runner.execute(message)

@@ -1,0 +1,176 @@
+"""A tensor-parallel group never hangs silently and never leaves a process behind.
+
+A worker that dies fails the next step at once, one that hangs fails it after the collective
+timeout, and either way the error names the rank; every later step fails the same way.
+An idle group outlives its timeout (keepalives). Shutdown, an engine that fails to start and
+a rank 0 that is killed all end every worker.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine.errors import StepFailed
+from pagedkv.worker.parallel import ranks
+from pagedkv.worker.parallel.errors import WorkerFailed
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+PROMPT = [5, 6, 7, 8]
+
+
+def start(folder: Path, **overrides) -> LLM:
+    settings = dict(
+        tensor_parallel_size=2, num_gpu_blocks=32, swap_space_gb=0.01, max_model_len=256, threads=1
+    )
+    return LLM(str(folder), **{**settings, **overrides})
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_until_gone(pid: int, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not alive(pid)
+
+
+@pytest.fixture
+def short_timeout(monkeypatch):
+    monkeypatch.setattr(ranks, "COLLECTIVE_TIMEOUT_S", 3.0)
+
+
+@pytest.fixture
+def folder(tp_folders) -> Path:
+    return tp_folders["llama"]
+
+
+def test_shutdown_ends_every_worker_and_later_steps_fail(folder):
+    llm = start(folder)
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    (pid,) = llm.engine.ranks.worker_pids
+    llm.engine.shutdown()
+    assert not alive(pid) and multiprocessing.active_children() == []
+    with pytest.raises(StepFailed, match="shut down"):
+        llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    llm.engine.shutdown()  # twice is harmless
+
+
+def test_a_killed_worker_fails_the_step_naming_its_rank(folder):
+    llm = start(folder)
+    (pid,) = llm.engine.ranks.worker_pids
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(StepFailed) as failed:
+        llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    cause = failed.value.__cause__
+    assert isinstance(cause, WorkerFailed) and cause.rank == 1
+    assert "tensor-parallel rank 1 failed" in str(cause) and "code -9" in str(cause)
+    with pytest.raises(StepFailed, match="rank 1"):  # the group stays broken
+        llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    llm.engine.shutdown()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_named_after_the_timeout(folder, short_timeout):
+    llm = start(folder)
+    (pid,) = llm.engine.ranks.worker_pids
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StepFailed) as failed:
+            llm.generate(PROMPT, GREEDY, use_tqdm=False)
+        cause = failed.value.__cause__
+        assert isinstance(cause, WorkerFailed) and cause.rank == 1
+        assert "stopped responding" in str(cause)
+    finally:
+        llm.engine.shutdown()  # kills the stopped process
+    assert not alive(pid)
+
+
+@pytest.mark.slow
+def test_an_idle_group_outlives_its_collective_timeout(folder, short_timeout):
+    llm = start(folder)
+    want = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    time.sleep(2 * ranks.COLLECTIVE_TIMEOUT_S)  # workers wait; keepalives keep them waiting
+    assert llm.engine.ranks.failure is None
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    llm.engine.shutdown()
+
+
+def test_a_worker_death_while_idle_is_noticed_without_a_step(folder, short_timeout):
+    llm = start(folder)
+    (pid,) = llm.engine.ranks.worker_pids
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10 * ranks.COLLECTIVE_TIMEOUT_S
+    while llm.engine.ranks.failure is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert llm.engine.ranks.failure is not None and llm.engine.ranks.failure.rank == 1
+    llm.engine.shutdown()
+
+
+def test_bad_sizes_are_refused_with_the_numbers(folder):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(str(folder), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="quantised weights are not sharded"):
+        LLM(str(folder), tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="each rank takes its LOCAL_RANK's GPU"):
+        LLM(str(folder), tensor_parallel_size=2, device="cuda:1")
+    # 4 query heads cannot be split across 3 ranks (vLLM requires the same divisibility).
+    with pytest.raises(ValueError, match=r"4 heads .*not divisible by tensor_parallel_size \(3\)"):
+        start(folder, tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []
+
+
+def test_workers_exit_when_rank_0_is_killed(folder):
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from pagedkv.engine import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(folder)!r}, tensor_parallel_size=2, num_gpu_blocks=32, threads=1,
+                      swap_space_gb=0.01, max_model_len=256)
+            print(*llm.engine.ranks.worker_pids, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    (pid,) = map(int, result.stdout.split())
+    assert wait_until_gone(pid)
+
+
+def test_a_new_group_ends_the_one_an_earlier_engine_left_open(folder):
+    first = start(folder)
+    (first_pid,) = first.engine.ranks.worker_pids
+    second = start(folder)  # torch.distributed allows one group per process
+    assert not alive(first_pid)
+    assert second.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(StepFailed, match="shut down"):
+        first.generate(PROMPT, GREEDY, use_tqdm=False)
+    second.engine.shutdown()
+
+
+def test_an_engine_dropped_without_shutdown_ends_its_workers(folder):
+    llm = start(folder)
+    (pid,) = llm.engine.ranks.worker_pids
+    del llm
+    gc.collect()
+    assert wait_until_gone(pid)
