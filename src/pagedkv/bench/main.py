@@ -123,13 +123,17 @@ def run(args: argparse.Namespace) -> int:
         if args.output_len:
             spec = replace(spec, output_len=tuple(sorted(args.output_len)))
         workloads.append(make_workload(name, spec, vocab_size, args.workload_seed))
-    args.model = str(folder)
+    # A built-in model runs in pagedkv as itself (under --quantization auto, its own GGUF
+    # blocks); transformers always runs the folder of the same weights in float.
+    if not _is_builtin(args.model):
+        args.model = str(folder)
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
         engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
     kv_tokens = engine_args.num_gpu_blocks * engine_args.block_size
     config = BenchConfig(
         engine_args=engine_args,
+        hf_folder=str(folder),
         model_label=label,
         workloads=workloads,
         kv_tokens=kv_tokens if engine_args.num_gpu_blocks else args.kv_tokens,
@@ -175,6 +179,11 @@ def _model_folder(model: str, seed: int) -> tuple[Path, str]:
             "so transformers loads the same weights"
         )
     return converted_folder(model), model
+
+
+def _is_builtin(model: str) -> bool:
+    """Whether `model` names a built-in model (rather than a folder or the random model)."""
+    return model != RANDOM_MODEL and not Path(model).is_dir() and Path(model).suffix != ".gguf"
 
 
 def positive_int(text: str) -> int:

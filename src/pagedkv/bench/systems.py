@@ -35,7 +35,8 @@ _WARM_UP = WorkloadSpec(2, (8, 8), (4, 4))
 class BenchConfig:
     """Everything one invocation runs."""
 
-    engine_args: EngineArgs  # its model is a folder by now
+    engine_args: EngineArgs  # its model: a folder, or a built-in name (its own GGUF file)
+    hf_folder: str  # the same weights in float, as a folder transformers loads
     model_label: str
     workloads: list[Workload]
     kv_tokens: int
@@ -55,7 +56,7 @@ class Systems:
         if "pagedkv" in config.systems:
             self.engine = Engine(config.engine_args)
         if {"hf-generate", "hf-cb"} & set(config.systems):
-            self.hf_model = load_hf_model(config.engine_args.model)
+            self.hf_model = load_hf_model(config.hf_folder)
 
     @property
     def num_parameters(self) -> int:
