@@ -3,11 +3,14 @@
 Spawned by rank 0 on one machine (`ranks.py`) or started by `pagedkv worker` on another
 (`torchrun`'s environment), a worker keeps no scheduler: it receives the `LoadSpec`, the pool
 request, then one message at a time (a `SchedulerOutput` to execute, a `Keepalive` to answer,
-`Stop`) and ends on `Stop`, on any error (after leaving it in the store for rank 0 to report),
+`Stop`) and ends on `Stop`, on any error (after leaving it in the store for rank 0 to report;
+a `ValueError`, which rank 0 meets too, such as heads the ranks cannot split, in one line),
 or when rank 0's store disappears (the heartbeat thread exits the process).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -33,6 +36,10 @@ def run_worker(
     link.start_heartbeat()
     try:
         _serve(link)
+    except ValueError as error:  # a configuration every rank refuses alike: one line, no trace
+        link.report_error(f"{type(error).__name__}: {error}")
+        print(f"pagedkv worker (rank {rank}): {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     except BaseException as error:
         link.report_error(f"{type(error).__name__}: {error}")
         raise
