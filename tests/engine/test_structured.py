@@ -13,6 +13,7 @@ import pytest
 
 from pagedkv.engine import InvalidStructuredOutput, SamplingParams, StructuredOutputsParams
 from pagedkv.engine.structured import compiler
+from pagedkv.engine.structured import grammar as compiler_grammar
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
 from tests.structured_schemas import SCHEMAS
 
@@ -188,3 +189,49 @@ def test_aborting_a_request_whose_grammar_compiles_leaves_nothing(engine_zoo, mo
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished() and engine.stats.num_waiting == 0
     release.set()
+
+
+def test_objects_hold_to_their_declared_properties(llm):
+    """A schema that says nothing of other keys gets none (xgrammar's strict mode, vLLM's
+    default): without that, JSON Schema allows any key, and a random model keeps adding keys
+    until max_tokens cuts the JSON off. A schema that allows other keys keeps them allowed."""
+    item = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": SCHEMAS[1], "items": {"type": "array", "items": item, "maxItems": 2}},
+        "required": ["n", "items"],
+    }
+    outputs = llm.generate(
+        [[5, 6, 7]] * 4, [constrained(seed, n=3, json=schema) for seed in range(4)], use_tqdm=False
+    )
+    for sample in (s for output in outputs for s in output.outputs):
+        assert sample.finish_reason == "stop", sample.text
+        value = json.loads(sample.text)
+        jsonschema.validate(value, schema)
+        assert set(value) <= {"n", "items"}
+        assert all(set(entry) == {"ok"} for entry in value["items"])
+
+
+def test_closed_objects_closes_declared_objects_only():
+    """Every object with `properties` and no word on other keys is closed, wherever it sits;
+    objects that allow other keys, and bare objects, are left as they are; the input is not
+    changed."""
+    declared = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    allowing = {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}
+    patterned = {"type": "object", "properties": {}, "patternProperties": {"^x": {}}}
+    schema = {
+        "type": "object",
+        "properties": {"one": declared, "many": {"type": "array", "items": declared}},
+        "$defs": {"d": declared, "open": allowing, "pattern": patterned},
+        "anyOf": [declared, {"type": "object"}],
+    }
+    closed = compiler_grammar.closed_objects(schema)
+    shut = dict(declared, additionalProperties=False)
+    assert closed == {
+        "type": "object",
+        "properties": {"one": shut, "many": {"type": "array", "items": shut}},
+        "$defs": {"d": shut, "open": allowing, "pattern": patterned},
+        "anyOf": [shut, {"type": "object"}],
+        "additionalProperties": False,
+    }
+    assert "additionalProperties" not in declared and "additionalProperties" not in schema

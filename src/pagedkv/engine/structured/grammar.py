@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
@@ -37,6 +37,28 @@ JSON_OPTIONS = {
 }
 
 
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that declares
+    `properties` and says nothing of other keys (no `additionalProperties`,
+    `patternProperties` or `unevaluatedProperties`).
+
+    JSON Schema lets such an object carry any other key, so a small model can go on adding
+    keys until max_tokens cuts the JSON off. vLLM's default grammar engine (xgrammar, strict
+    mode) and OpenAI's strict structured outputs hold objects to their declared properties;
+    so do we. A schema that wants other keys says so, and `{"type": "object"}` with no
+    properties (json_object's) stays any object.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+        closed["additionalProperties"] = False
+    return closed
+
+
 def grammar_spec(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of `params`; raise `InvalidStructuredOutput` naming what is wrong.
 
@@ -47,7 +69,11 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = ANY_OBJECT if kind == "json_object" else params.json
-            spec = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            spec = llguidance.LLMatcher.grammar_from_json_schema(
+                closed_objects(schema), defaults=JSON_OPTIONS
+            )
         elif kind == "choice":
             spec = llguidance.grammar_from("choice", json.dumps(params.choice))
         else:  # regex, or grammar: Lark or GBNF text
