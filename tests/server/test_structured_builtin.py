@@ -12,7 +12,13 @@ import pytest
 
 from pagedkv.hub import DEFAULT_MODEL
 from tests.server.conftest import start_server
-from tests.server.test_structured_outputs import PARAMETERS, WEATHER, streamed_tool_calls
+from tests.server.test_structured_outputs import (
+    PARAMETERS,
+    WEATHER,
+    assert_every_choice_validates,
+    chat_texts,
+    streamed_tool_calls,
+)
 from tests.structured_schemas import SCHEMAS
 
 pytestmark = pytest.mark.slow
@@ -32,8 +38,10 @@ def test_every_schema_validates_on_the_builtin_model(builtin):
 
     def ask(index: int) -> list[tuple[str, str]]:
         response_format = {"type": "json_schema", "json_schema": {"schema": SCHEMAS[index]}}
-        args = dict(
-            model=model,
+        return chat_texts(
+            client,
+            model,
+            index % 2 == 1,  # half streamed
             messages=MESSAGES,
             max_tokens=160,
             n=3,
@@ -41,24 +49,9 @@ def test_every_schema_validates_on_the_builtin_model(builtin):
             seed=index,
             response_format=response_format,
         )
-        if index % 2 == 0:
-            response = client.chat.completions.create(**args)
-            return [(c.message.content, c.finish_reason) for c in response.choices]
-        texts: dict[int, str] = {}
-        reasons: dict[int, str] = {}
-        for chunk in client.chat.completions.create(**args, stream=True):
-            for choice in chunk.choices:
-                texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
-                reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
-        return [(texts[i], reasons[i]) for i in sorted(texts)]
 
     with ThreadPoolExecutor(len(SCHEMAS)) as pool:
-        results = list(pool.map(ask, range(len(SCHEMAS))))
-    for schema, choices in zip(SCHEMAS, results, strict=True):
-        assert len(choices) == 3
-        for text, finish_reason in choices:
-            assert finish_reason == "stop", (schema, text)
-            jsonschema.validate(json.loads(text), schema)
+        assert_every_choice_validates(list(pool.map(ask, range(len(SCHEMAS)))))
 
 
 def test_a_required_tool_call_on_the_builtin_model(builtin):

@@ -56,8 +56,9 @@ def server(serve) -> RunningServer:
 
 
 def chat_texts(client, model: str, stream: bool, **kwargs: Any) -> list[tuple[str, str]]:
-    """(text, finish_reason) of each choice, collected from the stream when `stream`."""
-    args = dict(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, **kwargs)
+    """(text, finish_reason) of each choice, collected from the stream when `stream`;
+    `kwargs` add to (or replace) the request's messages and max_tokens."""
+    args = {"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, **kwargs}
     if not stream:
         response = client.chat.completions.create(**args)
         return [(c.message.content, c.finish_reason) for c in response.choices]
@@ -84,7 +85,11 @@ def test_every_schema_validates_for_every_choice(client, model_name, stream):
         )
 
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(ask, range(len(SCHEMAS))))
+        assert_every_choice_validates(list(pool.map(ask, range(len(SCHEMAS)))))
+
+
+def assert_every_choice_validates(results: list[list[tuple[str, str]]]) -> None:
+    """Each schema's 3 choices (`results[i]` for `SCHEMAS[i]`) ended by the grammar and valid."""
     for schema, choices in zip(SCHEMAS, results, strict=True):
         assert len(choices) == 3
         for text, finish_reason in choices:
