@@ -131,3 +131,21 @@ def test_bench_runs_prints_every_figure_and_counts_requested_tokens(
         assert workload["systems"]["pagedkv"]["generated_tokens"] == [requested]
         assert workload["engine"]["peak_running"] >= 1
         assert 0.0 <= workload["engine"]["outside_forward_share"] <= 1.0
+
+
+def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_transformers(
+    monkeypatch, tiny_folder
+) -> None:
+    """pagedkv gets the built-in name (under --quantization auto: its GGUF blocks), transformers
+    the converted float folder; a folder goes to both as it is."""
+    from pagedkv.bench import main as bench_main
+    from pagedkv.weights import load as load_module
+
+    converted = tiny_folder.parent / "converted"
+    monkeypatch.setattr(load_module, "converted_folder", lambda name: converted)
+    assert bench_main._models("smollm2-135m-instruct", 0) == (
+        "smollm2-135m-instruct",
+        converted,
+        "smollm2-135m-instruct",
+    )
+    assert bench_main._models(str(tiny_folder), 0) == (str(tiny_folder), tiny_folder, "llama")

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not systems:
         print(f"pagedkv bench: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}")
         return 2
-    folder, label = _model_folder(args.model, args.seed)
+    model, folder, label = _models(args.model, args.seed)
     vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
     workloads = []
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
@@ -123,10 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if args.output_len:
             spec = replace(spec, output_len=tuple(sorted(args.output_len)))
         workloads.append(make_workload(name, spec, vocab_size, args.workload_seed))
-    # A built-in model runs in pagedkv as itself (under --quantization auto, its own GGUF
-    # blocks); transformers always runs the folder of the same weights in float.
-    if not _is_builtin(args.model):
-        args.model = str(folder)
+    args.model = model
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
         engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
@@ -164,13 +161,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def _model_folder(model: str, seed: int) -> tuple[Path, str]:
-    """A Hugging Face folder both pagedkv and transformers can load, and a label for it."""
+def _models(model: str, seed: int) -> tuple[str, Path, str]:
+    """What pagedkv loads, the Hugging Face folder of the same weights in float that
+    transformers loads, and a label. A built-in model runs in pagedkv as itself (under
+    --quantization auto, its own GGUF blocks); a folder runs as it is in both."""
     if model == RANDOM_MODEL:
-        return random_model_folder(seed), f"{RANDOM_MODEL} (seed {seed})"
+        folder = random_model_folder(seed)
+        return str(folder), folder, f"{RANDOM_MODEL} (seed {seed})"
     path = Path(model)
     if path.is_dir():
-        return path, path.name
+        return model, path, path.name
     from pagedkv.weights.load import converted_folder
 
     if path.suffix == ".gguf":
@@ -178,12 +178,7 @@ def _model_folder(model: str, seed: int) -> tuple[Path, str]:
             "pagedkv bench: give a built-in name or a folder (`pagedkv convert` a .gguf first), "
             "so transformers loads the same weights"
         )
-    return converted_folder(model), model
-
-
-def _is_builtin(model: str) -> bool:
-    """Whether `model` names a built-in model (rather than a folder or the random model)."""
-    return model != RANDOM_MODEL and not Path(model).is_dir() and Path(model).suffix != ".gguf"
+    return model, converted_folder(model), model
 
 
 def positive_int(text: str) -> int:
