@@ -4,11 +4,11 @@ Each engine's pool (and swap space) is filled with NaN before any request runs, 
 value an uninitialised page can hold: a NaN that reached a softmax or a `weight * value` sum
 would turn the logits to NaN. Outputs must equal those of the same engine over a zeroed pool,
 and transformers' greedy tokens where the dtype is float32, through every attention path the
-CPU takes: the C decode kernel (float32), the fused decode layer (quantised weights), and the
-PyTorch block-wise decode with its padded, masked chunks (16-bit caches), with a sliding window,
-and under swap preemption (whole blocks, unwritten tails included, move to and from swap).
+CPU takes: the C attention kernel (float32 and 16-bit caches), the fused decode layer
+(quantised weights), with a sliding window, and under swap preemption (whole blocks,
+unwritten tails included, move to and from swap).
 An fp8 pool is filled with NaN bytes (0xFF in both formats) and read by the same paths: the
-C kernels through their byte table, the fused layer, and the PyTorch gather that widens them.
+C kernels through their byte table and the fused layer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pagedkv.engine import SamplingParams
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.model.tiny_models import random_prompt
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, logprobs=1)
+# ignore_eos: every request runs its 20 tokens, so the pool runs out (and swaps) whatever
+# tokens the model picks.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, logprobs=1, ignore_eos=True)
 PROMPTS = [random_prompt(length, seed=length) for length in (3, 17, 40, 71, 130)]
 CASES = [
     ("llama", "float32", "none", "auto"),
@@ -69,4 +71,6 @@ def test_a_nan_filled_pool_changes_no_output(engine_zoo, name, dtype, quantizati
     assert outputs[1] == outputs[0]
     if dtype == "float32" and quantization == "none" and kv_cache_dtype == "auto":
         expected = [engine_zoo.hf_greedy(name, tuple(p), GREEDY.max_tokens) for p in PROMPTS]
-        assert outputs[1] == expected
+        # transformers stops at EOS; ours runs on past it
+        pairs = zip(outputs[1], expected, strict=True)
+        assert [ours[: len(theirs)] for ours, theirs in pairs] == expected

@@ -1,10 +1,11 @@
 """The attention backend: one interface, chosen once for a device, used by every layer.
 
 Three implementations: `TorchAttention` (any device; `torch_backend.py`), `CPUAttention`
-(the same, with steps where every sequence decodes done by one C call per layer:
-`kernels/decode_attention.c`) and `TritonAttention` (the kernels of `attention/triton/`, CUDA
-only). `select_backend` picks one when a model is
-built for a device, so no layer asks again which path to take. Each backend builds the per-step
+(one C call per layer for every step, prompt chunks and decodes alike: `kernels/attention.c`,
+where each query row reduces over its keys in one fixed order, so its output never depends on
+the step around it) and `TritonAttention` (the kernels of `attention/triton/`, CUDA only).
+`select_backend` picks one when a model is built for a device, so no layer asks again which
+path to take. Each backend builds the per-step
 metadata it reads, once per forward pass, and nothing else: the PyTorch backend plans the step
 (`AttentionMetadata`, one plan per sliding window, shared by every layer through the batch);
 the Triton kernels read the batch's own tensors and need no plan.
@@ -174,8 +175,8 @@ class TritonAttention(AttentionBackend):
 
 
 class CPUAttention(TorchAttention):
-    """PyTorch, except that the K/V write and a step where every sequence decodes, over float32
-    or fp8 caches, are one call of the C kernels per layer instead of a dozen small ops."""
+    """The C kernels on the CPU: the K/V write (float32 or fp8 caches) and attention over
+    float32, bfloat16, float16 or fp8 caches, one call per layer for any step."""
 
     name = "cpu"
 
@@ -190,7 +191,8 @@ class CPUAttention(TorchAttention):
     ) -> None:
         kernels = native.kernels()
         rows_ok = all(t.dtype == torch.float32 and native.heads_packed(t) for t in (key, value))
-        if kernels is None or not rows_ok or not self.takes(k_cache, v_cache, key, value):
+        writable = all(c.dtype == torch.float32 or is_fp8(c.dtype) for c in (k_cache, v_cache))
+        if kernels is None or not rows_ok or not writable or not self.takes(k_cache, v_cache):
             super().write_kv(key, value, k_cache, v_cache, batch, scales)
             return
         rows = (
@@ -228,53 +230,54 @@ class CPUAttention(TorchAttention):
         scales: KVScales = UNIT_SCALES,
     ) -> Tensor:
         kernels = native.kernels()
-        all_decode = max(batch.host_query_lens) == 1
-        takes = query.dtype == torch.float32 and self.takes(k_cache, v_cache, query)
-        if kernels is None or not all_decode or not takes:
+        if kernels is None or not self.takes(k_cache, v_cache, query):
             return super().attend(query, k_cache, v_cache, batch, scale, sliding_window, scales)
-        num_seqs, num_heads, head_dim = query.shape
+        num_tokens, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        tables = self.decode_tables(batch)
+        tables, query_starts, context_lens = self.step_tables(batch)
         fp8 = self.fp8_args(k_cache, scales)
-        query = query.contiguous()
-        out = torch.empty_like(query)
-        status = kernels.decode_attention(
-            query.data_ptr(),
-            num_heads * head_dim,
+        rows = query.reshape(num_tokens, num_heads * head_dim)
+        if rows.dtype != torch.float32 or not native.heads_packed(query):
+            rows = rows.to(torch.float32).contiguous()
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+        status = kernels.attention(
+            rows.data_ptr(),
+            rows.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            tables[0].data_ptr(),
-            tables[0].shape[1],
-            tables[1].data_ptr(),
-            tables[2].data_ptr(),
-            num_seqs,
+            _FP8_CODE if fp8 is not None else _CACHE_CODES[k_cache.dtype],
+            None if fp8 is None else fp8.table,
+            1.0 if fp8 is None else fp8.k_scale,
+            1.0 if fp8 is None else fp8.v_scale,
+            tables.data_ptr(),
+            tables.shape[1],
+            query_starts.data_ptr(),
+            context_lens.data_ptr(),
+            batch.num_seqs,
             num_heads,
             num_kv_heads,
             head_dim,
             block_size,
             scale,
             sliding_window or 0,
-            None if fp8 is None else fp8.table,
-            1.0 if fp8 is None else fp8.k_scale,
-            1.0 if fp8 is None else fp8.v_scale,
             out.data_ptr(),
         )
         if status != 0:
-            raise MemoryError(f"decode attention over {num_seqs} sequences: no scratch memory")
-        return out
+            raise MemoryError(f"attention over {batch.num_seqs} sequences: no scratch memory")
+        return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     @staticmethod
-    def decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """Block tables, each sequence's table row and context lengths as the C kernels read
-        them, made once per forward pass."""
-        return batch.step_state("cpu-tables", lambda: _decode_tables(batch))
+    def step_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """Block tables, where each sequence's query rows start and its context length, as
+        the C kernels read them, made once per forward pass."""
+        return batch.step_state("cpu-tables", lambda: _step_tables(batch))
 
     @staticmethod
     def takes(k_cache: Tensor, v_cache: Tensor, *tensors: Tensor) -> bool:
-        """Whether the C kernels can read these: float32 or fp8 caches in CPU memory, inputs
-        there too."""
+        """Whether the C kernels can read these: packed float32, 16-bit or fp8 caches in CPU
+        memory, inputs there too."""
         caches_ok = all(
-            (c.dtype == torch.float32 or is_fp8(c.dtype))
+            (c.dtype in _CACHE_CODES or is_fp8(c.dtype))
             and c.device.type == "cpu"
             and c.is_contiguous()
             for c in (k_cache, v_cache)
@@ -283,8 +286,13 @@ class CPUAttention(TorchAttention):
 
     @staticmethod
     def fp8_args(k_cache: Tensor, scales: KVScales) -> native.Fp8CacheArgs | None:
-        """An fp8 cache's format and scales as the C kernels take them; None for float32."""
+        """An fp8 cache's format and scales as the C kernels take them; None for the others."""
         return _fp8_args(k_cache.dtype, scales) if is_fp8(k_cache.dtype) else None
+
+
+# attention.c's code for what a cache holds; fp8 bytes are read through their value table.
+_CACHE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FP8_CODE = 3
 
 
 @cache
@@ -303,17 +311,17 @@ def _fp8_args(dtype: torch.dtype, scales: KVScales) -> native.Fp8CacheArgs:
     )
 
 
-def _decode_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
-    """Block tables, each sequence's table row, context lengths: as the C kernel reads them."""
+def _step_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """Block tables, query row starts, context lengths: as the C kernels read them."""
     return (
         batch.block_tables.to(torch.int32).contiguous(),
-        torch.arange(batch.num_seqs, dtype=torch.int64),
+        batch.query_start_loc.to(torch.int64).contiguous(),
         batch.context_lens.to(torch.int32).contiguous(),
     )
 
 
 def select_backend(device: torch.device | str) -> AttentionBackend:
-    """Triton on CUDA when it imports; on the CPU, the C decode kernel when it builds; else
+    """Triton on CUDA when it imports; on the CPU, the C kernels when they build; else
     PyTorch."""
     kind = torch.device(device).type
     if kind == "cuda" and triton_available():

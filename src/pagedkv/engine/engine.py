@@ -26,6 +26,7 @@ from pagedkv.engine.admission import (
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
+from pagedkv.engine.invariance import invariance_line
 from pagedkv.engine.logprobs import logprob_entry, score_prompts
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
@@ -134,6 +135,7 @@ class Engine:
             file=sys.stderr,
         )
         print(budget.describe(args.block_size, self.max_model_len), file=sys.stderr)
+        print(invariance_line(self.device, args.tensor_parallel_size, args.dtype), file=sys.stderr)
         phases = {**loaded.seconds, "KV pool": pool_seconds}
         total = loaded_before + time.perf_counter() - started
         print(startup_line(total, phases), file=sys.stderr)

@@ -10,12 +10,12 @@
  *   x = rms_norm(h); qkv = x Wqkv^T (+ b); rope(q, k); write k, v to their slots;
  *   a = attention(q); h += a Wo^T; x = rms_norm(h); g, u = x Wgu^T; h += (silu(g) * u) Wd^T
  *
- * Every matmul is pagedkv_qmatmul over quantised weights, rope and the K/V write those of
- * rope_kv.c, attention that of decode_attention.c: the floats are the unfused path's, except
- * silu (expf here, PyTorch's own there), a difference of float32 rounding. The caches hold
- * float32, or fp8 bytes when an Fp8Cache is given: written and read by those same kernels.
+ * Every step is the kernel the unfused path calls: pagedkv_qmatmul over quantised weights,
+ * rope and the K/V write of rope_kv.c, pagedkv_attention, and RMSNorm and silu(g) * u of
+ * rowwise.c; the residual adds are float32 adds, as torch's. So the floats are the unfused
+ * path's, bit for bit. The caches hold float32, or fp8 bytes when an Fp8Cache is given:
+ * written and read by those same kernels.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -47,13 +47,12 @@ typedef struct {
 int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     const float *scales, const float *mins, int has_mins, int bits, int64_t g,
                     int64_t n, const float *bias, float *y);
-int pagedkv_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
-                             const void *v_cache, const int32_t *block_tables,
-                             int64_t table_stride, const int64_t *table_rows,
-                             const int32_t *context_lens, int64_t num_seqs, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             float scale, int64_t window, const float *fp8_table, float k_scale,
-                             float v_scale, float *out);
+int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                      int cache_dtype, const float *fp8_table, float k_scale, float v_scale,
+                      const int32_t *block_tables, int64_t table_stride,
+                      const int64_t *query_starts, const int32_t *context_lens, int64_t num_seqs,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, float scale, int64_t window, float *out);
 void pagedkv_rope(float *x, int64_t num_tokens, int64_t row_stride, int64_t num_heads,
                   int64_t head_dim, const float *cos, const float *sin);
 void pagedkv_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
@@ -64,8 +63,9 @@ void pagedkv_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int6
                           uint8_t *k_cache, uint8_t *v_cache, int64_t mantissa_bits,
                           int64_t bias, float max, float k_inverse_scale,
                           float v_inverse_scale);
-void pagedkv_rms_norm(const float *x, int64_t rows, int64_t cols, const float *weight, float eps,
-                      float *out);
+void pagedkv_rms_norm(const float *x, int64_t x_stride, int64_t rows, int64_t cols,
+                      const float *weight, float eps, float *out);
+void pagedkv_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out);
 
 static int project(const float *x, int64_t m, const QuantizedWeight *w, float *y) {
     return pagedkv_qmatmul(x, m, w->in_features, w->values, w->scales, w->mins,
@@ -108,37 +108,32 @@ static int decode_layer(float *hidden, int64_t m, int64_t hidden_size, const Dec
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         const float *cos, const float *sin, const int64_t *slots,
                         const int32_t *block_tables, int64_t table_stride,
-                        const int64_t *table_rows, const int32_t *context_lens,
+                        const int64_t *query_starts, const int32_t *context_lens,
                         int64_t block_size, float scale, const Scratch *s) {
     const QuantizedWeight *qkv = &layer->weights[0], *o = &layer->weights[1],
                           *gate_up = &layer->weights[2], *down = &layer->weights[3];
     const Fp8Cache *fp8 = layer->fp8;
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     int64_t qkv_size = qkv->out_features, inter = gate_up->out_features / 2;
-    pagedkv_rms_norm(hidden, m, hidden_size, layer->input_norm, layer->eps, s->normed);
+    pagedkv_rms_norm(hidden, hidden_size, m, hidden_size, layer->input_norm, layer->eps, s->normed);
     int status = project(s->normed, m, qkv, s->mixed);
     if (status != 0) return status;
     pagedkv_rope(s->mixed, m, qkv_size, num_heads, head_dim, cos, sin);
     pagedkv_rope(s->mixed + q_size, m, qkv_size, num_kv_heads, head_dim, cos, sin);
     write_kv(s->mixed + q_size, s->mixed + q_size + kv_size, qkv_size, m, kv_size, slots,
              layer->k_cache, layer->v_cache, fp8);
-    status = pagedkv_decode_attention(
-        s->mixed, qkv_size, layer->k_cache, layer->v_cache, block_tables, table_stride,
-        table_rows, context_lens, m, num_heads, num_kv_heads, head_dim, block_size, scale,
-        layer->window, fp8 ? fp8->table : NULL, fp8 ? fp8->k_scale : 1.0f,
-        fp8 ? fp8->v_scale : 1.0f, s->attended);
+    status = pagedkv_attention(s->mixed, qkv_size, layer->k_cache, layer->v_cache, fp8 ? 3 : 0,
+                               fp8 ? fp8->table : NULL, fp8 ? fp8->k_scale : 1.0f,
+                               fp8 ? fp8->v_scale : 1.0f, block_tables, table_stride, query_starts,
+                               context_lens, m, num_heads, num_kv_heads, head_dim, block_size,
+                               scale, layer->window, s->attended);
     if (status == 0) status = project(s->attended, m, o, s->projected);
     if (status != 0) return status;
     for (int64_t i = 0; i < m * hidden_size; i++) hidden[i] += s->projected[i];
-    pagedkv_rms_norm(hidden, m, hidden_size, layer->post_norm, layer->eps, s->normed);
+    pagedkv_rms_norm(hidden, hidden_size, m, hidden_size, layer->post_norm, layer->eps, s->normed);
     status = project(s->normed, m, gate_up, s->gated);
     if (status != 0) return status;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < inter; i++) {
-            float g = s->gated[r * 2 * inter + i];
-            float silu = g / (1.0f + expf(-g));
-            s->activated[r * inter + i] = silu * s->gated[r * 2 * inter + inter + i];
-        }
+    pagedkv_silu_mul(s->gated, m, inter, s->activated);
     status = project(s->activated, m, down, s->projected);
     if (status == 0)
         for (int64_t i = 0; i < m * hidden_size; i++) hidden[i] += s->projected[i];
@@ -154,7 +149,7 @@ int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t
                           const DecodeLayer *layers, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, const float *cos, const float *sin,
                           const int64_t *slots, const int32_t *block_tables,
-                          int64_t table_stride, const int64_t *table_rows,
+                          int64_t table_stride, const int64_t *query_starts,
                           const int32_t *context_lens, int64_t block_size, float scale) {
     int64_t qkv_size = 0, gate_up_size = 0;
     for (int64_t l = 0; l < num_layers; l++) {
@@ -175,7 +170,7 @@ int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t
         for (int64_t l = 0; l < num_layers && status == 0; l++)
             status = decode_layer(hidden, m, hidden_size, &layers[l], num_heads, num_kv_heads,
                                   head_dim, cos, sin, slots, block_tables, table_stride,
-                                  table_rows, context_lens, block_size, scale, &s);
+                                  query_starts, context_lens, block_size, scale, &s);
     }
     free(s.normed);
     free(s.mixed);

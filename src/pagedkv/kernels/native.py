@@ -1,15 +1,20 @@
-"""The CPU kernels in C (`qmatmul.c`, `decode_attention.c`, `rope_kv.c`, `decode_layer.c`),
-compiled once per machine.
+"""The CPU kernels in C, compiled once per machine: the matmuls (`qmatmul.c`, `fmatmul.c`),
+paged attention (`attention.c`), the per-row steps (`rowwise.c`, `rope_kv.c`) and the fused
+decode layers (`decode_layer.c`), with their shared helpers (`simd.h`).
 
-PyTorch 2.13's CPU build has no fast 4-bit or int8 weight-only matmul on AVX2 machines (its
-`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` fall back to scalar loops there:
-5-7x slower than float32 at batch 1, measured in ../shared/measurements), and its decode
-attention over paged blocks is a dozen small ops per layer, so these two are ours: small C
-files, built with the system's C compiler into the cache folder the first time they are
-needed (about a second), keyed by the sources, the compiler and this CPU, and loaded with
-ctypes. Linking with `-fopenmp` binds it to the OpenMP runtime torch has already loaded,
-so both share one thread pool. Without a C compiler, `kernels()` returns None and quantised
-layers dequantise per call instead (correct, slower); `unavailable_reason()` says why.
+They exist for two reasons. Speed: PyTorch 2.13's CPU build has no fast 4-bit or int8
+weight-only matmul on AVX2 machines (its `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`
+fall back to scalar loops there: 5-7x slower than float32 at batch 1, measured in
+../shared/measurements), and attention over paged blocks is a dozen small ops per layer in
+torch. And one answer per request: every kernel computes a row with one fixed order of float
+operations, whatever the other rows of the call, the chunking or the thread count, where BLAS
+changes its blocking with the row count and a vectorised exp differs from its scalar tail.
+
+Small C files, built with the system's C compiler into the cache folder the first time they
+are needed (a few seconds), keyed by the sources, the compiler and this CPU, and loaded with
+ctypes. Linking with `-fopenmp` binds them to the OpenMP runtime torch has already loaded, so
+both share one thread pool. Without a C compiler, `kernels()` returns None and the model runs
+on torch ops (correct, slower, and not batch-invariant); `unavailable_reason()` says why.
 """
 
 from __future__ import annotations
@@ -29,11 +34,22 @@ from pagedkv.hub import cache_dir
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("qmatmul.c", "decode_attention.c", "rope_kv.c", "decode_layer.c")
+    for name in (
+        "qmatmul.c",
+        "fmatmul.c",
+        "attention.c",
+        "rowwise.c",
+        "rope_kv.c",
+        "decode_layer.c",
+    )
 )
-# -ffp-contract=off: `a * b + c` stays two roundings, so the C dequantiser gives the very
-# floats QuantizedTensor.dequantize does in torch, on any compiler.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+HEADERS = (Path(__file__).with_name("simd.h"),)
+# -ffp-contract=off: `a * b + c` stays two roundings unless a kernel asks for an fma, so the
+# order of every float operation is the source's, on any compiler.
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# What the kernels are compiled for: this CPU, unless PAGEDKV_MARCH names another target
+# (`haswell` builds the AVX2 path on an AVX-512 machine, `x86-64` the plain C one).
+MARCH_VARIABLE = "PAGEDKV_MARCH"
 _QMATMUL_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
     + [ctypes.c_void_p] * 3  # values, scales, mins
@@ -45,15 +61,31 @@ _DEQUANTIZE_ARGS = (
     + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # bits, g, n, k
     + [ctypes.c_void_p]  # out
 )
-_DECODE_ATTENTION_ARGS = (
+_FMATMUL_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
+    + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]  # w, w_dtype, n
+    + [ctypes.c_void_p, ctypes.c_void_p]  # bias, y
+)
+_ATTENTION_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64]  # q, q_stride
-    + [ctypes.c_void_p] * 3  # k_cache, v_cache, block_tables
-    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, table_rows, context_lens
-    + [ctypes.c_int64] * 5  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-    + [ctypes.c_float, ctypes.c_int64]  # scale, window
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # k_cache, v_cache, cache_dtype
     + [ctypes.c_void_p, ctypes.c_float, ctypes.c_float]  # fp8_table, k_scale, v_scale
+    + [ctypes.c_void_p, ctypes.c_int64]  # block_tables, table_stride
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # query_starts, context_lens, num_seqs
+    + [ctypes.c_int64] * 4  # num_heads, num_kv_heads, head_dim, block_size
+    + [ctypes.c_float, ctypes.c_int64]  # scale, window
     + [ctypes.c_void_p]  # out
 )
+_ROPE_TABLES_ARGS = (
+    [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]  # positions, n, inv_freq, half
+    + [ctypes.c_void_p, ctypes.c_void_p]  # cos, sin
+)
+_SILU_MUL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 _ROPE_ARGS = (
     [ctypes.c_void_p]
     + [ctypes.c_int64] * 4  # x, num_tokens, row_stride, num_heads, head_dim
@@ -113,12 +145,12 @@ _DECODE_LAYERS_ARGS = (
     + [ctypes.POINTER(DecodeLayerArgs)]
     + [ctypes.c_int64] * 3  # num_heads, num_kv_heads, head_dim
     + [ctypes.c_void_p] * 4  # cos, sin, slots, block_tables
-    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, rows, context_lens
+    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, query_starts, lens
     + [ctypes.c_int64, ctypes.c_float]  # block_size, scale
 )
 _RMS_NORM_ARGS = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, rows, cols, weight
-    + [ctypes.c_float, ctypes.c_void_p]  # eps, out
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # x, stride, rows, cols
+    + [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]  # weight (or NULL), eps, out
 )
 _WRITE_KV_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # k, stride, v, stride
@@ -131,6 +163,10 @@ _WRITE_KV_FP8_ARGS = _WRITE_KV_ARGS + (
 )
 
 
+# pagedkv_vector_path()'s answer, in words.
+VECTOR_PATHS = ("plain C", "AVX2", "AVX2 + AVX-512 VNNI")
+
+
 class KernelBuildError(RuntimeError):
     """The C compiler could not build the quantised matmul kernel."""
 
@@ -139,14 +175,18 @@ class KernelBuildError(RuntimeError):
 class Kernels:
     """The library's entry points, typed for ctypes."""
 
-    qmatmul: ctypes._CFuncPtr  # int8 dot products: small batches
-    dequantize: ctypes._CFuncPtr  # to float32 scratch, for a BLAS matmul: large batches
-    decode_attention: ctypes._CFuncPtr  # one new token per sequence over its paged keys
+    qmatmul: ctypes._CFuncPtr  # quantised weights: int8 dot products, any row count
+    dequantize: ctypes._CFuncPtr  # a quantised weight to float32
+    fmatmul: ctypes._CFuncPtr  # float32/bfloat16/float16 weights
+    attention: ctypes._CFuncPtr  # every query row over its sequence's paged keys
     rope: ctypes._CFuncPtr  # rotary embedding in place
+    rope_tables: ctypes._CFuncPtr  # its cos and sin per position
     write_kv: ctypes._CFuncPtr  # new keys and values into their cache slots
     write_kv_fp8: ctypes._CFuncPtr  # the same, rounded into fp8 bytes
     rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
+    silu_mul: ctypes._CFuncPtr  # SwiGLU's silu(gate) * up
     decode_layers: ctypes._CFuncPtr  # consecutive decoder layers of a decode step
+    vector_path: str  # the instructions this build computes with (VECTOR_PATHS)
 
 
 @functools.cache
@@ -160,10 +200,18 @@ def kernels() -> Kernels | None:
     library.pagedkv_qmatmul.restype = ctypes.c_int
     library.pagedkv_dequantize.argtypes = _DEQUANTIZE_ARGS
     library.pagedkv_dequantize.restype = None
-    library.pagedkv_decode_attention.argtypes = _DECODE_ATTENTION_ARGS
-    library.pagedkv_decode_attention.restype = ctypes.c_int
+    library.pagedkv_fmatmul.argtypes = _FMATMUL_ARGS
+    library.pagedkv_fmatmul.restype = ctypes.c_int
+    library.pagedkv_attention.argtypes = _ATTENTION_ARGS
+    library.pagedkv_attention.restype = ctypes.c_int
     library.pagedkv_rope.argtypes = _ROPE_ARGS
     library.pagedkv_rope.restype = None
+    library.pagedkv_rope_tables.argtypes = _ROPE_TABLES_ARGS
+    library.pagedkv_rope_tables.restype = None
+    library.pagedkv_silu_mul.argtypes = _SILU_MUL_ARGS
+    library.pagedkv_silu_mul.restype = None
+    library.pagedkv_vector_path.argtypes = []
+    library.pagedkv_vector_path.restype = ctypes.c_int
     library.pagedkv_write_kv.argtypes = _WRITE_KV_ARGS
     library.pagedkv_write_kv.restype = None
     library.pagedkv_write_kv_fp8.argtypes = _WRITE_KV_FP8_ARGS
@@ -175,12 +223,16 @@ def kernels() -> Kernels | None:
     return Kernels(
         library.pagedkv_qmatmul,
         library.pagedkv_dequantize,
-        library.pagedkv_decode_attention,
+        library.pagedkv_fmatmul,
+        library.pagedkv_attention,
         library.pagedkv_rope,
+        library.pagedkv_rope_tables,
         library.pagedkv_write_kv,
         library.pagedkv_write_kv_fp8,
         library.pagedkv_rms_norm,
+        library.pagedkv_silu_mul,
         library.pagedkv_decode_layers,
+        VECTOR_PATHS[library.pagedkv_vector_path()],
     )
 
 
@@ -204,10 +256,11 @@ def build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    flags = (*FLAGS, f"-march={os.environ.get(MARCH_VARIABLE) or 'native'}")
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    key.update(" ".join((compiler, *FLAGS, _compiler_version(compiler), _cpu())).encode())
+    key.update(" ".join((compiler, *flags, _compiler_version(compiler), _cpu())).encode())
     target = cache_dir() / "kernels" / f"pagedkv-cpu-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
@@ -216,7 +269,7 @@ def build() -> Path:
     # half-written library under the final name.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         partial = Path(scratch) / target.name
-        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"]
+        command = [compiler, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")

@@ -1,331 +1,365 @@
-/* y = x W^T + b with W a QuantizedTensor (see formats.py), on the CPU.
+/* y = x W^T + b with W a QuantizedTensor (see formats.py), on the CPU, one numeric path for
+ * every row count: a row's result never depends on how many rows share the call.
  *
  * The activations are quantised first, per row and per group of the weight's group size, to
- * int8 with one float scale (amax / 127) and their exact float sum, as llama.cpp does for its
- * quantised dot products. Then every group's product is an integer dot product (AVX2's
- * maddubs: 32 byte products per instruction) scaled once:
+ * int8 with one float scale (amax / 127), their exact float sum and their integer sum, as
+ * llama.cpp does for prompts and decode steps alike. Every group's product is then an integer
+ * dot product, exact in any order, scaled once:
  *
  *   sum_i w_i x_i = scale_w * scale_x * sum_i q_i xq_i + min_w * sum_i x_i   (per group)
  *
- * so no weight is ever widened to float. Work is split over output columns with OpenMP; the
- * library is linked against the OpenMP runtime PyTorch has already loaded, so both share one
- * thread pool and torch.set_num_threads governs this kernel too.
+ * The float part is where order matters, and it is fixed per (row, column): whole blocks of 8
+ * groups accumulate into 8 lanes (lane j: group j of each block, `fma(dot, scale, acc)` then
+ * `fma(min, sum, acc)`, blocks in order), the lanes are summed by simd.h's tree, the groups past
+ * the last whole block follow one by one, then the bias. The plain C twin below gives the same
+ * bits, so a build without AVX2 agrees with one with it, and VNNI's integer dot products equal
+ * AVX2's two-instruction ones.
  *
- * Built at first use by native.py with -O3 -march=native; without AVX2 the plain C loops
- * below compute the same integers.
+ * Weight bytes are kept in "kernel order" (formats.py): within a whole block of 8 groups, 4-byte
+ * unit u of group j is stored at unit u * 8 + j, so one 32-byte load holds a unit of each of the
+ * 8 groups and the integer products of 8 groups accumulate in 8 lanes with no horizontal sums.
+ * The activations are quantised into the same order. Groups past the last whole block keep
+ * ggml's order (a 4-bit group's byte b holds value b in its low nibble, b + 16 in its high one).
+ *
+ * Threads split output columns (8 at a time) inside tiles of rows sized to stay in cache;
+ * the library shares PyTorch's OpenMP pool, so torch.set_num_threads governs it too.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
-/* int8 groups of g values of each row of x [m, k]: xq, a scale and the exact sum per group. */
-static void quantize_activations(const float *x, int64_t m, int64_t k, int64_t g, int8_t *xq,
-                                 float *xs, float *xsum) {
-    int64_t groups = m * (k / g);
-#pragma omp parallel for schedule(static) if (groups > 256)
+#include "simd.h"
+
+/* Bytes of activations one row tile keeps in cache while the weights stream past it. */
+#define TILE_BYTES 16384
+
+/* Which 32-byte activation vector of a block (0 .. g/4 - 1) holds values 4u .. 4u + 3 of each
+ * group: for 8 bits vector u, beside weight unit u; for 4 bits, weight unit u's low nibbles
+ * (values 4u..) pair with vector 2u and its high ones (values 16 + 4u..) with vector 2u + 1. */
+static inline int64_t act_vector(int bits, int64_t u) { return bits == 8 ? u : 2 * (u % 4) + u / 4; }
+
+/* int8 activations of one row [k] in kernel order, with per-group scale, float sum and
+ * integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree. */
+static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int8_t *xq, float *xs,
+                         float *xsum, int32_t *xisum) {
+    int64_t groups = k / g, blocked = groups / 8 * 8;
     for (int64_t group = 0; group < groups; group++) {
         const float *v = x + group * g;
-        float amax = 0.0f, sum = 0.0f;
-        for (int64_t i = 0; i < g; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-            sum += v[i];
-        }
-        float scale = amax / 127.0f;
+        float amax = 0.0f, lanes[8] = {0};
+        for (int64_t i = 0; i < g; i += 8)
+            for (int l = 0; l < 8; l++) {
+                float a = fabsf(v[i + l]);
+                amax = a > amax ? a : amax;
+                lanes[l] += v[i + l];
+            }
         float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t i = 0; i < g; i++) xq[group * g + i] = (int8_t)nearbyintf(v[i] * inverse);
-        xs[group] = scale;
-        xsum[group] = sum;
+        int32_t isum = 0;
+        for (int64_t u = 0; u < g / 4; u++) {
+            int8_t unit[4];
+            for (int e = 0; e < 4; e++) {
+                unit[e] = (int8_t)nearbyintf(v[4 * u + e] * inverse);
+                isum += unit[e];
+            }
+            int64_t at = group < blocked
+                             ? (group / 8) * 8 * g + act_vector(bits, u) * 32 + (group % 8) * 4
+                             : group * g + 4 * u;
+            memcpy(xq + at, unit, 4);
+        }
+        xs[group] = amax / 127.0f;
+        xsum[group] = hsum8_lanes(lanes);
+        xisum[group] = isum;
     }
 }
 
+/* Value i of group j (0..7) of a whole block, from its kernel-order bytes. */
+static inline int32_t block_value(const uint8_t *block, int bits, int64_t j, int64_t i) {
+    if (bits == 8) return (int8_t)block[(i / 4) * 32 + j * 4 + i % 4];
+    uint8_t byte = block[((i % 16) / 4) * 32 + j * 4 + i % 4];
+    return i < 16 ? byte & 15 : byte >> 4;
+}
+
+/* Value i of a group past the whole blocks, from its ggml-order bytes. */
+static inline int32_t tail_value(const uint8_t *group, int bits, int64_t i) {
+    if (bits == 8) return (int8_t)group[i];
+    return i < 16 ? group[i] & 15 : group[i - 16] >> 4;
+}
+
+/* The exact integer dot product of a tail group with its (natural-order) activations. */
+static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
 #ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Chunk `c` (32 values) of a weight row as 32 bytes: widened from 16 bytes when 4-bit. */
-static inline __attribute__((always_inline)) __m256i load_chunk(const uint8_t *w, int bits, int64_t c) {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(w + c * 32));
-    __m128i packed = _mm_loadu_si128((const __m128i *)(w + c * 16));
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-/* Lane i: the sum of the products of bytes 4i..4i+3 (unsigned u times signed s). VNNI does
- * it in one instruction; plain AVX2 in two (maddubs to int16 pairs, madd to int32). */
-static inline __attribute__((always_inline)) __m256i byte_dots(__m256i u, __m256i s,
-                                                                __m256i ones) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    (void)ones;
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    (void)ones;
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+    if (g == 32) {
+        __m256i wv;
+        if (bits == 8) {
+            wv = _mm256_loadu_si256((const __m256i *)w);
+        } else {
+            __m128i packed = _mm_loadu_si128((const __m128i *)w);
+            wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                  _mm256_set1_epi8(0x0F));
+        }
+        __m256i av = _mm256_loadu_si256((const __m256i *)a);
+        __m256i u = bits == 8 ? _mm256_sign_epi8(wv, wv) : wv;
+        __m256i s = bits == 8 ? _mm256_sign_epi8(av, wv) : av;
+        __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        return _mm_cvtsi128_si32(h);
+    }
 #endif
+    int32_t dot = 0;
+    for (int64_t i = 0; i < g; i++) dot += tail_value(w, bits, i) * (int32_t)a[i];
+    return dot;
 }
 
-/* Each group's float scale on the lanes of a chunk's 8 int32 dot products. */
-static inline __attribute__((always_inline)) __m256 chunk_scale(const float *w_scale, const float *a_scale, int64_t c,
-                                 int64_t g) {
-    if (g == 32) return _mm256_set1_ps(w_scale[c] * a_scale[c]);
-    /* g == 16: lanes 0-3 sum bytes 0-15 (group 2c), lanes 4-7 bytes 16-31 (group 2c + 1) */
-    float lo = w_scale[2 * c] * a_scale[2 * c];
-    float hi = w_scale[2 * c + 1] * a_scale[2 * c + 1];
-    return _mm256_setr_ps(lo, lo, lo, lo, hi, hi, hi, hi);
-}
-#endif
-
-/* Dot products of `cols` (1..COLS) consecutive weight rows with `rows` (1..ROWS) quantised
- * activation rows, scaled, into out[col][row]. Each chunk of weights is loaded once for all
- * rows and each chunk of activations once for all columns; the COLS x ROWS accumulators are
- * independent chains, so the FMA latency is hidden even at batch 1. Called with constant
- * `cols` and `rows` so the compiler keeps the accumulators in registers. */
-#define COLS 2
+/* Rows of activations sharing each loaded (and unpacked) block of weights. */
 #define ROWS 4
-static inline __attribute__((always_inline)) void tile_dot(const uint8_t *w, int64_t w_stride, int bits, const float *w_scale,
-                            const int8_t *a, const float *a_scale, int64_t k, int64_t g,
-                            int cols, int rows, float out[COLS][ROWS]) {
-    int64_t groups = k / g;
+
 #ifdef __AVX2__
-    __m256 acc[COLS][ROWS];
-    for (int j = 0; j < cols; j++)
-        for (int r = 0; r < rows; r++) acc[j][r] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t c = 0; c < k / 32; c++) {
-        __m256i wv[COLS], wu[COLS];
-        for (int j = 0; j < cols; j++) {
-            wv[j] = load_chunk(w + j * w_stride, bits, c);
-            /* maddubs multiplies unsigned by signed bytes: signed weights lend x their sign */
-            wu[j] = bits == 4 ? wv[j] : _mm256_sign_epi8(wv[j], wv[j]);
+/* One whole block's weights as the vectors its integer products take: 4 bits, 8 vectors of
+ * nibbles (low and high of each unit: values 0..15, unsigned); 8 bits, g / 4 vectors, with
+ * VNNI shifted to unsigned (w + 128), else as stored. */
+INLINE void unpack_block(const uint8_t *w, int bits, int64_t g, __m256i wv[8]) {
+    if (bits == 4) {
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        for (int u = 0; u < 4; u++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(w + 32 * u));
+            wv[2 * u] = _mm256_and_si256(p, mask);
+            wv[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
         }
-        for (int r = 0; r < rows; r++) {
-            __m256i av = _mm256_loadu_si256((const __m256i *)(a + r * k + c * 32));
-            for (int j = 0; j < cols; j++) {
-                __m256i signed_a = bits == 8 ? _mm256_sign_epi8(av, wv[j]) : av;
-                __m256i dots = byte_dots(wu[j], signed_a, ones);
-                __m256 scale = chunk_scale(w_scale + j * groups, a_scale + r * groups, c, g);
-                acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[j][r]);
-            }
-        }
+        return;
     }
-    for (int j = 0; j < cols; j++)
-        for (int r = 0; r < rows; r++) out[j][r] = hsum(acc[j][r]);
+    for (int u = 0; u < g / 4; u++) {
+        wv[u] = _mm256_loadu_si256((const __m256i *)(w + 32 * u));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        wv[u] = _mm256_xor_si256(wv[u], _mm256_set1_epi8((char)0x80));
+#endif
+    }
+}
+
+/* The 8 groups' exact integer dot products of one whole block with one row's activations (g / 4
+ * vectors, vector t beside weight vector t), lane j for group j. */
+INLINE __m256i block_dots(const __m256i wv[8], const int8_t *a, int bits, int64_t g,
+                          const int32_t *isum) {
+    int vectors = (int)(g / 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    __m256i acc = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
+    for (int t = 0; t < vectors; t += 2) {
+        acc = _mm256_dpbusd_epi32(acc, wv[t], _mm256_loadu_si256((const __m256i *)(a + 32 * t)));
+        acc2 = _mm256_dpbusd_epi32(acc2, wv[t + 1],
+                                   _mm256_loadu_si256((const __m256i *)(a + 32 * t + 32)));
+    }
+    acc = _mm256_add_epi32(acc, acc2);
+    if (bits == 8) /* (w + 128) x summed, less 128 * sum(x) */
+        acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)isum), 7));
+    return acc;
 #else
-    for (int j = 0; j < cols; j++) {
-        const uint8_t *wj = w + j * w_stride;
-        for (int r = 0; r < rows; r++) {
-            float total = 0.0f;
-            for (int64_t group = 0; group < groups; group++) {
-                int32_t dot = 0;
-                for (int64_t i = group * g; i < (group + 1) * g; i++) {
-                    int32_t q = bits == 8 ? (int32_t)(int8_t)wj[i]
-                                          : (wj[(i / 32) * 16 + i % 16] >> (i % 32 < 16 ? 0 : 4)) & 15;
-                    dot += q * (int32_t)a[r * k + i];
-                }
-                total += (float)dot * w_scale[j * groups + group] * a_scale[r * groups + group];
-            }
-            out[j][r] = total;
-        }
-    }
-#endif
-}
-
-/* tile_dot with its tile shape as compile-time constants (one copy per shape). */
-static void tile_dot_any(const uint8_t *w, int64_t w_stride, int bits, const float *w_scale,
-                         const int8_t *a, const float *a_scale, int64_t k, int64_t g, int cols,
-                         int rows, float out[COLS][ROWS]) {
-/* bits and g become constants too, so the inner loop has no branch on the layout. */
-#define SHAPE(C, R)                                                                         \
-    if (cols == C && rows == R) {                                                           \
-        if (bits == 4)                                                                      \
-            tile_dot(w, w_stride, 4, w_scale, a, a_scale, k, 32, C, R, out);                \
-        else if (g == 32)                                                                   \
-            tile_dot(w, w_stride, 8, w_scale, a, a_scale, k, 32, C, R, out);                \
-        else                                                                                \
-            tile_dot(w, w_stride, 8, w_scale, a, a_scale, k, 16, C, R, out);                \
-        return;                                                                             \
-    }
-    SHAPE(2, 4) SHAPE(2, 1) SHAPE(2, 2) SHAPE(2, 3) SHAPE(1, 4) SHAPE(1, 1) SHAPE(1, 2)
-    SHAPE(1, 3)
-#undef SHAPE
-}
-
-#ifdef __AVX2__
-/* [sum(v[0]), ..., sum(v[7])]: the lanes of eight int32 vectors, each summed. */
-static inline __attribute__((always_inline)) __m256i sum_lanes8(const __m256i v[8]) {
-    __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-    __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-    __m256i low = _mm256_hadd_epi32(h01, h23), high = _mm256_hadd_epi32(h45, h67);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
-                            _mm256_permute2x128_si256(low, high, 0x31));
-}
-
-/* One weight row times `rows` activation rows, groups of 32: decode steps. Each block of
- * eight weight chunks is loaded (and widened) once and reused for every row; per row, the
- * eight chunks' integer dot products are summed to one int32 each, then converted and scaled
- * as one vector (eight group scales at once) instead of one float op chain per chunk. */
-#define MAX_DOT_ROWS 64
-static inline __attribute__((always_inline)) void rows_dot32(
-    const uint8_t *w, int bits, const float *w_scale, const int8_t *a, const float *a_scale,
-    int64_t k, int64_t rows, float *out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    int64_t chunks = k / 32, groups = k / 32, c = 0;
-    __m256 acc[MAX_DOT_ROWS];
-    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    for (; c + 8 <= chunks; c += 8) {
-        __m256i wv[8], wu[8];
-        for (int j = 0; j < 8; j++) {
-            wv[j] = load_chunk(w, bits, c + j);
-            wu[j] = bits == 4 ? wv[j] : _mm256_sign_epi8(wv[j], wv[j]);
-        }
-        __m256 ws = _mm256_loadu_ps(w_scale + c);
-        for (int64_t r = 0; r < rows; r++) {
-            const int8_t *ar = a + r * k;
-            __m256i dots[8];
-            for (int j = 0; j < 8; j++) {
-                __m256i av = _mm256_loadu_si256((const __m256i *)(ar + (c + j) * 32));
-                dots[j] = byte_dots(wu[j], bits == 4 ? av : _mm256_sign_epi8(av, wv[j]), ones);
-            }
-            __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(a_scale + r * groups + c));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(dots)), scale, acc[r]);
-        }
+    (void)isum;
+    if (bits == 4) { /* 8 int16 sums of two 15 * 127 products stay below 2^15 */
+        __m256i sum16 = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++)
+            sum16 = _mm256_add_epi16(
+                sum16, _mm256_maddubs_epi16(wv[t], _mm256_loadu_si256((const __m256i *)(a + 32 * t))));
+        return _mm256_madd_epi16(sum16, ones);
     }
-    for (; c < chunks; c++) {
-        __m256i wv = load_chunk(w, bits, c);
-        __m256i wu = bits == 4 ? wv : _mm256_sign_epi8(wv, wv);
-        for (int64_t r = 0; r < rows; r++) {
-            __m256i av = _mm256_loadu_si256((const __m256i *)(a + r * k + c * 32));
-            __m256i dots = byte_dots(wu, bits == 4 ? av : _mm256_sign_epi8(av, wv), ones);
-            __m256 scale = _mm256_set1_ps(w_scale[c] * a_scale[r * groups + c]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[r]);
-        }
+    /* maddubs multiplies unsigned by signed bytes: the weight lends x its sign */
+    __m256i acc = _mm256_setzero_si256();
+    for (int t = 0; t < vectors; t++) {
+        __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * t));
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv[t], wv[t]), _mm256_sign_epi8(av, wv[t]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
     }
-    for (int64_t r = 0; r < rows; r++) out[r] = hsum(acc[r]);
+    return acc;
+#endif
 }
 #endif
 
-static float dot_floats(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float total = 0.0f;
+/* The 8 accumulator lanes of one column with `rows` consecutive activation rows (k bytes
+ * apart): whole blocks only, each block's weights loaded once for all rows. */
+INLINE void block_lanes(const uint8_t *w, const float *ws, const float *wmin, const int8_t *a,
+                        const float *xs, const float *xsum, const int32_t *xisum, int bits,
+                        int64_t g, int64_t k, int64_t blocks, int has_mins, int rows,
+                        float lanes[ROWS][8]) {
+    int64_t block_bytes = 8 * g * bits / 8, groups = k / g;
 #ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    total = hsum(acc);
+    __m256 acc[ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i wv[8];
+        unpack_block(w + b * block_bytes, bits, g, wv);
+        __m256 scale = _mm256_loadu_ps(ws + 8 * b);
+        __m256 wm = has_mins ? _mm256_loadu_ps(wmin + 8 * b) : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            int64_t at = r * groups + 8 * b;
+            __m256i dots = block_dots(wv, a + r * k + b * 8 * g, bits, g, xisum + at);
+            __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(xs + at));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), both, acc[r]);
+            if (has_mins) acc[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xsum + at), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(lanes[r], acc[r]);
+#else
+    (void)xisum;
+    for (int r = 0; r < rows; r++) {
+        float *lane = lanes[r];
+        for (int j = 0; j < 8; j++) lane[j] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = w + b * block_bytes;
+            const int8_t *ab = a + r * k + b * 8 * g;
+            for (int64_t j = 0; j < 8; j++) {
+                int32_t dot = 0;
+                for (int64_t i = 0; i < g; i++) {
+                    int64_t at = act_vector(bits, i / 4) * 32 + j * 4 + i % 4;
+                    dot += block_value(block, bits, j, i) * (int32_t)ab[at];
+                }
+                int64_t at = r * groups + 8 * b + j;
+                lane[j] = __builtin_fmaf((float)dot, ws[8 * b + j] * xs[at], lane[j]);
+                if (has_mins) lane[j] = __builtin_fmaf(wmin[8 * b + j], xsum[at], lane[j]);
+            }
+        }
+    }
 #endif
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
 }
 
-/* y [m, n] = x [m, k] W^T (+ bias), W given by values/scales/mins (bits 4 or 8, groups of g).
- * k must be a multiple of 32. `has_mins` is 0 when every min is zero (skips that term).
+/* block_lanes with its row count and layout as constants, one copy per case. */
+static void block_lanes_any(const uint8_t *w, const float *ws, const float *wmin,
+                            const int8_t *a, const float *xs, const float *xsum,
+                            const int32_t *xisum, int bits, int64_t g, int64_t k, int64_t blocks,
+                            int has_mins, int rows, float lanes[ROWS][8]) {
+#define CASE(R)                                                                              \
+    if (rows == R) {                                                                         \
+        if (bits == 4)                                                                       \
+            block_lanes(w, ws, wmin, a, xs, xsum, xisum, 4, 32, k, blocks, has_mins, R, lanes); \
+        else if (g == 32)                                                                    \
+            block_lanes(w, ws, wmin, a, xs, xsum, xisum, 8, 32, k, blocks, has_mins, R, lanes); \
+        else                                                                                 \
+            block_lanes(w, ws, wmin, a, xs, xsum, xisum, 8, 16, k, blocks, has_mins, R, lanes); \
+        return;                                                                              \
+    }
+    CASE(4) CASE(1) CASE(2) CASE(3)
+#undef CASE
+}
+
+/* Row `row`'s outputs for columns col0 .. col0 + cols - 1: each column's lanes summed by the
+ * tree, then its tail groups one by one, then the bias. With 8 columns the same operations run
+ * on 8 lanes at once (lane c: column col0 + c). */
+static void finish_row(float lanes[8][ROWS][8], int r, int64_t row, int64_t col0, int64_t cols,
+                       const uint8_t *values, const float *scales, const float *mins,
+                       int has_mins, int bits, int64_t g, int64_t k, int64_t n, const int8_t *xq,
+                       const float *xs, const float *xsum, const float *bias, float *y) {
+    int64_t groups = k / g, blocks = groups / 8, row_bytes = k * bits / 8;
+    int64_t tail_bytes = g * bits / 8;
+    const int8_t *a = xq + row * k;
+    const float *rs = xs + row * groups, *rsum = xsum + row * groups;
+    const uint8_t *tails = values + col0 * row_bytes + blocks * 8 * tail_bytes;
+#ifdef __AVX2__
+    if (cols == 8) {
+        __m256 v[8];
+        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_ps(lanes[c][r]);
+        __m256 total = hsum8x8(v);
+        for (int64_t group = blocks * 8; group < groups; group++) {
+            int32_t dots[8];
+            float ws[8], wm[8];
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
+                dots[c] = tail_dot(w, a + group * g, bits, g);
+                ws[c] = scales[(col0 + c) * groups + group];
+                wm[c] = mins[(col0 + c) * groups + group];
+            }
+            __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_set1_ps(rs[group]));
+            __m256 dot = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)dots));
+            total = _mm256_fmadd_ps(dot, scale, total);
+            if (has_mins)
+                total = _mm256_fmadd_ps(_mm256_loadu_ps(wm), _mm256_set1_ps(rsum[group]), total);
+        }
+        if (bias != NULL) total = _mm256_add_ps(total, _mm256_loadu_ps(bias + col0));
+        _mm256_storeu_ps(y + row * n + col0, total);
+        return;
+    }
+#endif
+    for (int64_t c = 0; c < cols; c++) {
+        int64_t col = col0 + c;
+        float total = hsum8_lanes(lanes[c][r]);
+        for (int64_t group = blocks * 8; group < groups; group++) {
+            const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
+            int32_t dot = tail_dot(w, a + group * g, bits, g);
+            total = __builtin_fmaf((float)dot, scales[col * groups + group] * rs[group], total);
+            if (has_mins) total = __builtin_fmaf(mins[col * groups + group], rsum[group], total);
+        }
+        y[row * n + col] = bias != NULL ? total + bias[col] : total;
+    }
+}
+
+/* y [m, n] = x [m, k] W^T (+ bias), W given by kernel-order values, scales and mins (bits 4 or
+ * 8, groups of g). k must be a multiple of 32. `has_mins` is 0 when every min is zero.
  * Returns 0, or -1 when scratch memory cannot be allocated. */
 int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     const float *scales, const float *mins, int has_mins, int bits, int64_t g,
                     int64_t n, const float *bias, float *y) {
-    int64_t groups = k / g;
+    int64_t groups = k / g, blocks = groups / 8, row_bytes = k * bits / 8;
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc(sizeof(float) * (size_t)(m * groups));
     float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
-    int failed = xq == NULL || xs == NULL || xsum == NULL;
+    int32_t *xisum = malloc(sizeof(int32_t) * (size_t)(m * groups));
+    int failed = xq == NULL || xs == NULL || xsum == NULL || xisum == NULL;
+    int64_t tile = TILE_BYTES / k;
+    tile = tile < 4 ? 4 : (tile > 64 ? 64 : tile);
+    int64_t col_groups = (n + 7) / 8;
     if (!failed) {
-        quantize_activations(x, m, k, g, xq, xs, xsum);
-        int64_t row_bytes = bits == 4 ? k / 2 : k;
-#ifdef __AVX2__
-        if (g == 32 && m <= MAX_DOT_ROWS) {
-#pragma omp parallel for schedule(static)
-            for (int64_t col = 0; col < n; col++) {
-                const uint8_t *w = values + col * row_bytes;
-                float dots[MAX_DOT_ROWS];
-                if (bits == 4)
-                    rows_dot32(w, 4, scales + col * groups, xq, xs, k, m, dots);
-                else
-                    rows_dot32(w, 8, scales + col * groups, xq, xs, k, m, dots);
-                for (int64_t r = 0; r < m; r++) {
-                    float total = dots[r];
-                    if (has_mins) total += dot_floats(mins + col * groups, xsum + r * groups, groups);
-                    if (bias != NULL) total += bias[col];
-                    y[r * n + col] = total;
-                }
-            }
-            goto done;
-        }
-#endif
-#pragma omp parallel for schedule(static)
-        for (int64_t col0 = 0; col0 < n; col0 += COLS) {
-            int cols = n - col0 < COLS ? (int)(n - col0) : COLS;
-            float dots[COLS][ROWS];
-            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-                int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
-                tile_dot_any(values + col0 * row_bytes, row_bytes, bits, scales + col0 * groups,
-                             xq + r0 * k, xs + r0 * groups, k, g, cols, rows, dots);
-                for (int j = 0; j < cols; j++) {
-                    int64_t col = col0 + j;
-                    for (int r = 0; r < rows; r++) {
-                        float total = dots[j][r];
-                        if (has_mins)
-                            total += dot_floats(mins + col * groups, xsum + (r0 + r) * groups,
-                                                groups);
-                        if (bias != NULL) total += bias[col];
-                        y[(r0 + r) * n + col] = total;
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++)
+                quantize_row(x + r * k, k, g, bits, xq + r * k, xs + r * groups, xsum + r * groups,
+                             xisum + r * groups);
+            for (int64_t r0 = 0; r0 < m; r0 += tile) {
+                int64_t r1 = r0 + tile < m ? r0 + tile : m;
+#pragma omp for schedule(static) nowait
+                for (int64_t cg = 0; cg < col_groups; cg++) {
+                    int64_t col0 = cg * 8, cols = n - col0 < 8 ? n - col0 : 8;
+                    for (int64_t rr = r0; rr < r1; rr += ROWS) {
+                        int rows = r1 - rr < ROWS ? (int)(r1 - rr) : ROWS;
+                        float lanes[8][ROWS][8];
+                        for (int64_t c = 0; c < cols; c++) {
+                            int64_t col = col0 + c;
+                            block_lanes_any(values + col * row_bytes, scales + col * groups,
+                                            mins + col * groups, xq + rr * k, xs + rr * groups,
+                                            xsum + rr * groups, xisum + rr * groups, bits, g, k,
+                                            blocks, has_mins, rows, lanes[c]);
+                        }
+                        for (int r = 0; r < rows; r++)
+                            finish_row(lanes, r, rr + r, col0, cols, values, scales, mins,
+                                       has_mins, bits, g, k, n, xq, xs, xsum, bias, y);
                     }
                 }
             }
         }
     }
-#ifdef __AVX2__
-done:
-#endif
     free(xq);
     free(xs);
     free(xsum);
+    free(xisum);
     return failed ? -1 : 0;
 }
 
-/* out [n, k] float32 = the weight dequantised: scale * q + min per group. For a large batch
- * one float32 matmul over this (BLAS, compute-bound) beats integer dot products per pair;
- * the caller reuses `out` across layers, so the float copy never stays resident. */
+/* out [n, k] float32 = the weight dequantised from kernel order: scale * q + min per group,
+ * multiplied then added (two roundings, as QuantizedTensor.dequantize in torch). */
 void pagedkv_dequantize(const uint8_t *values, const float *scales, const float *mins, int bits,
                         int64_t g, int64_t n, int64_t k, float *out) {
-    int64_t groups = k / g;
-    int64_t row_bytes = bits == 4 ? k / 2 : k;
+    int64_t groups = k / g, blocked = groups / 8 * 8, row_bytes = k * bits / 8;
+    int64_t block_bytes = 8 * g * bits / 8, tail_bytes = g * bits / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t col = 0; col < n; col++) {
         const uint8_t *w = values + col * row_bytes;
-        float *dst = out + col * k;
         for (int64_t group = 0; group < groups; group++) {
             float scale = scales[col * groups + group], min = mins[col * groups + group];
-            float *d = dst + group * g;
-            if (bits == 8) {
-                const int8_t *q = (const int8_t *)w + group * g;
-                for (int64_t i = 0; i < g; i++) d[i] = scale * (float)q[i] + min;
-            } else { /* g == 32: byte j holds values j (low nibble) and j + 16 (high) */
-#ifdef __AVX2__
-                __m256i q = load_chunk(w, 4, group);
-                __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(min);
-                __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-                for (int h = 0; h < 2; h++) {
-                    __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h]));
-                    __m256 b = _mm256_cvtepi32_ps(
-                        _mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8)));
-                    /* multiply, then add: rounded twice, as torch's q * scale + min is */
-                    _mm256_storeu_ps(d + 16 * h, _mm256_add_ps(_mm256_mul_ps(a, vs), vm));
-                    _mm256_storeu_ps(d + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(b, vs), vm));
-                }
-#else
-                const uint8_t *q = w + group * 16;
-                for (int i = 0; i < 16; i++) d[i] = scale * (float)(q[i] & 15) + min;
-                for (int i = 0; i < 16; i++) d[i + 16] = scale * (float)(q[i] >> 4) + min;
-#endif
+            float *d = out + col * k + group * g;
+            for (int64_t i = 0; i < g; i++) {
+                int32_t q = group < blocked
+                                ? block_value(w + (group / 8) * block_bytes, bits, group % 8, i)
+                                : tail_value(w + blocked * block_bytes / 8 + (group - blocked) * tail_bytes, bits, i);
+                d[i] = scale * (float)q + min;
             }
         }
     }

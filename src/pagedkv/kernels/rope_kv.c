@@ -1,6 +1,6 @@
-/* Two small per-layer steps of a forward pass, each one call instead of a handful of ops:
- * rotary embedding of q and k in place, and the copy of the new keys and values into their
- * cache slots (float32 rows, or fp8 bytes rounded here). Built with -ffp-contract=off, so
+/* Small per-layer steps of a forward pass, each one call instead of a handful of ops: the
+ * rotary embedding's cos/sin tables, the rotation of q and k in place, and the copy of the new
+ * keys and values into their cache slots (float32 rows, or fp8 bytes rounded here). Built with -ffp-contract=off, so
  * `x * cos + rotated * sin` rounds exactly as PyTorch's three separate ops do: the results are
  * the same floats, and the fp8 bytes those of torch's cast. */
 #include <stdint.h>
@@ -80,18 +80,20 @@ void pagedkv_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int6
     }
 }
 
-/* out [rows, cols] = x / sqrt(mean(x^2) + eps) * weight, row by row, in float32 (RMSNorm). */
-void pagedkv_rms_norm(const float *x, int64_t rows, int64_t cols, const float *weight, float eps,
-                      float *out) {
-#pragma omp parallel for schedule(static) if (rows > 64)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *v = x + r * cols;
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t i = 0; i < cols; i++) squares += v[i] * v[i];
-        float inverse = 1.0f / sqrtf(squares / (float)cols + eps);
-        float *o = out + r * cols;
-#pragma omp simd
-        for (int64_t i = 0; i < cols; i++) o[i] = v[i] * inverse * weight[i];
+/* cos and sin [n, 2 * half] of each position times each frequency, both halves alike (the
+ * half-split rotation's layout). The angle is rounded to float32 as torch's `positions.float() *
+ * inv_freq` is, then libm's cosf and sinf take it: one scalar function per value, so a
+ * position's table never depends on which other positions share the call. */
+void pagedkv_rope_tables(const int64_t *positions, int64_t n, const float *inv_freq, int64_t half,
+                         float *cos_out, float *sin_out) {
+#pragma omp parallel for schedule(static) if (n * half > 65536)
+    for (int64_t t = 0; t < n; t++) {
+        float position = (float)positions[t];
+        for (int64_t i = 0; i < half; i++) {
+            float angle = position * inv_freq[i];
+            float c = cosf(angle), s = sinf(angle);
+            cos_out[t * 2 * half + i] = cos_out[t * 2 * half + half + i] = c;
+            sin_out[t * 2 * half + i] = sin_out[t * 2 * half + half + i] = s;
+        }
     }
 }

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from pagedkv.attention.backend import AttentionBackend, PagedKVCache, select_backend
 from pagedkv.attention.batch import ForwardBatch
+from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.fused_decode import LayerRun, layer_runs, run_fused
 from pagedkv.model.layers.embedding import Embedding
@@ -98,8 +99,24 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, (config.hidden_size,), bias=config.mlp_bias, parallel="row")
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """`silu(gate) * up` of `[tokens, 2 * inter]` (gate, then up). On the CPU one C call whose
+    exp has the same bits for every element (`kernels/rowwise.c`), so a row's result never
+    depends on where it falls among the step's rows; a 16-bit model's come back rounded."""
+    kernels = native.kernels() if gate_up.device.type == "cpu" else None
+    if kernels is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.to(torch.float32).contiguous()
+    inter = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
+    kernels.silu_mul(rows.data_ptr(), rows.shape[0], inter, out.data_ptr())
+    return out.view(*gate_up.shape[:-1], inter).to(gate_up.dtype)
 
 
 class DecoderLayer(nn.Module):

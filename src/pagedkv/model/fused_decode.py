@@ -1,13 +1,14 @@
 """Runs of decoder layers of a decode step in one C call (`kernels/decode_layer.c`).
 
 At batch 1 a layer of a small model is ~20 PyTorch ops and 8 module calls whose dispatch
-costs more than their arithmetic; the C code runs the same kernels (quantised matmuls, rope,
-K/V write, paged decode attention, RMSNorm) with no Python between them, over every layer of a
-run of consecutive layers at once. A layer joins a run when it is the plain Llama shape with
-every projection quantised in groups of 32; a step takes the C path when it is all decodes of
-at most `DOT_ROWS` sequences over float32 or fp8 CPU caches (the C write rounds into fp8 bytes
-exactly as torch does, and attention reads them through a byte table). Other layers and steps
-run op by op, which is also what the tests compare the C path with. A tensor-parallel layer
+costs more than their arithmetic; the C code runs the very kernels the op-by-op path calls
+(quantised matmuls, rope, K/V write, paged attention, RMSNorm, silu * up) with no Python
+between them, over every layer of a run of consecutive layers at once, so its floats are the
+op-by-op path's, bit for bit. A layer joins a run when it is the plain Llama shape with every
+projection quantised in groups of 32; a step takes the C path when it is all decodes over
+float32 or fp8 CPU caches (the C write rounds into fp8 bytes exactly as torch does, and
+attention reads them through a byte table). Other layers and steps run op by op, which is also
+what the tests compare the C path with. A tensor-parallel layer
 never takes it: its projections are dense shards (quantised weights are not sharded) and the
 C code has no all-reduce between attention and the MLP.
 
@@ -29,9 +30,9 @@ from torch import Tensor, nn
 
 from pagedkv.attention.backend import CPUAttention, PagedKVCache
 from pagedkv.attention.batch import ForwardBatch
+from pagedkv.attention.fp8 import is_fp8
 from pagedkv.kernels import native
 from pagedkv.model.layers.linear import QUANTIZED, Linear
-from pagedkv.quant.matmul import DOT_ROWS
 
 
 @dataclass
@@ -154,7 +155,6 @@ def run_fused(
         kernels is None
         or run.weights is None
         or not isinstance(attention.backend, CPUAttention)
-        or hidden.shape[0] > DOT_ROWS
         or max(batch.host_query_lens) != 1
         or hidden.dtype != torch.float32
         or not hidden.is_contiguous()
@@ -164,7 +164,9 @@ def run_fused(
     k_cache, v_cache = kv_cache.layer(run.start)
     if not CPUAttention.takes(k_cache, v_cache, hidden):
         return None
-    tables, rows, context_lens = CPUAttention.decode_tables(batch)
+    if not all(c.dtype == torch.float32 or is_fp8(c.dtype) for c in (k_cache, v_cache)):
+        return None
+    tables, query_starts, context_lens = CPUAttention.step_tables(batch)
     out = hidden.clone()
     status = kernels.decode_layers(
         out.data_ptr(),
@@ -180,7 +182,7 @@ def run_fused(
         batch.slot_mapping.data_ptr(),
         tables.data_ptr(),
         tables.shape[1],
-        rows.data_ptr(),
+        query_starts.data_ptr(),
         context_lens.data_ptr(),
         k_cache.shape[1],
         attention.scale,

@@ -27,7 +27,26 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables `[num_tokens, head_dim]` for the given absolute positions."""
+    """cos and sin tables `[num_tokens, head_dim]` for the given absolute positions.
+
+    On the CPU the C kernel takes libm's cosf and sinf of each angle, one scalar call per value:
+    a position's table is the same bits whichever positions share the step (torch's vectorised
+    cos differs from its scalar tail, and where the tail falls depends on the step's length)."""
+    kernels = native.kernels() if positions.device.type == "cpu" else None
+    if kernels is not None and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+        half = inv_freq.shape[0]
+        cos = torch.empty(positions.shape[0], 2 * half, dtype=torch.float32)
+        sin = torch.empty_like(cos)
+        kernels.rope_tables(
+            positions.data_ptr(),
+            positions.shape[0],
+            inv_freq.data_ptr(),
+            half,
+            cos.data_ptr(),
+            sin.data_ptr(),
+        )
+        return cos.to(dtype), sin.to(dtype)
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -12,10 +12,19 @@ from torch import Tensor
 
 
 def all_reduce(partial: Tensor) -> Tensor:
-    """The sum of every rank's `partial` (in place): what a row-parallel matmul or a
-    vocabulary-parallel lookup needs to become the whole layer's output."""
-    dist.all_reduce(partial)
-    return partial
+    """The sum of every rank's `partial`: what a row-parallel matmul or a vocabulary-parallel
+    lookup needs to become the whole layer's output.
+
+    Gathered, then summed in rank order on every rank: each element is
+    `((p0 + p1) + p2) + ...` whatever the tensor's size, where a ring all-reduce cuts the tensor
+    into chunks by its size and so sums an element in an order that depends on how many rows
+    share the step. Every rank gets the very same bits."""
+    pieces = [torch.empty_like(partial) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, partial.contiguous())
+    total = pieces[0]
+    for piece in pieces[1:]:
+        total = total + piece
+    return total
 
 
 def gather_last_dim(local: Tensor, full_size: int) -> Tensor:

@@ -15,6 +15,12 @@ Two widths:
   holds value `j` in its low nibble and value `j + 16` in its high one (ggml's Q4_0 order),
   so a kernel widens 16 bytes to 32 values with one mask and one shift.
 - 8 bits: signed values -128..127, one per byte, groups of 16 or 32 (Q6_K's groups are 16).
+
+`values` keeps those bytes in "kernel order": within each whole block of 8 consecutive groups
+of a row, 4-byte unit `u` of group `j` moves to unit `u * 8 + j`, so one 32-byte load holds a
+unit of each of 8 groups and `kernels/qmatmul.c` sums 8 groups' integer products in 8 lanes.
+Groups past a row's last whole block keep ggml's order. `from_ggml` builds one from ggml-order
+bytes and `ggml_values` gives them back; both are permutations of bytes, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ GROUP_SIZES = {4: (32,), 8: (16, 32)}
 class QuantizedTensor:
     """A quantised `[rows, cols]` weight; see the module docstring for the layout."""
 
-    values: Tensor  # bits 4: uint8 [rows, cols // 2]; bits 8: int8 [rows, cols]
+    values: Tensor  # kernel order; bits 4: uint8 [rows, cols // 2]; bits 8: int8 [rows, cols]
     scales: Tensor  # float32 [rows, cols // group_size]
     mins: Tensor  # float32 [rows, cols // group_size]
     bits: int
@@ -58,6 +64,17 @@ class QuantizedTensor:
                 raise ValueError(
                     f"{name} must be float32 {groups}, got {tensor.dtype} {tuple(tensor.shape)}"
                 )
+
+    @classmethod
+    def from_ggml(
+        cls, values: Tensor, scales: Tensor, mins: Tensor, bits: int, group_size: int
+    ) -> QuantizedTensor:
+        """A QuantizedTensor from `values` in ggml's byte order (what quantisers and files give)."""
+        return cls(_to_kernel_order(values, bits, group_size), scales, mins, bits, group_size)
+
+    def ggml_values(self) -> Tensor:
+        """`values` in ggml's byte order."""
+        return _to_kernel_order(self.values, self.bits, self.group_size, inverse=True)
 
     @cached_property
     def shape(self) -> tuple[int, int]:
@@ -93,10 +110,11 @@ class QuantizedTensor:
 
     def integers(self) -> Tensor:
         """The values `q` as int16 `[rows, cols]`, unpacked."""
+        values = self.ggml_values()
         if self.bits == 8:
-            return self.values.to(torch.int16)
+            return values.to(torch.int16)
         rows, cols = self.shape
-        grouped = self.values.view(rows, cols // 32, 16).to(torch.int16)
+        grouped = values.view(rows, cols // 32, 16).to(torch.int16)
         return torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).view(rows, cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -111,3 +129,16 @@ class QuantizedTensor:
         return QuantizedTensor(
             self.values[index], self.scales[index], self.mins[index], self.bits, self.group_size
         )
+
+
+def _to_kernel_order(values: Tensor, bits: int, group_size: int, inverse: bool = False) -> Tensor:
+    """ggml-order bytes `[rows, row_bytes]` in kernel order (or back, with `inverse`): in each
+    whole block of 8 groups, 4-byte unit u of group j moves to unit u * 8 + j."""
+    rows, row_bytes = values.shape
+    units = bits * group_size // 32  # 4-byte units per group
+    blocked = row_bytes // (32 * units) * (32 * units)  # bytes in whole blocks of 8 groups
+    if blocked == 0:
+        return values.contiguous()
+    shape = (rows, -1, units, 8, 4) if inverse else (rows, -1, 8, units, 4)
+    head = values[:, :blocked].reshape(shape).transpose(2, 3)
+    return torch.cat((head.reshape(rows, blocked), values[:, blocked:]), dim=1).contiguous()

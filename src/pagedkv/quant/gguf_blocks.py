@@ -193,7 +193,7 @@ def from_gguf_blocks(raw: np.ndarray, qtype: QType, cols: int) -> QuantizedTenso
         values[start:stop] = chunk_values.reshape(stop - start, -1)
         scales[start:stop] = chunk_scales.reshape(stop - start, -1)
         mins[start:stop] = chunk_mins.reshape(stop - start, -1)
-    return QuantizedTensor(
+    return QuantizedTensor.from_ggml(
         torch.from_numpy(values),
         torch.from_numpy(scales),
         torch.from_numpy(mins),

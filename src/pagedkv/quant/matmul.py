@@ -1,16 +1,18 @@
-"""`quantized_linear`: `x @ W.T + b` for a QuantizedTensor W, by the fastest way available.
+"""The CPU matmuls: `quantized_linear` for a QuantizedTensor W, `float_linear` for a float one.
 
-On the CPU with the C kernels built (`native.py`), a product of few rows (decode steps: up to
-`DOT_ROWS` sequences) quantises the activations to int8 per group and computes integer dot
-products over the weight's own bytes, reading 4-8x fewer bytes than float32 weights; a product
-of many rows (prompt chunks) is compute-bound instead, so the weight is dequantised into a
-scratch buffer shared by all layers and multiplied by BLAS. Elsewhere (a GPU, no C compiler,
-a column count the kernels do not take) the weight is dequantised for the call in torch.
+Each is one numeric path whatever the row count, so a token's result never depends on how
+many other rows share its step (prompt chunks, decode batches, a prefix-cache hit that leaves
+a prompt's last few tokens alone). On the CPU with the C kernels built (`native.py`):
+- quantised weights: the activations are quantised to int8 per group and multiplied by the
+  weight's own bytes in integer dot products, for decode steps (4-8x fewer bytes read than
+  float32 weights) and prompt chunks alike (`kernels/qmatmul.c`, tiled for many rows);
+- float32, bfloat16 and float16 weights: `kernels/fmatmul.c`, with a fixed order of sums over
+  the input features, where BLAS changes its blocking with the row count.
+Activations are float32 inside; a 16-bit model's come back rounded to its dtype. Elsewhere (a
+GPU, no C compiler) torch computes the product: correct, not batch-invariant.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +21,8 @@ from torch import Tensor
 from pagedkv.kernels import native
 from pagedkv.quant.formats import QuantizedTensor
 
-# Up to this many rows the int8 kernel is faster than dequantise + float32 BLAS (measured at
-# SmolLM2's shapes, 60 distinct 1536x576 Q4_1 weights, 2 threads: 28.5 against 34.7 ms at 32
-# rows, 59.3 against 48.1 at 64). The C side takes at most 64 (MAX_DOT_ROWS).
-DOT_ROWS = 32
-_scratch = threading.local()
+# What fmatmul.c reads for each weight dtype.
+_FLOAT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) -> Tensor:
@@ -32,15 +31,8 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
     if kernels is None:
         return F.linear(x, weight.dequantize(x.dtype), bias)
     rows, cols = weight.shape
-    flat = x.reshape(-1, cols)
-    if flat.dtype != torch.float32 or not flat.is_contiguous():
-        flat = flat.to(torch.float32).contiguous()
-    if flat.shape[0] > DOT_ROWS:
-        dense = _dequantized(kernels, weight)
-        return F.linear(flat, dense, bias).view(*x.shape[:-1], rows).to(x.dtype)
+    flat, bias = _float32_rows(x, cols), _float32_bias(bias)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.to(torch.float32).contiguous()
     values, scales, mins, has_mins = weight.pointers
     status = kernels.qmatmul(
         flat.data_ptr(),
@@ -58,16 +50,50 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
     )
     if status != 0:
         raise MemoryError(f"quantised matmul of {tuple(flat.shape)} by {weight.shape}: no memory")
-    out = out.view(*x.shape[:-1], rows)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return _shaped(out, x)
+
+
+def float_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`x @ W.T + b` for a float `weight` `[out_features, in_features]`, in `x`'s dtype."""
+    kernels = native.kernels() if _float_kernel_takes(x, weight) else None
+    if kernels is None:
+        return F.linear(x, weight, bias)
+    rows, cols = weight.shape
+    flat, bias = _float32_rows(x, cols), _float32_bias(bias)
+    out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
+    status = kernels.fmatmul(
+        flat.data_ptr(),
+        flat.shape[0],
+        cols,
+        weight.data_ptr(),
+        _FLOAT_CODES[weight.dtype],
+        rows,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError(f"matmul of {tuple(flat.shape)} by {tuple(weight.shape)}: no memory")
+    return _shaped(out, x)
 
 
 def dequantize(weight: QuantizedTensor) -> Tensor:
     """The weight as a new float32 tensor, by the C kernel where it runs."""
-    kernels = native.kernels() if weight.values.device.type == "cpu" else None
-    if kernels is None or weight.shape[1] % 32:
+    kernels = native.kernels() if weight.kernel_ready else None
+    if kernels is None:
         return weight.dequantize()
-    return _dequantized(kernels, weight).clone()
+    rows, cols = weight.shape
+    dense = torch.empty(rows, cols, dtype=torch.float32)
+    kernels.dequantize(
+        weight.values.data_ptr(),
+        weight.scales.data_ptr(),
+        weight.mins.data_ptr(),
+        weight.bits,
+        weight.group_size,
+        rows,
+        cols,
+        dense.data_ptr(),
+    )
+    return dense
 
 
 def as_dense(tensor: Tensor | QuantizedTensor) -> Tensor:
@@ -80,21 +106,31 @@ def uses_kernels(x: Tensor, weight: QuantizedTensor) -> bool:
     return x.device.type == "cpu" and weight.kernel_ready
 
 
-def _dequantized(kernels: native.Kernels, weight: QuantizedTensor) -> Tensor:
-    """`weight` dequantised into this thread's scratch buffer (valid until the next call)."""
-    rows, cols = weight.shape
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < rows * cols:
-        buffer = _scratch.buffer = torch.empty(rows * cols, dtype=torch.float32)
-    dense = buffer[: rows * cols].view(rows, cols)
-    kernels.dequantize(
-        weight.values.data_ptr(),
-        weight.scales.data_ptr(),
-        weight.mins.data_ptr(),
-        weight.bits,
-        weight.group_size,
-        rows,
-        cols,
-        dense.data_ptr(),
+def _float_kernel_takes(x: Tensor, weight: Tensor) -> bool:
+    """Whether fmatmul.c can take this product: CPU tensors, a packed weight it reads."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dtype in _FLOAT_CODES
+        and weight.dim() == 2
+        and weight.is_contiguous()
     )
-    return dense
+
+
+def _float32_rows(x: Tensor, cols: int) -> Tensor:
+    """`x` as packed float32 rows `[tokens, cols]` (a view when it already is)."""
+    flat = x.reshape(-1, cols)
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.to(torch.float32).contiguous()
+    return flat
+
+
+def _float32_bias(bias: Tensor | None) -> Tensor | None:
+    """The bias as the kernels read it: packed float32 (a 16-bit one converted, exactly)."""
+    return None if bias is None else bias.to(torch.float32).contiguous()
+
+
+def _shaped(out: Tensor, x: Tensor) -> Tensor:
+    """The kernel's float32 `[tokens, n]` in `x`'s leading shape and dtype."""
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

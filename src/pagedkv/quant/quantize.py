@@ -52,7 +52,7 @@ def quantize_int8(weight: Tensor) -> QuantizedTensor:
     scales = groups.abs().amax(dim=-1) / 127
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     values = torch.round(groups / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return QuantizedTensor(
+    return QuantizedTensor.from_ggml(
         values.view(weight.shape[0], -1).contiguous(),
         scales.contiguous(),
         torch.zeros_like(scales),
@@ -70,7 +70,7 @@ def quantize_int4(weight: Tensor) -> QuantizedTensor:
     q = torch.round((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
     # ggml's order within a group: byte j = value j (low nibble) | value j + 16 (high nibble)
     packed = q[..., :16] | (q[..., 16:] << 4)
-    return QuantizedTensor(
+    return QuantizedTensor.from_ggml(
         packed.view(weight.shape[0], -1).contiguous(),
         scales.contiguous(),
         low.contiguous(),
@@ -100,9 +100,9 @@ def common_layout(parts: Sequence[QuantizedTensor]) -> QuantizedTensor:
 def _relayout(part: QuantizedTensor, bits: int, group_size: int) -> QuantizedTensor:
     if (part.bits, part.group_size) == (bits, group_size):
         return part
-    values = part.values if part.bits == bits else part.integers().to(torch.int8)
+    values = part.ggml_values() if part.bits == bits else part.integers().to(torch.int8)
     repeat = part.group_size // group_size
-    return QuantizedTensor(
+    return QuantizedTensor.from_ggml(
         values.contiguous(),
         part.scales.repeat_interleave(repeat, dim=1),
         part.mins.repeat_interleave(repeat, dim=1),

@@ -20,7 +20,7 @@ from pagedkv.parallel.collectives import all_reduce, gather_last_dim
 from pagedkv.parallel.group import building_group
 from pagedkv.parallel.split import split_padded
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.matmul import as_dense, dequantize, quantized_linear
+from pagedkv.quant.matmul import as_dense, dequantize, float_linear, quantized_linear
 from pagedkv.quant.quantize import GROUP_SIZE, to_scheme
 
 
@@ -92,7 +92,8 @@ class Embedding(nn.Module):
         """`hidden @ table.T`: the LM head of a model with tied embeddings (on rank 0 under
         tensor parallelism)."""
         if self.sharded:
-            return gather_last_dim(F.linear(hidden, self.weight), self.checkpoint_shape[0])
+            logits = float_linear(hidden, self.weight, None)
+            return gather_last_dim(logits, self.checkpoint_shape[0])
         if self.qweight is None:
-            return F.linear(hidden, self.weight)
+            return float_linear(hidden, self.weight, None)
         return quantized_linear(hidden, self.qweight, None)

@@ -29,14 +29,13 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedkv.parallel.collectives import all_reduce, gather_last_dim
 from pagedkv.parallel.group import building_group
 from pagedkv.parallel.split import Split, split_even, split_or_replicate, split_padded
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.matmul import as_dense, dequantize, quantized_linear
+from pagedkv.quant.matmul import as_dense, dequantize, float_linear, quantized_linear
 from pagedkv.quant.quantize import GROUP_SIZE, common_layout, to_scheme
 
 
@@ -52,7 +51,7 @@ class DenseMethod(LinearMethod):
     """Weights kept as one floating-point matrix in the model's dtype."""
 
     def apply(self, layer: Linear, x: Tensor) -> Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return float_linear(x, layer.weight, layer.bias)
 
 
 class QuantizedMethod(LinearMethod):
@@ -67,7 +66,7 @@ class RowParallelMethod(LinearMethod):
     (whole on every rank, so added once, after the sum)."""
 
     def apply(self, layer: Linear, x: Tensor) -> Tensor:
-        out = all_reduce(F.linear(x, layer.weight))
+        out = all_reduce(float_linear(x, layer.weight, None))
         return out if layer.bias is None else out + layer.bias
 
 
@@ -75,7 +74,8 @@ class GatheredColumnMethod(LinearMethod):
     """This rank's output rows, gathered with the other ranks' on rank 0 (the LM head)."""
 
     def apply(self, layer: Linear, x: Tensor) -> Tensor:
-        return gather_last_dim(F.linear(x, layer.weight, layer.bias), layer.full_out_features)
+        out = float_linear(x, layer.weight, layer.bias)
+        return gather_last_dim(out, layer.full_out_features)
 
 
 DENSE = DenseMethod()

@@ -1,0 +1,128 @@
+/* Shared helpers of the C kernels, each in a vector form and a plain-C twin that gives the
+ * very same float bits: a kernel uses the vector form on whole groups of 8 and the twin on
+ * what is left, so a value's arithmetic never depends on where it falls in a batch.
+ *
+ * Sums of 8 lanes always take one tree, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
+ * whether one vector is reduced (`hsum8`) or eight at once (`hsum8x8`).
+ */
+#ifndef PAGEDKV_SIMD_H
+#define PAGEDKV_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* The tree sum of 8 floats, in plain C. */
+INLINE float hsum8_lanes(const float l[8]) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* exp(x) in plain C, the twin of exp8: x clamped to [-87, 88], x = n ln 2 + r with |r| <=
+ * ln 2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7, about one float32
+ * ulp), 2^n applied as two exact powers of two so n = 128 does not overflow the exponent. */
+INLINE float exp1(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = __builtin_rintf(x * 1.44269504f);
+    float r = __builtin_fmaf(-n, 0.693145752f, x);
+    r = __builtin_fmaf(-n, 1.42860677e-6f, r);
+    float p = 1.0f / 720;
+    p = __builtin_fmaf(p, r, 1.0f / 120);
+    p = __builtin_fmaf(p, r, 1.0f / 24);
+    p = __builtin_fmaf(p, r, 1.0f / 6);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    int32_t half = (int32_t)n >> 1, rest = (int32_t)n - half;
+    uint32_t a = (uint32_t)(half + 127) << 23, b = (uint32_t)(rest + 127) << 23;
+    float fa, fb;
+    memcpy(&fa, &a, 4);
+    memcpy(&fb, &b, 4);
+    return p * fa * fb;
+}
+
+/* bfloat16 and float16 bits as float32 (both exact). */
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: value = mantissa * 2^-24, exact in float32 */
+        float f = (float)mantissa * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifdef __AVX2__
+/* The tree sum of v's 8 lanes. */
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* [hsum8(v[0]), ..., hsum8(v[7])] as one vector, by the same tree. */
+INLINE __m256 hsum8x8(const __m256 v[8]) {
+    __m256 pair[4];
+    for (int i = 0; i < 4; i++) { /* lane j < 4: v[2i] lanes j + (j+4); j >= 4: v[2i+1] */
+        __m256 a = v[2 * i], b = v[2 * i + 1];
+        pair[i] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
+                                _mm256_permute2f128_ps(a, b, 0x31));
+    }
+    /* per 128-bit half [s0 s1 s2 s3] of pair i: (s0 + s2), (s1 + s3), then their sum */
+    __m256 q[4];
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_add_ps(pair[i], _mm256_permute_ps(pair[i], 0x4E)); /* lanes 2,3,0,1 */
+    for (int i = 0; i < 4; i++)
+        q[i] = _mm256_add_ps(q[i], _mm256_permute_ps(q[i], 0xB1)); /* lanes 1,0,3,2 */
+    /* q[i] lane 0 holds hsum(v[2i]), lane 4 hsum(v[2i+1]); gather lanes 0 and 4 of each */
+    __m256 ab = _mm256_shuffle_ps(q[0], q[1], 0x00); /* v0 v0 v2 v2 | v1 v1 v3 v3 */
+    __m256 cd = _mm256_shuffle_ps(q[2], q[3], 0x00); /* v4 v4 v6 v6 | v5 v5 v7 v7 */
+    __m256 mixed = _mm256_shuffle_ps(ab, cd, 0x88);  /* v0 v2 v4 v6 | v1 v3 v5 v7 */
+    __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    return _mm256_permutevar8x32_ps(mixed, order);
+}
+
+/* exp of 8 floats, lane for lane the bits of exp1. */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i half = _mm256_srai_epi32(ni, 1), rest = _mm256_sub_epi32(ni, half);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 fa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256 fb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, fa), fb);
+}
+#endif
+
+#endif
