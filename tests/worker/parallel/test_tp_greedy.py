@@ -80,3 +80,22 @@ def test_each_rank_holds_its_share_of_every_block(engines):
     # The planner's per-rank arithmetic (`pagedkv plan --tensor-parallel-size 2`) agrees.
     planned = per_rank_spec(kv_spec(config, torch.float32), 2)
     assert planned.bytes_per_block(16) == parallel.engine.kv_bytes_per_block
+
+
+def test_two_ranks_give_a_request_one_answer_however_batched(engines):
+    """Under tensor parallelism too, a request's tokens and logprob floats alone equal those
+    it gets among a crowd that preempts and chunks it, its prompt then served from the prefix
+    cache: the all-reduce sums the ranks' partial products in rank order, whatever the step."""
+    _, parallel, _ = engines
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    target = SHARED + random_prompt(7, seed=5)
+
+    def answer(outputs) -> tuple[list[int], list]:
+        sample = outputs[-1].outputs[0]
+        return list(sample.token_ids), sample.logprobs
+
+    alone = answer(parallel.generate([target], params, use_tqdm=False))
+    crowd = parallel.generate(
+        [*PROMPTS, target], [GREEDY] * len(PROMPTS) + [params], use_tqdm=False
+    )
+    assert answer(crowd) == alone
