@@ -2,10 +2,11 @@
 
 llguidance (rather than xgrammar) because it is one dependency-free wheel and computes masks
 on the fly from an Earley parser, so a large schema costs little to compile; the comparison
-is in `bench/grammar_engines.py` and the README. Grammars are built for the engine's own
-tokenizer, whichever file it came from (tokenizer.json or a GGUF vocabulary): every token id
-of the model's vocabulary is given the bytes it stands for (`TokenBytes`); special tokens and
-ids the tokenizer does not use can never spell grammar text, only end it (the EOS ids).
+is in `bench/grammar_engines.py` and docs/structured-outputs.md. Grammars are built for the
+engine's own tokenizer, whichever file it came from (tokenizer.json or a GGUF vocabulary):
+every token id of the model's vocabulary is given the bytes it stands for (`TokenBytes`);
+special tokens and ids the tokenizer does not use can never spell grammar text, only end it
+(the EOS ids).
 """
 
 from __future__ import annotations
