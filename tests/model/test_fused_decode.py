@@ -16,6 +16,8 @@ from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.attention.fp8 import KVScales
 from pagedkv.model import decoder
 from pagedkv.model.fused_decode import LayerRun, run_fused
+from pagedkv.model.layers.linear import DENSE
+from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.weights.load import load
 from pagedkv.worker.kv_cache import KVCache
 from tests.model.tiny_models import random_prompt
@@ -127,15 +129,13 @@ def test_the_c_path_over_fp8_caches_equals_the_op_by_op_layers(zoo, monkeypatch,
 
 
 def test_a_layer_the_c_code_cannot_take_splits_the_runs(zoo, monkeypatch):
-    """Layer 0 given q/k norms of its own (the identity, so the numbers stay the same): it
-    runs op by op, the layers after it as one C run, and decode steps take that run."""
+    """Layer 0's o projection made dense (its weights dequantised): that layer runs op by op,
+    the layers after it as one C run, and decode steps take that run."""
     model = load(zoo.folder("llama"), quantization="int8").model
-
-    class NormedAttention(decoder.Attention):
-        def normalize_qk(self, query, key):
-            return query, key
-
-    model.layers[0].self_attn.__class__ = NormedAttention
+    o_proj = model.layers[0].self_attn.o_proj
+    o_proj.weight = torch.nn.Parameter(o_proj.qweight.dequantize(), requires_grad=False)
+    o_proj.qweight, o_proj.method = None, DENSE
+    model.__dict__.pop("_layer_runs", None)
     num_layers = model.config.num_layers
     runs = [(r.start, r.stop, r.weights is not None) for r in model.layer_runs()]
     assert runs == [(0, 1, False), (1, num_layers, True)]
@@ -156,7 +156,9 @@ def test_a_layer_the_c_code_cannot_take_splits_the_runs(zoo, monkeypatch):
 
 
 def test_dense_or_normed_models_have_no_c_runs(zoo):
-    """A float model and Qwen3's q/k norms never take the C path."""
+    """A float model never takes the C path, nor does Qwen3 (its q/k norms are not what the C
+    code computes, and its registry entry says so: `fused_decode` False)."""
+    assert not ARCHITECTURES["Qwen3ForCausalLM"].fused_decode
     for name, scheme in (("llama", "none"), ("qwen3", "int8")):
         model = load(zoo.folder(name), quantization=scheme).model
         assert [(r.start, r.stop, r.weights) for r in model.layer_runs()] == [

@@ -29,6 +29,7 @@ from pagedkv.model.fused_decode import LayerRun, layer_runs, run_fused
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.layers.norm import RMSNorm
+from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.model.rope import inverse_frequencies, rope_cos_sin, rotate_qk
 
 
@@ -226,7 +227,8 @@ class DecoderModel(nn.Module):
         """The layers in runs that a decode step may run as one C call each, or op by op
         (see `fused_decode.py`); made once, after loading."""
         if not hasattr(self, "_layer_runs"):
-            self._layer_runs = layer_runs(self.layers, Attention)
+            allowed = ARCHITECTURES[self.config.architecture].fused_decode
+            self._layer_runs = layer_runs(self.layers, allowed)
         return self._layer_runs
 
     def quantize(self, scheme: str) -> None:

@@ -4,8 +4,9 @@ At batch 1 a layer of a small model is ~20 PyTorch ops and 8 module calls whose 
 costs more than their arithmetic; the C code runs the very kernels the op-by-op path calls
 (quantised matmuls, rope, K/V write, paged attention, RMSNorm, silu * up) with no Python
 between them, over every layer of a run of consecutive layers at once, so its floats are the
-op-by-op path's, bit for bit. A layer joins a run when it is the plain Llama shape with every
-projection quantised in groups of 32; a step takes the C path when it is all decodes over
+op-by-op path's, bit for bit. A layer joins a run when its family's registry entry allows it
+(`fused_decode`: the plain Llama layer, which is what the C code computes) and every
+projection is quantised in groups of 32; a step takes the C path when it is all decodes over
 float32 or fp8 CPU caches (the C write rounds into fp8 bytes exactly as torch does, and
 attention reads them through a byte table). Other layers and steps run op by op, which is also
 what the tests compare the C path with. A tensor-parallel layer
@@ -73,13 +74,12 @@ class LayerRun:
         return array
 
 
-def layer_runs(layers: Sequence[nn.Module], plain_attention: type) -> list[LayerRun]:
-    """The model's layers cut into runs of consecutive layers the C code takes, or not.
-    `plain_attention` is the Llama attention class: a family that overrides its
-    `normalize_qk` (Qwen3's q/k norms) runs op by op."""
+def layer_runs(layers: Sequence[nn.Module], allowed: bool) -> list[LayerRun]:
+    """The model's layers cut into runs of consecutive layers the C code takes, or not;
+    `allowed` is the family's registry entry's `fused_decode` (all op by op when False)."""
     runs: list[LayerRun] = []
     for index, layer in enumerate(layers):
-        weights = _layer_weights(layer, plain_attention)
+        weights = _layer_weights(layer) if allowed else None
         if runs and (runs[-1].weights is None) == (weights is None):
             runs[-1].stop = index + 1
             if weights is not None:
@@ -89,13 +89,11 @@ def layer_runs(layers: Sequence[nn.Module], plain_attention: type) -> list[Layer
     return runs
 
 
-def _layer_weights(layer: nn.Module, plain_attention: type) -> ctypes.Array | None:
+def _layer_weights(layer: nn.Module) -> ctypes.Array | None:
     """The four projections (qkv, o, gate_up, down) as the C code takes them, or None when
-    the layer cannot go through it (q/k norms, float norms elsewhere, a dense projection, or
-    groups other than 32)."""
+    the layer's weights cannot go through it (norms not in float32 on the CPU, a dense
+    projection, or groups other than 32)."""
     attention = layer.self_attn
-    if type(attention).normalize_qk is not plain_attention.normalize_qk:
-        return None
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if not all(w.dtype == torch.float32 and w.device.type == "cpu" for w in norms):
         return None

@@ -33,6 +33,10 @@ class Architecture:
     # GGUF per-layer tensor names (`blk.N.<name>`) beyond the Llama set, -> checkpoint module.
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
     gguf_permutes_qk: bool = False  # llama.cpp permutes q/k rows for interleaved rope
+    # Whether a decode step may run this family's layers as one C call (kernels/decode_layer.c):
+    # only for the plain Llama layer (RMSNorm, q/k/v, rope, attention, o, SwiGLU MLP), which is
+    # what that C code computes; a family with any other layer math says False.
+    fused_decode: bool = False
 
     def model_class(self) -> type:
         """The `DecoderModel` subclass that runs this family (imported on first use)."""
@@ -47,6 +51,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="LlamaForCausalLM",
             model_type="llama",
             model_class_path="pagedkv.model.llama:LlamaModel",
+            fused_decode=True,
             gguf_arch="llama",
             gguf_permutes_qk=True,
         ),
@@ -54,11 +59,13 @@ ARCHITECTURES: dict[str, Architecture] = {
             name="MistralForCausalLM",
             model_type="mistral",
             model_class_path="pagedkv.model.llama:LlamaModel",
+            fused_decode=True,
         ),
         Architecture(
             name="Qwen2ForCausalLM",
             model_type="qwen2",
             model_class_path="pagedkv.model.llama:LlamaModel",
+            fused_decode=True,
             qkv_bias_always=True,
             gguf_arch="qwen2",
         ),
