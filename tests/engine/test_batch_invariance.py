@@ -29,7 +29,6 @@ from tests.model.tiny_models import TINY_MODELS, random_prompt
 
 # A sample's answer: its token ids, then per token the logprob of every token returned.
 Answer = tuple[tuple[int, ...], tuple[tuple[tuple[int, float], ...], ...]]
-METRICS: dict[str, RequestMetrics] = {}  # the last run's, by request id
 ALONE = dict(num_gpu_blocks=256, enable_prefix_caching=False, max_num_batched_tokens=2048)
 TARGET_PROMPT = random_prompt(45, seed=1234)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -48,21 +47,20 @@ def answers(
     engine: Engine,
     requests: list[tuple[str, list[int], SamplingParams]],
     arrivals: list[int] | None = None,
-) -> dict[str, list[Answer]]:
+) -> tuple[dict[str, list[Answer]], dict[str, RequestMetrics]]:
     """Run `requests` (request i added before step arrivals[i]; all at once by default) to
-    the end; every sample's answer, by request id (and each request's metrics, in
-    `METRICS`)."""
+    the end; every sample's answer and each request's metrics, by request id."""
     arrivals = arrivals or [0] * len(requests)
     pending = sorted(((when, i) for i, when in enumerate(arrivals)), reverse=True)
     outputs: dict[str, dict[int, tuple[list[int], list]]] = {}
-    METRICS.clear()
+    metrics: dict[str, RequestMetrics] = {}
     step = 0
     while pending or engine.has_unfinished():
         while pending and pending[-1][0] <= step:
             request_id, prompt, params = requests[pending.pop()[1]]
             engine.add_request(request_id, prompt, params)
         for delta in engine.step():
-            METRICS[delta.request_id] = delta.metrics
+            metrics[delta.request_id] = delta.metrics
             for sample in delta.outputs:
                 tokens, logprobs = outputs.setdefault(delta.request_id, {}).setdefault(
                     sample.index, ([], [])
@@ -71,7 +69,7 @@ def answers(
                 logprobs.extend(sample.logprobs or [])
         engine.manager.check_invariants()
         step += 1
-    return {
+    answered = {
         request_id: [
             (
                 tuple(tokens),
@@ -81,12 +79,13 @@ def answers(
         ]
         for request_id, samples in outputs.items()
     }
+    return answered, metrics
 
 
 def alone(model: str, params: SamplingParams, **settings: Any) -> list[Answer]:
     """The oracle: the target request by itself."""
     engine = engine_for(model, **{**ALONE, **settings})
-    return answers(engine, [("target", TARGET_PROMPT, params)])["target"]
+    return answers(engine, [("target", TARGET_PROMPT, params)])[0]["target"]
 
 
 def crowd(count: int, seed: int, shared: list[int] | None = None):
@@ -112,8 +111,15 @@ def crowd(count: int, seed: int, shared: list[int] | None = None):
 def busy(
     model: str, params: SamplingParams, *, others: int, seed: int, **settings: Any
 ) -> list[Answer]:
-    """The target after `others` requests, arriving while they run, with a warm-up
-    copy of its prompt first so the prefix cache (when on) serves most of it."""
+    """The target's answer in `busy_run`."""
+    return busy_run(model, params, others=others, seed=seed, **settings)[0]
+
+
+def busy_run(
+    model: str, params: SamplingParams, *, others: int, seed: int, **settings: Any
+) -> tuple[list[Answer], RequestMetrics]:
+    """The target's answer and metrics after `others` requests, arriving while they run, with
+    a warm-up copy of its prompt first so the prefix cache (when on) serves most of it."""
     requests = crowd(others, seed, shared=TARGET_PROMPT)
     warm = ("warm", TARGET_PROMPT[:40], SamplingParams(max_tokens=2, ignore_eos=True))
     # Last in the queue, so the scheduler's preemption (youngest first) reaches it.
@@ -121,7 +127,8 @@ def busy(
     rng = random.Random(seed)
     arrivals = sorted(rng.randint(0, 4) for _ in requests)  # the target last, at step 4
     engine = engine_for(model, **settings)
-    return answers(engine, requests, arrivals)["target"]
+    answered, metrics = answers(engine, requests, arrivals)
+    return answered["target"], metrics["target"]
 
 
 # Settings that each change how the target's tokens are grouped or where its K/V come from,
@@ -197,8 +204,7 @@ def test_preemption_cases_really_preempt_the_target(engine_zoo) -> None:
     model = str(engine_zoo.folder("llama"))
     for case in ("swap", "recompute", "host-tier"):
         seed, case_settings = CASES[case]
-        busy(model, GREEDY, others=12, seed=seed, **case_settings)
-        metrics = METRICS["target"]
+        _, metrics = busy_run(model, GREEDY, others=12, seed=seed, **case_settings)
         assert metrics.num_swap_preemptions + metrics.num_recompute_preemptions > 0, case
 
 

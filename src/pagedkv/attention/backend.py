@@ -191,8 +191,7 @@ class CPUAttention(TorchAttention):
     ) -> None:
         kernels = native.kernels()
         rows_ok = all(t.dtype == torch.float32 and native.heads_packed(t) for t in (key, value))
-        writable = all(c.dtype == torch.float32 or is_fp8(c.dtype) for c in (k_cache, v_cache))
-        if kernels is None or not rows_ok or not writable or not self.takes(k_cache, v_cache):
+        if kernels is None or not rows_ok or not self.writes(k_cache, v_cache):
             super().write_kv(key, value, k_cache, v_cache, batch, scales)
             return
         rows = (
@@ -283,6 +282,13 @@ class CPUAttention(TorchAttention):
             for c in (k_cache, v_cache)
         )
         return caches_ok and all(t.device.type == "cpu" for t in tensors)
+
+    @staticmethod
+    def writes(k_cache: Tensor, v_cache: Tensor) -> bool:
+        """Whether the C K/V write takes these caches: float32 or fp8 (16-bit caches are
+        written by torch's exact copy)."""
+        stored = all(c.dtype == torch.float32 or is_fp8(c.dtype) for c in (k_cache, v_cache))
+        return stored and CPUAttention.takes(k_cache, v_cache)
 
     @staticmethod
     def fp8_args(k_cache: Tensor, scales: KVScales) -> native.Fp8CacheArgs | None:

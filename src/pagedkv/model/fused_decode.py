@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from pagedkv.attention.backend import CPUAttention, PagedKVCache
 from pagedkv.attention.batch import ForwardBatch
-from pagedkv.attention.fp8 import is_fp8
 from pagedkv.kernels import native
 from pagedkv.model.layers.linear import QUANTIZED, Linear
 
@@ -160,9 +159,7 @@ def run_fused(
     ):
         return None
     k_cache, v_cache = kv_cache.layer(run.start)
-    if not CPUAttention.takes(k_cache, v_cache, hidden):
-        return None
-    if not all(c.dtype == torch.float32 or is_fp8(c.dtype) for c in (k_cache, v_cache)):
+    if hidden.device.type != "cpu" or not CPUAttention.writes(k_cache, v_cache):
         return None
     tables, query_starts, context_lens = CPUAttention.step_tables(batch)
     out = hidden.clone()
