@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, TypeVar
 
 import numpy as np
@@ -60,6 +60,8 @@ class ForwardBatch:
     host_context_lens: tuple[int, ...]  # context_lens as Python ints
     host_query_lens: tuple[int, ...]  # query_lens as Python ints
     host_token_id_ranges: tuple[tuple[int, int], ...]  # (min, max) new token id per sequence
+    # Per sequence, its rows of the logits the forward returns (`num_logits` of them).
+    host_logits_rows: tuple[range, ...]
     # Per-step state of the attention backend (see `step_state`); not an init field, so
     # `replace` makes a batch that plans afresh.
     _step_state: dict[Hashable, Any] = field(
@@ -128,6 +130,7 @@ class ForwardBatch:
             host_token_id_ranges=tuple(
                 (min(seq.token_ids), max(seq.token_ids)) for seq in sequences
             ),
+            host_logits_rows=_logits_rows(sequences),
         )
 
     def check_inputs(self, vocab_size: int, max_positions: int) -> None:
@@ -152,6 +155,12 @@ class ForwardBatch:
         if key not in self._step_state:
             self._step_state[key] = build()
         return self._step_state[key]
+
+
+def _logits_rows(sequences: Sequence[SequenceInput]) -> tuple[range, ...]:
+    """Each sequence's rows of the logits tensor: its `num_logits` rows, in sequence order."""
+    ends = accumulate(seq.num_logits for seq in sequences)
+    return tuple(range(end - seq.num_logits, end) for seq, end in zip(sequences, ends, strict=True))
 
 
 def _token_tensor(sequences: Sequence[SequenceInput]) -> Tensor:
