@@ -19,12 +19,14 @@ from pagedkv.engine.errors import InvalidPriority, PriorityNotSupported
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, RequestStatus, Sequence
+from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import FCFSPolicy, PriorityPolicy, make_policy
-from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
+from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.worker.step import SchedulerOutput
 from tests.engine.conftest import make_llm
+from tests.engine.made_up import made_up_output
 from tests.model.tiny_models import random_prompt
 
 _token_ids = itertools.count(1000)
@@ -34,18 +36,22 @@ def make_request(
     request_id: str, prompt_len: int, max_tokens: int, priority: int = 0, n: int = 1
 ) -> Request:
     prompt = [next(_token_ids) for _ in range(prompt_len)]
+    samples = [
+        Sequence(
+            (request_id, index), index, SequenceTokens((request_id, index), prompt), prompt_len
+        )
+        for index in range(n)
+    ]
     return Request(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=prompt,
         params=SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True),
         max_tokens=max_tokens,
-        sequences=[
-            Sequence((request_id, 0), 0, SequenceTokens((request_id, 0), prompt), prompt_len)
-        ],
+        sequences=samples[:1],
         metrics=RequestMetrics(arrival_time=0.0),
         priority=priority,
-        forked=n == 1,
+        forks=samples[1:],
     )
 
 
@@ -53,26 +59,12 @@ def make_scheduler(num_blocks: int, policy: str, **overrides) -> Scheduler:
     settings_ = dict(max_num_seqs=16, max_num_batched_tokens=256, preemption_mode="recompute")
     settings_.update(overrides)
     manager = KVCacheManager(num_blocks, 4, num_cpu_blocks=num_blocks)
-    return Scheduler(manager, policy=make_policy(policy), **settings_)
-
-
-def new_sample(request: Request, index: int) -> Sequence:
-    prompt = request.prompt_token_ids
-    seq_id = (request.request_id, index)
-    return Sequence(seq_id, index, SequenceTokens(seq_id, prompt), len(prompt))
-
-
-def sample(rows: list[SampleRow]) -> None:
-    """One made-up token per row; a sample stops at its request's max_tokens."""
-    for row in rows:
-        row.seq.token_ids.append(next(_token_ids))
-        if row.seq.num_output_tokens == row.request.max_tokens:
-            row.seq.finish_reason = "length"
+    return Scheduler(manager, SchedulerConfig(**settings_, policy=policy))
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
     output = scheduler.schedule()
-    scheduler.update(output, new_sample=new_sample, sample=sample)
+    scheduler.update(output, made_up_output(scheduler, output, _token_ids))
     return output
 
 
@@ -194,9 +186,7 @@ def test_an_unknown_policy_is_refused_naming_the_choices():
 def test_the_default_policy_is_fcfs():
     assert EngineArgs().scheduling_policy == "fcfs"
     manager = KVCacheManager(8, 4)
-    scheduler = Scheduler(
-        manager, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="recompute"
-    )
+    scheduler = Scheduler(manager, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
     assert isinstance(scheduler.policy, FCFSPolicy)
     assert isinstance(make_policy("priority"), PriorityPolicy)
 

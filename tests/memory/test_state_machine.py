@@ -67,7 +67,6 @@ class MemoryRules(RuleBasedStateMachine):
         self.computed_prefixes: set[tuple[str | None, tuple[int, ...]]] = set()
         self.next_id = 0
         self.runner_tables: dict[int, list[int]] = {}  # built from table updates only
-        self.freed_records: list[SequenceTokens] = []
 
     def _pick(self, pick: int) -> tuple[int, ModelSeq | None]:
         """A live sequence chosen by `pick` (rules do nothing while there is none)."""
@@ -164,24 +163,32 @@ class MemoryRules(RuleBasedStateMachine):
         if seq is None or seq.swapped or seq.record is None:
             return
         seq.record.extend(tokens)
-        if not self._fails_cleanly(self.manager.grow, seq_id, len(seq.record)):
-            self.step_plan.extend(self.result)
-            seq.token_ids = list(seq.record.token_ids)
-            if compute:
-                self._compute(seq_id, seq, len(seq.token_ids))
+        before = snapshot(self.manager)
+        allocation = self.manager.allocate_slots(seq_id, seq.record, len(seq.record))
+        if allocation is None:  # the pool cannot hold them: nothing changed
+            assert snapshot(self.manager) == before
+            return
+        self.step_plan.extend(allocation.plan)
+        self._sync_table(seq_id, allocation.table_update)
+        seq.token_ids = list(seq.record.token_ids)
+        if compute:
+            self._compute(seq_id, seq, len(seq.token_ids))
 
     @rule(pick=picks)
     def sync_runner_table(self, pick):
         seq_id, seq = self._pick(pick)
         if seq is None or seq.swapped:
             return
-        update = self.manager.take_table_update(seq_id)
+        self._sync_table(seq_id, self.manager.take_table_update(seq_id))
+        assert self.runner_tables[seq_id] == self.manager.block_table(seq_id)
+        assert self.manager.take_table_update(seq_id) is None
+
+    def _sync_table(self, seq_id: int, update: tuple[int, list[int]] | None) -> None:
+        """Apply a table update as the runner does."""
         if update is not None:
             first, block_ids = update
             assert first == 0 or seq_id in self.runner_tables
             self.runner_tables[seq_id] = self.runner_tables.get(seq_id, [])[:first] + block_ids
-        assert self.runner_tables[seq_id] == self.manager.block_table(seq_id)
-        assert self.manager.take_table_update(seq_id) is None
 
     @rule(pick=picks, bad=bad_ids)
     def append_invalid(self, pick, bad):
@@ -222,8 +229,6 @@ class MemoryRules(RuleBasedStateMachine):
         del self.model[seq_id]
         self.runner_tables.pop(seq_id, None)
         self.manager.free(seq_id)
-        if seq.record is not None:
-            self.freed_records.append(seq.record)
 
     @rule(pick=picks)
     def swap_out(self, pick):
@@ -272,11 +277,9 @@ class MemoryRules(RuleBasedStateMachine):
 
     @invariant()
     def shared_records_are_the_one_truth(self):
-        for seq_id, seq in self.model.items():
+        for seq in self.model.values():
             if seq.record is not None:
-                assert seq.record.num_computed == self.manager.num_computed_tokens(seq_id)
                 assert list(seq.record.token_ids[: len(seq.token_ids)]) == seq.token_ids
-        assert all(record.num_computed == 0 for record in self.freed_records)
 
     @invariant()
     def every_sequence_reads_back_its_own_computed_tokens(self):

@@ -57,9 +57,11 @@ def test_a_shared_record_is_read_not_copied_and_freed_kv_is_not_computed() -> No
     record = SequenceTokens("a", [5, 6, 7])
     assert manager.allocate("a", record) == 0
     manager.mark_computed("a", 3)
-    assert record.num_computed == 3
+    assert manager.num_computed_tokens("a") == 3
     record.extend([8, 9])  # the owner samples; the manager gives the new tokens slots
-    manager.grow("a", len(record))
+    allocation = manager.allocate_slots("a", record, len(record))
+    assert allocation is not None and allocation.table_update == (0, manager.block_table("a"))
     assert manager.num_tokens("a") == 5 and manager.num_computed_tokens("a") == 3
     manager.free("a")
-    assert record.num_computed == 0
+    assert manager.allocate_slots("a", record, len(record)).num_cached == 0
+    assert manager.num_computed_tokens("a") == 0

@@ -35,8 +35,7 @@ from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import DENSE, QUANTIZED, Linear
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.quantize import quantize_int4
-from pagedkv.quant.schemes import QUANTIZATIONS
-from pagedkv.weights.assemble import effective_quantization
+from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
 from pagedkv.weights.hf_folder import load_model
 from pagedkv.weights.load import load
 from pagedkv.worker.kv_cache import KVCache
@@ -352,7 +351,7 @@ def test_unknown_quantization_is_refused():
     for choice in (*QUANTIZATIONS, "int3"):
         assert repr(choice) in str(error.value)
     with pytest.raises(ValueError, match="quantization"):
-        effective_quantization("int3", "cpu")
+        resolve_quantization("int3", "cpu")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("meta")])
@@ -360,14 +359,14 @@ def test_unknown_quantization_is_refused():
 def test_int_schemes_are_cpu_only(device, scheme):
     """int8/int4 off the CPU is a ValueError saying CPU only; "auto" there means "none"."""
     with pytest.raises(ValueError, match="CPU only"):
-        effective_quantization(scheme, device)
-    assert effective_quantization("auto", device) == "none"
-    assert effective_quantization("none", device) == "none"
+        resolve_quantization(scheme, device)
+    assert resolve_quantization("auto", device) == "none"
+    assert resolve_quantization("none", device) == "none"
 
 
 def test_quantization_on_the_cpu_is_kept():
     for quantization in QUANTIZATIONS:
-        assert effective_quantization(quantization, "cpu") == quantization
+        assert resolve_quantization(quantization, "cpu") == quantization
 
 
 def test_loading_int8_for_a_gpu_fails_before_touching_it(zoo):

@@ -19,6 +19,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, Sequence
+from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
@@ -26,6 +27,7 @@ from pagedkv.sim.report import summarize
 from pagedkv.sim.schemes import SCHEME_LABELS, PagedScheme, SlabScheme, make_scheme
 from pagedkv.sim.simulator import SimulationError, simulate
 from pagedkv.sim.workloads import WORKLOADS, WorkloadRequest, generate_requests
+from tests.engine.made_up import made_up_output
 
 # r0 3+2 (max_tokens 3), r1 2+4 (max_tokens 4); a pool of 4 blocks = 16 slots.
 TWO_REQUESTS = [WorkloadRequest(0, 0, 3, 2, 3), WorkloadRequest(1, 0, 2, 4, 4)]
@@ -247,11 +249,12 @@ def test_the_simulator_runs_the_engines_scheduler_step_by_step():
     manager = KVCacheManager(200, 16, enable_prefix_caching=False)
     scheduler = Scheduler(
         manager,
-        max_num_seqs=256,
-        max_num_batched_tokens=EngineArgs().max_num_batched_tokens,  # the engine's default
-        preemption_mode="recompute",
+        SchedulerConfig(
+            max_num_seqs=256,
+            max_num_batched_tokens=EngineArgs().max_num_batched_tokens,  # the engine's default
+            preemption_mode="recompute",
+        ),
     )
-    output_len = {str(request.req_id): request.output_len for request in requests}
     next_token = iter(range(10**9, 2 * 10**9))
     running, held, preemptions = [], [], 0
     step = 0
@@ -260,42 +263,31 @@ def test_the_simulator_runs_the_engines_scheduler_step_by_step():
         while pending and pending[0].arrival_step <= step:
             request = pending.pop(0)
             prompt = [next(next_token) for _ in range(request.prompt_len)]
-            scheduler.add(_engine_request(str(request.req_id), prompt))
+            scheduler.add(_engine_request(str(request.req_id), prompt, request.output_len))
         output = scheduler.schedule()
         preemptions += len(output.preempted)
         running.append(len(scheduler.running))
         held.append(sum(manager.num_tokens(seq_id) for seq_id in manager.seq_ids))
-
-        def sample(rows):
-            for row in rows:
-                row.seq.token_ids.append(next(next_token))
-                if row.seq.num_output_tokens == output_len[row.request.request_id]:
-                    row.seq.finish_reason = "length"
-
-        scheduler.update(output, new_sample=_no_forks, sample=sample)
+        scheduler.update(output, made_up_output(scheduler, output, next_token))
         step += 1
     assert result.timeline.running == running
     assert result.timeline.state == held
     assert result.preemptions == preemptions
 
 
-def _engine_request(request_id: str, prompt: list[int]) -> Request:
+def _engine_request(request_id: str, prompt: list[int], output_len: int) -> Request:
+    """A request whose sample stops after `output_len` tokens (its max_tokens)."""
     return Request(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=prompt,
         params=SamplingParams(max_tokens=2048, ignore_eos=True),
-        max_tokens=2048,
+        max_tokens=output_len,
         sequences=[
             Sequence((request_id, 0), 0, SequenceTokens((request_id, 0), prompt), len(prompt))
         ],
         metrics=RequestMetrics(arrival_time=0.0),
-        forked=True,
     )
-
-
-def _no_forks(request: Request, index: int) -> Sequence:
-    raise AssertionError("n == 1: nothing forks")
 
 
 def test_a_stream_that_fits_finishes_when_its_longest_output_does():

@@ -14,7 +14,8 @@ import pytest
 
 from pagedkv.engine import Engine, EngineArgs
 from pagedkv.worker import kv_budget as kv_budget_module
-from pagedkv.worker.kv_budget import KVCacheTooSmallForModel, PoolRequest, kv_budget
+from pagedkv.worker.kv_budget import KVCacheTooSmallForModel, kv_budget
+from pagedkv.worker.kv_request import PoolRequest
 
 GIB = 1 << 30
 BLOCK_SIZE = 16

@@ -14,13 +14,14 @@ from pagedkv.attention.errors import KVCacheDtypeMismatch
 from pagedkv.attention.fp8 import KVScales
 from pagedkv.memory import MemoryPlan, MoveKind
 from pagedkv.model.llama import LlamaModel
-from pagedkv.worker.kv_budget import PoolRequest, kv_budget
+from pagedkv.worker.kv_budget import kv_budget
 from pagedkv.worker.kv_cache import (
     KVCache,
     bytes_per_block,
     kv_cache_torch_dtype,
     kv_dtype_name,
 )
+from pagedkv.worker.kv_request import PoolRequest
 from tests.worker.test_kv_cache import LLAMA3_8B, TINY, check_execute_runs_the_moves_one_by_one
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -14,10 +14,12 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.kvmath.spec import KV_CACHE_DTYPES
-from pagedkv.quant.schemes import QUANTIZATIONS
+from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
+from pagedkv.worker.kv_request import PoolRequest
 from pagedkv.worker.parallel.messages import LoadSpec
 
 # vLLM's dtype spellings -> the dtype loaded; "auto" is resolved by device (see resolved_dtype).
@@ -125,21 +127,12 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
+        resolve_quantization(self.quantization, self.device, self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
             raise ValueError(
                 f"device must be 'cpu' or 'cuda' with tensor_parallel_size "
                 f"{self.tensor_parallel_size} (each rank takes its LOCAL_RANK's GPU), "
                 f"got {self.device!r}"
-            )
-        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
-            raise ValueError(
-                f"quantization {self.quantization!r} cannot be combined with "
-                f"tensor_parallel_size {self.tensor_parallel_size}: quantised weights are not "
-                "sharded (use quantization 'none'; 'auto' loads float weights under it)"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
@@ -168,6 +161,29 @@ class EngineArgs:
             return "float32" if self.device == "cpu" else "bfloat16"
         return resolved
 
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings, preemption mode resolved."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            preemption_mode=self.resolved_preemption_mode,  # type: ignore[arg-type]
+            policy=self.scheduling_policy,
+        )
+
+    def pool_request(self, max_model_len: int) -> PoolRequest:
+        """How the KV pool is sized, once the model's context length is known."""
+        return PoolRequest(
+            block_size=self.block_size,
+            swap_space_gb=self.swap_space_gb,
+            num_gpu_blocks=self.num_gpu_blocks,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_offloading_size=self.kv_offloading_size,
+        )
+
     def load_spec(self) -> LoadSpec:
         """What every rank loads (each its shard under tensor parallelism)."""
         return LoadSpec(
@@ -176,7 +192,6 @@ class EngineArgs:
             device=self.device,
             quantization=self.quantization,
             threads=self.threads,
-            kv_offloading_size=self.kv_offloading_size,
         )
 
     @classmethod

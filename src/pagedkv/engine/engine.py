@@ -1,9 +1,11 @@
 """Engine: the step loop that `LLM.generate` and the server drive.
 
-`add_request` checks and queues a request; `step` schedules, runs the model once over every
-scheduled chunk, samples, applies stops and returns what each touched request produced in
-this step (deltas); `abort` frees a request's blocks at once. The engine is not thread-safe:
-one thread owns it (the server runs it in its engine thread).
+`add_request` checks and queues a request; `step` runs one step one way, each stage consuming
+the last one's data: `scheduler.schedule()` -> `SchedulerOutput` -> `executor.execute()` (the
+forward pass over every scheduled chunk, then sampling) -> `ModelRunnerOutput` ->
+`scheduler.update()` (append, stops, frees); then it returns what each touched request
+produced in this step (deltas). `abort` frees a request's blocks at once. The engine is not
+thread-safe: one thread owns it (the server runs it in its engine thread).
 """
 
 from __future__ import annotations
@@ -26,24 +28,22 @@ from pagedkv.engine.admission import (
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
+from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.invariance import invariance_line
-from pagedkv.engine.logprobs import logprob_entry, score_prompts
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.engine.sampler import Sampler, sampling_row
-from pagedkv.engine.sched.policy import make_policy
-from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
+from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
-from pagedkv.engine.stops import apply_stops, take_text
+from pagedkv.engine.stops import take_text
 from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
 from pagedkv.weights.load import LoadedModel
-from pagedkv.worker.kv_budget import PoolRequest, kv_pool
-from pagedkv.worker.kv_cache import kv_dtype_name
+from pagedkv.worker.kv_budget import kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
 from pagedkv.worker.step import SchedulerOutput
 from pagedkv.worker.threads import physical_cores
@@ -77,41 +77,25 @@ class Engine:
         self.config = loaded.config
         context = loaded.config.max_position_embeddings
         self.max_model_len = max_model_len(args.max_model_len, context)
-        budget = self.ranks.kv_budget(
-            PoolRequest(
-                block_size=args.block_size,
-                swap_space_gb=args.swap_space_gb,
-                num_gpu_blocks=args.num_gpu_blocks,
-                kv_cache_memory=args.kv_cache_memory,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                kv_cache_dtype=args.kv_cache_dtype,
-            ),
-            loaded.model,
-        )
-        self.kv_cache = kv_pool(loaded.model, budget, args.block_size, args.kv_offloading_size)
-        num_offload_blocks = self.kv_cache.num_cpu_blocks - budget.num_cpu_blocks
+        # One KV cache config, handed whole to the cache tensors and to the manager.
+        cache = self.ranks.kv_budget(args.pool_request(self.max_model_len), loaded.model)
+        self.kv_cache = kv_pool(loaded.model, cache)
         # What blocks store (auto resolved: float32, bfloat16, fp8_e4m3...) and their bytes.
-        self.kv_cache_dtype = kv_dtype_name(budget.kv_dtype)
-        self.kv_bytes_per_block = budget.bytes_per_block
+        self.kv_cache_dtype = cache.kv_dtype_name
+        self.kv_bytes_per_block = cache.bytes_per_block
         pool_seconds = time.perf_counter() - pool_started
         self.manager = KVCacheManager(
-            budget.num_gpu_blocks,
-            args.block_size,
-            budget.num_cpu_blocks,
+            cache.num_gpu_blocks,
+            cache.block_size,
+            cache.num_cpu_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
-            num_offload_blocks=num_offload_blocks,
+            num_offload_blocks=cache.num_offload_blocks,
         )
-        self.scheduler = Scheduler(
-            self.manager,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            preemption_mode=args.resolved_preemption_mode,  # type: ignore[arg-type]
-            policy=make_policy(args.scheduling_policy),
-        )
+        self.scheduler = Scheduler(self.manager, args.scheduler_config())
         self.runner = self.ranks.runner(loaded.model, self.kv_cache)
-        self.sampler = Sampler(args.seed, device=self.device)
+        self.executor = StepExecutor(
+            self.runner, Sampler(args.seed, device=self.device), self.tokenizer
+        )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self._limits = Limits(
             vocab_size=self.config.vocab_size,
@@ -124,7 +108,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         # Aborted requests whose final delta the next step reports, by id.
         self._aborted: dict[str, Request] = {}
-        self._stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
@@ -134,7 +118,7 @@ class Engine:
             f"{weight_footprint(loaded.model).describe()}; {torch.get_num_threads()} CPU threads",
             file=sys.stderr,
         )
-        print(budget.describe(args.block_size, self.max_model_len), file=sys.stderr)
+        print(cache.describe(self.max_model_len), file=sys.stderr)
         print(invariance_line(self.device, args.tensor_parallel_size, args.dtype), file=sys.stderr)
         phases = {**loaded.seconds, "KV pool": pool_seconds}
         total = loaded_before + time.perf_counter() - started
@@ -187,10 +171,16 @@ class Engine:
             metrics=metrics,
             cache_salt=cache_salt,
             priority=priority,
-            forked=params.n == 1,
             bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
             grammar=grammar,
+            eos_token_ids=self._eos_token_ids,
         )
+        first = request.sequences[0]
+        for index in range(1, params.n):
+            seq = self._new_sequence(request_id, index, token_ids, params, grammar)
+            if first.counts is not None:  # the prompt's mask is the request's: one for all
+                seq.counts = first.counts.sibling()
+            request.forks.append(seq)
         self.scheduler.add(request)  # refuses a priority the policy does not order by
         self._requests[request_id] = request
 
@@ -240,60 +230,23 @@ class Engine:
         return deltas
 
     def _run(self, output: SchedulerOutput) -> dict[str, Request]:
-        """Forward pass, bookkeeping and sampling of one step; the requests it touched."""
-        if not output.chunks and not output.plan:
-            return {}  # nothing to run: e.g. a step that only reports aborts
-        logits = self.runner.execute(output)
-        if logits is not None:
-            score_prompts(output.chunks, logits, self._requests, self.tokenizer)
-        touched = self.scheduler.update(
-            output,
-            new_sample=self._new_sample,
-            sample=lambda rows: self._sample(rows, logits),
-        )
+        """Execute the step and record it; the requests that sampled, by id."""
+        result = self.executor.execute(output, self._requests)
+        touched = self.scheduler.update(output, result)
         now = time.monotonic()
         for request in touched:
+            if request.metrics.first_token_time is None:
+                # Once per request, as vLLM counts: the whole prompt, cached tokens included,
+                # and never again when a preemption makes it recompute.
+                request.metrics.first_token_time = now
+                self._prompt_tokens_total += len(request.prompt_token_ids)
             if request.status is RequestStatus.FINISHED:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
+        if result.sampled:
+            self._generation_tokens_total += len(result.sampled)
+            self._recent_tokens.append((now, len(result.sampled)))
         return {request.request_id: request for request in touched}
-
-    def _sample(self, rows: list[SampleRow], logits: torch.Tensor | None) -> None:
-        """Sample every row's next token from its chunk's logits; append it, apply stops."""
-        assert logits is not None, "a chunk that samples always produces logits"
-        row_ids = [row.row for row in rows]
-        if row_ids != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(row_ids, device=logits.device)]
-        batch = [sampling_row(row.request, row.seq, self._stop_ids) for row in rows]
-        sampled = self.sampler(logits, batch)
-        now = time.monotonic()
-        for row, token_id, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
-            self._append_token(row.request, row.seq, token_id, logprobs)
-            if row.request.metrics.first_token_time is None:
-                # Once per request, as vLLM counts: the whole prompt, cached tokens included,
-                # and never again when a preemption makes it recompute.
-                row.request.metrics.first_token_time = now
-                self._prompt_tokens_total += len(row.request.prompt_token_ids)
-        self._generation_tokens_total += len(rows)
-        self._recent_tokens.append((now, len(rows)))
-
-    def _append_token(
-        self,
-        request: Request,
-        seq: Sequence,
-        token_id: int,
-        logprobs: tuple[float, int, list[int], list[float]] | None,
-    ) -> None:
-        seq.token_ids.append(token_id)
-        seq.new_token_ids.append(token_id)
-        if seq.counts is not None:
-            seq.counts.add(token_id)
-        if seq.grammar is not None:
-            seq.grammar.accept(token_id)
-        if logprobs is not None:
-            seq.new_logprobs.append(logprob_entry(self.tokenizer, token_id, logprobs))
-            seq.cumulative_logprob += logprobs[0]
-        apply_stops(request, seq, token_id, self._stop_ids, self.max_model_len)
 
     def _delta(self, request: Request) -> RequestOutput:
         """What each sample produced since the last delta; clears the per-step buffers."""
@@ -396,13 +349,3 @@ class Engine:
             counts=counts,
             grammar=None if grammar is None else grammar.new_state(),
         )
-
-    def _new_sample(self, request: Request, index: int) -> Sequence:
-        """Sample `index` of a request whose prompt was just computed (the prompt's tokens)."""
-        first = request.sequences[0]
-        seq = self._new_sequence(
-            request.request_id, index, first.token_ids, request.params, request.grammar
-        )
-        if first.counts is not None:  # the prompt's mask is the request's: one for all samples
-            seq.counts = first.counts.sibling()
-        return seq

@@ -7,7 +7,7 @@ tokens from the rows a step computed for them (`SamplingParams.prompt_logprobs`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -15,6 +15,7 @@ from pagedkv.engine.outputs import Logprob, TokenLogprobs
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import token_logprobs
 from pagedkv.tokenizer import Tokenizer
+from pagedkv.worker.runner import StepLogits
 from pagedkv.worker.step import ScheduledChunk
 
 
@@ -31,26 +32,25 @@ def logprob_entry(
 
 
 def score_prompts(
-    chunks: list[ScheduledChunk],
-    logits: torch.Tensor,
+    chunks: Sequence[ScheduledChunk],
+    step: StepLogits,
     requests: Mapping[str, Request],
     tokenizer: Tokenizer,
-) -> None:
-    """Append prompt logprobs from the rows of chunks that score their prompt tokens.
+) -> dict[str, list[TokenLogprobs]]:
+    """Prompt logprobs from the rows of chunks that score their prompt tokens, by request.
 
     Row `i` of a chunk starting at position `s` holds the logits after token `s + i`, so it
     scores prompt token `s + i + 1`; each token is scored once, in order (a chunk recomputed
     after a preemption adds nothing), and the row past the prompt samples.
     """
-    first_row = 0
-    for chunk in chunks:
-        rows = range(first_row, first_row + chunk.num_logits)
-        first_row += chunk.num_logits
+    assert step.logits is not None, "a chunk that scores its prompt has logits"
+    scored: dict[str, list[TokenLogprobs]] = {}
+    for chunk, rows in zip(chunks, step.rows, strict=True):
         request = requests.get(chunk.seq_id[0])
-        if request is None or not request.scores_prompt or chunk.num_logits <= chunk.sample:
+        if request is None or not request.scores_prompt or len(rows) <= chunk.sample:
             continue
         prompt = request.prompt_token_ids
-        targets = range(chunk.num_computed + 1, chunk.num_computed + 1 + chunk.num_logits)
+        targets = range(chunk.num_computed + 1, chunk.num_computed + 1 + len(rows))
         picked = [
             (row, target)
             for row, target in zip(rows, targets, strict=True)
@@ -58,12 +58,15 @@ def score_prompts(
         ]
         if not picked:
             continue
-        row_index = torch.tensor([row for row, _ in picked], device=logits.device)
+        row_index = torch.tensor([row for row, _ in picked], device=step.logits.device)
         target_ids = [prompt[target] for _, target in picked]
         entries = token_logprobs(
-            logits[row_index],
-            torch.tensor(target_ids, device=logits.device),
+            step.logits[row_index],
+            torch.tensor(target_ids, device=step.logits.device),
             [request.params.prompt_logprobs or 0] * len(picked),
         )
-        for token_id, entry in zip(target_ids, entries, strict=True):
-            request.prompt_logprobs.append(logprob_entry(tokenizer, token_id, entry))
+        scored[request.request_id] = [
+            logprob_entry(tokenizer, token_id, entry)
+            for token_id, entry in zip(target_ids, entries, strict=True)
+        ]
+    return scored

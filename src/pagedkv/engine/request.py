@@ -3,13 +3,14 @@
 A request is a prompt plus `SamplingParams`. Its samples are sequences: one while the prompt
 is computed, then `n` once the prompt's last token has produced logits (the first sequence is
 forked, so all samples share the prompt's blocks and copy on write only the last partial one).
+Samples 1..n-1 are made with the request and wait in `forks` until then.
 
 A sequence's `tokens` record (`memory.tokens.SequenceTokens`) holds the prompt and every
-sampled token, and how many of them have KV computed: it is the one record of both, which the
-memory manager shares (no copy), the scheduler reads and the detokenizer decodes from. The
-first `num_computed` tokens have KV; the rest are computed by the next forward passes.
-Computing the last token yields the logits of the next sample. This one rule covers a new
-prompt, a chunked prompt, a decode, and a sequence recomputed after preemption.
+sampled token: the one record of them, which the memory manager shares (no copy) and the
+detokenizer decodes from. `num_computed`, the scheduler's count, says how many of them have
+KV; the rest are computed by the next forward passes. Computing the last token yields the
+logits of the next sample. This one rule covers a new prompt, a chunked prompt, a decode,
+and a sequence recomputed after preemption.
 
 Nothing here imports torch or a tokenizer when it runs (the detokenizer and the generator are
 named for type checkers only): the simulator schedules these same requests with no model.
@@ -51,8 +52,9 @@ class Sequence:
 
     seq_id: tuple[str, int]  # (request id, sample index): the memory manager's key
     index: int
-    tokens: SequenceTokens  # prompt and sampled ids, and how many have KV computed
+    tokens: SequenceTokens  # prompt and sampled ids
     num_prompt_tokens: int
+    num_computed: int = 0  # leading tokens whose KV is written: the scheduler's count
     detokenizer: IncrementalDetokenizer | None = None  # the engine's; the simulator makes no text
     generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
     counts: TokenCounts | None = None  # what its penalties read, when the request has any
@@ -105,7 +107,10 @@ class Request:
     priority: int = 0  # under the "priority" policy, lower runs first
     arrival_index: int = 0  # the scheduler's count of arrivals: breaks ties in priority
     status: RequestStatus = RequestStatus.WAITING
-    forked: bool = False  # True once all n samples exist (from the start when n == 1)
+    # Samples 1..n-1 until the prompt is computed; then forked from sample 0 and emptied.
+    forks: list[Sequence] = field(default_factory=list)
+    # The tokenizer's end-of-sequence ids (a sample stops on one unless params.ignore_eos).
+    eos_token_ids: frozenset[int] = frozenset()
     # params.bad_words as token sequences (tokenized once, when the request is added).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # With params.prompt_logprobs: one entry per prompt token scored so far (the first is
@@ -131,11 +136,21 @@ class Request:
         return [seq for seq in self.sequences if not seq.finished]
 
     @property
+    def forked(self) -> bool:
+        """True once all n samples are sequences (from the start when n == 1)."""
+        return not self.forks
+
+    @property
     def num_samples_to_run(self) -> int:
         """How many sequences the request will occupy once forked (for max_num_seqs)."""
+        return len(self.live_sequences) + len(self.forks)
+
+    def samples_drawing(self, index: int) -> list[Sequence]:
+        """The samples that draw their next token from sample `index`'s logits this step:
+        that sample, or all n when the prompt was just computed and not forked yet."""
         if self.forked:
-            return len(self.live_sequences)
-        return self.params.n
+            return [self.sequences[index]]
+        return [self.sequences[0], *self.forks]
 
     @property
     def all_samples_finished(self) -> bool:

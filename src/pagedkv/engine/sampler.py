@@ -21,7 +21,7 @@ against the vocabulary when the request was added.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +50,11 @@ class SamplingRow:
     grammar: GrammarState | None = None  # with structured outputs: what the grammar allows
 
 
-def sampling_row(request: Request, seq: SequenceState, eos_ids: Collection[int]) -> SamplingRow:
-    """The row of one sample about to draw a token (`eos_ids`: the tokenizer's)."""
+def sampling_row(request: Request, seq: SequenceState) -> SamplingRow:
+    """The row of one sample about to draw a token."""
     stop_ids = list(request.params.stop_token_ids or [])
     if not request.params.ignore_eos:
-        stop_ids += [t for t in eos_ids if t not in stop_ids]
+        stop_ids += [t for t in sorted(request.eos_token_ids) if t not in stop_ids]
     # Bad words compare only the output's last tokens, as many as the longest word's prefix.
     tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, seq.num_output_tokens)
     return SamplingRow(

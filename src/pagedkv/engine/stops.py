@@ -6,7 +6,7 @@ ends it without adding that token's text; then a stop string found in the text e
 the text cut just before the string, or just after it with `include_stop_str_in_output` (the
 search covers the tail where a string split across tokens can complete); then a structured
 output's grammar that is complete (it would allow only EOS: vLLM's finished FSM); then
-`max_tokens`.
+`max_tokens` (which the engine cut to the room the context leaves).
 While stop strings are set and excluded from the output, the last `len(longest) - 1`
 characters are held back from streaming, since they may still turn out to be the start of a
 stop string. (With the string included nothing is held back: all text up to its end is
@@ -15,25 +15,25 @@ output, and it completes in the newest token's text, past everything already han
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 from pagedkv.engine.request import Request, Sequence
 
 
-def apply_stops(
-    request: Request, seq: Sequence, token_id: int, eos_ids: Collection[int], max_model_len: int
-) -> None:
-    """Update the sample's text with its newest token and set its finish reason if it ends."""
+def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
+    """Update the sample's text with its newest token and set its finish reason if it ends.
+
+    A sequence without a detokenizer (the simulator's) makes no text, so no stop string ends it.
+    """
     params = request.params
     may_stop = seq.num_output_tokens >= params.min_tokens
-    if may_stop and not params.ignore_eos and token_id in eos_ids:
+    if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
         _finish(seq, "stop", None)
         return
     if may_stop and token_id in params.stop_token_ids:
         _finish(seq, "stop", token_id)
         return
     previous_length = len(seq.text)
-    seq.text += seq.detokenizer.advance()
+    if seq.detokenizer is not None:
+        seq.text += seq.detokenizer.advance()
     if may_stop and params.stop_strings and len(seq.text) > previous_length:
         _find_stop_string(
             seq, params.stop_strings, previous_length, params.include_stop_str_in_output
@@ -43,7 +43,7 @@ def apply_stops(
     if may_stop and seq.grammar is not None and seq.grammar.finished:
         _finish(seq, "stop", None)  # the grammar is complete: it would allow only EOS now
         return
-    if seq.num_output_tokens >= request.max_tokens or len(seq.token_ids) >= max_model_len:
+    if seq.num_output_tokens >= request.max_tokens:
         _finish(seq, "length", None)
 
 
@@ -79,6 +79,7 @@ def _find_stop_string(
 
 def _finish(seq: Sequence, reason: str, stop_reason: int | None) -> None:
     """End the sample; text held back for an incomplete character is added as it decodes."""
-    seq.text += seq.detokenizer.flush()
+    if seq.detokenizer is not None:
+        seq.text += seq.detokenizer.flush()
     seq.finish_reason = reason  # type: ignore[assignment]
     seq.stop_reason = stop_reason

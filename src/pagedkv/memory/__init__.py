@@ -15,11 +15,12 @@ from pagedkv.memory.errors import (
     SequenceSwappedOut,
     UnknownSequence,
 )
-from pagedkv.memory.manager import KVCacheManager, KVCacheStats
+from pagedkv.memory.manager import Allocation, KVCacheManager, KVCacheStats
 from pagedkv.memory.moves import BlockMove, MemoryPlan, MoveBatch, MoveKind
 from pagedkv.memory.slab import SlabAllocator, SlabReport
 
 __all__ = [
+    "Allocation",
     "BlockMove",
     "DuplicateSequence",
     "InvalidTokenIds",

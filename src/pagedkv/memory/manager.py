@@ -1,18 +1,24 @@
 """KVCacheManager: per-sequence block tables over one BlockPool (GPU), a CPU swap pool and
 an optional host-RAM tier of the prefix cache (`host_tier.py`).
 
-The manager decides where KV lives and never touches KV data. Each operation that needs
-data moved returns a `MemoryPlan` the runner executes on the cache tensors before the next
-forward pass: copy-on-write moves from `append`, swap moves from `swap_out` and `swap_in`.
-Every operation either succeeds completely or raises and changes nothing, so the scheduler
-can treat `NoFreeBlocks` as its signal to wait or preempt. Token ids are checked where they
-enter (`allocate`, `append`: ints in [0, 2**63), `InvalidTokenIds` otherwise), so nothing
-later can fail on them.
+The manager decides where KV lives and never touches KV data. The scheduler asks it one
+thing per chunk: `allocate_slots(seq_id, tokens, num_tokens) -> Allocation | None` (vLLM's
+shape): slots for a sequence's first `num_tokens` tokens, taking its cached prefix when the
+sequence is new, as the block-table change and the moves to run before the next forward pass
+(host-tier saves and copies back, copy-on-write); None, having changed nothing, when the pool
+cannot hold them. Besides it: `mark_computed` (the scheduler owns each sequence's computed
+count and reports it, so full computed blocks enter the prefix cache), `free`, `fork`,
+`swap_out` and `swap_in`.
+
+`allocate`, `append` and `take_pending_plan` are the same operations for callers that keep
+their own ids (tests, the memory walkthrough): they raise `NoFreeBlocks` instead of answering
+None. Every operation either succeeds completely or changes nothing. Token ids are checked
+where they enter (ints in [0, 2**63), `InvalidTokenIds` otherwise), so nothing later can fail
+on them.
 
 With a host tier, a cached block the GPU pool evicts is saved to it in the plan of the call
 that evicted it, ahead of the moves that overwrite the block, and a prompt whose prefix hits
-the tier gets its blocks copied back; `allocate` returns only a count, so its moves wait in
-`take_pending_plan` for the caller to add to the step's plan right after it.
+the tier gets its blocks copied back.
 
 Plans must be executed in the order they were returned (join a step's plans with
 `MemoryPlan.extend`). Blocks are released at once, so a block that `swap_out` is saving can
@@ -68,10 +74,26 @@ class KVCacheStats:
         )
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """What `allocate_slots` did: the plan to run first, the table change, the cached prefix.
+
+    `table_update` is `(first, block_ids)`: the table from entry `first` on, when it changed
+    since the last allocation reported it (the whole table for a new or swapped-in sequence).
+    `num_cached` is how many leading tokens a new sequence found in the prefix cache (0 for a
+    sequence the manager already held): their KV is computed.
+    """
+
+    plan: MemoryPlan
+    table_update: tuple[int, list[int]] | None
+    num_cached: int = 0
+
+
 @dataclass
 class _Sequence:
-    tokens: SequenceTokens  # the caller's record when it passed one: ids and computed count
+    tokens: SequenceTokens  # the caller's record when it passed one: the ids, never copied
     num_held: int  # leading tokens that have a slot in the table
+    num_computed: int  # leading tokens whose KV is written, as the caller last reported
     blocks: list[Block]
     root_hash: BlockHash  # parent of the first block's hash: carries the cache salt
     cpu_blocks: list[int] | None = None  # set while swapped out; `blocks` is then empty
@@ -115,6 +137,37 @@ class KVCacheManager:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def allocate_slots(
+        self,
+        seq_id: SeqId,
+        tokens: SequenceTokens,
+        num_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        read_cache: bool = True,
+    ) -> Allocation | None:
+        """Slots for the first `num_tokens` of the sequence's tokens, or None (nothing changed)
+        when the pool cannot hold them.
+
+        A sequence new to the manager gets its table here, with its cached prefix (`allocate`
+        says how `cache_salt` and `read_cache` choose it); `tokens` is its record, kept and
+        read, never copied. A held sequence grows when it holds fewer slots (copying a shared
+        partial last block first).
+        """
+        try:
+            if seq_id in self._seqs:
+                seq = self._resident(seq_id, "growing")
+                plan = self._grow(seq, max(num_tokens, seq.num_held), len(seq.tokens))
+                num_cached = 0
+            else:
+                plan = MemoryPlan()
+                num_cached = self._allocate_table(
+                    seq_id, tokens, num_tokens, cache_salt, read_cache, plan
+                )
+        except NoFreeBlocks:
+            return None
+        return Allocation(plan, self._take_table_update(self._seqs[seq_id]), num_cached)
+
     def allocate(
         self,
         seq_id: SeqId,
@@ -125,10 +178,10 @@ class KVCacheManager:
         """Create the block table for a prompt; return how many leading tokens are cached.
 
         `tokens` is the sequence's `SequenceTokens` record (kept, not copied: the manager
-        reads ids from it and sets its `num_computed`), or plain ids for a record of its own.
-        Every token it holds gets a slot. The cached count is a whole number of blocks and
-        always leaves at least one token to compute, because the forward pass needs it to
-        produce the next-token logits. With a `cache_salt`, only blocks computed under the
+        reads ids from it), or plain ids for a record of its own. Every token it holds gets a
+        slot; the moves wait in `take_pending_plan`. The cached count is a whole number of
+        blocks and always leaves at least one token to compute, because the forward pass needs
+        it to produce the next-token logits. With a `cache_salt`, only blocks computed under the
         same salt are hits (and this sequence's blocks serve only that salt), so tenants
         cannot probe each other's prompts. With `read_cache` False nothing is read from the
         cache (a request that scores every prompt token must compute each); its blocks are
@@ -137,24 +190,44 @@ class KVCacheManager:
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id)
         record = tokens if isinstance(tokens, SequenceTokens) else SequenceTokens(seq_id, tokens)
-        if len(record) == 0:
+        return self._allocate_table(
+            seq_id, record, len(record), cache_salt, read_cache, self._pending
+        )
+
+    def _allocate_table(
+        self,
+        seq_id: SeqId,
+        record: SequenceTokens,
+        num_tokens: int,
+        cache_salt: str | None,
+        read_cache: bool,
+        plan: MemoryPlan,
+    ) -> int:
+        """A new table holding the record's first `num_tokens` tokens, its moves appended to
+        `plan`; the cached count."""
+        if num_tokens == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
+        if not 0 < num_tokens <= len(record):
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot hold {num_tokens} of its {len(record)} tokens"
+            )
         root = root_hash(cache_salt)
+        prompt = record.token_ids[:num_tokens]
         hits, hashes, num_tier_queries = (
-            self._find_cached_prefix(record.token_ids, root) if read_cache else ([], [], 0)
+            self._find_cached_prefix(prompt, root) if read_cache else ([], [], 0)
         )
         gpu_hits = [hit for hit in hits if isinstance(hit, Block)]
         host_hits = frozenset(hit for hit in hits if isinstance(hit, int))
-        num_blocks = self._blocks_for(len(record))
+        num_blocks = self._blocks_for(num_tokens)
         self._take(gpu_hits, num_blocks - len(gpu_hits))
-        new_blocks = iter(self._allocate(num_blocks - len(gpu_hits), self._pending, host_hits))
+        new_blocks = iter(self._allocate(num_blocks - len(gpu_hits), plan, host_hits))
         blocks = []
         for hit, block_hash in zip(hits, hashes, strict=True):
             if isinstance(hit, Block):
                 blocks.append(hit)
                 continue
             block = next(new_blocks)  # copied back from the host tier, cached as it arrives
-            self._pending.moves.append(BlockMove(MoveKind.SWAP_IN, hit, block.block_id))
+            plan.moves.append(BlockMove(MoveKind.SWAP_IN, hit, block.block_id))
             token_bytes = self._block_bytes(record.token_ids, len(blocks))
             self._pool.cache([block], [(block_hash, token_bytes)])
             blocks.append(block)
@@ -163,17 +236,18 @@ class KVCacheManager:
         self._tier.take(tier_hashes, num_tier_queries)
         num_cached = len(hits) * self.block_size
         if self.enable_prefix_caching and read_cache:
-            self._prefix_queried_tokens += len(record)
+            self._prefix_queried_tokens += num_tokens
             self._prefix_hit_tokens += num_cached
-        record.num_computed = num_cached
-        self._seqs[seq_id] = _Sequence(record, len(record), blocks, root, block_hashes=hashes)
+        self._seqs[seq_id] = _Sequence(
+            record, num_tokens, num_cached, blocks, root, block_hashes=hashes
+        )
         return num_cached
 
     def append(self, seq_id: SeqId, token_ids: Sequence[int]) -> MemoryPlan:
         """Add `token_ids` to the sequence and give them slots; return the copy-on-write plan.
 
         For a caller that keeps its own ids; an owner of the record who appended to it already
-        calls `grow` instead.
+        calls `allocate_slots` instead.
         """
         seq = self._resident(seq_id, "appending")
         tokens = token_array(seq_id, token_ids)
@@ -184,23 +258,9 @@ class KVCacheManager:
                 f"sequence {seq_id!r} has {len(seq.tokens) - seq.num_held} tokens without a "
                 "slot: grow it to them before appending more"
             )
-        plan = self._grow(seq, seq.num_held + len(tokens))
+        plan = self._grow(seq, seq.num_held + len(tokens), seq.num_held + len(tokens))
         seq.tokens.token_ids.extend(tokens)
         return plan
-
-    def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan:
-        """Give slots to the record's first `num_tokens` tokens; return the copy-on-write plan.
-
-        New blocks are taken only at block boundaries. When the last block is partly filled
-        and shared (after a fork), the sequence gets a private copy of it first.
-        """
-        seq = self._resident(seq_id, "growing")
-        if not seq.num_held <= num_tokens <= len(seq.tokens):
-            raise ValueError(
-                f"sequence {seq_id!r}: cannot hold {num_tokens} tokens, it holds "
-                f"{seq.num_held} of its {len(seq.tokens)}"
-            )
-        return self._grow(seq, num_tokens)
 
     def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens | None = None) -> None:
         """Give `child_id` the parent's blocks (shared, no copies), cache salt and tokens.
@@ -217,17 +277,17 @@ class KVCacheManager:
         if len(tokens) < held or tokens.token_ids[:held] != parent.tokens.token_ids[:held]:
             raise ValueError(f"sequence {child_id!r}: its tokens do not begin with its parent's")
         self._pool.touch(parent.blocks)
-        tokens.num_computed = parent.tokens.num_computed
         self._seqs[child_id] = _Sequence(
             tokens,
             held,
+            parent.num_computed,
             list(parent.blocks),
             parent.root_hash,
             block_hashes=list(parent.block_hashes),
         )
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Record that the KV of the first `num_tokens` tokens is written.
+        """Record that the KV of the first `num_tokens` tokens is written (the caller counts).
 
         Only now do the full blocks among them enter the prefix cache: a cache hit must never
         hand out a block whose KV is still to be computed. All or nothing: the new blocks are
@@ -239,10 +299,10 @@ class KVCacheManager:
                 f"sequence {seq_id!r}: cannot mark {num_tokens} tokens computed, "
                 f"it holds {seq.num_held}"
             )
-        if num_tokens <= seq.tokens.num_computed:
+        if num_tokens <= seq.num_computed:
             return
         new_blocks = self._hash_new_full_blocks(seq, num_tokens)
-        seq.tokens.num_computed = num_tokens
+        seq.num_computed = num_tokens
         first_new = len(seq.block_hashes)
         seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
         self._pool.cache(seq.blocks[first_new : first_new + len(new_blocks)], new_blocks)
@@ -250,11 +310,10 @@ class KVCacheManager:
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and release its blocks, tail first so chain tails evict first.
 
-        Its record keeps its ids and says no KV is computed any more.
+        Its record keeps its ids; the caller counts none of its KV computed any more.
         """
         seq = self._get(seq_id)
         del self._seqs[seq_id]
-        seq.tokens.num_computed = 0
         if seq.cpu_blocks is not None:
             # Reversed, so the next swap_out pops them in ascending order: consecutive CPU
             # blocks let the runner move a sequence with one contiguous copy.
@@ -332,7 +391,10 @@ class KVCacheManager:
         A runner that keeps each sequence's table applies `table[first:] = block_ids` instead
         of receiving the whole table every step; None when nothing changed.
         """
-        seq = self._resident(seq_id, "reading its table changes")
+        return self._take_table_update(self._resident(seq_id, "reading its table changes"))
+
+    @staticmethod
+    def _take_table_update(seq: _Sequence) -> tuple[int, list[int]] | None:
         first = seq.table_changed_from
         if first is None:
             return None
@@ -354,7 +416,7 @@ class KVCacheManager:
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         """Leading tokens whose KV is written (cached prefix included)."""
-        return self._get(seq_id).tokens.num_computed
+        return self._get(seq_id).num_computed
 
     def is_swapped_out(self, seq_id: SeqId) -> bool:
         """True while the sequence's blocks are in the CPU pool."""
@@ -448,7 +510,7 @@ class KVCacheManager:
                 if len({id(block) for block in seq.blocks}) != len(seq.blocks):
                     raise AssertionError(f"sequence {seq_id!r} holds a block twice")
                 expected_refs.update(block.block_id for block in seq.blocks)
-            num_computed = seq.tokens.num_computed
+            num_computed = seq.num_computed
             if not 0 <= num_computed <= seq.num_held:
                 raise AssertionError(f"sequence {seq_id!r} has {num_computed} computed tokens")
             if len(seq.block_hashes) > num_computed // self.block_size:
@@ -538,8 +600,14 @@ class KVCacheManager:
         start = index * self.block_size
         return token_ids[start : start + self.block_size].tobytes()
 
-    def _grow(self, seq: _Sequence, num_tokens: int) -> MemoryPlan:
-        """Slots up to `num_tokens`, copying a shared partial last block first; all or nothing."""
+    def _grow(self, seq: _Sequence, num_tokens: int, num_ids: int) -> MemoryPlan:
+        """Slots up to `num_tokens` of the `num_ids` the sequence has, copying a shared partial
+        last block first; all or nothing. New blocks are taken only at block boundaries."""
+        if not seq.num_held <= num_tokens <= num_ids:
+            raise ValueError(
+                f"sequence {seq.tokens.seq_id!r}: cannot hold {num_tokens} tokens, it holds "
+                f"{seq.num_held} of its {num_ids}"
+            )
         if num_tokens == seq.num_held:
             return MemoryPlan()
         last = seq.blocks[-1]

@@ -23,20 +23,18 @@ _SIGN_BYTE = BYTES_PER_TOKEN - 1 if sys.byteorder == "little" else 0
 
 
 class SequenceTokens:
-    """One sequence's token ids and how many of them have their KV written: the one record of both.
+    """One sequence's token ids: the one record of them, which nothing copies.
 
-    The engine's sequence owns it and appends each sampled token; `KVCacheManager.allocate` is
-    handed the same object and keeps no copy: it reads a block's ids from it to hash the block,
-    advances `num_computed` as KV is written and resets it when the KV is freed. The scheduler
-    reads `num_computed`, the detokenizer the ids. Ids are checked as they enter.
+    The engine's sequence owns it and appends each sampled token; `KVCacheManager` is handed
+    the same object and keeps no copy: it reads a block's ids from it to hash the block. The
+    detokenizer decodes from it. Ids are checked as they enter.
     """
 
-    __slots__ = ("seq_id", "token_ids", "num_computed")
+    __slots__ = ("seq_id", "token_ids")
 
     def __init__(self, seq_id: Hashable, token_ids: Sequence[int] = ()) -> None:
         self.seq_id = seq_id  # names the sequence in errors
         self.token_ids = token_array(seq_id, token_ids)
-        self.num_computed = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -46,10 +44,9 @@ class SequenceTokens:
         self.token_ids.extend(token_array(self.seq_id, token_ids))
 
     def copy(self, seq_id: Hashable) -> SequenceTokens:
-        """A record of the same ids and computed count for another sequence (a fork)."""
+        """A record of the same ids for another sequence (a fork)."""
         twin = SequenceTokens(seq_id)
         twin.token_ids = array(TOKEN_TYPECODE, self.token_ids)
-        twin.num_computed = self.num_computed
         return twin
 
 

@@ -1,10 +1,38 @@
-"""The names of what a model may keep its weights as, importable without torch.
+"""What a model may keep its weights as, and what a setting means where it runs: importable
+without torch.
 
-`EngineArgs` validates `quantization` with them, and the simulator imports `EngineArgs`
-without torch; `assemble.build_model` says what each one means.
+`resolve_quantization` is the one place `quantization` is interpreted: `EngineArgs` checks it
+with the engine's device and rank count, and `weights.load` resolves it once for the model it
+builds; the layers only do what the resolved value says (`assemble.build_model`).
 """
 
 from __future__ import annotations
 
 SCHEMES = ("int8", "int4")  # quantise every projection on load, whatever the checkpoint
 QUANTIZATIONS = ("auto", "none", *SCHEMES)
+
+
+def resolve_quantization(quantization: str, device: object, tensor_parallel_size: int = 1) -> str:
+    """What `quantization` means on `device` (a name or a torch.device) across ranks.
+
+    "auto" keeps a GGUF file's quantised blocks on one CPU rank only: there are no GPU kernels
+    for them yet, and quantised weights are not sharded, so elsewhere it is "none". int8 or
+    int4 off the CPU or under tensor parallelism, or an unknown name, is an error naming why.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    on_cpu = str(device).split(":")[0] == "cpu"
+    if quantization in SCHEMES and not on_cpu:
+        raise ValueError(
+            f"quantization {quantization!r} runs on the CPU only (there are no GPU kernels for "
+            "quantised weights yet); use quantization 'none' on a GPU"
+        )
+    if quantization in SCHEMES and tensor_parallel_size > 1:
+        raise ValueError(
+            f"quantization {quantization!r} cannot be combined with tensor_parallel_size "
+            f"{tensor_parallel_size}: quantised weights are not sharded (use quantization "
+            "'none'; 'auto' loads float weights under it)"
+        )
+    if quantization == "auto" and (not on_cpu or tensor_parallel_size > 1):
+        return "none"
+    return quantization

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 
 from pagedkv.engine.sched.scheduler import KVMemory
 from pagedkv.memory import (
+    Allocation,
     KVCacheManager,
     MemoryPlan,
     NoContiguousSpace,
-    NoFreeBlocks,
     SlabAllocator,
 )
 from pagedkv.memory.tokens import SequenceTokens
@@ -247,49 +247,41 @@ class SlabMemory:
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._slabs
 
-    def allocate(
+    def allocate_slots(
         self,
         seq_id: SeqId,
         tokens: SequenceTokens,
+        num_tokens: int,
+        *,
         cache_salt: str | None = None,
         read_cache: bool = True,
-    ) -> int:
-        """Reserve the sample's slab and write its prompt; no prefix is ever cached (so
-        `read_cache` changes nothing)."""
-        size = self._reservation(seq_id[0])
-        try:
-            offset = self.allocator.reserve(seq_id, size)
-        except NoContiguousSpace:
-            raise NoFreeBlocks(-(-size // self.block_size), self.num_free_blocks) from None
-        self.allocator.write(seq_id, len(tokens))
-        tokens.num_computed = 0
-        self._slabs[seq_id] = _SlabSeq(offset, size, len(tokens), tokens)
-        return 0
-
-    def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan:
-        slab = self._slabs[seq_id]
-        self.allocator.write(seq_id, num_tokens - slab.num_tokens)
-        slab.num_tokens = num_tokens
-        return MemoryPlan()
+    ) -> Allocation | None:
+        """A new sample's slab is reserved (None when no hole fits it) and its prompt written;
+        a held one writes its tokens into its slab. No prefix is ever cached (so `read_cache`
+        changes nothing); the slab's span is reported once and never moves."""
+        slab = self._slabs.get(seq_id)
+        if slab is None:
+            size = self._reservation(seq_id[0])
+            try:
+                offset = self.allocator.reserve(seq_id, size)
+            except NoContiguousSpace:
+                return None
+            slab = self._slabs[seq_id] = _SlabSeq(offset, size, 0)
+        if num_tokens > slab.num_tokens:
+            self.allocator.write(seq_id, num_tokens - slab.num_tokens)
+            slab.num_tokens = num_tokens
+        table_update = None
+        if not slab.table_reported:
+            slab.table_reported = True
+            table_update = (0, self.block_table(seq_id))
+        return Allocation(MemoryPlan(), table_update)
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
-        self._slabs[seq_id].tokens.num_computed = num_tokens
+        """Nothing to record: a slab has no prefix cache."""
 
     def free(self, seq_id: SeqId) -> None:
         self.allocator.release(seq_id)
-        self._slabs.pop(seq_id).tokens.num_computed = 0
-
-    def take_pending_plan(self) -> MemoryPlan:
-        """Nothing: a slab has no prefix cache, so no host tier either."""
-        return MemoryPlan()
-
-    def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None:
-        """The slab's span once, when first asked: it never moves."""
-        slab = self._slabs[seq_id]
-        if slab.table_reported:
-            return None
-        slab.table_reported = True
-        return 0, self.block_table(seq_id)
+        del self._slabs[seq_id]
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The blocks' worth of address space the slab spans."""
@@ -297,9 +289,6 @@ class SlabMemory:
         return list(
             range(slab.offset // self.block_size, -(-(slab.offset + slab.size) // self.block_size))
         )
-
-    def num_tokens(self, seq_id: SeqId) -> int:
-        return self._slabs[seq_id].num_tokens
 
     def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None:
         raise NotImplementedError("a slab reserves every sample at admission: it never forks")
@@ -313,13 +302,12 @@ class SlabMemory:
 
 @dataclass
 class _SlabSeq:
-    """Where a sample's slab is, the tokens written in it (the allocator's count, read in
-    O(1)), and the sample's own record, whose computed count the slab keeps."""
+    """Where a sample's slab is and the tokens written in it (the allocator's count, read in
+    O(1))."""
 
     offset: int
     size: int
     num_tokens: int
-    tokens: SequenceTokens
     table_reported: bool = False
 
 

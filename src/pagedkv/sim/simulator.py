@@ -4,9 +4,10 @@ Each step, requests that have arrived join the scheduler's waiting queue; then
 `Scheduler.schedule()` picks the step's work exactly as the engine's does (one token budget,
 chunked prefill, preemption of the newest request by recompute when a block cannot be had,
 admission in order while the watermark allows); the simulator plays the model, giving every
-sample whose chunk ends its tokens one made-up token; and `Scheduler.update()` records the
-step as the engine's does (tokens computed, forks, finished samples freed). A request's first
-token comes from the step that computes its prompt's last token. A slab never preempts: its
+sample whose chunk ends its tokens one made-up token (a `ModelRunnerOutput`, as the engine's
+executor makes); and `Scheduler.update()` records the step as the engine's does (tokens
+computed, forks, finished samples freed). A request's first token comes from the step that
+computes its prompt's last token. A slab never preempts: its
 reservation covers the request's whole life. The pool is measured while the step runs, before
 finished requests free their memory.
 """
@@ -22,11 +23,14 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.request import Request, Sequence
-from pagedkv.engine.sched.scheduler import SampleRow, Scheduler
+from pagedkv.engine.sched.config import SchedulerConfig
+from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
+from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.sim.memory_map import MemoryMap
 from pagedkv.sim.schemes import MemoryState, Scheme
 from pagedkv.sim.workloads import WorkloadRequest
+from pagedkv.worker.step import SchedulerOutput
 
 # The engine's default token budget of one step.
 MAX_NUM_BATCHED_TOKENS = EngineArgs.max_num_batched_tokens
@@ -105,9 +109,7 @@ def simulate(
         _check_servable(request, scheme, max_running)
     scheduler = Scheduler(
         scheme.memory,
-        max_num_seqs=max_running,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        preemption_mode="recompute",
+        SchedulerConfig(max_num_seqs=max_running, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS),
     )
     model = _MadeUpModel(scheme)
     pending = deque(sorted(requests, key=lambda request: request.arrival_step))
@@ -140,10 +142,10 @@ def simulate(
             peak_held_step = step
         if step == snapshot_step:
             memory_map = scheme.memory_map(step)
-        generated = model.generated
-        scheduler.update(output, new_sample=model.new_sample, sample=model.sample)
+        result = model.sample(output, scheduler.running)
+        scheduler.update(output, result)
         if on_step is not None:
-            on_step(model.generated - generated)
+            on_step(len(result.sampled))
         step += 1
     return SimResult(
         scheme=scheme.name,
@@ -171,7 +173,6 @@ class _MadeUpModel:
 
     def __init__(self, scheme: Scheme) -> None:
         self.scheme = scheme
-        self.generated = 0
         self.finished = 0
         self.final_tokens = 0
         self.final_held = 0
@@ -183,35 +184,45 @@ class _MadeUpModel:
         the scheme forks them once the prompt is computed."""
         request_id = str(request.req_id)
         prompt = self._prompt_ids(request)
-        num_samples = 1 if self.scheme.forks else request.n
+        samples = [_sequence(request_id, index, prompt) for index in range(request.n)]
+        num_forks = request.n - 1 if self.scheme.forks else 0
         return Request(
             request_id=request_id,
             prompt=None,
             prompt_token_ids=prompt,
             params=SamplingParams(n=request.n, max_tokens=request.max_tokens, ignore_eos=True),
-            max_tokens=request.max_tokens,
-            sequences=[_sequence(request_id, index, prompt) for index in range(num_samples)],
+            # The engine's stop: a sample ends after the workload's output length.
+            max_tokens=request.output_len,
+            sequences=samples[: request.n - num_forks],
+            forks=samples[request.n - num_forks :],
             metrics=RequestMetrics(arrival_time=request.arrival_step),
-            forked=num_samples == request.n,
         )
 
-    def new_sample(self, request: Request, index: int) -> Sequence:
-        """A forked sample: the prompt's tokens, shared until it writes its own."""
-        return _sequence(request.request_id, index, request.prompt_token_ids)
-
-    def sample(self, rows: list[SampleRow]) -> None:
-        """One made-up token per row; samples stop at the request's output length."""
-        for row in rows:
-            row.seq.token_ids.append(next(self._fresh_ids))
-            if row.seq.num_output_tokens == self.scheme.requests[row.request.request_id].output_len:
-                row.seq.finish_reason = "length"
-        self.generated += len(rows)
-        for request in dict.fromkeys(row.request for row in rows):
-            if request.all_samples_finished:
-                tokens, held = self.scheme.footprint(self.scheme.requests[request.request_id])
+    def sample(self, output: SchedulerOutput, running: list[Request]) -> ModelRunnerOutput:
+        """One made-up token per sample that draws one. A request whose every sample ends
+        with it has its footprint taken first, while it still holds its memory."""
+        by_id = {request.request_id: request for request in running}
+        result = ModelRunnerOutput()
+        drawing: dict[str, list[Sequence]] = {}
+        for chunk in output.chunks:
+            if chunk.sample:
+                request = by_id[chunk.seq_id[0]]
+                drawing.setdefault(request.request_id, []).extend(
+                    request.samples_drawing(chunk.seq_id[1])
+                )
+        for request_id, seqs in drawing.items():
+            for seq in seqs:
+                result.sampled[seq.seq_id] = SampledToken(next(self._fresh_ids))
+            request = by_id[request_id]
+            if all(
+                seq in seqs and seq.num_output_tokens + 1 >= request.max_tokens
+                for seq in [*request.live_sequences, *request.forks]
+            ):
+                tokens, held = self.scheme.footprint(self.scheme.requests[request_id])
                 self.final_tokens += tokens
                 self.final_held += held
                 self.finished += 1
+        return result
 
     def _prompt_ids(self, request: WorkloadRequest) -> list[int]:
         prefix: list[int] = []

@@ -23,8 +23,9 @@ from pagedkv.model.errors import MalformedModelFile, MissingTensor, TensorShapeM
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.registry import ARCHITECTURES
+from pagedkv.parallel.group import building_group
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.schemes import QUANTIZATIONS, SCHEMES
+from pagedkv.quant.schemes import resolve_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,12 +69,14 @@ def build_model(
 
     Each tensor is checked against the shape `config` implies and converted on arrival, so at
     most one source tensor is held beside the model; `source` names the weights in errors.
-    A tensor may arrive quantised (a GGUF file's blocks); `quantization` says what the model
-    keeps: "none" float weights, "auto" quantised tensors as they came, "int8"/"int4" every
-    projection and the embedding table in that layout (see `Linear.quantize`).
+    A tensor may arrive quantised (a GGUF file's blocks); `quantization`, as
+    `quant.schemes.resolve_quantization` resolves it for `device` and the ranks being built,
+    says what the model keeps: "none" float weights, "auto" quantised tensors as they came,
+    "int8"/"int4" every projection and the embedding table in that layout (see
+    `Linear.quantize`).
     """
     dtype = resolve_dtype(dtype)
-    quantization = effective_quantization(quantization, device)
+    quantization = resolve_quantization(quantization, device, building_group().size)
     model_class = ARCHITECTURES[config.architecture].model_class()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -139,20 +142,6 @@ def checkpoint_state(model: DecoderModel) -> dict[str, Tensor]:
     """The model's weights under their checkpoint names, fused projections split into their
     parts: what a Hugging Face checkpoint of this model holds (views, not copies)."""
     return {name: slot.read() for name, slot in checkpoint_slots(model).items()}
-
-
-def effective_quantization(quantization: str, device: torch.device | str) -> str:
-    """What `quantization` means on `device`: "auto" keeps a file's quantised blocks on the
-    CPU only (there are no GPU kernels for them yet), so elsewhere it is "none"; asking for
-    int8 or int4 off the CPU, or an unknown scheme, is an error."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization in SCHEMES and torch.device(device).type != "cpu":
-        raise ValueError(
-            f"quantization {quantization!r} runs on the CPU only (there are no GPU kernels for "
-            "quantised weights yet); use quantization 'none' on a GPU"
-        )
-    return "none" if quantization == "auto" and torch.device(device).type != "cpu" else quantization
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -30,8 +30,9 @@ from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import ConvertTargetExists
+from pagedkv.parallel.group import building_group
+from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
-from pagedkv.weights.assemble import effective_quantization
 from pagedkv.weights.gguf.convert import convert_gguf
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.hf_folder import load_model
@@ -83,7 +84,7 @@ def load(
             pull(name, progress=progress)
             seconds["pull"] = _lap(started)
         path = gguf_path(name)
-        if effective_quantization(quantization, device) != "auto":
+        if resolve_quantization(quantization, device, building_group().size) != "auto":
             convert_started = time.perf_counter()
             fresh = not (model_dir(name) / CONVERTED_FOLDER).is_dir()
             path = converted_folder(name, progress=progress)

@@ -1,5 +1,9 @@
 """How many KV blocks the engine gets: given, from a byte budget, or from free memory.
 
+`kv_budget` resolves the cache settings once into a `KVCacheConfig` (block counts of every
+pool, what a block stores and its bytes), which the engine hands whole to both the memory
+manager and the cache tensors (`kv_pool`).
+
 On a GPU the pool is what `gpu_memory_utilization` of the device leaves after the weights
 and the activation peak of the largest step (measured by one forward pass), as vLLM sizes
 it. On a CPU the pool takes half the available memory, at most `CPU_KV_CACHE_BYTES` (vLLM's
@@ -22,6 +26,7 @@ from pagedkv.kvmath.capacity import blocks_in_pool, max_concurrency
 from pagedkv.kvmath.spec import KVSpec, format_bytes
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.worker.kv_cache import KVCache, kv_cache_torch_dtype, kv_dtype_name, kv_spec
+from pagedkv.worker.kv_request import PoolRequest
 
 CPU_KV_CACHE_BYTES = 4 << 30
 GIB = 1 << 30
@@ -32,20 +37,29 @@ class KVCacheTooSmallForModel(ValueError):
 
 
 @dataclass(frozen=True)
-class KVBudget:
-    """Block counts of the device pool and the CPU swap pool, what a block stores and its
-    bytes."""
+class KVCacheConfig:
+    """The KV cache, resolved once: tokens per block, block counts of the device pool, the CPU
+    swap pool and the prefix cache's host tier (`num_offload_blocks`, 0: none), what a block
+    stores and its bytes."""
 
+    block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    num_offload_blocks: int
     bytes_per_block: int
     kv_dtype: torch.dtype  # what K/V are stored as: the model's dtype or fp8
     spec: KVSpec  # the arithmetic the counts came from (one rank's under tensor parallelism)
     tensor_parallel_size: int = 1  # ranks that each hold every block (their heads of it)
 
-    def describe(self, block_size: int, max_model_len: int) -> str:
+    @property
+    def kv_dtype_name(self) -> str:
+        """What blocks store, as reports name it (`float32`, `fp8_e4m3`, ...)."""
+        return kv_dtype_name(self.kv_dtype)
+
+    def describe(self, max_model_len: int) -> str:
         """vLLM-style start-up line: pool size, KV dtype, and how many full-length requests
         fit (whole blocks each, as `pagedkv plan` counts them)."""
+        block_size = self.block_size
         tokens = self.num_gpu_blocks * block_size
         gib = self.num_gpu_blocks * self.bytes_per_block / GIB
         fit = max_concurrency(self.spec, self.num_gpu_blocks, max_model_len, block_size)
@@ -53,41 +67,34 @@ class KVBudget:
         on_each_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
-            f"of {kv_dtype_name(self.kv_dtype)} ({gib:.2f} GiB, "
+            f"of {self.kv_dtype_name} ({gib:.2f} GiB, "
             f"{format_bytes(self.bytes_per_block)} per block){on_each_rank}; max concurrency at "
             f"max_model_len ({max_model_len} tokens): {fit} requests"
         )
 
 
-@dataclass(frozen=True)
-class PoolRequest:
-    """What the pool sizing is told: an explicit size, or a budget to derive one from.
-
-    `num_gpu_blocks` wins, then `kv_cache_memory` (bytes); otherwise the device's free memory
-    (`gpu_memory_utilization` on CUDA, less the activation peak of a step of
-    `max_num_batched_tokens` prompt tokens in sequences of `max_model_len`) or, on a CPU,
-    half the available host memory capped at `CPU_KV_CACHE_BYTES`. `kv_cache_dtype` (vLLM's
-    values) says what a block stores.
-    """
-
-    block_size: int
-    swap_space_gb: float
-    num_gpu_blocks: int | None
-    kv_cache_memory: int | None
-    gpu_memory_utilization: float
-    max_num_batched_tokens: int
-    max_model_len: int
-    kv_cache_dtype: str = "auto"
-
-
-def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
+def kv_budget(request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
     """Size the pools for `model` (its config, dtype and device) as `request` says."""
     kv_dtype = kv_cache_torch_dtype(request.kv_cache_dtype, model.dtype)
     spec = kv_spec(model, kv_dtype)
-    per_block = spec.bytes_per_block(request.block_size)
-    num_cpu_blocks = blocks_in_pool(spec, int(request.swap_space_gb * GIB), request.block_size)
+    block_size = request.block_size
+    per_block = spec.bytes_per_block(block_size)
+    num_cpu_blocks = blocks_in_pool(spec, int(request.swap_space_gb * GIB), block_size)
+    num_offload_blocks = int(request.kv_offloading_size * GIB) // per_block
+
+    def config(num_gpu_blocks: int) -> KVCacheConfig:
+        return KVCacheConfig(
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            num_offload_blocks,
+            per_block,
+            kv_dtype,
+            spec,
+        )
+
     if request.num_gpu_blocks is not None:
-        return KVBudget(request.num_gpu_blocks, num_cpu_blocks, per_block, kv_dtype, spec)
+        return config(request.num_gpu_blocks)
     if request.kv_cache_memory is not None:
         memory = request.kv_cache_memory
     elif model.device.type == "cuda":
@@ -101,22 +108,19 @@ def kv_budget(request: PoolRequest, model: DecoderModel) -> KVBudget:
             f"{format_bytes(per_block)} (block_size {request.block_size}): lower block_size or "
             "give more memory"
         )
-    return KVBudget(num_blocks, num_cpu_blocks, per_block, kv_dtype, spec)
+    return config(num_blocks)
 
 
-def kv_pool(
-    model: DecoderModel, budget: KVBudget, block_size: int, offloading_gib: float
-) -> KVCache:
-    """The pool `budget` sizes, on the model's device: the swap space's blocks followed by
-    `offloading_gib` of host-tier blocks in the one CPU tensor (split, not shared: see
+def kv_pool(model: DecoderModel, config: KVCacheConfig) -> KVCache:
+    """The cache tensors `config` sizes, on the model's device: the swap space's blocks
+    followed by the host tier's in the one CPU tensor (split, not shared: see
     memory/host_tier.py)."""
-    num_offload_blocks = int(offloading_gib * GIB) // budget.bytes_per_block
     return KVCache.for_model(  # the model's device; its dtype or fp8
         model,
-        block_size=block_size,
-        num_blocks=budget.num_gpu_blocks,
-        num_cpu_blocks=budget.num_cpu_blocks + num_offload_blocks,
-        dtype=budget.kv_dtype,
+        block_size=config.block_size,
+        num_blocks=config.num_gpu_blocks,
+        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks,
+        dtype=config.kv_dtype,
     )
 
 

@@ -5,14 +5,15 @@ The scheduler decides; the runner owns the model and the KV cache tensors and do
 plan (copy-on-write copies and swaps, as one ordered plan), then one flat forward pass over
 every scheduled chunk, then return the logits of the rows each chunk asks for
 (`ScheduledChunk.num_logits`: the sampling rows, and prompt rows scored for prompt logprobs;
-only those go through the LM head). It keeps each running
-sequence's block table and receives only changes to it (`ScheduledChunk.table_update`), not
-every table every step.
+only those go through the LM head), with each chunk's rows of them (`StepLogits`). It keeps
+each running sequence's block table and receives only changes to it
+(`ScheduledChunk.table_update`), not every table every step.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,6 +22,15 @@ from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """A step's float32 logits and, per chunk in order, its rows of them (computed once, where
+    the batch is built). `logits` is None when no chunk asked for any."""
+
+    logits: Tensor | None
+    rows: tuple[range, ...]
 
 
 class ModelRunner:
@@ -36,10 +46,8 @@ class ModelRunner:
         self.model_seconds = 0.0  # time inside the model's forward alone
         self.last_num_seqs = 0  # sequences in the last forward pass (0: the step ran none)
 
-    def execute(self, output: SchedulerOutput) -> Tensor | None:
-        """Run the plan and the forward pass; float32 logits of the rows the chunks ask for,
-        in chunk order. None when no chunk asks for any (e.g. only prompt chunks mid-prompt).
-        """
+    def execute(self, output: SchedulerOutput) -> StepLogits:
+        """Run the plan and the forward pass; the logits of the rows the chunks ask for."""
         started = time.perf_counter()
         for seq_id in output.dropped:
             self.block_tables.pop(seq_id, None)
@@ -47,7 +55,7 @@ class ModelRunner:
         if not output.chunks:
             self.forward_seconds += time.perf_counter() - started
             self.last_num_seqs = 0
-            return None
+            return StepLogits(None, ())
         batch = ForwardBatch.build(
             [
                 SequenceInput(
@@ -65,7 +73,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.forward_seconds += time.perf_counter() - started
-        return logits if logits.shape[0] else None
+        return StepLogits(logits if logits.shape[0] else None, batch.host_logits_rows)
 
     def _table(self, chunk: ScheduledChunk) -> list[int]:
         """The chunk's sequence's block table, with this step's update applied."""

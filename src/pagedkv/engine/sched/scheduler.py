@@ -12,14 +12,15 @@ there are no separate prefill and decode phases. Each step:
    watermark of free blocks (so admitting does not force a preemption on the next decode).
    A new request whose structured-output grammar still compiles waits apart (`compiling`)
    and joins the waiting queue once it is ready, so it holds up no one behind it.
-After the runner has computed the step, `update` records it: marks the chunks computed, forks
-the samples of prompts that just finished, has the caller sample (the engine from logits, the
-simulator by making tokens up), then frees finished samples and retires finished requests.
+After the step has run, `update` consumes what it produced (`ModelRunnerOutput`: the tokens
+the engine sampled from logits, or the simulator made up) and calls nobody back: it counts the
+chunks computed, forks the samples of prompts that just finished, appends each sampled token
+and applies the stops, then frees finished samples and retires finished requests.
 The memory (`KVMemory`: the paged `KVCacheManager`, or the simulator's slab) decides where
-tokens live; every move it plans goes into one ordered `MemoryPlan` the runner executes before
-the forward pass. A sequence's tokens and computed count are its `SequenceTokens` record,
-which the memory shares: the scheduler reads them there and asks the memory for nothing per
-step but slots. The runner keeps the block tables; each chunk carries only the change to its
+tokens live. The scheduler asks it for slots chunk by chunk (`allocate_slots`, None when they
+do not fit) and every move it plans goes into one ordered `MemoryPlan` the runner executes
+before the forward pass. The scheduler owns each sequence's computed count and tells the memory
+(`mark_computed`). The runner keeps the block tables; each chunk carries only the change to its
 sequence's table, and `dropped` names the tables to forget. `SchedulerOutput` is plain data.
 """
 
@@ -27,15 +28,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedkv.engine.request import Request, RequestStatus, Sequence
-from pagedkv.engine.sched.policy import FCFSPolicy, SchedulingPolicy
-from pagedkv.memory import MemoryPlan, NoFreeBlocks
+from pagedkv.engine.sched.config import SchedulerConfig
+from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
+from pagedkv.engine.sched.policy import make_policy
+from pagedkv.engine.stops import apply_stops
+from pagedkv.memory import Allocation, MemoryPlan
 from pagedkv.memory.tokens import SequenceTokens
-from pagedkv.worker.step import PreemptionMode, ScheduledChunk, SchedulerOutput
+from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 
 # Blocks kept free when admitting, as a share of the pool (at least one block).
 WATERMARK_FRACTION = 0.01
@@ -49,20 +52,12 @@ class Scheduler:
     """Queues of requests over one `KVMemory`; `schedule()` builds each step, `update()`
     records what the runner computed."""
 
-    def __init__(
-        self,
-        manager: KVMemory,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        preemption_mode: PreemptionMode,
-        policy: SchedulingPolicy | None = None,
-    ) -> None:
+    def __init__(self, manager: KVMemory, config: SchedulerConfig) -> None:
         self.manager = manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.preemption_mode = preemption_mode
-        self.policy = policy or FCFSPolicy()
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.preemption_mode = config.preemption_mode
+        self.policy = make_policy(config.policy)
         self.watermark_blocks = max(1, int(manager.num_gpu_blocks * WATERMARK_FRACTION))
         self.waiting = self.policy.new_queue()
         self.running: list[Request] = []  # in admission order
@@ -99,6 +94,7 @@ class Scheduler:
         """Release one sample's blocks (GPU or CPU) if it holds any."""
         if seq.seq_id in self.manager:
             self.manager.free(seq.seq_id)
+            seq.num_computed = 0
             self._dropped.append(seq.seq_id)
 
     def has_unfinished(self) -> bool:
@@ -140,37 +136,31 @@ class Scheduler:
             self.compiling.remove(request)
             self.waiting.add(request)
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        *,
-        new_sample: Callable[[Request, int], Sequence],
-        sample: Callable[[list[SampleRow]], None],
-    ) -> list[Request]:
-        """Record a computed step; return the requests that sampled, in chunk order.
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Record an executed step; return the requests that sampled, in chunk order.
 
-        `new_sample(request, index)` makes sample `index` of a request whose prompt just
-        finished (its blocks are then shared with sample 0's). `sample(rows)` appends each
-        row's next token to its sequence and sets `finish_reason` where the sample stops.
-        Finished samples free their blocks; a request whose samples all finished leaves the
-        scheduler (status FINISHED).
+        Each chunk's tokens are counted computed (their full blocks may enter the prefix
+        cache); a prompt that just finished forks its other samples (they share its blocks);
+        each sampled token is appended and the stops applied. Finished samples free their
+        blocks; a request whose samples all finished leaves the scheduler (status FINISHED).
         """
-        for chunk in output.chunks:
-            self.manager.mark_computed(chunk.seq_id, chunk.num_computed + len(chunk.token_ids))
         running = {request.request_id: request for request in self.running}
-        rows: list[SampleRow] = []
         touched: dict[str, Request] = {}
-        for row, chunk in _sampling_rows(output.chunks):
+        for chunk in output.chunks:
             request = running[chunk.seq_id[0]]
-            if not request.forked:  # all n samples start from the prompt's logits
-                self._fork(request, new_sample)
-                rows.extend(SampleRow(row, request, seq) for seq in request.sequences)
-            else:
-                rows.append(SampleRow(row, request, request.sequences[chunk.seq_id[1]]))
-            touched[request.request_id] = request
-        if not rows:
-            return []
-        sample(rows)
+            seq = request.sequences[chunk.seq_id[1]]
+            seq.num_computed = chunk.num_computed + len(chunk.token_ids)
+            self.manager.mark_computed(seq.seq_id, seq.num_computed)
+            if chunk.sample:
+                touched[request.request_id] = request
+        for request_id, entries in result.prompt_logprobs.items():
+            running[request_id].prompt_logprobs.extend(entries)
+        for request in touched.values():
+            if not request.forked:  # all n samples drew from the prompt's logits
+                self._fork(request)
+        for seq_id, sampled in result.sampled.items():
+            request = touched[seq_id[0]]
+            _append(request, request.sequences[seq_id[1]], sampled)
         for request in touched.values():
             for seq in request.sequences:
                 if seq.finished:
@@ -179,14 +169,14 @@ class Scheduler:
                 self.remove(request)
         return list(touched.values())
 
-    def _fork(self, request: Request, new_sample: Callable[[Request, int], Sequence]) -> None:
+    def _fork(self, request: Request) -> None:
         """The prompt is computed: samples 1..n-1 share sample 0's blocks."""
         first = request.sequences[0]
-        for index in range(1, request.params.n):
-            seq = new_sample(request, index)
+        for seq in request.forks:
             self.manager.fork(first.seq_id, seq.seq_id, seq.tokens)
+            seq.num_computed = first.num_computed
             request.sequences.append(seq)
-        request.forked = True
+        request.forks = []
 
     def _schedule_running(self, request: Request, step: _Step) -> None:
         chunks: list[ScheduledChunk] = []
@@ -197,16 +187,13 @@ class Scheduler:
             num_new = min(num_new, step.budget)
             if num_new <= 0:
                 continue
-            while True:
-                try:
-                    chunks.append(self._chunk(request, seq, num_new, step.output.plan))
-                    break
-                except NoFreeBlocks:
-                    victim = self.policy.victim(self.running)
-                    self._preempt(victim, step)
-                    if victim is request:
-                        step.budget += sum(len(chunk.token_ids) for chunk in chunks)
-                        return
+            while (allocation := self._allocate(seq, num_new)) is None:
+                victim = self.policy.victim(self.running)
+                self._preempt(victim, step)
+                if victim is request:
+                    step.budget += sum(len(chunk.token_ids) for chunk in chunks)
+                    return
+            chunks.append(self._chunk(request, seq, num_new, allocation, step.output.plan))
             step.budget -= num_new
         step.num_seqs += len(chunks)
         step.output.chunks.extend(chunks)
@@ -217,37 +204,36 @@ class Scheduler:
             return False
         for seq in request.live_sequences:
             step.output.plan.extend(self.manager.swap_in(seq.seq_id))
-        self._start(request, step)
+        self._start(request, step, [])
         return True
 
     def _try_admit(self, request: Request, step: _Step) -> bool:
         """Allocate a waiting request's blocks if they fit with the watermark; schedule it."""
         if not self._fits(request, step):
             return False
-        allocated: list[Sequence] = []
-        try:
-            for seq in request.live_sequences:
-                num_cached = self.manager.allocate(
-                    seq.seq_id,
-                    seq.tokens,
-                    cache_salt=request.cache_salt,
-                    read_cache=not request.scores_prompt,
-                )
-                allocated.append(seq)
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.num_cached_tokens = num_cached
-        except NoFreeBlocks:
-            for seq in allocated:
-                self.free_sequence(seq)
-            return False
-        finally:
-            # Host-tier saves and copy-backs of the allocations run first in this step (even
-            # after a failure: saved blocks are registered in the tier, and copies into the
-            # freed blocks match what the prefix cache says they hold).
-            step.output.plan.extend(self.manager.take_pending_plan())
+        allocations: list[Allocation] = []
+        for seq in request.live_sequences:
+            allocation = self.manager.allocate_slots(
+                seq.seq_id,
+                seq.tokens,
+                len(seq.tokens),
+                cache_salt=request.cache_salt,
+                read_cache=not request.scores_prompt,
+            )
+            if allocation is None:
+                # Host-tier saves and copy-backs of the allocations made still run in this
+                # step: saved blocks are registered in the tier, and copies into the freed
+                # blocks match what the prefix cache says they hold.
+                for done, made in zip(request.live_sequences, allocations, strict=False):
+                    step.output.plan.extend(made.plan)
+                    self.free_sequence(done)
+                return False
+            seq.num_computed = allocation.num_cached
+            allocations.append(allocation)
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()
-        self._start(request, step)
+            request.metrics.num_cached_tokens = allocations[-1].num_cached
+        self._start(request, step, allocations)
         return True
 
     def _fits(self, request: Request, step: _Step) -> bool:
@@ -261,30 +247,40 @@ class Scheduler:
             and needed + self._watermark() <= self.manager.num_free_blocks
         )
 
-    def _start(self, request: Request, step: _Step) -> None:
-        """A request that just got its blocks runs from this step on."""
+    def _start(self, request: Request, step: _Step, allocations: list[Allocation]) -> None:
+        """A request that just got its blocks runs from this step on: every live sample gets
+        a chunk now (its `allocations` when it was just admitted, one per sample)."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._schedule_new(request, step)
-
-    def _schedule_new(self, request: Request, step: _Step) -> None:
-        """Chunks for a request that just got its blocks; they fit by the caller's check."""
-        for seq in request.live_sequences:
-            num_new = min(self._num_to_compute(seq), step.budget)
-            if num_new <= 0:
-                break
-            step.output.chunks.append(self._chunk(request, seq, num_new, step.output.plan))
+        seqs = request.live_sequences
+        for index, seq in enumerate(seqs):
+            # The caller checked a token per sample fits: keep one for each sample after this.
+            num_new = min(self._num_to_compute(seq), step.budget - (len(seqs) - 1 - index))
+            allocation = allocations[index] if allocations else self._allocate(seq, num_new)
+            assert allocation is not None, "the caller checked that the request's blocks fit"
+            step.output.chunks.append(
+                self._chunk(request, seq, num_new, allocation, step.output.plan)
+            )
             step.budget -= num_new
             step.num_seqs += 1
 
+    def _allocate(self, seq: Sequence, num_new: int) -> Allocation | None:
+        """Slots for a held sample's next `num_new` tokens (None: the pool cannot hold them)."""
+        return self.manager.allocate_slots(seq.seq_id, seq.tokens, seq.num_computed + num_new)
+
     def _chunk(
-        self, request: Request, seq: Sequence, num_new: int, plan: MemoryPlan
+        self,
+        request: Request,
+        seq: Sequence,
+        num_new: int,
+        allocation: Allocation,
+        plan: MemoryPlan,
     ) -> ScheduledChunk:
-        """Make the memory hold the chunk's tokens (may raise NoFreeBlocks) and describe it."""
-        num_computed = seq.tokens.num_computed
+        """The chunk of a sample's next `num_new` tokens, whose slots `allocation` made (its
+        moves join the step's plan)."""
+        plan.extend(allocation.plan)
+        num_computed = seq.num_computed
         end = num_computed + num_new
-        if end > self.manager.num_tokens(seq.seq_id):
-            plan.extend(self.manager.grow(seq.seq_id, end))
         sample = end == len(seq.tokens)
         # Rows that score prompt tokens not scored yet (a recompute never scores them twice).
         num_prompt = len(request.prompt_token_ids)
@@ -297,7 +293,7 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[num_computed:end].tolist(),
             num_computed=num_computed,
-            table_update=self.manager.take_table_update(seq.seq_id),
+            table_update=allocation.table_update,
             sample=sample,
             num_logits=num_new if scores_prompt else int(sample),
         )
@@ -320,6 +316,7 @@ class Scheduler:
             return
         for seq in seqs:
             self.manager.free(seq.seq_id)
+            seq.num_computed = 0
             step.output.dropped.append(seq.seq_id)
         request.status = RequestStatus.WAITING
         self.waiting.add_preempted(request)
@@ -341,7 +338,7 @@ class Scheduler:
     # -- arithmetic ------------------------------------------------------------------------
 
     def _num_to_compute(self, seq: Sequence) -> int:
-        return len(seq.tokens) - seq.tokens.num_computed
+        return len(seq.tokens) - seq.num_computed
 
     def _decodes_after(self, request: Request) -> int:
         """Running decodes behind `request` in this step's order, each owed one token."""
@@ -361,9 +358,10 @@ class Scheduler:
 class KVMemory(Protocol):
     """What the scheduler asks of KV memory; `KVCacheManager` is the real one.
 
-    Every call that raises `NoFreeBlocks` changes nothing. The memory shares each sequence's
-    `SequenceTokens` record (given at `allocate` and `fork`): it reads the ids there, sets
-    `num_computed` there, and resets it when it frees the sequence.
+    `allocate_slots` answers None, having changed nothing, when the slots do not fit. The
+    memory shares each sequence's `SequenceTokens` record (given at its first `allocate_slots`
+    and at `fork`) and reads the ids there; the scheduler counts the computed tokens and reports
+    them with `mark_computed`.
     """
 
     block_size: int
@@ -374,38 +372,37 @@ class KVMemory(Protocol):
     @property
     def num_free_cpu_blocks(self) -> int: ...
     def __contains__(self, seq_id: SeqId) -> bool: ...
-    def allocate(
-        self, seq_id: SeqId, tokens: SequenceTokens, cache_salt: str | None, read_cache: bool
-    ) -> int: ...
-    def grow(self, seq_id: SeqId, num_tokens: int) -> MemoryPlan: ...
-    def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None: ...
-    def take_table_update(self, seq_id: SeqId) -> tuple[int, list[int]] | None: ...
-    def take_pending_plan(self) -> MemoryPlan: ...
+    def allocate_slots(
+        self,
+        seq_id: SeqId,
+        tokens: SequenceTokens,
+        num_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        read_cache: bool = True,
+    ) -> Allocation | None: ...
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None: ...
+    def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None: ...
     def free(self, seq_id: SeqId) -> None: ...
     def swap_out(self, seq_id: SeqId) -> MemoryPlan: ...
     def swap_in(self, seq_id: SeqId) -> MemoryPlan: ...
     def block_table(self, seq_id: SeqId) -> list[int]: ...
-    def num_tokens(self, seq_id: SeqId) -> int: ...
 
 
-def _sampling_rows(chunks: list[ScheduledChunk]) -> Iterator[tuple[int, ScheduledChunk]]:
-    """(logits row, chunk) of each chunk that samples: the last of the rows it asked for."""
-    first_row = 0
-    for chunk in chunks:
-        first_row += chunk.num_logits
-        if chunk.sample:
-            yield first_row - 1, chunk
-
-
-@dataclass(frozen=True)
-class SampleRow:
-    """One sample that draws its next token this step, from row `row` of the step's logits
-    (its chunk's last row; forked samples share a row)."""
-
-    row: int
-    request: Request
-    seq: Sequence
+def _append(request: Request, seq: Sequence, sampled: SampledToken) -> None:
+    """A sample's new token: into its record and what reads it (penalty counts, the grammar,
+    logprobs), then the stops."""
+    token_id = sampled.token_id
+    seq.token_ids.append(token_id)
+    seq.new_token_ids.append(token_id)
+    if seq.counts is not None:
+        seq.counts.add(token_id)
+    if seq.grammar is not None:
+        seq.grammar.accept(token_id)
+    if sampled.logprobs is not None:
+        seq.new_logprobs.append(sampled.logprobs)
+        seq.cumulative_logprob += sampled.logprobs[token_id].logprob
+    apply_stops(request, seq, token_id)
 
 
 @dataclass

@@ -46,11 +46,6 @@ class Embedding(nn.Module):
 
     def quantize(self, scheme: str) -> None:
         """Keep the table quantised (`Linear.quantize` says what `scheme` means); before loading."""
-        if self.sharded:
-            raise ValueError(
-                f"quantization {scheme!r} cannot be combined with tensor parallelism: quantised "
-                "weights are not sharded (use quantization 'none')"
-            )
         if self.weight.shape[1] % GROUP_SIZE == 0:
             self.scheme = scheme
 

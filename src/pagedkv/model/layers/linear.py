@@ -184,13 +184,9 @@ class Linear(nn.Module):
         are dequantised and quantised again); "auto" keeps quantised parts as they come and
         stays dense if every part arrives in floating point. The dense matrix allocated at
         construction was never written, so dropping it frees memory that was never touched.
-        A tensor-parallel shard stays dense: sharding quantised blocks is not supported.
+        Never asked of a tensor-parallel shard (`quant.schemes.resolve_quantization` refuses a
+        scheme under tensor parallelism): sharding quantised blocks is not supported.
         """
-        if self.parallel is not None:
-            raise ValueError(
-                f"quantization {scheme!r} cannot be combined with tensor parallelism: quantised "
-                "weights are not sharded (use quantization 'none')"
-            )
         self.scheme = scheme
         self.weight = None
         self._pending = [None] * len(self.part_sizes)

@@ -16,8 +16,10 @@ import torch
 
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import DecoderModel
+from pagedkv.parallel.group import building_group
+from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
-from pagedkv.weights.assemble import build_model, effective_quantization
+from pagedkv.weights.assemble import build_model
 from pagedkv.weights.gguf.config import config_dict
 from pagedkv.weights.gguf.file import GGUFFile
 from pagedkv.weights.gguf.tensors import gguf_tensors
@@ -65,11 +67,12 @@ class GGUFModel:
     ) -> DecoderModel:
         """Read the weights one tensor at a time into an eval-mode model.
 
-        `quantization` "auto" keeps the file's quantised blocks as they are; "none"
-        dequantises them to `dtype`; "int8"/"int4" re-quantise every projection.
+        `quantization` (as `quant.schemes.resolve_quantization` resolves it) "auto" keeps the
+        file's quantised blocks as they are; "none" dequantises them to `dtype`; "int8"/"int4"
+        re-quantise every projection.
         """
         path = self.file.path
-        keep = effective_quantization(quantization, device) == "auto"
+        keep = resolve_quantization(quantization, device, building_group().size) == "auto"
         tensors = (
             (path, name, tensor)
             for name, tensor in gguf_tensors(self.file, self.config, keep_quantized=keep)

@@ -10,7 +10,7 @@ class LoadSpec:
     """What every rank loads its shard from, and with how many threads.
 
     `device` is the device type ("cpu" or "cuda"): rank `r` of a machine uses CUDA device
-    `local_rank`. `kv_offloading_size` (GiB) sizes the host tier beside the swap space.
+    `local_rank`.
     """
 
     model: str
@@ -18,7 +18,6 @@ class LoadSpec:
     device: str
     quantization: str
     threads: int | None
-    kv_offloading_size: float
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,20 @@ import torch
 
 from pagedkv.parallel.group import TPGroup, sharding
 from pagedkv.weights.load import LoadedModel, load
-from pagedkv.worker.kv_budget import KVBudget, PoolRequest, kv_budget
+from pagedkv.worker.kv_budget import KVCacheConfig, kv_budget
+from pagedkv.worker.kv_request import PoolRequest
 from pagedkv.worker.parallel.link import Link
 from pagedkv.worker.parallel.messages import LoadSpec
 
 
 def load_shard(spec: LoadSpec, group: TPGroup, device: torch.device) -> LoadedModel:
-    """This rank's shard of the model. Quantised weights are not sharded: "auto" loads float
-    weights (a GGUF file's blocks dequantised) and int8/int4 are refused by the layers."""
-    quantization = "none" if spec.quantization == "auto" and group.size > 1 else spec.quantization
+    """This rank's shard of the model. Quantised weights are not sharded: under a group "auto"
+    loads float weights (a GGUF file's blocks dequantised; `resolve_quantization`)."""
     with sharding(group):
-        return load(spec.model, dtype=spec.dtype, device=device, quantization=quantization)
+        return load(spec.model, dtype=spec.dtype, device=device, quantization=spec.quantization)
 
 
-def agreed_budget(link: Link, request: PoolRequest, model: torch.nn.Module) -> KVBudget:
+def agreed_budget(link: Link, request: PoolRequest, model: torch.nn.Module) -> KVCacheConfig:
     """Every rank sizes its pool from its own memory (a GPU pool profiles one forward pass,
     which every rank runs together); the group keeps the smallest, so every rank holds every
     block."""

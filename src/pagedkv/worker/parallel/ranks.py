@@ -29,19 +29,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor
 
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.parallel.group import SINGLE, TPGroup
 from pagedkv.weights.load import LoadedModel
-from pagedkv.worker.kv_budget import KVBudget, PoolRequest, kv_budget
+from pagedkv.worker.kv_budget import KVCacheConfig, kv_budget
 from pagedkv.worker.kv_cache import KVCache
+from pagedkv.worker.kv_request import PoolRequest
 from pagedkv.worker.parallel.errors import WorkerFailed
 from pagedkv.worker.parallel.link import HEARTBEAT_S, Link, TorchrunEnv
 from pagedkv.worker.parallel.messages import Keepalive, LoadSpec, Stop
 from pagedkv.worker.parallel.rank_setup import agreed_budget, load_shard
 from pagedkv.worker.parallel.worker import run_worker
-from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.runner import ModelRunner, StepLogits
 from pagedkv.worker.step import SchedulerOutput
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a hung rank is named after this long; a dead one at once
@@ -72,7 +72,7 @@ class SingleRank:
         """This rank's model (the whole model here)."""
         return load_shard(self.spec, self.group, torch.device(self.spec.device))
 
-    def kv_budget(self, request: PoolRequest, model: DecoderModel) -> KVBudget:
+    def kv_budget(self, request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
         """The pool sizes every rank uses."""
         return kv_budget(request, model)
 
@@ -163,7 +163,7 @@ class TensorParallelRanks(SingleRank):
             self.shutdown()
             raise
 
-    def kv_budget(self, request: PoolRequest, model: DecoderModel) -> KVBudget:
+    def kv_budget(self, request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
         try:
             with self._lock:
                 self.link.send(request)
@@ -188,8 +188,8 @@ class TensorParallelRanks(SingleRank):
         return BroadcastingRunner(model, kv_cache, self)
 
     def step(
-        self, output: SchedulerOutput, execute: Callable[[SchedulerOutput], Tensor | None]
-    ) -> Tensor | None:
+        self, output: SchedulerOutput, execute: Callable[[SchedulerOutput], StepLogits]
+    ) -> StepLogits:
         """Broadcast `output`, then run it here too; a failure of any rank is a `WorkerFailed`."""
         with self._lock:
             if self.failure is not None:
@@ -330,5 +330,5 @@ class BroadcastingRunner(ModelRunner):
         super().__init__(model, kv_cache)
         self._ranks = ranks
 
-    def execute(self, output: SchedulerOutput) -> Tensor | None:
+    def execute(self, output: SchedulerOutput) -> StepLogits:
         return self._ranks.step(output, super().execute)

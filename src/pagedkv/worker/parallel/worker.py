@@ -57,7 +57,7 @@ def _serve(link: Link) -> None:
     if isinstance(request, Stop):  # rank 0 failed to load, or was shut down meanwhile
         return
     budget = agreed_budget(link, request, loaded.model)
-    cache = kv_pool(loaded.model, budget, request.block_size, spec.kv_offloading_size)
+    cache = kv_pool(loaded.model, budget)
     runner = ModelRunner(loaded.model, cache)
     while True:
         message = link.receive()
