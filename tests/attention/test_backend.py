@@ -54,7 +54,7 @@ def test_the_cpu_gets_pytorch_and_cuda_gets_triton_when_it_imports(monkeypatch) 
 
 def test_a_model_built_on_the_cpu_holds_one_backend_for_every_layer(zoo) -> None:
     model = zoo.ours("llama")
-    backends = {id(layer.self_attn.backend) for layer in model.layers}
+    backends = {id(layer.self_attn.attn.backend) for layer in model.layers}
     assert backends == {id(model.attention_backend)}
     assert isinstance(model.attention_backend, TorchAttention)
 

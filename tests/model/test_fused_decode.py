@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
+from pagedkv.attention.context import get_forward_context
 from pagedkv.attention.fp8 import KVScales
 from pagedkv.model import decoder
-from pagedkv.model.fused_decode import LayerRun, run_fused
+from pagedkv.model.fused_decode import LayerRun
 from pagedkv.model.layers.linear import DENSE
 from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.weights.load import load
@@ -29,23 +30,25 @@ def each_layer_both_ways(monkeypatch, model) -> list[tuple[torch.Tensor | None, 
     the (C, op-by-op) outputs of every layer of every step."""
     outputs = []
     weights = {}
-    for run in model.layer_runs():
+    path = model.layer_path
+    for run in path.runs:
         for index in range(run.start, run.stop):
             weights[index] = None if run.weights is None else run.weights[index - run.start]
     plain_forward = decoder.DecoderLayer.forward
 
-    def forward(self, hidden, cos, sin, batch, kv_cache):
-        index = self.self_attn.index
+    def forward(self, hidden):
+        index = self.self_attn.attn.index
         fused = None
-        if weights[index] is not None:
+        context = get_forward_context()
+        if weights[index] is not None and path.takes_step(hidden, context):
             alone = LayerRun(index, index + 1, [weights[index]])
-            fused = run_fused(alone, {index: self}, hidden, cos, sin, batch, kv_cache)
-        plain = plain_forward(self, hidden, cos, sin, batch, kv_cache)
+            fused = path.run_fused(alone, hidden, context)
+        plain = plain_forward(self, hidden)
         outputs.append((fused, plain))
         return plain
 
     monkeypatch.setattr(decoder.DecoderLayer, "forward", forward)
-    model._layer_runs = [LayerRun(0, len(model.layers), None)]
+    path.runs = [LayerRun(0, len(model.layers), None)]
     return outputs
 
 
@@ -86,7 +89,8 @@ def assert_each_layer_matches(monkeypatch, model, num_seqs: int, **cache_options
 
 def assert_runs_equal_their_layers_alone(model, num_seqs: int, **cache_options) -> None:
     """The model's runs against runs of one layer each: logits and caches bit for bit."""
-    runs = model.layer_runs()
+    path = model.layer_path
+    runs = path.runs
     alone = [
         LayerRun(i, i + 1, None if r.weights is None else [r.weights[i - r.start]])
         for r in runs
@@ -94,12 +98,12 @@ def assert_runs_equal_their_layers_alone(model, num_seqs: int, **cache_options) 
     ]
     caches = [cache_for(model, num_seqs, **cache_options) for _ in range(2)]
     for batch in steps(num_seqs, 6):
-        model._layer_runs = runs
+        path.runs = runs
         together = model(ForwardBatch.build(batch, 4), caches[0])
-        model._layer_runs = alone
+        path.runs = alone
         one_by_one = model(ForwardBatch.build(batch, 4), caches[1])
         assert torch.equal(together, one_by_one)
-    model._layer_runs = runs
+    path.runs = runs
     assert torch.equal(caches[0].cache, caches[1].cache)
 
 
@@ -112,7 +116,7 @@ def test_the_c_path_equals_the_op_by_op_layers(zoo, monkeypatch, name, scheme, n
     for module in model.modules():  # zoo biases are zero: make them count
         if isinstance(module, torch.nn.Module) and getattr(module, "bias", None) is not None:
             module.bias.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
-    assert [(r.start, r.stop) for r in model.layer_runs()] == [(0, model.config.num_layers)]
+    assert [(r.start, r.stop) for r in model.layer_path.runs] == [(0, model.config.num_layers)]
     assert_runs_equal_their_layers_alone(model, num_seqs)
     assert_each_layer_matches(monkeypatch, model, num_seqs)
 
@@ -135,20 +139,25 @@ def test_a_layer_the_c_code_cannot_take_splits_the_runs(zoo, monkeypatch):
     o_proj = model.layers[0].self_attn.o_proj
     o_proj.weight = torch.nn.Parameter(o_proj.qweight.dequantize(), requires_grad=False)
     o_proj.qweight, o_proj.method = None, DENSE
-    model.__dict__.pop("_layer_runs", None)
+    model.__dict__.pop("layer_path", None)
     num_layers = model.config.num_layers
-    runs = [(r.start, r.stop, r.weights is not None) for r in model.layer_runs()]
+    path = model.layer_path
+    runs = [(r.start, r.stop, r.weights is not None) for r in path.runs]
     assert runs == [(0, 1, False), (1, num_layers, True)]
     taken = []
-    real = decoder.run_fused
+    real_fused, real_layers = path.run_fused, path.run_layers
 
-    def counted(run, *args):
-        out = real(run, *args)
+    def fused(run, *args):
+        taken.append((run.start, run.stop, True))
+        return real_fused(run, *args)
+
+    def op_by_op(run, *args):
         if run.weights is not None:
-            taken.append((run.start, run.stop, out is not None))
-        return out
+            taken.append((run.start, run.stop, False))
+        return real_layers(run, *args)
 
-    monkeypatch.setattr(decoder, "run_fused", counted)
+    monkeypatch.setattr(path, "run_fused", fused)
+    monkeypatch.setattr(path, "run_layers", op_by_op)
     cache = cache_for(model, 2)
     for batch in steps(2, 3):
         model(ForwardBatch.build(batch, 4), cache)
@@ -161,6 +170,6 @@ def test_dense_or_normed_models_have_no_c_runs(zoo):
     assert not ARCHITECTURES["Qwen3ForCausalLM"].fused_decode
     for name, scheme in (("llama", "none"), ("qwen3", "int8")):
         model = load(zoo.folder(name), quantization=scheme).model
-        assert [(r.start, r.stop, r.weights) for r in model.layer_runs()] == [
+        assert [(r.start, r.stop, r.weights) for r in model.layer_path.runs] == [
             (0, model.config.num_layers, None)
         ]

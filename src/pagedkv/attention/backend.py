@@ -20,36 +20,20 @@ path runs, with one warning, since it is correct there too, only slower.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from abc import ABC, abstractmethod
 from functools import cache
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from pagedkv.attention import torch_backend
 from pagedkv.attention.batch import ForwardBatch
+from pagedkv.attention.context import ForwardContext, PagedKVCache
 from pagedkv.attention.fp8 import FP8_LAYOUTS, UNIT_SCALES, KVScales, byte_values, is_fp8
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.kernels import native
-
-
-class PagedKVCache(Protocol):
-    """What attention needs of a KV cache: each layer's K and V block tensors, and what an
-    fp8 cache's bytes are worth."""
-
-    def layer(self, index: int) -> tuple[Tensor, Tensor]:
-        """`(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
-        ...
-
-    def layer_scales(self, index: int) -> KVScales:
-        """What layer `index`'s fp8 key and value bytes are worth (1 for other caches)."""
-        ...
-
-    def check_dtype(self, kv_dtype: torch.dtype) -> None:
-        """Raise `KVCacheDtypeMismatch` unless K/V of `kv_dtype` can be written here."""
-        ...
 
 
 class AttentionBackend(ABC):
@@ -176,9 +160,23 @@ class TritonAttention(AttentionBackend):
 
 class CPUAttention(TorchAttention):
     """The C kernels on the CPU: the K/V write (float32 or fp8 caches) and attention over
-    float32, bfloat16, float16 or fp8 caches, one call per layer for any step."""
+    float32, bfloat16, float16 or fp8 caches, one call per layer for any step; and, for a step
+    of decodes, consecutive decoder layers in one call (`decode_layers`, which the model's
+    layer path feeds: `model/fused_decode.py`).
+
+    The kernels are resolved once, here: the backend exists only where they built. What stays
+    per call is whether the tensors at hand are ones they read (CPU memory, their dtypes).
+    """
 
     name = "cpu"
+
+    def __init__(self) -> None:
+        kernels = native.kernels()
+        if kernels is None:
+            raise RuntimeError(
+                f"the CPU attention backend needs the C kernels: {native.unavailable_reason()}"
+            )
+        self.kernels = kernels
 
     def write_kv(
         self,
@@ -189,9 +187,8 @@ class CPUAttention(TorchAttention):
         batch: ForwardBatch,
         scales: KVScales = UNIT_SCALES,
     ) -> None:
-        kernels = native.kernels()
         rows_ok = all(t.dtype == torch.float32 and native.heads_packed(t) for t in (key, value))
-        if kernels is None or not rows_ok or not self.writes(k_cache, v_cache):
+        if not rows_ok or not self.writes(k_cache, v_cache):
             super().write_kv(key, value, k_cache, v_cache, batch, scales)
             return
         rows = (
@@ -207,9 +204,9 @@ class CPUAttention(TorchAttention):
         )
         fp8 = self.fp8_args(k_cache, scales)
         if fp8 is None:
-            kernels.write_kv(*rows)
+            self.kernels.write_kv(*rows)
             return
-        kernels.write_kv_fp8(
+        self.kernels.write_kv_fp8(
             *rows,
             fp8.mantissa_bits,
             fp8.exponent_bias,
@@ -228,8 +225,7 @@ class CPUAttention(TorchAttention):
         sliding_window: int | None,
         scales: KVScales = UNIT_SCALES,
     ) -> Tensor:
-        kernels = native.kernels()
-        if kernels is None or not self.takes(k_cache, v_cache, query):
+        if not self.takes(k_cache, v_cache, query):
             return super().attend(query, k_cache, v_cache, batch, scale, sliding_window, scales)
         num_tokens, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -239,7 +235,7 @@ class CPUAttention(TorchAttention):
         if rows.dtype != torch.float32 or not native.heads_packed(query):
             rows = rows.to(torch.float32).contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
-        status = kernels.attention(
+        status = self.kernels.attention(
             rows.data_ptr(),
             rows.stride(0),
             k_cache.data_ptr(),
@@ -264,6 +260,70 @@ class CPUAttention(TorchAttention):
         if status != 0:
             raise MemoryError(f"attention over {batch.num_seqs} sequences: no scratch memory")
         return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+    def takes_decode_step(self, hidden: Tensor, context: ForwardContext) -> bool:
+        """Whether `decode_layers` can run this step, decided once per step: every sequence
+        decodes one token, over packed float32 hidden rows and rope tables in CPU memory, into
+        caches the C write takes (float32 or fp8: the C code rounds into fp8 bytes as torch
+        does). A cache holds every layer in one tensor, so the first layer's speaks for all."""
+        k_cache, v_cache = context.kv_cache.layer(0)
+        return (
+            max(context.batch.host_query_lens) == 1
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and hidden.is_contiguous()
+            and all(
+                t.dtype == torch.float32 and t.is_contiguous() for t in (context.cos, context.sin)
+            )
+            and self.writes(k_cache, v_cache)
+        )
+
+    def layer_caches(
+        self, kv_cache: PagedKVCache, index: int
+    ) -> tuple[int, int, native.Fp8CacheArgs | None]:
+        """Layer `index`'s K and V block addresses and its fp8 format (None for float32), as
+        a `native.DecodeLayerArgs` names them."""
+        k_cache, v_cache = kv_cache.layer(index)
+        fp8 = self.fp8_args(k_cache, kv_cache.layer_scales(index))
+        return k_cache.data_ptr(), v_cache.data_ptr(), fp8
+
+    def decode_layers(
+        self,
+        hidden: Tensor,
+        layers: ctypes.Array,
+        heads: tuple[int, int, int],
+        scale: float,
+        context: ForwardContext,
+    ) -> Tensor:
+        """The hidden states after `layers` (consecutive `native.DecodeLayerArgs`), in one C
+        call over a step `takes_decode_step` accepted; `heads` is `(num_heads, num_kv_heads,
+        head_dim)`. Their new K/V are in the cache afterwards, as op by op."""
+        num_heads, num_kv_heads, head_dim = heads
+        batch = context.batch
+        tables, query_starts, context_lens = self.step_tables(batch)
+        out = hidden.clone()
+        status = self.kernels.decode_layers(
+            out.data_ptr(),
+            out.shape[0],
+            out.shape[1],
+            len(layers),
+            layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            context.cos.data_ptr(),
+            context.sin.data_ptr(),
+            batch.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            query_starts.data_ptr(),
+            context_lens.data_ptr(),
+            context.kv_cache.layer(0)[0].shape[1],
+            scale,
+        )
+        if status != 0:
+            raise MemoryError(f"decode layers over {hidden.shape[0]} sequences: no scratch memory")
+        return out
 
     @staticmethod
     def step_tables(batch: ForwardBatch) -> tuple[Tensor, Tensor, Tensor]:

@@ -47,3 +47,15 @@ class KVCacheDtypeMismatch(TypeError):
         )
         self.kv_dtype = kv_dtype
         self.cache_dtype = cache_dtype
+
+
+class NoForwardContext(RuntimeError):
+    """A layer asked for the step it belongs to outside a forward pass: attention reads the
+    batch and the KV cache from the context `DecoderModel.forward` sets for its duration."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "no forward pass is running: attention layers read the step's batch and KV cache "
+            "from the forward context, so call the model (DecoderModel.forward), or run the "
+            "layer inside `with forward_context(ForwardContext(...))`"
+        )

@@ -236,6 +236,14 @@ def kernels() -> Kernels | None:
     )
 
 
+def cpu_kernels(*tensors) -> Kernels | None:
+    """The kernels for an op over `tensors` when they all lie in CPU memory, else None (torch
+    computes it): the one rule by which every op chooses between C and torch. It is asked per
+    call because the C code reads raw addresses and a module may be moved after it was built
+    (to `meta`, say); the build itself is decided once per process (`kernels`)."""
+    return kernels() if all(t.device.type == "cpu" for t in tensors) else None
+
+
 def heads_packed(x) -> bool:
     """Whether `x` `[tokens, heads, head_dim]` has its heads packed within each row (rows
     may be strided, as q/k/v views of one fused projection are): how the kernels read it."""

@@ -74,8 +74,11 @@ class ModelConfig:
             )
         head_dim = fields.integer("head_dim", hidden_size // num_heads)
         hidden_act = raw.get("hidden_act") or "silu"
-        if hidden_act != "silu":
-            raise UnsupportedModel(source, f"hidden_act {hidden_act!r} (only 'silu' is supported)")
+        if hidden_act not in architecture.hidden_acts:
+            supported = " or ".join(map(repr, architecture.hidden_acts))
+            raise UnsupportedModel(
+                source, f"hidden_act {hidden_act!r} (only {supported} is supported)"
+            )
         num_layers = fields.integer("num_hidden_layers")
         max_position_embeddings = fields.integer("max_position_embeddings", 2048)
         attention_bias = fields.boolean("attention_bias", False)

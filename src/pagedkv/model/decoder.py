@@ -2,9 +2,15 @@
 
 Llama, Mistral and Qwen2 differ only in switches carried by `ModelConfig` (biases, tied
 embeddings, per-layer sliding windows); a family whose layers differ (Qwen3's q/k norms)
-subclasses a piece and names it in its own module (`qwen3.py`). Attention reads and writes K/V
-only through the paged cache, via the attention backend chosen when the model is built, so one
-forward pass serves any mix of prefills, prefix-cached prefills, prompt chunks and decodes.
+subclasses a piece and names it in its own module (`qwen3.py`): its attention (`attention_class`)
+or its MLP (`mlp_class`). Attention reads and writes K/V only through the paged cache, via the
+attention backend chosen when the model is built, so one forward pass serves any mix of
+prefills, prefix-cached prefills, prompt chunks and decodes.
+
+A layer is called with its hidden states alone: the forward pass sets the step (batch, KV cache,
+rope tables) as the forward context (`attention/context.py`) for its duration, and each layer's
+`attn` reads it there. How a step runs the layers (op by op, or runs of them in one C call on the
+CPU backend) is the `LayerPath` chosen once per model (`fused_decode.py`).
 
 Under tensor parallelism each projection says how it splits (q/k/v and gate/up column-parallel,
 o and down row-parallel, the LM head gathered; `layers/linear.py`), and attention computes with
@@ -17,15 +23,24 @@ checkpoint tensors fill them).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedkv.attention.backend import AttentionBackend, PagedKVCache, select_backend
+from pagedkv.attention.backend import AttentionBackend, select_backend
 from pagedkv.attention.batch import ForwardBatch
+from pagedkv.attention.context import (
+    ForwardContext,
+    PagedKVCache,
+    forward_context,
+    get_forward_context,
+)
+from pagedkv.attention.layer import Attention
 from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.fused_decode import LayerRun, layer_runs, run_fused
+from pagedkv.model.fused_decode import LayerPath
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.layers.norm import RMSNorm
@@ -33,16 +48,12 @@ from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.model.rope import inverse_frequencies, rope_cos_sin, rotate_qk
 
 
-class Attention(nn.Module):
-    """Grouped-query self-attention over this layer's paged K/V cache."""
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention: q/k/v, rope, paged attention (`attn`), o."""
 
     def __init__(self, config: ModelConfig, index: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.index = index
-        self.backend = backend
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_windows[index]
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(
@@ -56,27 +67,27 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, (config.hidden_size,), bias=config.o_bias, parallel="row")
         # The heads this layer computes: all of them, or this rank's under tensor parallelism.
         self.q_size, self.kv_size, _ = self.qkv_proj.part_sizes
-        self.num_heads = self.q_size // config.head_dim
-        self.num_kv_heads = self.kv_size // config.head_dim
+        self.attn = Attention(
+            index,
+            self.q_size // config.head_dim,
+            self.kv_size // config.head_dim,
+            config.head_dim,
+            config.sliding_windows[index],
+            backend,
+        )
 
-    def forward(
-        self, hidden: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv_cache: PagedKVCache
-    ) -> Tensor:
+    def forward(self, hidden: Tensor) -> Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split(
             (self.q_size, self.kv_size, self.kv_size), dim=-1
         )
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query = query.view(num_tokens, self.attn.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.attn.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.attn.num_kv_heads, self.head_dim)
         query, key = self.normalize_qk(query, key)
-        query, key = rotate_qk(query, key, cos, sin)
-        k_cache, v_cache = kv_cache.layer(self.index)
-        scales = kv_cache.layer_scales(self.index)
-        self.backend.write_kv(key, value, k_cache, v_cache, batch, scales)
-        out = self.backend.attend(
-            query, k_cache, v_cache, batch, self.scale, self.sliding_window, scales
-        )
+        context = get_forward_context()
+        query, key = rotate_qk(query, key, context.cos, context.sin)
+        out = self.attn(query, key, value)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def normalize_qk(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,7 +118,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     """`silu(gate) * up` of `[tokens, 2 * inter]` (gate, then up). On the CPU one C call whose
     exp has the same bits for every element (`kernels/rowwise.c`), so a row's result never
     depends on where it falls among the step's rows; a 16-bit model's come back rounded."""
-    kernels = native.kernels() if gate_up.device.type == "cpu" else None
+    kernels = native.cpu_kernels(gate_up)
     if kernels is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -123,17 +134,15 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 class DecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm MLP, each added back to the residual stream."""
 
-    def __init__(self, attention: Attention, config: ModelConfig) -> None:
+    def __init__(self, attention: nn.Module, mlp: nn.Module, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = attention
-        self.mlp = MLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, hidden: Tensor, cos: Tensor, sin: Tensor, batch: ForwardBatch, kv_cache: PagedKVCache
-    ) -> Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, kv_cache)
+    def forward(self, hidden: Tensor) -> Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -142,10 +151,12 @@ class DecoderModel(nn.Module):
 
     Built under a `torch.device(...)` context and a default dtype, its weights are allocated
     there uninitialised (the loader fills them); `attention_backend` defaults to the one
-    `select_backend` picks for that device. Subclasses name their `attention_class`.
+    `select_backend` picks for that device. A family whose layers differ names its own
+    `attention_class` (built with `(config, index, backend)`) or `mlp_class` (with `(config)`).
     """
 
-    attention_class: type[Attention] = Attention
+    attention_class: type[nn.Module] = SelfAttention
+    mlp_class: type[nn.Module] = MLP
 
     def __init__(
         self, config: ModelConfig, attention_backend: AttentionBackend | None = None
@@ -156,7 +167,9 @@ class DecoderModel(nn.Module):
         self.attention_backend = backend
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.attention_class(config, index, backend), config)
+            DecoderLayer(
+                self.attention_class(config, index, backend), self.mlp_class(config), config
+            )
             for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -189,7 +202,7 @@ class DecoderModel(nn.Module):
     def num_kv_heads(self) -> int:
         """KV heads each layer stores: the config's, or this rank's under tensor parallelism
         (one replicated head when the config has fewer KV heads than ranks)."""
-        return self.layers[0].self_attn.num_kv_heads
+        return self.layers[0].self_attn.attn.num_kv_heads
 
     @property
     def device(self) -> torch.device:
@@ -211,25 +224,20 @@ class DecoderModel(nn.Module):
         kv_cache.check_dtype(self.dtype)
         hidden = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)
-        for run in self.layer_runs():
-            fused = run_fused(run, self.layers, hidden, cos, sin, batch, kv_cache)
-            if fused is not None:
-                hidden = fused
-                continue
-            for layer in self.layers[run.start : run.stop]:
-                hidden = layer(hidden, cos, sin, batch, kv_cache)
+        with forward_context(ForwardContext(batch, kv_cache, cos, sin)):
+            hidden = self.layer_path(hidden)
         last = self.norm(hidden[batch.logits_indices])
         if self.lm_head is None:
             return self.embed_tokens.logits(last).float()
         return self.lm_head(last).float()
 
-    def layer_runs(self) -> list[LayerRun]:
-        """The layers in runs that a decode step may run as one C call each, or op by op
-        (see `fused_decode.py`); made once, after loading."""
-        if not hasattr(self, "_layer_runs"):
-            allowed = ARCHITECTURES[self.config.architecture].fused_decode
-            self._layer_runs = layer_runs(self.layers, allowed)
-        return self._layer_runs
+    @cached_property
+    def layer_path(self) -> LayerPath:
+        """How a step runs the layers (`fused_decode.py`), chosen once, by the first forward
+        pass: only then are the weights loaded and quantised, which decides the layers the
+        CPU backend's one-call decode takes. A plain attribute, not a submodule."""
+        allowed = ARCHITECTURES[self.config.architecture].fused_decode
+        return LayerPath(self.layers, self.attention_backend, allowed)
 
     def quantize(self, scheme: str) -> None:
         """Keep every projection and the embedding table quantised (`Linear.quantize` says

@@ -1,17 +1,18 @@
-"""Runs of decoder layers of a decode step in one C call (`kernels/decode_layer.c`).
+"""The layer path: how a step runs a model's decoder layers, op by op or in one C call per run.
 
 At batch 1 a layer of a small model is ~20 PyTorch ops and 8 module calls whose dispatch
-costs more than their arithmetic; the C code runs the very kernels the op-by-op path calls
-(quantised matmuls, rope, K/V write, paged attention, RMSNorm, silu * up) with no Python
+costs more than their arithmetic, so the CPU attention backend offers a one-call decode
+(`CPUAttention.decode_layers`, `kernels/decode_layer.c`): the very kernels the op-by-op path
+calls (quantised matmuls, rope, K/V write, paged attention, RMSNorm, silu * up) with no Python
 between them, over every layer of a run of consecutive layers at once, so its floats are the
-op-by-op path's, bit for bit. A layer joins a run when its family's registry entry allows it
-(`fused_decode`: the plain Llama layer, which is what the C code computes) and every
-projection is quantised in groups of 32; a step takes the C path when it is all decodes over
-float32 or fp8 CPU caches (the C write rounds into fp8 bytes exactly as torch does, and
-attention reads them through a byte table). Other layers and steps run op by op, which is also
-what the tests compare the C path with. A tensor-parallel layer
-never takes it: its projections are dense shards (quantised weights are not sharded) and the
-C code has no all-reduce between attention and the MLP.
+op-by-op path's, bit for bit. `LayerPath` is chosen once per model, after loading: it cuts the
+layers into runs, a layer joining a C run when the backend is the CPU one, its family's registry
+entry allows it (`fused_decode`: the plain Llama layer, which is what the C code computes) and
+every projection is quantised in groups of 32. Per step the backend says once whether the step
+fits (all decodes over float32 or fp8 CPU caches: `CPUAttention.takes_decode_step`); other
+layers and steps run op by op, which is also what the tests compare the C path with. A
+tensor-parallel layer never takes it: its projections are dense shards (quantised weights are
+not sharded) and the C code has no all-reduce between attention and the MLP.
 
 One call per run rather than per layer matters beyond dispatch: measured on SmolLM2-135M at
 batch 1 (2 threads), a layer called from Python took 176 us where the same layer called again
@@ -29,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from pagedkv.attention.backend import CPUAttention, PagedKVCache
-from pagedkv.attention.batch import ForwardBatch
+from pagedkv.attention.backend import AttentionBackend, CPUAttention
+from pagedkv.attention.context import ForwardContext, PagedKVCache, get_forward_context
 from pagedkv.kernels import native
 from pagedkv.model.layers.linear import QUANTIZED, Linear
 
@@ -47,30 +48,78 @@ class LayerRun:
     weights: list[ctypes.Array] | None
     _cache: tuple[weakref.ref, ctypes.Array] | None = field(default=None, repr=False)
 
-    def c_layers(self, layers: Sequence[nn.Module], kv_cache: PagedKVCache) -> ctypes.Array:
+    def c_layers(
+        self, layers: Sequence[nn.Module], backend: CPUAttention, kv_cache: PagedKVCache
+    ) -> ctypes.Array:
         """This run's layers as `DecodeLayerArgs`, over `kv_cache`'s tensors."""
         if self._cache is not None and self._cache[0]() is kv_cache:
             return self._cache[1]
         args = []
         for index, weights in zip(range(self.start, self.stop), self.weights, strict=True):
             layer = layers[index]
-            k_cache, v_cache = kv_cache.layer(index)
-            fp8 = CPUAttention.fp8_args(k_cache, kv_cache.layer_scales(index))
+            k_address, v_address, fp8 = backend.layer_caches(kv_cache, index)
             args.append(
                 native.DecodeLayerArgs(
                     layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
                     layer.input_layernorm.eps,
                     weights,
-                    k_cache.data_ptr(),
-                    v_cache.data_ptr(),
-                    layer.self_attn.sliding_window or 0,
+                    k_address,
+                    v_address,
+                    layer.self_attn.attn.sliding_window or 0,
                     None if fp8 is None else ctypes.pointer(fp8),
                 )
             )
         array = (native.DecodeLayerArgs * len(args))(*args)
         self._cache = (weakref.ref(kv_cache), array)
         return array
+
+
+class LayerPath:
+    """A model's decoder layers in runs, each run through the CPU backend's one-call decode
+    when a step fits it, else op by op (`layer(hidden)`, reading the step from the forward
+    context). Made once per model, after its weights are loaded and quantised."""
+
+    def __init__(
+        self, layers: Sequence[nn.Module], backend: AttentionBackend, allowed: bool
+    ) -> None:
+        self.layers = layers
+        # Only the C kernels' backend decodes layers in one call; with any other, every run
+        # is op by op.
+        self.cpu = backend if isinstance(backend, CPUAttention) else None
+        self.runs = layer_runs(layers, allowed and self.cpu is not None)
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        """The hidden states after every layer, for the step of the current forward context."""
+        context = get_forward_context()
+        fused = self.takes_step(hidden, context)
+        for run in self.runs:
+            if fused and run.weights is not None:
+                hidden = self.run_fused(run, hidden, context)
+            else:
+                hidden = self.run_layers(run, hidden)
+        return hidden
+
+    def takes_step(self, hidden: Tensor, context: ForwardContext) -> bool:
+        """Whether this step's C runs go through the one-call decode (decided once a step)."""
+        return self.cpu is not None and self.cpu.takes_decode_step(hidden, context)
+
+    def run_fused(self, run: LayerRun, hidden: Tensor, context: ForwardContext) -> Tensor:
+        """The hidden states after a C run's layers, in one call."""
+        attn = self.layers[run.start].self_attn.attn
+        return self.cpu.decode_layers(
+            hidden,
+            run.c_layers(self.layers, self.cpu, context.kv_cache),
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+            attn.scale,
+            context,
+        )
+
+    def run_layers(self, run: LayerRun, hidden: Tensor) -> Tensor:
+        """The hidden states after the run's layers, op by op."""
+        for index in range(run.start, run.stop):
+            hidden = self.layers[index](hidden)
+        return hidden
 
 
 def layer_runs(layers: Sequence[nn.Module], allowed: bool) -> list[LayerRun]:
@@ -133,55 +182,3 @@ def _projection(linear: Linear) -> native.QuantizedWeightArgs | None:
         cols,
         None if bias is None else bias.data_ptr(),
     )
-
-
-def run_fused(
-    run: LayerRun,
-    layers: Sequence[nn.Module],
-    hidden: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    batch: ForwardBatch,
-    kv_cache: PagedKVCache,
-) -> Tensor | None:
-    """The hidden states after the run's layers, through the C code; None when the step does
-    not fit it (then the caller runs them op by op)."""
-    kernels = native.kernels()
-    attention = layers[run.start].self_attn
-    if (
-        kernels is None
-        or run.weights is None
-        or not isinstance(attention.backend, CPUAttention)
-        or max(batch.host_query_lens) != 1
-        or hidden.dtype != torch.float32
-        or not hidden.is_contiguous()
-        or not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32)
-    ):
-        return None
-    k_cache, v_cache = kv_cache.layer(run.start)
-    if hidden.device.type != "cpu" or not CPUAttention.writes(k_cache, v_cache):
-        return None
-    tables, query_starts, context_lens = CPUAttention.step_tables(batch)
-    out = hidden.clone()
-    status = kernels.decode_layers(
-        out.data_ptr(),
-        out.shape[0],
-        out.shape[1],
-        run.stop - run.start,
-        run.c_layers(layers, kv_cache),
-        attention.num_heads,
-        attention.num_kv_heads,
-        attention.head_dim,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        batch.slot_mapping.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        query_starts.data_ptr(),
-        context_lens.data_ptr(),
-        k_cache.shape[1],
-        attention.scale,
-    )
-    if status != 0:
-        raise MemoryError(f"decode layers over {hidden.shape[0]} sequences: no scratch memory")
-    return out

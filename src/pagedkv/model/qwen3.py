@@ -11,11 +11,11 @@ from torch import Tensor
 
 from pagedkv.attention.backend import AttentionBackend
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.decoder import Attention, DecoderModel
+from pagedkv.model.decoder import DecoderModel, SelfAttention
 from pagedkv.model.layers.norm import RMSNorm
 
 
-class Qwen3Attention(Attention):
+class Qwen3Attention(SelfAttention):
     """Grouped-query attention whose queries and keys are RMS-normalised per head."""
 
     def __init__(self, config: ModelConfig, index: int, backend: AttentionBackend) -> None:

@@ -1,10 +1,12 @@
 """The architecture registry: every model family pagedkv runs, and nothing else branches on one.
 
-An entry says how to read a family's config (whether q/k/v always carry biases), which module
-class runs it, and how its GGUF files name it (the llama.cpp architecture, extra per-layer
-tensor names, whether q/k rows are permuted). Adding a family is one module beside `llama.py`
-plus one entry here; a family with its own sliding-window rule also names it in
-`kvmath/spec.py`, the torch-free arithmetic the capacity planner shares with the model.
+An entry says how to read a family's config (whether q/k/v always carry biases, which MLP
+activations it computes), which module class runs it, what its decode may run in C, and how its
+GGUF files name it (the llama.cpp architecture, extra per-layer tensor names, whether q/k rows
+are permuted). Adding a family is one module beside `llama.py` (a `DecoderModel` subclass
+naming its own `attention_class` or `mlp_class`) plus one entry here; a family with its own
+sliding-window rule also names it in `kvmath/spec.py`, the torch-free arithmetic the capacity
+planner shares with the model.
 
 Classes are named by import path and imported when a model is built, so reading a config (the
 loader, the planner's checks) needs no torch and the family modules may import the config.
@@ -37,6 +39,8 @@ class Architecture:
     # only for the plain Llama layer (RMSNorm, q/k/v, rope, attention, o, SwiGLU MLP), which is
     # what that C code computes; a family with any other layer math says False.
     fused_decode: bool = False
+    # config.json `hidden_act` values the family's MLP computes (the Llama MLP: SwiGLU).
+    hidden_acts: tuple[str, ...] = ("silu",)
 
     def model_class(self) -> type:
         """The `DecoderModel` subclass that runs this family (imported on first use)."""

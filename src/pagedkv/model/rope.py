@@ -32,7 +32,7 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     On the CPU the C kernel takes libm's cosf and sinf of each angle, one scalar call per value:
     a position's table is the same bits whichever positions share the step (torch's vectorised
     cos differs from its scalar tail, and where the tail falls depends on the step's length)."""
-    kernels = native.kernels() if positions.device.type == "cpu" else None
+    kernels = native.cpu_kernels(positions)
     if kernels is not None and inv_freq.dtype == torch.float32 and inv_freq.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
         half = inv_freq.shape[0]
@@ -63,7 +63,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rotate_qk(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """`apply_rope` to queries and keys; on the CPU in float32, one C call rotating both in
     place (the same floats: `kernels/rope_kv.c` rounds as these ops do)."""
-    kernels = native.kernels() if _rotatable(query, key, cos, sin) else None
+    kernels = native.cpu_kernels(query, key) if _rotatable(query, key, cos, sin) else None
     if kernels is None:
         return apply_rope(query, cos, sin), apply_rope(key, cos, sin)
     for x in (query, key):
@@ -80,11 +80,10 @@ def rotate_qk(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Ten
 
 
 def _rotatable(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    """Whether the C kernel reads these as laid out: float32 CPU rows of contiguous heads."""
+    """Whether the C kernel reads these as laid out: float32 rows of contiguous heads."""
     tables_ok = all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
     return tables_ok and all(
-        x.device.type == "cpu" and x.dtype == torch.float32 and native.heads_packed(x)
-        for x in (query, key)
+        x.dtype == torch.float32 and native.heads_packed(x) for x in (query, key)
     )
 
 

@@ -55,7 +55,7 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
 
 def float_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`x @ W.T + b` for a float `weight` `[out_features, in_features]`, in `x`'s dtype."""
-    kernels = native.kernels() if _float_kernel_takes(x, weight) else None
+    kernels = native.cpu_kernels(x, weight) if _float_kernel_takes(weight) else None
     if kernels is None:
         return F.linear(x, weight, bias)
     rows, cols = weight.shape
@@ -106,15 +106,9 @@ def uses_kernels(x: Tensor, weight: QuantizedTensor) -> bool:
     return x.device.type == "cpu" and weight.kernel_ready
 
 
-def _float_kernel_takes(x: Tensor, weight: Tensor) -> bool:
-    """Whether fmatmul.c can take this product: CPU tensors, a packed weight it reads."""
-    return (
-        x.device.type == "cpu"
-        and weight.device.type == "cpu"
-        and weight.dtype in _FLOAT_CODES
-        and weight.dim() == 2
-        and weight.is_contiguous()
-    )
+def _float_kernel_takes(weight: Tensor) -> bool:
+    """Whether fmatmul.c reads this weight: a packed matrix of a dtype it knows."""
+    return weight.dtype in _FLOAT_CODES and weight.dim() == 2 and weight.is_contiguous()
 
 
 def _float32_rows(x: Tensor, cols: int) -> Tensor:

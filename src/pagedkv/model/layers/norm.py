@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         float32 = x.dtype == torch.float32 and self.weight.dtype == torch.float32
-        kernels = native.kernels() if x.device.type == "cpu" else None
+        kernels = native.cpu_kernels(x)
         if kernels is None:
             return self._torch_forward(x, float32)
         cols = x.shape[-1]
