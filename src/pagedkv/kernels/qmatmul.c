@@ -85,9 +85,29 @@ static inline int32_t tail_value(const uint8_t *group, int bits, int64_t i) {
     return i < 16 ? group[i] & 15 : group[i - 16] >> 4;
 }
 
+/* The exact integer dot product of `g` weight values (ggml order) with activations, one by one.
+ * GCC 12 vectorises this signed x signed byte product with VNNI's vpdpbusd, which reads the
+ * weights as unsigned: wrong sums on AVX-512 VNNI builds. So the loop stays scalar. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-vectorize")))
+#endif
+static int32_t scalar_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
+    int32_t dot = 0;
+    for (int64_t i = 0; i < g; i++) dot += tail_value(w, bits, i) * (int32_t)a[i];
+    return dot;
+}
+
 /* The exact integer dot product of a tail group with its (natural-order) activations. */
 static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
 #ifdef __AVX2__
+    if (bits == 8 && g == 16) { /* maddubs: unsigned x signed, the weight lends x its sign */
+        __m128i wv = _mm_loadu_si128((const __m128i *)w), av = _mm_loadu_si128((const __m128i *)a);
+        __m128i pairs = _mm_maddubs_epi16(_mm_sign_epi8(wv, wv), _mm_sign_epi8(av, wv));
+        __m128i h = _mm_madd_epi16(pairs, _mm_set1_epi16(1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        return _mm_cvtsi128_si32(h);
+    }
     if (g == 32) {
         __m256i wv;
         if (bits == 8) {
@@ -107,9 +127,7 @@ static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) 
         return _mm_cvtsi128_si32(h);
     }
 #endif
-    int32_t dot = 0;
-    for (int64_t i = 0; i < g; i++) dot += tail_value(w, bits, i) * (int32_t)a[i];
-    return dot;
+    return scalar_dot(w, a, bits, g);
 }
 
 /* Rows of activations sharing each loaded (and unpacked) block of weights. */
