@@ -11,6 +11,10 @@ print into one results file. Every figure is measured side by side in one run:
 - engine: generated tokens/s of `pagedkv.LLM` on a seeded random ~1B Llama in bf16, 48
   prompts of 32-256 tokens with 16-512 output tokens each (ignore_eos, greedy), against
   transformers' batched `generate` on the same weights and prompts.
+- agreement: the engine's answers on the device against transformers' on the same float32
+  weights: prompts of mixed lengths, some sharing a prefix (cache hits), in small chunks, greedy
+  with logprobs; every generated token is checked against transformers' logits of the whole
+  sequence (teacher-forced), with the float32 and the fp8 KV cache.
 
 ``--device cpu`` runs the same code paths at tiny shapes (Triton's interpreter, the engine on
 the CPU, float32): a dry run of the script, whose numbers mean nothing.
@@ -103,7 +107,7 @@ CPU = Setup(
 def main() -> None:
     """Parse the command line and run one part of the check."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["kernels", "engine"])
+    parser.add_argument("part", choices=["kernels", "engine", "agreement"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
     if args.device == "cpu":
@@ -115,8 +119,10 @@ def main() -> None:
     torch.manual_seed(0)
     if args.part == "kernels":
         run_kernels(setup, device)
-    else:
+    elif args.part == "engine":
         run_engine(setup, device)
+    else:
+        run_agreement(setup, device)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -418,11 +424,18 @@ def run_engine(setup: Setup, device: torch.device) -> None:
         except ImportError as error:
             print(f"  pagedkv.LLM: not available ({error})")
             pagedkv_s = None
+    requested = sum(outputs)
+    if pagedkv_s is not None:  # printed before transformers runs, which may take longer
+        print(
+            f"  pagedkv LLM.generate: {requested:,} tokens in {pagedkv_s:.2f} s = "
+            f"{requested / pagedkv_s:,.0f} tokens/s; attention through "
+            f"{'Triton' if 'pagedkv.attention.triton.attention' in sys.modules else 'PyTorch'}",
+            flush=True,
+        )
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     hf_s = time_transformers(model, device, prompts, outputs, warmup_prompts, transformers)
-    requested = sum(outputs)
     hf_generated = len(prompts) * max(outputs)
     print(
         f"  transformers generate, one batch of {len(prompts)} x {max(outputs)} new tokens: "
@@ -432,11 +445,90 @@ def run_engine(setup: Setup, device: torch.device) -> None:
     if pagedkv_s is not None:
         ratio = hf_s / pagedkv_s
         print(
-            f"  pagedkv LLM.generate: {requested:,} tokens in {pagedkv_s:.2f} s = "
-            f"{requested / pagedkv_s:,.0f} tokens/s = {ratio:.2f}x transformers' requested "
-            f"tokens/s (goal >= 3x: {'met' if ratio >= 3 else 'missed'}); attention through "
-            f"{'Triton' if 'pagedkv.attention.triton.attention' in sys.modules else 'PyTorch'}"
+            f"  pagedkv / transformers' requested tokens/s: {ratio:.2f}x "
+            f"(goal >= 3x: {'met' if ratio >= 3 else 'missed'})"
         )
+
+
+# A small float32 Llama for the agreement check: its output is compared, not timed.
+AGREEMENT_MODEL = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+# Largest gap between transformers' top logit and the engine's greedy token, and between the
+# two logprobs of that token, that still counts as agreeing (float32, different kernels).
+AGREEMENT_LOGIT_GAP = 1e-3
+AGREEMENT_LOGPROB_DIFF = 1e-3
+# The fp8 cache rounds every K/V value to 3 mantissa bits: its tokens are checked by rank.
+FP8_TOP_RANK = 5
+
+
+def run_agreement(setup: Setup, device: torch.device) -> None:
+    """The engine's greedy tokens and logprobs on `device` against transformers' logits."""
+    from pagedkv import LLM, SamplingParams
+
+    float_setup = replace(setup, dtype=torch.float32, model=setup.model | AGREEMENT_MODEL)
+    rng = random.Random(1)
+    vocab = float_setup.model["vocab_size"]
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [
+        (shared if index % 2 else []) + [rng.randrange(3, vocab) for _ in range(length)]
+        for index, length in enumerate((5, 17, 33, 64, 100, 150, 9, 200))
+    ]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, logprobs=1)
+    with tempfile.TemporaryDirectory() as folder:
+        model = random_llama(float_setup, device, Path(folder))
+        for kv_cache_dtype in ("auto", "fp8"):
+            llm = LLM(
+                model=folder,
+                dtype="float32",
+                device=device.type,
+                kv_cache_dtype=kv_cache_dtype,
+                num_gpu_blocks=256,
+                max_num_batched_tokens=64,  # prompts run in chunks beside other decodes
+                enable_prefix_caching=True,
+                seed=0,
+            )
+            llm.generate(prompts[:2], params, use_tqdm=False)  # fills the prefix cache
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            gaps, diffs, ranks = [], [], []
+            for prompt, output in zip(prompts, outputs, strict=True):
+                sample = output.outputs[0]
+                ids = torch.tensor([prompt + list(sample.token_ids)], device=device)
+                with torch.inference_mode():
+                    logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                for row, logprob_row, token_id, entry in zip(
+                    logits, logprobs, sample.token_ids, sample.logprobs, strict=True
+                ):
+                    gaps.append(float(row.max() - row[token_id]))
+                    ranks.append(int((row > row[token_id]).sum()) + 1)
+                    diffs.append(abs(entry[token_id].logprob - float(logprob_row[token_id])))
+            del llm
+            gc.collect()
+            total = len(gaps)
+            if kv_cache_dtype == "auto":
+                agreeing = sum(gap <= AGREEMENT_LOGIT_GAP for gap in gaps)
+                met = agreeing == total and max(diffs) <= AGREEMENT_LOGPROB_DIFF
+                print(
+                    f"agreement, float32 KV: {agreeing}/{total} greedy tokens are transformers' "
+                    f"argmax (gap <= {AGREEMENT_LOGIT_GAP}), largest logprob difference "
+                    f"{max(diffs):.2e} (goal: all, <= {AGREEMENT_LOGPROB_DIFF}: "
+                    f"{'met' if met else 'missed'})"
+                )
+            else:
+                within = sum(rank <= FP8_TOP_RANK for rank in ranks)
+                top1 = sum(rank == 1 for rank in ranks)
+                print(
+                    f"agreement, fp8 KV: {top1}/{total} greedy tokens are transformers' argmax, "
+                    f"{within}/{total} in its top {FP8_TOP_RANK} (goal: all in the top "
+                    f"{FP8_TOP_RANK}: {'met' if within == total else 'missed'})"
+                )
 
 
 def random_llama(setup: Setup, device: torch.device, folder: Path):

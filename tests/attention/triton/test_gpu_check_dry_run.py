@@ -36,3 +36,20 @@ def test_kernel_figures_dry_run() -> None:
         if "relative error vs dense" in line
     ]
     assert len(errors) == 3 and max(errors) < 1e-5, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the real run covers it")
+def test_agreement_dry_run() -> None:
+    """The agreement part checks the engine's greedy tokens and logprobs against transformers'
+    logits, with a float32 and an fp8 KV cache, and finds them agreeing on the CPU."""
+    result = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "agreement", "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("agreement")]
+    assert len(lines) == 2 and all(line.endswith("met)") for line in lines), result.stdout
