@@ -19,5 +19,5 @@ def made_up_output(
     for chunk in output.chunks:
         if chunk.sample:
             for seq in running[chunk.seq_id[0]].samples_drawing(chunk.seq_id[1]):
-                result.sampled[seq.seq_id] = SampledToken(next(token_ids))
+                result.sampled[seq.seq_id] = [SampledToken(next(token_ids))]
     return result

@@ -13,10 +13,17 @@ Some sequences are driven as the engine drives them: their owner keeps a `Sequen
 record that the manager shares (no copy), appends to it and asks the manager to `grow`; the
 record's computed count must always be the manager's. A mirror of the runner's block tables is
 kept from `take_table_update` alone and must equal the manager's tables whenever it is synced.
+
+Those sequences also speculate as the engine does: lookahead slots are reserved past the record
+(`allocate_slots(..., num_lookahead_tokens=k)`), the KV of drafted tokens is written into them,
+a prefix of the drafts is accepted into the record and the rest is forgotten (`trim`). Every
+cached block, on the GPU or in the host tier, must then hold exactly the tokens it is cached
+under: an unaccepted draft's KV never reaches the prefix cache.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
@@ -25,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedkv.memory import InvalidTokenIds, KVCacheManager, MemoryPlan, MoveKind, NoFreeBlocks
-from pagedkv.memory.tokens import SequenceTokens
+from pagedkv.memory.tokens import TOKEN_TYPECODE, SequenceTokens
 
 from .kv_oracle import SlotStore
 from .test_rules import snapshot
@@ -50,6 +57,7 @@ class ModelSeq:
     salt: str | None
     swapped: bool = False
     record: SequenceTokens | None = None  # the owner's record, shared with the manager
+    lookahead: int = 0  # slots held past `token_ids` (for drafts)
 
 
 class MemoryRules(RuleBasedStateMachine):
@@ -163,6 +171,10 @@ class MemoryRules(RuleBasedStateMachine):
         if seq is None or seq.swapped or seq.record is None:
             return
         seq.record.extend(tokens)
+        # Lookahead slots hold the record's next tokens once it has them (kept drafts).
+        absorbed = min(seq.lookahead, len(tokens))
+        seq.token_ids += tokens[:absorbed]
+        seq.lookahead -= absorbed
         before = snapshot(self.manager)
         allocation = self.manager.allocate_slots(seq_id, seq.record, len(seq.record))
         if allocation is None:  # the pool cannot hold them: nothing changed
@@ -171,8 +183,65 @@ class MemoryRules(RuleBasedStateMachine):
         self.step_plan.extend(allocation.plan)
         self._sync_table(seq_id, allocation.table_update)
         seq.token_ids = list(seq.record.token_ids)
+        seq.lookahead = max(0, self.manager.num_tokens(seq_id) - len(seq.token_ids))
         if compute:
             self._compute(seq_id, seq, len(seq.token_ids))
+
+    @rule(pick=picks, k=st.integers(1, 4))
+    def reserve_draft_slots(self, pick, k):
+        """Slots for the record's tokens and `k` drafts after them, as a speculating engine
+        reserves them."""
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped or seq.record is None:
+            return
+        before = snapshot(self.manager)
+        allocation = self.manager.allocate_slots(
+            seq_id, seq.record, len(seq.record), num_lookahead_tokens=k
+        )
+        if allocation is None:
+            assert snapshot(self.manager) == before
+            return
+        self.step_plan.extend(allocation.plan)
+        self._sync_table(seq_id, allocation.table_update)
+        seq.token_ids = list(seq.record.token_ids)
+        seq.lookahead = self.manager.num_tokens(seq_id) - len(seq.token_ids)
+        assert seq.lookahead >= k
+
+    @rule(
+        pick=picks,
+        drafts=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        accepted=picks,
+        sampled=st.integers(0, 3),
+    )
+    def verify_drafts(self, pick, drafts, accepted, sampled):
+        """A speculative step: the KV of the uncomputed tokens and of the drafts is written,
+        `accepted` of the drafts and one sampled token join the record, the KV of the kept
+        tokens is marked computed and the slots past the record are given back."""
+        seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped or seq.record is None or not seq.lookahead:
+            return
+        if seq.token_ids != list(seq.record.token_ids):
+            return  # the owner appended tokens it holds no slot for: it grows them first
+        drafts = drafts[: seq.lookahead]
+        self._run_step_plan()
+        chunk = seq.token_ids + drafts
+        self.store.write(seq_id, chunk, seq.num_computed, len(chunk))
+        kept = accepted % (len(drafts) + 1)
+        held = self.manager.num_tokens(seq_id)
+        seq.record.extend(drafts[:kept] + [sampled])
+        upto = len(seq.token_ids) + kept
+        seq.token_ids = list(seq.record.token_ids[:held])
+        seq.num_computed = upto
+        self.manager.mark_computed(seq_id, upto)
+        size = self.manager.block_size
+        for end in range(size, upto + 1, size):
+            self.computed_prefixes.add((seq.salt, tuple(seq.token_ids[:end])))
+        num_free = self.manager.num_free_blocks
+        self.manager.trim(seq_id, min(len(seq.record), held))
+        seq.token_ids = seq.token_ids[: min(len(seq.record), held)]
+        seq.lookahead = 0
+        assert len(self.manager.block_table(seq_id)) == -(-len(seq.token_ids) // size)
+        assert self.manager.num_free_blocks >= num_free
 
     @rule(pick=picks)
     def sync_runner_table(self, pick):
@@ -263,8 +332,8 @@ class MemoryRules(RuleBasedStateMachine):
         refs: Counter[int] = Counter()
         for seq_id, seq in self.model.items():
             table = manager.block_table(seq_id)
-            assert len(table) == -(-len(seq.token_ids) // size)
-            assert manager.num_tokens(seq_id) == len(seq.token_ids)
+            assert len(table) == -(-(len(seq.token_ids) + seq.lookahead) // size)
+            assert manager.num_tokens(seq_id) == len(seq.token_ids) + seq.lookahead
             assert manager.num_computed_tokens(seq_id) == seq.num_computed
             assert manager.is_swapped_out(seq_id) == seq.swapped
             if seq is None or not seq.swapped:
@@ -288,6 +357,22 @@ class MemoryRules(RuleBasedStateMachine):
         for seq_id, seq in self.model.items():
             computed = seq.token_ids[: seq.num_computed]
             assert self.store.read(seq_id, seq.num_computed) == computed
+
+    @invariant()
+    def cached_blocks_hold_the_tokens_they_are_cached_under(self):
+        """No block of the prefix cache, on the GPU or in its host tier, holds KV of tokens
+        other than those its hash names (a rejected draft's, say)."""
+        if self.step_plan:
+            return
+        size = self.manager.block_size
+        # White-box: the cache's entries are private; their contents are what this checks.
+        for block in self.manager._pool.cached.values():
+            tokens = array(TOKEN_TYPECODE, block.token_bytes).tolist()
+            assert len(tokens) == size
+            assert self.store._block(self.store.gpu, block.block_id) == tokens
+        for host_id, token_bytes in self.manager._tier._entries.values():
+            tokens = array(TOKEN_TYPECODE, token_bytes).tolist()
+            assert self.store._block(self.store.cpu, host_id) == tokens
 
     def teardown(self):
         if not hasattr(self, "manager"):

@@ -2,7 +2,8 @@
 op.
 
 Each layer, on the C path alone (a run of one), is compared with the op-by-op layer on the same
-input at every decode step of a quantised tiny model: they call the very same kernels (matmuls,
+input at every step of a quantised tiny model (prompts, decodes, and chunks of a few tokens per
+sequence, as a speculative step verifies drafts): they call the very same kernels (matmuls,
 norms, rope, attention, silu * up), so their outputs must be equal bit for bit. A run of several
 layers in one call must then equal its layers called one at a time, bit for bit, K/V included.
 """
@@ -53,7 +54,8 @@ def each_layer_both_ways(monkeypatch, model) -> list[tuple[torch.Tensor | None, 
 
 
 def steps(num_seqs: int, num_steps: int) -> list[list[SequenceInput]]:
-    """A prompt per sequence, then `num_steps` batched decode steps of all of them."""
+    """A prompt per sequence, then `num_steps` batched decode steps of all of them, then a step
+    where sequence s computes a chunk of s + 1 tokens (a speculative step's token and drafts)."""
     tables = [list(range(16 * s, 16 * (s + 1))) for s in range(num_seqs)]
     prompts = [random_prompt(5 + 3 * s, seed=s) for s in range(num_seqs)]
     batches = [[SequenceInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)]]
@@ -64,6 +66,12 @@ def steps(num_seqs: int, num_steps: int) -> list[list[SequenceInput]]:
                 for s, (p, t) in enumerate(zip(prompts, tables, strict=True))
             ]
         )
+    batches.append(
+        [
+            SequenceInput([7 + s + i for i in range(s + 1)], len(p) + num_steps, t, s + 1)
+            for s, (p, t) in enumerate(zip(prompts, tables, strict=True))
+        ]
+    )
     return batches
 
 
@@ -77,14 +85,14 @@ def cache_for(model, num_seqs: int, **cache_options) -> KVCache:
 def assert_each_layer_matches(monkeypatch, model, num_seqs: int, **cache_options) -> None:
     outputs = each_layer_both_ways(monkeypatch, model)
     cache = cache_for(model, num_seqs, **cache_options)
-    for batch in steps(num_seqs, 6):
+    batches = steps(num_seqs, 6)
+    for batch in batches:
         model(ForwardBatch.build(batch, 4), cache)
-    decodes = [(f, p) for f, p in outputs if p.shape[0] == num_seqs and f is not None]
-    assert len(decodes) == 6 * model.config.num_layers  # every decode layer took the C path
-    for fused, plain in decodes:
+    # Every layer of every step took the C path: prompts, decodes and chunks of several tokens.
+    assert len(outputs) == len(batches) * model.config.num_layers
+    for fused, plain in outputs:
+        assert fused is not None
         assert torch.equal(fused, plain), f"max difference {(fused - plain).abs().max():.3g}"
-    prompt_layers = [f for f, p in outputs if p.shape[0] > num_seqs]
-    assert prompt_layers and all(f is None for f in prompt_layers)  # prompts run op by op
 
 
 def assert_runs_equal_their_layers_alone(model, num_seqs: int, **cache_options) -> None:
@@ -134,7 +142,7 @@ def test_the_c_path_over_fp8_caches_equals_the_op_by_op_layers(zoo, monkeypatch,
 
 def test_a_layer_the_c_code_cannot_take_splits_the_runs(zoo, monkeypatch):
     """Layer 0's o projection made dense (its weights dequantised): that layer runs op by op,
-    the layers after it as one C run, and decode steps take that run."""
+    the layers after it as one C run, and every step takes that run."""
     model = load(zoo.folder("llama"), quantization="int8").model
     o_proj = model.layers[0].self_attn.o_proj
     o_proj.weight = torch.nn.Parameter(o_proj.qweight.dequantize(), requires_grad=False)
@@ -161,7 +169,7 @@ def test_a_layer_the_c_code_cannot_take_splits_the_runs(zoo, monkeypatch):
     cache = cache_for(model, 2)
     for batch in steps(2, 3):
         model(ForwardBatch.build(batch, 4), cache)
-    assert taken == [(1, num_layers, False)] + [(1, num_layers, True)] * 3
+    assert taken == [(1, num_layers, True)] * len(steps(2, 3))
 
 
 def test_dense_or_normed_models_have_no_c_runs(zoo):

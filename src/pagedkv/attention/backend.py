@@ -161,8 +161,8 @@ class TritonAttention(AttentionBackend):
 class CPUAttention(TorchAttention):
     """The C kernels on the CPU: the K/V write (float32 or fp8 caches) and attention over
     float32, bfloat16, float16 or fp8 caches, one call per layer for any step; and, for a step
-    of decodes, consecutive decoder layers in one call (`decode_layers`, which the model's
-    layer path feeds: `model/fused_decode.py`).
+    over float32 or fp8 caches, consecutive decoder layers in one call (`decode_layers`, which
+    the model's layer path feeds: `model/fused_decode.py`).
 
     The kernels are resolved once, here: the backend exists only where they built. What stays
     per call is whether the tensors at hand are ones they read (CPU memory, their dtypes).
@@ -262,14 +262,14 @@ class CPUAttention(TorchAttention):
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
     def takes_decode_step(self, hidden: Tensor, context: ForwardContext) -> bool:
-        """Whether `decode_layers` can run this step, decided once per step: every sequence
-        decodes one token, over packed float32 hidden rows and rope tables in CPU memory, into
-        caches the C write takes (float32 or fp8: the C code rounds into fp8 bytes as torch
-        does). A cache holds every layer in one tensor, so the first layer's speaks for all."""
+        """Whether `decode_layers` can run this step, decided once per step: packed float32
+        hidden rows and rope tables in CPU memory, into caches the C write takes (float32 or
+        fp8: the C code rounds into fp8 bytes as torch does), whatever each sequence's chunk
+        (a decode's token, a speculative step's token and drafts, a prompt chunk). A cache
+        holds every layer in one tensor, so the first layer's speaks for all."""
         k_cache, v_cache = context.kv_cache.layer(0)
         return (
-            max(context.batch.host_query_lens) == 1
-            and hidden.dtype == torch.float32
+            hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
             and hidden.is_contiguous()
             and all(
@@ -318,11 +318,12 @@ class CPUAttention(TorchAttention):
             tables.shape[1],
             query_starts.data_ptr(),
             context_lens.data_ptr(),
+            batch.num_seqs,
             context.kv_cache.layer(0)[0].shape[1],
             scale,
         )
         if status != 0:
-            raise MemoryError(f"decode layers over {hidden.shape[0]} sequences: no scratch memory")
+            raise MemoryError(f"decoder layers over {hidden.shape[0]} rows: no scratch memory")
         return out
 
     @staticmethod

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
+from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.kvmath.spec import KV_CACHE_DTYPES
 from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
@@ -63,6 +64,11 @@ _HELP = {
     "under torchrun's environment",
     "kv_offloading_size": "GiB of host RAM for a second tier of the prefix cache: blocks the "
     "KV pool evicts are kept there and copied back on a hit instead of recomputed (0: off)",
+    "speculative_config": "speculative decoding, as vLLM's JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 2}\' (prompt lookup) or \'{"model": PATH_OR_NAME, '
+    '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary); greedy output '
+    "is unchanged, bit for bit",
 }
 
 
@@ -93,6 +99,7 @@ class EngineArgs:
     threads: int | None = None
     kv_offloading_size: float = 0.0
     tensor_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks_override is not None:
@@ -144,6 +151,12 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings, checked (None: off)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def resolved_preemption_mode(self) -> str:

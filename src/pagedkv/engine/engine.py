@@ -36,6 +36,7 @@ from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sched.scheduler import Scheduler
+from pagedkv.engine.spec.drafter import NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
 from pagedkv.engine.stops import take_text
 from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
@@ -93,8 +94,13 @@ class Engine:
         )
         self.scheduler = Scheduler(self.manager, args.scheduler_config())
         self.runner = self.ranks.runner(loaded.model, self.kv_cache)
+        speculative = args.speculative
         self.executor = StepExecutor(
-            self.runner, Sampler(args.seed, device=self.device), self.tokenizer
+            self.runner,
+            Sampler(args.seed, device=self.device),
+            self.tokenizer,
+            drafter=None if speculative is None else NgramDrafter(speculative),
+            num_speculative_tokens=0 if speculative is None else speculative.num_speculative_tokens,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self._limits = Limits(
@@ -120,6 +126,8 @@ class Engine:
         )
         print(cache.describe(self.max_model_len), file=sys.stderr)
         print(invariance_line(self.device, args.tensor_parallel_size, args.dtype), file=sys.stderr)
+        if speculative is not None:
+            print(f"speculative decoding: {speculative.describe()}", file=sys.stderr)
         phases = {**loaded.seconds, "KV pool": pool_seconds}
         total = loaded_before + time.perf_counter() - started
         print(startup_line(total, phases), file=sys.stderr)
@@ -244,8 +252,8 @@ class Engine:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
         if result.sampled:
-            self._generation_tokens_total += len(result.sampled)
-            self._recent_tokens.append((now, len(result.sampled)))
+            self._generation_tokens_total += result.num_sampled_tokens
+            self._recent_tokens.append((now, result.num_sampled_tokens))
         return {request.request_id: request for request in touched}
 
     def _delta(self, request: Request) -> RequestOutput:
@@ -312,6 +320,7 @@ class Engine:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block,
             tensor_parallel_size=self.args.tensor_parallel_size,
+            spec_decoding=self.scheduler.spec_stats.snapshot(),
             **memory_fields(self.manager),
         )
 

@@ -3,32 +3,48 @@
 The middle stage of the one-way step: `SchedulerOutput` in, `ModelRunnerOutput` out. The
 runner (this process's, or rank 0's of a tensor-parallel group) runs the memory plan and the
 forward pass; then prompt tokens are scored and every sampling chunk's samples draw their next
-token from its row (all n samples from the prompt's row when it was just computed). Nothing
-here changes a request: `Scheduler.update` records the output.
+token from its row (all n samples from the prompt's row when it was just computed). A chunk
+with speculative drafts has a row per position: each verifies its draft as the sample's own
+sampling would have drawn at that position (`sampler.py`), and the sample keeps the drafts up
+to the first that fails, then the token drawn there (or after the last draft). Last, the
+drafter proposes each sample's drafts for its next step. Nothing here changes a request:
+`Scheduler.update` records the output.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 
 import torch
 
 from pagedkv.engine.logprobs import logprob_entry, score_prompts
 from pagedkv.engine.request import Request, Sequence
-from pagedkv.engine.sampler import Sampler, sampling_row
+from pagedkv.engine.sampler import Sampler, SamplingRow, sampling_row
 from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
+from pagedkv.engine.spec.drafter import Drafter, DraftRequest
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
 
 
 class StepExecutor:
-    """The runner, the sampler and the tokenizer that names logprob tokens."""
+    """The runner, the sampler, the tokenizer that names logprob tokens, and the drafter of
+    speculative decoding (None: off) with the most drafts a sample verifies per step."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        tokenizer: Tokenizer,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.runner = runner
         self.sampler = sampler
         self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens
 
     def execute(
         self, output: SchedulerOutput, requests: Mapping[str, Request]
@@ -42,22 +58,67 @@ class StepExecutor:
             return result
         result.prompt_logprobs = score_prompts(output.chunks, step, requests, self.tokenizer)
         rows: list[int] = []
-        drawing: list[tuple[Request, Sequence]] = []
+        sampling_rows: list[SamplingRow] = []
+        drawing: list[tuple[Request, Sequence, int]] = []  # (request, sample, its rows)
         for chunk, chunk_rows in zip(output.chunks, step.rows, strict=True):
-            if chunk.sample:
-                request = requests[chunk.seq_id[0]]
-                for seq in request.samples_drawing(chunk.seq_id[1]):
-                    rows.append(chunk_rows[-1])
-                    drawing.append((request, seq))
+            if not chunk.sample:
+                continue
+            request = requests[chunk.seq_id[0]]
+            if chunk.num_draft_tokens:
+                seq = request.sequences[chunk.seq_id[1]]
+                drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+                rows.extend(chunk_rows[len(chunk_rows) - len(drafts) - 1 :])
+                for index in range(len(drafts) + 1):
+                    draft = drafts[index] if index < len(drafts) else None
+                    sampling_rows.append(sampling_row(request, seq, drafts[:index], draft))
+                drawing.append((request, seq, len(drafts) + 1))
+                continue
+            for seq in request.samples_drawing(chunk.seq_id[1]):
+                rows.append(chunk_rows[-1])
+                sampling_rows.append(sampling_row(request, seq))
+                drawing.append((request, seq, 1))
         if not drawing:
             return result
         logits = step.logits
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        sampled = self.sampler(logits, [sampling_row(request, seq) for request, seq in drawing])
-        for (_, seq), token_id, logprobs in zip(
-            drawing, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            entry = None if logprobs is None else logprob_entry(self.tokenizer, token_id, logprobs)
-            result.sampled[seq.seq_id] = SampledToken(token_id, entry)
+        sampled = self.sampler(logits, sampling_rows)
+        row = 0
+        for _, seq, num_rows in drawing:
+            tokens = []
+            for position in range(row, row + num_rows):
+                token_id, logprobs = sampled.token_ids[position], sampled.logprobs[position]
+                entry = (
+                    None if logprobs is None else logprob_entry(self.tokenizer, token_id, logprobs)
+                )
+                tokens.append(SampledToken(token_id, entry))
+                if not sampled.drafts_kept[position]:  # a draft refused, or the last row
+                    break
+            result.sampled[seq.seq_id] = tokens
+            row += num_rows
+        if self.drafter is not None:
+            result.draft_token_ids = self._propose(drawing, result)
         return result
+
+    def _propose(
+        self, drawing: list[tuple[Request, Sequence, int]], result: ModelRunnerOutput
+    ) -> dict[tuple[str, int], list[int]]:
+        """Drafts for the next step of every sample that drew tokens and still drafts."""
+        assert self.drafter is not None
+        wanted = []
+        for request, seq, _ in drawing:
+            new = [token.token_id for token in result.sampled[seq.seq_id]]
+            room = request.max_tokens - seq.num_output_tokens - len(new) - 1
+            if room <= 0 or not seq.acceptance.drafting:
+                continue
+            token_ids = array(seq.token_ids.typecode, seq.token_ids)
+            token_ids.extend(new)
+            wanted.append(
+                DraftRequest(seq.seq_id, token_ids, min(room, self.num_speculative_tokens))
+            )
+        proposed = self.drafter.propose(wanted)
+        return {
+            request.seq_id: drafts
+            for request, drafts in zip(wanted, proposed, strict=True)
+            if drafts
+        }

@@ -48,6 +48,11 @@ class _IdBuffer:
     def ids(self) -> Tensor:
         return self._data[: self._size]
 
+    def copy(self) -> _IdBuffer:
+        twin = _IdBuffer.__new__(_IdBuffer)
+        twin._data, twin._size = self._data.clone(), self._size
+        return twin
+
 
 @dataclass(frozen=True)
 class PromptTokens:
@@ -88,6 +93,17 @@ class TokenCounts:
     def sibling(self) -> TokenCounts:
         """Fresh counts over the same prompt (another sample of the request)."""
         return TokenCounts(self.prompt, self.vocab_size)
+
+    def with_tokens(self, token_ids: Iterable[int]) -> TokenCounts:
+        """A copy that has also sampled `token_ids` (the counts a speculative draft's position
+        is penalised with); this one is unchanged."""
+        twin = TokenCounts.__new__(TokenCounts)
+        twin.prompt, twin.vocab_size = self.prompt, self.vocab_size
+        twin.output_counts = self.output_counts.clone()
+        twin._output_ids, twin._new_ids = self._output_ids.copy(), self._new_ids.copy()
+        for token_id in token_ids:
+            twin.add(token_id)
+        return twin
 
     def add(self, token_id: int) -> None:
         """Count one sampled token."""

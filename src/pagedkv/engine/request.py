@@ -12,6 +12,10 @@ KV; the rest are computed by the next forward passes. Computing the last token y
 logits of the next sample. This one rule covers a new prompt, a chunked prompt, a decode,
 and a sequence recomputed after preemption.
 
+With speculative decoding a sample also carries `draft_token_ids`: tokens drafted to follow
+its record, verified by its next step. They are never in the record until accepted; their KV
+goes into lookahead slots the memory manager reserves past the record's end.
+
 Nothing here imports torch or a tokenizer when it runs (the detokenizer and the generator are
 named for type checkers only): the simulator schedules these same requests with no model.
 """
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.engine.outputs import FinishReason, RequestMetrics, TokenLogprobs
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.spec.acceptance import Acceptance
 from pagedkv.memory.tokens import SequenceTokens
 
 if TYPE_CHECKING:
@@ -59,6 +64,10 @@ class Sequence:
     generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
     counts: TokenCounts | None = None  # what its penalties read, when the request has any
     grammar: GrammarState | None = None  # its place in the request's structured output
+    # Speculative decoding: drafts its next step verifies (their slots reserved), and how
+    # often its drafts have been kept of late.
+    draft_token_ids: list[int] = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=Acceptance)
     text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -12,6 +12,13 @@ Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which pick
 with probability `probs[i]`. A request with a seed draws its noise from its own generator, so
 its tokens do not depend on what else is in the batch.
 
+A row may verify a speculative draft (`SamplingRow.draft_token_id`): its settings are those of
+the sample as if the drafts before it had been kept. A greedy row keeps its draft when the
+draft is its argmax. A sampling row keeps it with probability `probs[draft]` (the rejection
+rule min(1, p/q) with the one-hot q of a deterministic draft), else draws from `probs` with the
+draft removed (the normalised residual, max(p - q, 0)); so the tokens kept are distributed as
+plain sampling's. The row's token is the draft when kept, else its own draw.
+
 Rows share every tensor op, so no row's value may size one beyond what the logits hold: a
 top_k or a logprobs count above the vocabulary is clamped to it. Every other per-row value
 (temperature, top_p, min_p, penalties, seeds, biases, masks) only scales or masks its own row,
@@ -48,24 +55,40 @@ class SamplingRow:
     output_tail: Sequence[int] = ()  # the last output tokens, as many as bad words need
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, as tokens
     grammar: GrammarState | None = None  # with structured outputs: what the grammar allows
+    draft_token_id: int | None = None  # the speculative draft this row verifies, if any
 
 
-def sampling_row(request: Request, seq: SequenceState) -> SamplingRow:
-    """The row of one sample about to draw a token."""
+def sampling_row(
+    request: Request,
+    seq: SequenceState,
+    kept: Sequence[int] = (),
+    draft_token_id: int | None = None,
+) -> SamplingRow:
+    """The row of one sample about to draw a token; with speculative decoding, the row after
+    the drafts `kept` (as if the sample had sampled them), verifying `draft_token_id`."""
     stop_ids = list(request.params.stop_token_ids or [])
     if not request.params.ignore_eos:
         stop_ids += [t for t in sorted(request.eos_token_ids) if t not in stop_ids]
+    num_output = seq.num_output_tokens + len(kept)
     # Bad words compare only the output's last tokens, as many as the longest word's prefix.
-    tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, seq.num_output_tokens)
+    tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, num_output)
+    output_tail: Sequence[int] = ()
+    if tail:
+        output_tail = [*seq.token_ids[len(seq.token_ids) - tail :], *kept][-tail:]
+    counts, grammar = seq.counts, seq.grammar
+    if kept:
+        counts = None if counts is None else counts.with_tokens(kept)
+        grammar = None if grammar is None else grammar.advanced(kept)
     return SamplingRow(
         params=request.params,
-        num_output_tokens=seq.num_output_tokens,
+        num_output_tokens=num_output,
         stop_token_ids=stop_ids,
         generator=seq.generator,
-        counts=seq.counts,
-        output_tail=seq.token_ids[len(seq.token_ids) - tail :] if tail else (),
+        counts=counts,
+        output_tail=output_tail,
         bad_words_token_ids=request.bad_words_token_ids,
-        grammar=seq.grammar,
+        grammar=grammar,
+        draft_token_id=draft_token_id,
     )
 
 
@@ -76,6 +99,8 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: None, or (chosen logprob, chosen rank, top-k ids, top-k logprobs).
     logprobs: list[tuple[float, int, list[int], list[float]] | None]
+    # Per row: whether its draft was kept (its token is then the draft); None without one.
+    drafts_kept: list[bool | None]
 
 
 class Sampler:
@@ -95,8 +120,15 @@ class Sampler:
         _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
-        token_ids = _choose(logits, rows, self._generator)
-        return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, rows))
+        token_ids, kept = _choose(logits, rows, self._generator)
+        return SamplerOutput(
+            token_ids.tolist(),
+            _logprobs(raw_logits, token_ids, rows),
+            [
+                None if row.draft_token_id is None else keep
+                for row, keep in zip(rows, kept, strict=True)
+            ],
+        )
 
 
 def _apply_allowed_token_ids(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -178,23 +210,54 @@ def _mask(logits: Tensor, row_ids: list[int], token_ids: list[int]) -> None:
         ] = float("-inf")
 
 
-def _choose(logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:
+def _choose(
+    logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator
+) -> tuple[Tensor, list[bool]]:
+    """Each row's token, and whether a row's draft was kept (False without a draft)."""
     chosen = logits.argmax(dim=-1)
+    drafts = torch.tensor(
+        [-1 if row.draft_token_id is None else row.draft_token_id for row in rows],
+        device=logits.device,
+    )
+    kept = chosen == drafts  # greedy: the draft is the argmax
     sampled = [index for index, row in enumerate(rows) if not row.params.greedy]
-    if not sampled:
-        return chosen
-    index = torch.tensor(sampled, device=logits.device)
-    subset = [rows[i] for i in sampled]
-    temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
-    probs = _filtered_probs(logits[index] / temperature[:, None], subset)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for position, row in enumerate(subset):
-        if row.generator is not None:
-            noise[position].exponential_(generator=row.generator)
-    # Exp(1) can draw an exact 0; 0 / 0 would be NaN, which argmax takes as the maximum.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    chosen[index] = (probs / noise).argmax(dim=-1)
-    return chosen
+    if sampled:
+        index = torch.tensor(sampled, device=logits.device)
+        subset = [rows[i] for i in sampled]
+        temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
+        probs = _filtered_probs(logits[index] / temperature[:, None], subset)
+        verifying = [i for i, row in enumerate(subset) if row.draft_token_id is not None]
+        if verifying:
+            kept[index] = _keep_drafts(probs, subset, verifying, generator)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for position, row in enumerate(subset):
+            if row.generator is not None:
+                noise[position].exponential_(generator=row.generator)
+        # Exp(1) can draw an exact 0; 0 / 0 would be NaN, which argmax takes as the maximum.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        chosen[index] = (probs / noise).argmax(dim=-1)
+    chosen = torch.where(kept, drafts, chosen)
+    return chosen, kept.tolist()
+
+
+def _keep_drafts(
+    probs: Tensor, rows: Sequence[SamplingRow], verifying: list[int], generator: torch.Generator
+) -> Tensor:
+    """Per row of `probs`, whether its draft is kept: with probability `probs[draft]` (False
+    for rows without one). A row that does not keep its draft has it removed from `probs`, in
+    place, so the draw that follows picks from the normalised residual."""
+    kept = torch.zeros(len(rows), dtype=torch.bool, device=probs.device)
+    index = torch.tensor(verifying, device=probs.device)
+    drafts = torch.tensor([rows[i].draft_token_id for i in verifying], device=probs.device)
+    uniform = torch.rand(len(verifying), generator=generator, device=probs.device)
+    for position, row_index in enumerate(verifying):
+        row_generator = rows[row_index].generator
+        if row_generator is not None:
+            uniform[position] = torch.rand(1, generator=row_generator, device=probs.device)[0]
+    draft_probs = probs[index, drafts]
+    kept[index] = uniform < draft_probs
+    probs[index[~kept[index]], drafts[~kept[index]]] = 0.0
+    return kept
 
 
 def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from pagedkv.engine.request import Request
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVCacheManager
 
 
@@ -39,6 +40,8 @@ class EngineStats:
     kv_cache_dtype: str  # what blocks store: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2
     kv_bytes_per_block: int  # one block, every layer's K and V, in that dtype (on each rank)
     tensor_parallel_size: int  # ranks each block (and the model) is split across
+    # Speculative decoding: drafts verified and kept (all zero while it is off).
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     # The prefix cache's host tier (0 blocks: off): blocks held now, lookups and hits.
     num_offload_blocks: int = 0
     offload_blocks: int = 0

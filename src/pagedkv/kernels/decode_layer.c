@@ -1,6 +1,7 @@
-/* Llama-family decoder layers for a decode step, in one call, on the CPU.
+/* Llama-family decoder layers for a step, in one call, on the CPU.
  *
- * At batch 1 a layer's arithmetic is a few hundred microseconds of matmuls, but run as ~20
+ * A step is any mix of sequences, each a chunk of rows (`query_starts`): a decode's one token,
+ * a speculative step's token and drafts, a prompt chunk. At batch 1 a layer's arithmetic is a few hundred microseconds of matmuls, but run as ~20
  * PyTorch ops and 8 module calls it pays 5-15 us of dispatch each: more than the arithmetic.
  * This runs the same steps, through the same kernels, with no Python in between, and runs a
  * whole stack of layers per call: with Python between layers, each layer's first matmul found
@@ -103,13 +104,13 @@ typedef struct {
     float *normed, *mixed, *attended, *projected, *gated, *activated;
 } Scratch;
 
-/* One layer: hidden [m, hidden_size] is updated in place. */
+/* One layer: hidden [m, hidden_size] (the rows of `num_seqs` sequences) is updated in place. */
 static int decode_layer(float *hidden, int64_t m, int64_t hidden_size, const DecodeLayer *layer,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         const float *cos, const float *sin, const int64_t *slots,
                         const int32_t *block_tables, int64_t table_stride,
                         const int64_t *query_starts, const int32_t *context_lens,
-                        int64_t block_size, float scale, const Scratch *s) {
+                        int64_t num_seqs, int64_t block_size, float scale, const Scratch *s) {
     const QuantizedWeight *qkv = &layer->weights[0], *o = &layer->weights[1],
                           *gate_up = &layer->weights[2], *down = &layer->weights[3];
     const Fp8Cache *fp8 = layer->fp8;
@@ -125,7 +126,7 @@ static int decode_layer(float *hidden, int64_t m, int64_t hidden_size, const Dec
     status = pagedkv_attention(s->mixed, qkv_size, layer->k_cache, layer->v_cache, fp8 ? 3 : 0,
                                fp8 ? fp8->table : NULL, fp8 ? fp8->k_scale : 1.0f,
                                fp8 ? fp8->v_scale : 1.0f, block_tables, table_stride, query_starts,
-                               context_lens, m, num_heads, num_kv_heads, head_dim, block_size,
+                               context_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                scale, layer->window, s->attended);
     if (status == 0) status = project(s->attended, m, o, s->projected);
     if (status != 0) return status;
@@ -142,7 +143,7 @@ static int decode_layer(float *hidden, int64_t m, int64_t hidden_size, const Dec
 
 static int64_t largest(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* `num_layers` consecutive layers of one decode step in one call: hidden [m, hidden_size] is
+/* `num_layers` consecutive layers of one step in one call: hidden [m, hidden_size] is
  * updated in place. Every layer shares the attention shape, rope and the step's slots and
  * block tables. Returns 0, or -1 when scratch memory cannot be allocated. */
 int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t num_layers,
@@ -150,7 +151,8 @@ int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t
                           int64_t head_dim, const float *cos, const float *sin,
                           const int64_t *slots, const int32_t *block_tables,
                           int64_t table_stride, const int64_t *query_starts,
-                          const int32_t *context_lens, int64_t block_size, float scale) {
+                          const int32_t *context_lens, int64_t num_seqs, int64_t block_size,
+                          float scale) {
     int64_t qkv_size = 0, gate_up_size = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         qkv_size = largest(qkv_size, layers[l].weights[0].out_features);
@@ -170,7 +172,7 @@ int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t
         for (int64_t l = 0; l < num_layers && status == 0; l++)
             status = decode_layer(hidden, m, hidden_size, &layers[l], num_heads, num_kv_heads,
                                   head_dim, cos, sin, slots, block_tables, table_stride,
-                                  query_starts, context_lens, block_size, scale, &s);
+                                  query_starts, context_lens, num_seqs, block_size, scale, &s);
     }
     free(s.normed);
     free(s.mixed);

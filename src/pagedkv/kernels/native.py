@@ -146,7 +146,7 @@ _DECODE_LAYERS_ARGS = (
     + [ctypes.c_int64] * 3  # num_heads, num_kv_heads, head_dim
     + [ctypes.c_void_p] * 4  # cos, sin, slots, block_tables
     + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, query_starts, lens
-    + [ctypes.c_int64, ctypes.c_float]  # block_size, scale
+    + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]  # num_seqs, block_size, scale
 )
 _RMS_NORM_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # x, stride, rows, cols
@@ -185,7 +185,7 @@ class Kernels:
     write_kv_fp8: ctypes._CFuncPtr  # the same, rounded into fp8 bytes
     rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
     silu_mul: ctypes._CFuncPtr  # SwiGLU's silu(gate) * up
-    decode_layers: ctypes._CFuncPtr  # consecutive decoder layers of a decode step
+    decode_layers: ctypes._CFuncPtr  # consecutive decoder layers of a step, in one call
     vector_path: str  # the instructions this build computes with (VECTOR_PATHS)
 
 

@@ -10,6 +10,12 @@ cannot hold them. Besides it: `mark_computed` (the scheduler owns each sequence'
 count and reports it, so full computed blocks enter the prefix cache), `free`, `fork`,
 `swap_out` and `swap_in`.
 
+Speculative decoding writes the KV of drafted tokens before it knows which are kept:
+`allocate_slots(..., num_lookahead_tokens=k)` gives a sequence k slots past the tokens of its
+record (drafts are never in the record until accepted), and `trim` gives back the slots, and
+the blocks, of the drafts that were rejected. Only tokens of the record are ever marked
+computed, so no block holding an unaccepted token enters the prefix cache or its host tier.
+
 `allocate`, `append` and `take_pending_plan` are the same operations for callers that keep
 their own ids (tests, the memory walkthrough): they raise `NoFreeBlocks` instead of answering
 None. Every operation either succeeds completely or changes nothing. Token ids are checked
@@ -92,7 +98,7 @@ class Allocation:
 @dataclass
 class _Sequence:
     tokens: SequenceTokens  # the caller's record when it passed one: the ids, never copied
-    num_held: int  # leading tokens that have a slot in the table
+    num_held: int  # slots in the table: leading tokens of the record, then lookahead slots
     num_computed: int  # leading tokens whose KV is written, as the caller last reported
     blocks: list[Block]
     root_hash: BlockHash  # parent of the first block's hash: carries the cache salt
@@ -100,6 +106,9 @@ class _Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)  # computed full blocks, chained
     # First table entry changed since `take_table_update` last reported it (None: none).
     table_changed_from: int | None = 0
+    # Slots granted past the record's tokens (speculative drafts not accepted yet); the
+    # record may grow into them.
+    num_lookahead: int = 0
 
 
 class KVCacheManager:
@@ -143,26 +152,34 @@ class KVCacheManager:
         tokens: SequenceTokens,
         num_tokens: int,
         *,
+        num_lookahead_tokens: int = 0,
         cache_salt: str | None = None,
         read_cache: bool = True,
     ) -> Allocation | None:
-        """Slots for the first `num_tokens` of the sequence's tokens, or None (nothing changed)
-        when the pool cannot hold them.
+        """Slots for the first `num_tokens` of the sequence's tokens and `num_lookahead_tokens`
+        more after them, or None (nothing changed) when the pool cannot hold them.
 
         A sequence new to the manager gets its table here, with its cached prefix (`allocate`
         says how `cache_salt` and `read_cache` choose it); `tokens` is its record, kept and
         read, never copied. A held sequence grows when it holds fewer slots (copying a shared
-        partial last block first).
+        partial last block first). Lookahead slots are for tokens not in the record yet
+        (speculative drafts): their KV may be written, never marked computed, and `trim`
+        gives back those of the tokens that are not kept.
         """
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
         try:
             if seq_id in self._seqs:
                 seq = self._resident(seq_id, "growing")
-                plan = self._grow(seq, max(num_tokens, seq.num_held), len(seq.tokens))
+                lookahead = max(seq.num_lookahead, num_lookahead_tokens)
+                wanted = max(num_tokens + num_lookahead_tokens, seq.num_held)
+                plan = self._grow(seq, wanted, len(seq.tokens) + lookahead)
+                seq.num_lookahead = lookahead
                 num_cached = 0
             else:
                 plan = MemoryPlan()
                 num_cached = self._allocate_table(
-                    seq_id, tokens, num_tokens, cache_salt, read_cache, plan
+                    seq_id, tokens, num_tokens, cache_salt, read_cache, plan, num_lookahead_tokens
                 )
         except NoFreeBlocks:
             return None
@@ -202,9 +219,10 @@ class KVCacheManager:
         cache_salt: str | None,
         read_cache: bool,
         plan: MemoryPlan,
+        num_lookahead: int = 0,
     ) -> int:
-        """A new table holding the record's first `num_tokens` tokens, its moves appended to
-        `plan`; the cached count."""
+        """A new table holding the record's first `num_tokens` tokens and `num_lookahead` slots
+        after them, its moves appended to `plan`; the cached count."""
         if num_tokens == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
         if not 0 < num_tokens <= len(record):
@@ -218,7 +236,7 @@ class KVCacheManager:
         )
         gpu_hits = [hit for hit in hits if isinstance(hit, Block)]
         host_hits = frozenset(hit for hit in hits if isinstance(hit, int))
-        num_blocks = self._blocks_for(num_tokens)
+        num_blocks = self._blocks_for(num_tokens + num_lookahead)
         self._take(gpu_hits, num_blocks - len(gpu_hits))
         new_blocks = iter(self._allocate(num_blocks - len(gpu_hits), plan, host_hits))
         blocks = []
@@ -239,7 +257,13 @@ class KVCacheManager:
             self._prefix_queried_tokens += num_tokens
             self._prefix_hit_tokens += num_cached
         self._seqs[seq_id] = _Sequence(
-            record, num_tokens, num_cached, blocks, root, block_hashes=hashes
+            record,
+            num_tokens + num_lookahead,
+            num_cached,
+            blocks,
+            root,
+            block_hashes=hashes,
+            num_lookahead=num_lookahead,
         )
         return num_cached
 
@@ -255,8 +279,8 @@ class KVCacheManager:
             return MemoryPlan()
         if len(seq.tokens) != seq.num_held:
             raise ValueError(
-                f"sequence {seq_id!r} has {len(seq.tokens) - seq.num_held} tokens without a "
-                "slot: grow it to them before appending more"
+                f"sequence {seq_id!r} holds {seq.num_held} slots for {len(seq.tokens)} tokens: "
+                "grow or trim it to its tokens before appending more"
             )
         plan = self._grow(seq, seq.num_held + len(tokens), seq.num_held + len(tokens))
         seq.tokens.token_ids.extend(tokens)
@@ -273,15 +297,18 @@ class KVCacheManager:
             raise DuplicateSequence(child_id)
         if tokens is None:
             tokens = parent.tokens.copy(child_id)
-        held = parent.num_held
+        # The child shares the slots of the parent's tokens, not its lookahead slots: those
+        # hold the parent's drafts, which the child must never read as its own.
+        held = min(parent.num_held, len(parent.tokens))
         if len(tokens) < held or tokens.token_ids[:held] != parent.tokens.token_ids[:held]:
             raise ValueError(f"sequence {child_id!r}: its tokens do not begin with its parent's")
-        self._pool.touch(parent.blocks)
+        blocks = parent.blocks[: self._blocks_for(held)]
+        self._pool.touch(blocks)
         self._seqs[child_id] = _Sequence(
             tokens,
             held,
             parent.num_computed,
-            list(parent.blocks),
+            blocks,
             parent.root_hash,
             block_hashes=list(parent.block_hashes),
         )
@@ -294,10 +321,10 @@ class KVCacheManager:
         hashed before anything is recorded.
         """
         seq = self._resident(seq_id, "marking tokens computed")
-        if not 0 <= num_tokens <= seq.num_held:
+        if not 0 <= num_tokens <= min(seq.num_held, len(seq.tokens)):
             raise ValueError(
-                f"sequence {seq_id!r}: cannot mark {num_tokens} tokens computed, "
-                f"it holds {seq.num_held}"
+                f"sequence {seq_id!r}: cannot mark {num_tokens} tokens computed, it holds "
+                f"{seq.num_held} slots for {len(seq.tokens)} tokens"
             )
         if num_tokens <= seq.num_computed:
             return
@@ -320,6 +347,29 @@ class KVCacheManager:
             self._free_cpu_blocks.extend(reversed(seq.cpu_blocks))
         else:
             self._pool.release(reversed(seq.blocks))
+
+    def trim(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Keep slots for the first `num_tokens` tokens only: blocks wholly past them go back
+        to the pool, last first.
+
+        What speculative decoding gives back once drafts are verified: the slots of rejected
+        drafts, and the blocks taken only for them, free in the same step. Slots of computed
+        tokens are never given back (`num_tokens` is at least the computed count), so no
+        cached block is released here.
+        """
+        seq = self._resident(seq_id, "trimming")
+        if not seq.num_computed <= num_tokens <= seq.num_held:
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot trim to {num_tokens} slots, it holds "
+                f"{seq.num_held} with {seq.num_computed} computed"
+            )
+        keep = self._blocks_for(num_tokens)
+        if keep < len(seq.blocks):
+            self._pool.release(reversed(seq.blocks[keep:]))
+            del seq.blocks[keep:]
+            self._mark_table_changed(seq, keep)
+        seq.num_held = num_tokens
+        seq.num_lookahead = max(0, num_tokens - len(seq.tokens))
 
     def swap_out(self, seq_id: SeqId) -> MemoryPlan:
         """Move a sequence to the CPU pool; return its (gpu_block -> cpu_block) moves.
@@ -411,7 +461,7 @@ class KVCacheManager:
         return [block.block_id for block in seq.blocks]
 
     def num_tokens(self, seq_id: SeqId) -> int:
-        """Tokens the sequence holds a slot for (prompt plus grown)."""
+        """Slots the sequence holds: its tokens (prompt plus grown), then any lookahead slots."""
         return self._get(seq_id).num_held
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
@@ -500,7 +550,7 @@ class KVCacheManager:
                     f"sequence {seq_id!r} holds {seq.num_held} tokens in {len(table)} blocks, "
                     f"expected {self._blocks_for(seq.num_held)}"
                 )
-            if seq.num_held > len(seq.tokens):
+            if seq.num_held > len(seq.tokens) + seq.num_lookahead:
                 raise AssertionError(f"sequence {seq_id!r} holds slots for tokens it lacks")
             if seq.cpu_blocks is not None:
                 if seq.blocks:
@@ -511,7 +561,7 @@ class KVCacheManager:
                     raise AssertionError(f"sequence {seq_id!r} holds a block twice")
                 expected_refs.update(block.block_id for block in seq.blocks)
             num_computed = seq.num_computed
-            if not 0 <= num_computed <= seq.num_held:
+            if not 0 <= num_computed <= min(seq.num_held, len(seq.tokens)):
                 raise AssertionError(f"sequence {seq_id!r} has {num_computed} computed tokens")
             if len(seq.block_hashes) > num_computed // self.block_size:
                 raise AssertionError(f"sequence {seq_id!r} hashed blocks that are not computed")

@@ -9,8 +9,9 @@ op-by-op path's, bit for bit. `LayerPath` is chosen once per model, after loadin
 layers into runs, a layer joining a C run when the backend is the CPU one, its family's registry
 entry allows it (`fused_decode`: the plain Llama layer, which is what the C code computes) and
 every projection is quantised in groups of 32. Per step the backend says once whether the step
-fits (all decodes over float32 or fp8 CPU caches: `CPUAttention.takes_decode_step`); other
-layers and steps run op by op, which is also what the tests compare the C path with. A
+fits (float32 hidden rows over float32 or fp8 CPU caches, whatever mix of decodes, speculative
+chunks and prompt chunks: `CPUAttention.takes_decode_step`); other layers and steps run op by
+op, which is also what the tests compare the C path with. A
 tensor-parallel layer never takes it: its projections are dense shards (quantised weights are
 not sharded) and the C code has no all-reduce between attention and the MLP.
 

@@ -253,12 +253,14 @@ class SlabMemory:
         tokens: SequenceTokens,
         num_tokens: int,
         *,
+        num_lookahead_tokens: int = 0,
         cache_salt: str | None = None,
         read_cache: bool = True,
     ) -> Allocation | None:
         """A new sample's slab is reserved (None when no hole fits it) and its prompt written;
         a held one writes its tokens into its slab. No prefix is ever cached (so `read_cache`
-        changes nothing); the slab's span is reported once and never moves."""
+        changes nothing); the slab's span is reported once and never moves. Lookahead slots
+        are the slab's own room past its tokens: reserved from the start."""
         slab = self._slabs.get(seq_id)
         if slab is None:
             size = self._reservation(seq_id[0])
@@ -278,6 +280,13 @@ class SlabMemory:
 
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Nothing to record: a slab has no prefix cache."""
+
+    def trim(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Nothing to give back: lookahead slots are part of the slab's reservation."""
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Tokens written in the sample's slab."""
+        return self._slabs[seq_id].num_tokens
 
     def free(self, seq_id: SeqId) -> None:
         self.allocator.release(seq_id)

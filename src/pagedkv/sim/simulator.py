@@ -212,7 +212,7 @@ class _MadeUpModel:
                 )
         for request_id, seqs in drawing.items():
             for seq in seqs:
-                result.sampled[seq.seq_id] = SampledToken(next(self._fresh_ids))
+                result.sampled[seq.seq_id] = [SampledToken(next(self._fresh_ids))]
             request = by_id[request_id]
             if all(
                 seq in seqs and seq.num_output_tokens + 1 >= request.max_tokens

@@ -25,6 +25,10 @@ class ScheduledChunk:
     choose the sequence's next token. `num_logits` is how many of its last tokens need logits:
     1 for a sampling chunk, 0 for a prompt chunk, every token of a chunk of a request that
     asks for prompt logprobs (a position's logits score the next prompt token).
+
+    With speculative decoding, the last `num_draft_tokens` tokens are drafts, not yet part of
+    the sequence: the chunk is its last token and the drafts, each position with logits, and
+    the step keeps the drafts its sampling would have produced.
     """
 
     seq_id: tuple[str, int]
@@ -33,6 +37,7 @@ class ScheduledChunk:
     table_update: tuple[int, list[int]] | None
     sample: bool
     num_logits: int
+    num_draft_tokens: int = 0
 
 
 @dataclass

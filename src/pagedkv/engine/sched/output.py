@@ -27,13 +27,21 @@ class SampledToken:
 class ModelRunnerOutput:
     """One executed step.
 
-    `sampled`: per sample that drew a token, by sequence id, in chunk order (the samples of a
-    prompt that just finished all draw from its row, sample 0 first). `prompt_logprobs`: per
-    request that scores its prompt, the entries this step scored, in prompt order.
-    `logits_rows`: per scheduled chunk, its rows of the step's logits (where the batch was
-    built).
+    `sampled`: per sample that drew tokens, by sequence id, in chunk order (the samples of a
+    prompt that just finished all draw from its row, sample 0 first): one token, or with
+    speculative decoding the drafts it kept and the token sampled after them.
+    `prompt_logprobs`: per request that scores its prompt, the entries this step scored, in
+    prompt order. `logits_rows`: per scheduled chunk, its rows of the step's logits (where the
+    batch was built). `draft_token_ids`: per sample that drew tokens, the drafts proposed for
+    its next step (none where it drafts nothing).
     """
 
-    sampled: dict[SeqId, SampledToken] = field(default_factory=dict)
+    sampled: dict[SeqId, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     logits_rows: list[range] = field(default_factory=list)
+    draft_token_ids: dict[SeqId, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Tokens the step produced, over all samples."""
+        return sum(len(tokens) for tokens in self.sampled.values())

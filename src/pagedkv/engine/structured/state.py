@@ -5,12 +5,14 @@ they diverge freely). The state lives on the `Sequence`, so it survives preempti
 recomputed or swapped sample keeps its tokens and its state, and recomputing its KV samples
 nothing new, so the state is neither replayed nor rolled back. The matcher is copied from the
 compiled grammar when the sample first samples: the scheduler admits a request only once its
-grammar is compiled, so that copy never waits.
+grammar is compiled, so that copy never waits. Speculative drafts are checked against the state
+(`valid_prefix`) and masked from copies of it (`advanced`): the sample's own state only ever
+advances over tokens it keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,6 +37,19 @@ class GrammarState:
     def accept(self, token_id: int) -> None:
         """Advance over a sampled token (masked sampling only picks tokens the grammar allows)."""
         self.matcher.consume_token(token_id)
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar would take in a row from here
+        (speculative drafts past the first it refuses are never verified); nothing changes."""
+        return self.matcher.validate_tokens(list(token_ids))
+
+    def advanced(self, token_ids: Sequence[int]) -> GrammarState:
+        """A copy of this state past `token_ids`, which the grammar allows (what masks the
+        position after a run of drafts); this state is unchanged."""
+        copy = GrammarState(self._new_matcher)
+        copy._matcher = self.matcher.deep_copy()
+        copy._matcher.consume_tokens(list(token_ids))
+        return copy
 
     @property
     def finished(self) -> bool:

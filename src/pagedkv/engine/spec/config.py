@@ -1,0 +1,119 @@
+"""SpeculativeConfig: vLLM's `speculative_config`, read and checked once, when the engine starts.
+
+Two methods, as vLLM names them:
+- "ngram" (prompt lookup): the drafts are the tokens that followed the sequence's last n tokens
+  (n from `prompt_lookup_max` down to `prompt_lookup_min`) where they first occurred earlier in
+  its prompt or output. No second model; input-grounded work (quoting, editing, summarising)
+  accepts many of them.
+- "draft_model": a smaller model of the registry with the same vocabulary drafts greedily.
+
+`{"model": "ngram"}` is vLLM's older spelling of the first; a `model` without a `method` means a
+draft model. Every other key, and every other method (eagle, medusa, mtp...), is refused by name:
+a setting that silently did nothing would be a wrong answer to whoever set it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's default n-gram size when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How many tokens each step drafts per sequence, and how."""
+
+    method: str  # "ngram" or "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix looked up
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix looked up
+    model: str | None = None  # draft_model: a folder, .gguf file or built-in name
+
+    @classmethod
+    def parse(
+        cls, raw: SpeculativeConfig | Mapping[str, Any] | str | None
+    ) -> SpeculativeConfig | None:
+        """A config from vLLM's dict (or its JSON text, as `--speculative-config` takes it);
+        None for None. Raise ValueError naming the key or value that is wrong."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from error
+        if not isinstance(raw, Mapping):
+            raise ValueError(
+                f"speculative_config must be a dict (JSON object), got {type(raw).__name__}"
+            )
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise ValueError(
+                f"speculative_config key {unknown[0]!r} is not supported (supported: "
+                f"{', '.join(_KEYS)})"
+            )
+        method, model = raw.get("method"), raw.get("model")
+        if method is None and model in ("ngram", "[ngram]"):
+            method, model = "ngram", None
+        elif method is None and model is not None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config method {method!r} is not supported (supported: "
+                f"{', '.join(SPECULATIVE_METHODS)})"
+            )
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}"
+            )
+        if method == "draft_model":
+            return cls._draft_model(raw, model, k)
+        return cls._ngram(raw, model, k)
+
+    @classmethod
+    def _ngram(cls, raw: Mapping[str, Any], model: object, k: int) -> SpeculativeConfig:
+        if model is not None:
+            raise ValueError(f"speculative_config method 'ngram' takes no model, got {model!r}")
+        low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(
+                    f"speculative_config {name} must be an integer >= 1, got {value!r}"
+                )
+        # vLLM's defaults: one bound given stands for both; neither, 5 and 5.
+        low = low if low is not None else high if high is not None else DEFAULT_PROMPT_LOOKUP
+        high = high if high is not None else low
+        if low > high:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min ({low}) must be <= prompt_lookup_max "
+                f"({high})"
+            )
+        return cls("ngram", k, prompt_lookup_min=low, prompt_lookup_max=high)
+
+    @classmethod
+    def _draft_model(cls, raw: Mapping[str, Any], model: object, k: int) -> SpeculativeConfig:
+        if not isinstance(model, str) or not model:
+            raise ValueError(
+                "speculative_config method 'draft_model' needs a model (a folder, .gguf file or "
+                f"built-in name), got {model!r}"
+            )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if name in raw:
+                raise ValueError(f"speculative_config {name} applies to method 'ngram' only")
+        return cls("draft_model", k, model=model)
+
+    def describe(self) -> str:
+        """One line for the start-up report."""
+        if self.method == "ngram":
+            sizes = f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
+            return f"ngram (prompt lookup of {sizes} tokens), {self.num_speculative_tokens} drafts"
+        return f"draft model {self.model}, {self.num_speculative_tokens} drafts"

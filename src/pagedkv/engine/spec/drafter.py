@@ -1,0 +1,51 @@
+"""Drafters: what proposes each sample's drafts for its next step, after a step has sampled.
+
+The executor asks once per step, for every sample that drew tokens and still drafts (its recent
+drafts paid: `acceptance.py`), with the sample's tokens as they will be once this step's are
+appended. A drafter answers up to `max_drafts` tokens per sample; the scheduler reserves their
+slots and verifies them in the sample's next step.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.engine.spec.ngram import propose_ngram
+
+SeqId = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sample to draft for: its tokens (prompt, output and this step's new tokens) and the
+    most drafts it may verify."""
+
+    seq_id: SeqId
+    token_ids: array
+    max_drafts: int
+
+
+class Drafter(Protocol):
+    """Proposes drafts for a step's samples."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Drafts per request, in order (an empty list: none for that sample)."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup: each sample's drafts come from its own tokens (`ngram.py`)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [
+            propose_ngram(request.token_ids, self.min_n, self.max_n, request.max_drafts)
+            for request in requests
+        ]

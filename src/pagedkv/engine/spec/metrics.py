@@ -1,0 +1,59 @@
+"""SpecDecodingStats: what speculative decoding drafted and kept, counted as vLLM counts it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters since the engine started (vLLM's `spec_decode_*` metrics).
+
+    `num_drafts`: verification steps of one sequence with at least one draft; `num_draft_tokens`:
+    drafted tokens verified; `num_accepted_tokens`: drafts kept; `accepted_per_position[i]`:
+    how often the draft at position i (0: the first after the sequence's last token) was kept.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One sequence's step verified `num_draft_tokens` drafts and kept the first
+        `num_accepted`."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        missing = num_draft_tokens - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def snapshot(self) -> SpecDecodingStats:
+        """A copy that later steps do not change."""
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens kept (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification step produced on average: the kept drafts plus the one token
+        sampled after them (vLLM's mean acceptance length); 0 before any draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def describe(self) -> str:
+        """One line for logs and the benchmark."""
+        return (
+            f"speculative decoding: {self.num_drafts} drafts, {self.num_draft_tokens} draft "
+            f"tokens, {self.num_accepted_tokens} accepted ({self.acceptance_rate:.1%}), mean "
+            f"accepted length {self.mean_accepted_length:.2f}"
+        )
