@@ -117,9 +117,10 @@ def busy(
 
 def busy_run(
     model: str, params: SamplingParams, *, others: int, seed: int, **settings: Any
-) -> tuple[list[Answer], RequestMetrics]:
+) -> tuple[list[Answer], RequestMetrics, Engine]:
     """The target's answer and metrics after `others` requests, arriving while they run, with
-    a warm-up copy of its prompt first so the prefix cache (when on) serves most of it."""
+    a warm-up copy of its prompt first so the prefix cache (when on) serves most of it; and the
+    engine that ran them."""
     requests = crowd(others, seed, shared=TARGET_PROMPT)
     warm = ("warm", TARGET_PROMPT[:40], SamplingParams(max_tokens=2, ignore_eos=True))
     # Last in the queue, so the scheduler's preemption (youngest first) reaches it.
@@ -128,7 +129,7 @@ def busy_run(
     arrivals = sorted(rng.randint(0, 4) for _ in requests)  # the target last, at step 4
     engine = engine_for(model, **settings)
     answered, metrics = answers(engine, requests, arrivals)
-    return answered["target"], metrics["target"]
+    return answered["target"], metrics["target"], engine
 
 
 # Settings that each change how the target's tokens are grouped or where its K/V come from,
@@ -204,7 +205,7 @@ def test_preemption_cases_really_preempt_the_target(engine_zoo) -> None:
     model = str(engine_zoo.folder("llama"))
     for case in ("swap", "recompute", "host-tier"):
         seed, case_settings = CASES[case]
-        _, metrics = busy_run(model, GREEDY, others=12, seed=seed, **case_settings)
+        _, metrics, _ = busy_run(model, GREEDY, others=12, seed=seed, **case_settings)
         assert metrics.num_swap_preemptions + metrics.num_recompute_preemptions > 0, case
 
 

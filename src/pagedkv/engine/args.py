@@ -152,6 +152,12 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        speculative = self.speculative_config
+        if self.tensor_parallel_size > 1 and speculative and speculative.method == "draft_model":
+            raise ValueError(
+                "speculative_config method 'draft_model' is not supported with "
+                f"tensor_parallel_size {self.tensor_parallel_size} (method 'ngram' is)"
+            )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -36,7 +36,8 @@ from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sched.scheduler import Scheduler
-from pagedkv.engine.spec.drafter import NgramDrafter
+from pagedkv.engine.spec.draft_model import DraftModelDrafter, load_draft_model
+from pagedkv.engine.spec.drafter import Drafter, NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
 from pagedkv.engine.stops import take_text
 from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
@@ -44,8 +45,9 @@ from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
 from pagedkv.weights.load import LoadedModel
-from pagedkv.worker.kv_budget import kv_pool
+from pagedkv.worker.kv_budget import draft_kv_pool, kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
+from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
 from pagedkv.worker.threads import physical_cores
 
@@ -78,8 +80,23 @@ class Engine:
         self.config = loaded.config
         context = loaded.config.max_position_embeddings
         self.max_model_len = max_model_len(args.max_model_len, context)
+        speculative = args.speculative
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = load_draft_model(
+                speculative,
+                loaded.config,
+                loaded.tokenizer,
+                dtype=args.resolved_dtype,
+                device=args.device,
+                quantization=args.quantization,
+            )
         # One KV cache config, handed whole to the cache tensors and to the manager.
-        cache = self.ranks.kv_budget(args.pool_request(self.max_model_len), loaded.model)
+        cache = self.ranks.kv_budget(
+            args.pool_request(self.max_model_len),
+            loaded.model,
+            None if draft is None else draft.model,
+        )
         self.kv_cache = kv_pool(loaded.model, cache)
         # What blocks store (auto resolved: float32, bfloat16, fp8_e4m3...) and their bytes.
         self.kv_cache_dtype = cache.kv_dtype_name
@@ -94,12 +111,17 @@ class Engine:
         )
         self.scheduler = Scheduler(self.manager, args.scheduler_config())
         self.runner = self.ranks.runner(loaded.model, self.kv_cache)
-        speculative = args.speculative
+        drafter: Drafter | None = None
+        if draft is not None:
+            draft_cache = draft_kv_pool(draft.model, cache, args.kv_cache_dtype)
+            drafter = DraftModelDrafter(ModelRunner(draft.model, draft_cache))
+        elif speculative is not None:
+            drafter = NgramDrafter(speculative)
         self.executor = StepExecutor(
             self.runner,
             Sampler(args.seed, device=self.device),
             self.tokenizer,
-            drafter=None if speculative is None else NgramDrafter(speculative),
+            drafter=drafter,
             num_speculative_tokens=0 if speculative is None else speculative.num_speculative_tokens,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)

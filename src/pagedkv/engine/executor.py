@@ -52,6 +52,8 @@ class StepExecutor:
         """Run `output` over the requests it schedules (by id); the sampled tokens and scores."""
         if not output.chunks and not output.plan:
             return ModelRunnerOutput()  # nothing to run: e.g. a step that only reports aborts
+        if self.drafter is not None:
+            output = self.drafter.fill(output)
         step = self.runner.execute(output)
         result = ModelRunnerOutput(logits_rows=list(step.rows))
         if step.logits is None:
@@ -68,9 +70,13 @@ class StepExecutor:
                 seq = request.sequences[chunk.seq_id[1]]
                 drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
                 rows.extend(chunk_rows[len(chunk_rows) - len(drafts) - 1 :])
+                # A draft the grammar refuses is masked out, so never kept: the rows after it
+                # are never read, and take the grammar as it stands before it.
+                valid = len(drafts) if seq.grammar is None else seq.grammar.valid_prefix(drafts)
                 for index in range(len(drafts) + 1):
                     draft = drafts[index] if index < len(drafts) else None
-                    sampling_rows.append(sampling_row(request, seq, drafts[:index], draft))
+                    kept = drafts[: min(index, valid)]
+                    sampling_rows.append(sampling_row(request, seq, kept, draft))
                 drawing.append((request, seq, len(drafts) + 1))
                 continue
             for seq in request.samples_drawing(chunk.seq_id[1]):

@@ -82,6 +82,8 @@ class BlockState:
     cached: bool
     holders: list[tuple[str, int, int]]
     hit: bool = False  # a host-tier block copied back to the GPU since the last snapshot
+    # Slots holding speculative drafts reserved for the next step, not accepted yet.
+    draft_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,26 +121,36 @@ def _block_dict(block: BlockState) -> dict[str, object]:
         "cached": block.cached,
         "holders": [list(holder) for holder in block.holders],
         "hit": block.hit,
+        "draft_slots": block.draft_slots,
     }
 
 
 def kv_snapshot(manager: KVCacheManager, requests: Iterable[Request]) -> KVSnapshot:
-    """Every GPU and CPU block of `manager`: ref count, prefix-cache state and holders."""
+    """Every GPU and CPU block of `manager`: ref count, prefix-cache state, holders, and the
+    slots that hold speculative drafts (the slots a sequence holds past its tokens)."""
     gpu_holders: dict[int, list[tuple[str, int, int]]] = {}
     cpu_holders: dict[int, list[tuple[str, int, int]]] = {}
+    draft_slots: dict[int, int] = {}
+    block_size = manager.block_size
     for request in requests:
         for seq in request.sequences:
             if seq.seq_id not in manager:
                 continue
-            holders = cpu_holders if manager.is_swapped_out(seq.seq_id) else gpu_holders
-            for position, block in enumerate(manager.block_table(seq.seq_id)):
+            swapped = manager.is_swapped_out(seq.seq_id)
+            holders = cpu_holders if swapped else gpu_holders
+            table = manager.block_table(seq.seq_id)
+            for position, block in enumerate(table):
                 holders.setdefault(block, []).append((request.request_id, seq.index, position))
+            for slot in range(len(seq.tokens), 0 if swapped else manager.num_tokens(seq.seq_id)):
+                block = table[slot // block_size]
+                draft_slots[block] = draft_slots.get(block, 0) + 1
     gpu = [
         BlockState(
             block_id=block,
             ref_count=manager.block_ref_count(block),
             cached=manager.is_cached(block),
             holders=gpu_holders.get(block, []),
+            draft_slots=draft_slots.get(block, 0),
         )
         for block in range(manager.num_gpu_blocks)
     ]

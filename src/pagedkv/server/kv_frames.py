@@ -11,7 +11,9 @@ frame instead, naming every request the next messages may refer to.
 A block is encoded as a flat list `[ref_count, cached, r0, s0, p0, r1, s1, p1, ...]`: one
 `(request, sample, position)` triple per holder, `r` indexing the stream's table of `names`;
 `cached` is 2 for a host-tier block copied back since the previous frame. A delta entry puts
-the block id first. The pools are the GPU pool, the CPU swap pool and the host tier.
+the block id first. The pools are the GPU pool, the CPU swap pool and the host tier. Every
+message also lists, as `drafts`, the GPU blocks that hold speculative drafts not yet accepted:
+`[block_id, slots]` pairs (few, and whole in every message, so a viewer needs no history).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class KVFrame:
     cpu: tuple[Block, ...]
     stats: dict[str, Any]
     offload: tuple[Block, ...] = ()
+    drafts: tuple[tuple[int, int], ...] = ()  # (GPU block, slots holding drafts)
 
     @classmethod
     def capture(cls, sample: KVSample) -> KVFrame:
@@ -53,6 +56,9 @@ class KVFrame:
             cpu=tuple(_block(state) for state in snapshot.cpu),
             stats=sample.stats.to_dict(),
             offload=tuple(_block(state) for state in snapshot.offload),
+            drafts=tuple(
+                (state.block_id, state.draft_slots) for state in snapshot.gpu if state.draft_slots
+            ),
         )
 
 
@@ -144,6 +150,7 @@ def _message(
         "num_offload_blocks": len(frame.offload),
         "names": {str(first_index + i): name for i, name in enumerate(names)},
         **pools,
+        "drafts": [list(draft) for draft in frame.drafts],
         "stats": frame.stats,
     }
 

@@ -11,7 +11,9 @@ CPU backend reserves 4 GiB by default), so a laptop keeps room for everything el
 
 Blocks are counted in the KV dtype the cache stores (`kv_cache_dtype`: an fp8 cache fits twice
 the blocks of a 16-bit one), by the planner's own arithmetic (`kvmath.capacity`), so the
-start-up line and `pagedkv plan` agree on blocks and concurrency.
+start-up line and `pagedkv plan` agree on blocks and concurrency. With a speculative draft
+model, each block id also holds the draft model's K/V of the same tokens (`draft_kv_pool`): a
+block costs both models' bytes, and the pool holds that many fewer blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
-from pagedkv.kvmath.capacity import blocks_in_pool, max_concurrency
+from pagedkv.kvmath.capacity import max_concurrency
 from pagedkv.kvmath.spec import KVSpec, format_bytes
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.worker.kv_cache import KVCache, kv_cache_torch_dtype, kv_dtype_name, kv_spec
@@ -46,10 +48,11 @@ class KVCacheConfig:
     num_gpu_blocks: int
     num_cpu_blocks: int
     num_offload_blocks: int
-    bytes_per_block: int
+    bytes_per_block: int  # the model's K/V and, with a draft model, the draft's
     kv_dtype: torch.dtype  # what K/V are stored as: the model's dtype or fp8
     spec: KVSpec  # the arithmetic the counts came from (one rank's under tensor parallelism)
     tensor_parallel_size: int = 1  # ranks that each hold every block (their heads of it)
+    draft_bytes_per_block: int = 0  # of `bytes_per_block`, the draft model's K/V
 
     @property
     def kv_dtype_name(self) -> str:
@@ -65,21 +68,31 @@ class KVCacheConfig:
         fit = max_concurrency(self.spec, self.num_gpu_blocks, max_model_len, block_size)
         ranks = self.tensor_parallel_size
         on_each_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
+        draft = ""
+        if self.draft_bytes_per_block:
+            draft = f", {format_bytes(self.draft_bytes_per_block)} of it the draft model's"
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
             f"of {self.kv_dtype_name} ({gib:.2f} GiB, "
-            f"{format_bytes(self.bytes_per_block)} per block){on_each_rank}; max concurrency at "
-            f"max_model_len ({max_model_len} tokens): {fit} requests"
+            f"{format_bytes(self.bytes_per_block)} per block{draft}){on_each_rank}; max "
+            f"concurrency at max_model_len ({max_model_len} tokens): {fit} requests"
         )
 
 
-def kv_budget(request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
-    """Size the pools for `model` (its config, dtype and device) as `request` says."""
+def kv_budget(
+    request: PoolRequest, model: DecoderModel, draft: DecoderModel | None = None
+) -> KVCacheConfig:
+    """Size the pools for `model` (its config, dtype and device) as `request` says; with a
+    speculative `draft` model, for blocks that hold both models' K/V."""
     kv_dtype = kv_cache_torch_dtype(request.kv_cache_dtype, model.dtype)
     spec = kv_spec(model, kv_dtype)
     block_size = request.block_size
-    per_block = spec.bytes_per_block(block_size)
-    num_cpu_blocks = blocks_in_pool(spec, int(request.swap_space_gb * GIB), block_size)
+    draft_per_block = 0
+    if draft is not None:
+        draft_dtype = kv_cache_torch_dtype(request.kv_cache_dtype, draft.dtype)
+        draft_per_block = kv_spec(draft, draft_dtype).bytes_per_block(block_size)
+    per_block = spec.bytes_per_block(block_size) + draft_per_block
+    num_cpu_blocks = int(request.swap_space_gb * GIB) // per_block
     num_offload_blocks = int(request.kv_offloading_size * GIB) // per_block
 
     def config(num_gpu_blocks: int) -> KVCacheConfig:
@@ -91,6 +104,7 @@ def kv_budget(request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
             per_block,
             kv_dtype,
             spec,
+            draft_bytes_per_block=draft_per_block,
         )
 
     if request.num_gpu_blocks is not None:
@@ -101,7 +115,7 @@ def kv_budget(request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
         memory = _free_device_memory(request, model, kv_dtype)
     else:
         memory = min(CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
-    num_blocks = blocks_in_pool(spec, memory, request.block_size)
+    num_blocks = memory // per_block
     if num_blocks <= 0:
         raise KVCacheTooSmallForModel(
             f"{format_bytes(max(memory, 0))} left for the KV cache holds no block of "
@@ -109,6 +123,18 @@ def kv_budget(request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
             "give more memory"
         )
     return config(num_blocks)
+
+
+def draft_kv_pool(draft: DecoderModel, config: KVCacheConfig, kv_cache_dtype: str) -> KVCache:
+    """The draft model's K/V for the same block ids as the pool `config` sizes (and the same
+    CPU blocks): every plan the memory manager makes moves both models' blocks alike."""
+    return KVCache.for_model(
+        draft,
+        block_size=config.block_size,
+        num_blocks=config.num_gpu_blocks,
+        num_cpu_blocks=config.num_cpu_blocks + config.num_offload_blocks,
+        dtype=kv_cache_torch_dtype(kv_cache_dtype, draft.dtype),
+    )
 
 
 def kv_pool(model: DecoderModel, config: KVCacheConfig) -> KVCache:

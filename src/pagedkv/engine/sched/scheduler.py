@@ -223,7 +223,7 @@ class Scheduler:
         if not seq.acceptance.drafting:
             drafts = []
         drafts = drafts[: max(0, request.max_tokens - seq.num_output_tokens - 1)]
-        if drafts and seq.grammar is not None:
+        if drafts and seq.grammar is not None and min(drafts) >= 0:  # not placeholders
             drafts = drafts[: seq.grammar.valid_prefix(drafts)]
         if drafts:
             wanted = self._blocks_for(len(seq.tokens) + len(drafts)) - self._blocks_for(held)

@@ -1,9 +1,11 @@
-"""Drafters: what proposes each sample's drafts for its next step, after a step has sampled.
+"""Drafters: what proposes each sample's drafts for its next step.
 
-The executor asks once per step, for every sample that drew tokens and still drafts (its recent
-drafts paid: `acceptance.py`), with the sample's tokens as they will be once this step's are
-appended. A drafter answers up to `max_drafts` tokens per sample; the scheduler reserves their
-slots and verifies them in the sample's next step.
+The executor asks once per step, after sampling, for every sample that drew tokens and still
+drafts (its recent drafts paid: `acceptance.py`), with the sample's tokens as they will be once
+this step's are appended (`propose`). A drafter answers up to `max_drafts` tokens per sample;
+the scheduler reserves their slots and verifies them in the sample's next step. A drafter that
+needs the model's step to draft (a draft model) answers placeholders and fills them in when
+that step starts (`fill`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Protocol
 
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.ngram import propose_ngram
+from pagedkv.worker.step import SchedulerOutput
 
 SeqId = tuple[str, int]
 
@@ -36,6 +39,10 @@ class Drafter(Protocol):
         """Drafts per request, in order (an empty list: none for that sample)."""
         ...
 
+    def fill(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The step as the model runs it: its chunks' drafts as they are to be verified."""
+        ...
+
 
 class NgramDrafter:
     """Prompt lookup: each sample's drafts come from its own tokens (`ngram.py`)."""
@@ -49,3 +56,7 @@ class NgramDrafter:
             propose_ngram(request.token_ids, self.min_n, self.max_n, request.max_drafts)
             for request in requests
         ]
+
+    def fill(self, output: SchedulerOutput) -> SchedulerOutput:
+        """As it is: the drafts were proposed whole."""
+        return output

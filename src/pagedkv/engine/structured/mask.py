@@ -31,10 +31,17 @@ def apply_grammar_masks(
     if not rows:
         return
     vocab = logits.shape[-1]
-    bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), vocab)
-    matchers = [(state.matcher, position) for position, state in enumerate(states)]
+    # Rows may share a state (the positions of a speculative sample whose drafts the grammar
+    # refuses from the first): each distinct state's mask is computed once.
+    distinct: dict[int, int] = {}
+    for state in states:
+        distinct.setdefault(id(state), len(distinct))
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(distinct), vocab)
+    unique = {id(state): state for state in states}
+    matchers = [(unique[key].matcher, position) for key, position in distinct.items()]
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), matchers, bitmask)
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    bits = bits[[distinct[id(state)] for state in states]]
     banned = torch.from_numpy(bits == 0).to(logits.device)
     if len(rows) == logits.shape[0]:  # every row constrained: in place, no gather
         logits.masked_fill_(banned, float("-inf"))

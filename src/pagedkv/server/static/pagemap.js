@@ -11,6 +11,7 @@ const COLORS = {
   cached: "#3d5a73",
   tierHit: "#f0c040",
   shared: "#b07ad8",
+  draft: "#ff9d3c",
   text: "#ffffff",
   bg: "#181e28",
 };
@@ -25,6 +26,7 @@ class Pool {
     this.canvas = canvas;
     this.counter = counter;
     this.blocks = []; // [ref, cached, r0, s0, p0, ...] per block id
+    this.drafts = new Map(); // block id -> slots holding speculative drafts not accepted yet
     this.cell = 8;
     this.columns = 1;
   }
@@ -35,7 +37,15 @@ class Pool {
     this.draw();
   }
 
-  update(changes) {
+  // Blocks whose draft slots changed are redrawn with the frame's other changes.
+  setDrafts(pairs) {
+    const before = this.drafts;
+    this.drafts = new Map(pairs);
+    const changed = new Set([...before.keys(), ...this.drafts.keys()]);
+    return [...changed].filter((id) => before.get(id) !== this.drafts.get(id));
+  }
+
+  update(changes, redraw = []) {
     for (const [id, ...block] of changes) {
       this.blocks[id] = block;
     }
@@ -44,6 +54,7 @@ class Pool {
       this.draw();
     } else {
       for (const [id] of changes) this.drawBlock(id);
+      for (const id of redraw) this.drawBlock(id);
     }
   }
 
@@ -93,6 +104,13 @@ class Pool {
     if (ref > 0 && cached && size >= 6) {
       ctx.fillStyle = "#ffffff88"; // held and reusable by later prompts: a light base line
       ctx.fillRect(x, y + size - Math.max(1, size / 6), size, Math.max(1, size / 6));
+    }
+    const drafts = this.drafts.get(id) || 0;
+    if (drafts > 0) {
+      // Slots of drafts not accepted yet: a bar along the top, as long as their share.
+      const share = Math.min(1, drafts / state.blockSize);
+      ctx.fillStyle = COLORS.draft;
+      ctx.fillRect(x, y, Math.max(scale, size * share), Math.max(scale, size / 4));
     }
     if (ref > 1) {
       if (size >= 11 * scale) {
@@ -165,9 +183,10 @@ function applyFrame(frame) {
   for (const [index, name] of Object.entries(frame.names)) state.names.set(Number(index), name);
   state.blockSize = frame.block_size;
   document.getElementById("offload-pool").hidden = frame.num_offload_blocks === 0;
+  const redraw = state.gpu.setDrafts(frame.drafts || []);
   for (const pool of POOLS) {
     if (frame.type === "full") state[pool].reset(frame[pool]);
-    else state[pool].update(frame[pool]);
+    else state[pool].update(frame[pool], pool === "gpu" ? redraw : []);
   }
   showFigures(frame.stats, frame.time);
   state.frames += 1;
@@ -241,6 +260,8 @@ function describe(pool, id) {
   } else if (ref === 0) {
     lines.push(cached ? "free, KV kept for reuse" : "free");
   }
+  const drafts = pool.drafts.get(id) || 0;
+  if (drafts > 0) lines.push(`${drafts} slot${drafts > 1 ? "s" : ""} of drafts not accepted yet`);
   const shown = Math.min(holders.length, 3 * TOOLTIP_HOLDERS);
   for (let i = 0; i < shown; i += 3) {
     const [name, sample, position] = holders.slice(i, i + 3);

@@ -72,9 +72,12 @@ class SingleRank:
         """This rank's model (the whole model here)."""
         return load_shard(self.spec, self.group, torch.device(self.spec.device))
 
-    def kv_budget(self, request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
-        """The pool sizes every rank uses."""
-        return kv_budget(request, model)
+    def kv_budget(
+        self, request: PoolRequest, model: DecoderModel, draft: DecoderModel | None = None
+    ) -> KVCacheConfig:
+        """The pool sizes every rank uses (blocks that also hold a speculative `draft`
+        model's K/V when one is given)."""
+        return kv_budget(request, model, draft)
 
     def runner(self, model: DecoderModel, kv_cache: KVCache) -> ModelRunner:
         """The runner the engine steps."""
@@ -163,7 +166,11 @@ class TensorParallelRanks(SingleRank):
             self.shutdown()
             raise
 
-    def kv_budget(self, request: PoolRequest, model: DecoderModel) -> KVCacheConfig:
+    def kv_budget(
+        self, request: PoolRequest, model: DecoderModel, draft: DecoderModel | None = None
+    ) -> KVCacheConfig:
+        if draft is not None:  # EngineArgs refuses it first; said again where it would break
+            raise ValueError("a speculative draft model is not supported with tensor parallelism")
         try:
             with self._lock:
                 self.link.send(request)

@@ -1,0 +1,126 @@
+"""The draft-model drafter: a smaller model of the registry, with the model's vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.engine.spec.drafter import DraftRequest, SeqId
+from pagedkv.model.config import ModelConfig
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.load import LoadedModel, load
+from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
+
+# A slot reserved for a draft the draft model proposes at the start of the step that verifies it.
+UNDRAFTED = -1
+
+
+class DraftModelDrafter:
+    """A smaller model of the registry, with the same vocabulary, drafts greedily.
+
+    Its K/V live in the same block ids as the model's (`worker.kv_budget.draft_kv_pool`), so
+    every allocation, copy-on-write, swap, fork, prefix hit and rollback the memory manager
+    plans covers them too; its `runner` keeps its own copy of the block tables from the same
+    step data. A step runs it first (`fill`): every chunk the model computes, the draft model
+    computes too (no logits, except where it drafts), and a sample with reserved draft slots
+    gets its drafts from the draft model, one greedy token per pass, as many passes as the
+    most drafts any sample verifies (its K/V written into those slots). The filled step, now
+    with real drafts, is what the model verifies. Its drafts are its argmax: a one-hot
+    proposal, so verification keeps exactly the model's own distribution.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Reserved slots only: the drafts are made when their step starts (`fill`)."""
+        return [[UNDRAFTED] * request.max_drafts for request in requests]
+
+    def fill(self, output: SchedulerOutput) -> SchedulerOutput:
+        """`output` with every chunk's reserved draft slots holding the draft model's drafts,
+        after the draft model has computed the K/V of every chunk's tokens."""
+        first = [
+            replace(
+                chunk,
+                token_ids=chunk.token_ids[: len(chunk.token_ids) - chunk.num_draft_tokens],
+                sample=bool(chunk.num_draft_tokens),
+                num_logits=int(bool(chunk.num_draft_tokens)),
+                num_draft_tokens=0,
+            )
+            for chunk in output.chunks
+        ]
+        drafting = [chunk for chunk in output.chunks if chunk.num_draft_tokens]
+        step = self.runner.execute(replace(output, chunks=first))
+        drafts: dict[SeqId, list[int]] = {chunk.seq_id: [] for chunk in drafting}
+        rows = {chunk.seq_id: rows for chunk, rows in zip(first, step.rows, strict=True)}
+        logits, passes = step.logits, [chunk for chunk in first if chunk.sample]
+        for position in range(1, max((c.num_draft_tokens for c in drafting), default=0) + 1):
+            if logits is not None:
+                for chunk in passes:
+                    row = rows[chunk.seq_id][-1]
+                    drafts[chunk.seq_id].append(int(logits[row].argmax()))
+            passes = [
+                ScheduledChunk(
+                    seq_id=chunk.seq_id,
+                    token_ids=[drafts[chunk.seq_id][-1]],
+                    num_computed=chunk.num_computed
+                    + len(chunk.token_ids)
+                    - chunk.num_draft_tokens
+                    + position
+                    - 1,
+                    table_update=None,
+                    sample=position < chunk.num_draft_tokens,
+                    num_logits=int(position < chunk.num_draft_tokens),
+                )
+                for chunk in drafting
+                if position <= chunk.num_draft_tokens
+            ]
+            # The last pass writes the last drafts' K/V, so a step that keeps every draft
+            # leaves the draft model's K/V as complete as the model's.
+            step = self.runner.execute(SchedulerOutput(chunks=passes))
+            logits = step.logits
+            rows = {chunk.seq_id: rows for chunk, rows in zip(passes, step.rows, strict=True)}
+            passes = [chunk for chunk in passes if chunk.sample]
+        return replace(
+            output,
+            chunks=[
+                replace(
+                    chunk,
+                    token_ids=chunk.token_ids[: -chunk.num_draft_tokens] + drafts[chunk.seq_id],
+                )
+                if chunk.num_draft_tokens
+                else chunk
+                for chunk in output.chunks
+            ],
+        )
+
+
+def load_draft_model(
+    config: SpeculativeConfig,
+    target: ModelConfig,
+    tokenizer: Tokenizer,
+    *,
+    dtype: str,
+    device: str,
+    quantization: str,
+) -> LoadedModel:
+    """The draft model `config` names, loaded as the model is; raise ValueError when its
+    vocabulary is not the model's (its token ids would mean other tokens)."""
+    assert config.model is not None
+    draft = load(config.model, dtype=dtype, device=device, quantization=quantization)
+    sizes = (draft.config.vocab_size, draft.tokenizer.vocab_size)
+    if sizes != (target.vocab_size, tokenizer.vocab_size) or any(
+        draft.tokenizer.encode(text) != tokenizer.encode(text) for text in _PROBES
+    ):
+        raise ValueError(
+            f"speculative_config model {config.model!r} has a vocabulary of {sizes[1]} tokens "
+            f"({sizes[0]} ids) and the model {tokenizer.vocab_size} ({target.vocab_size}) or "
+            "tokenizes differently: a draft model needs the model's tokenizer"
+        )
+    return draft
+
+
+# Texts both tokenizers must split alike: words, digits, punctuation, spacing, non-ASCII.
+_PROBES = ("Hello, world! 12345 tokens:\n\tcafé naïve 東京 🙂", "def f(x):\n    return x ** 2")

@@ -1,0 +1,385 @@
+"""Speculative decoding changes how fast tokens come, never which: greedy output with drafts
+equals the output without, bit for bit, tokens and logprob floats; sampled output is
+distributed as plain sampling's.
+
+The oracle of exactness is the engine without speculation (itself checked against
+transformers elsewhere), on the request alone. With speculation the same request runs beside a
+crowd, in small chunks, from the prefix cache and its host tier, after swap and recompute
+preemption, and as n = 3 forks, for every registry family, KV dtype and weight format. Two
+drafters: prompt lookup (n-gram), which random tiny models accept now and then, and the model
+itself as its own draft model, whose greedy drafts are all accepted (so long runs of kept
+drafts, and their rollback where penalties or a grammar refuse them, are exercised too). Every
+run checks the memory manager's invariants after every step (`answers`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from pagedkv.engine import LLM, Engine, EngineArgs, SamplingParams
+from pagedkv.engine.spec.acceptance import FIRST_PAUSE_STEPS, Acceptance
+from pagedkv.engine.structured.params import StructuredOutputsParams
+from pagedkv.hub import DEFAULT_MODEL
+from tests.conftest import TinyZoo
+from tests.engine.test_batch_invariance import (
+    CASES,
+    GREEDY,
+    TARGET_PROMPT,
+    alone,
+    answers,
+    busy_run,
+    engine_for,
+)
+from tests.model.tiny_models import TINY_MODELS, random_prompt
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+
+
+def draft_model(model: str, k: int = 3) -> dict[str, Any]:
+    """A speculative config drafting with `model`."""
+    return {"model": model, "num_speculative_tokens": k}
+
+
+def spec_busy(model: str, params: SamplingParams, spec: dict[str, Any], case: str, **settings):
+    """The target's answer in `busy_run` with speculation on, and the engine's draft figures."""
+    seed, case_settings = CASES[case]
+    answer, _, engine = busy_run(
+        model, params, others=6, seed=seed, speculative_config=spec, **settings, **case_settings
+    )
+    return answer, engine.scheduler.spec_stats
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_greedy_output_is_unchanged_for_every_family(
+    engine_zoo: TinyZoo, family: str, kv_cache_dtype: str
+) -> None:
+    """Each family, float32 and fp8 KV, n-gram and draft-model drafts, in every case: the
+    target's greedy tokens and logprobs equal its answer alone without speculation; so do
+    n = 3 greedy forks under swap preemption."""
+    model = str(engine_zoo.folder(family))
+    expected = alone(model, GREEDY, kv_cache_dtype=kv_cache_dtype)
+    for spec in (NGRAM, draft_model(model)):
+        accepted = 0
+        for case in CASES:
+            got, stats = spec_busy(model, GREEDY, spec, case, kv_cache_dtype=kv_cache_dtype)
+            assert got == expected, f"{family} {kv_cache_dtype} {spec}: {case}"
+            accepted += stats.num_accepted_tokens
+        if "model" in spec:
+            assert accepted > 0, "the model drafting for itself has its drafts kept"
+    forks = SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    got, stats = spec_busy(model, forks, draft_model(model), "swap", kv_cache_dtype=kv_cache_dtype)
+    assert got == expected * 3 and stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4", "gguf-Q4_0", "gguf-Q8_0"])
+def test_greedy_output_is_unchanged_for_every_weight_format(
+    engine_zoo, tiny_gguf, weights: str
+) -> None:
+    """Llama in every weight format, drafted by n-gram lookup and by a Q4_0 GGUF copy of
+    itself (close to the model, so some drafts are kept and some are not): equal to the
+    request alone without speculation."""
+    import gguf
+
+    if weights.startswith("gguf-"):
+        qtype = getattr(gguf.GGMLQuantizationType, weights.removeprefix("gguf-"))
+        model, options = str(tiny_gguf("llama", qtype=qtype)), {}
+    else:
+        model = str(engine_zoo.folder("llama"))
+        options = {"dtype": weights} if weights == "bfloat16" else {"quantization": weights}
+    drafter = str(tiny_gguf("llama", qtype=gguf.GGMLQuantizationType.Q4_0))
+    expected = alone(model, GREEDY, **options)
+    for spec in (NGRAM, draft_model(drafter)):
+        for case in ("batched", "prefix-cache", "recompute"):
+            got, _ = spec_busy(model, GREEDY, spec, case, **options)
+            assert got == expected, f"{weights} {spec}: {case}"
+
+
+# Every setting that changes a position's logits or stops a sample, each checked per
+# position of a run of drafts (the draft model drafts from raw logits, so these refuse some).
+PER_POSITION = {
+    "penalties": dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.5),
+    "logit_bias": dict(logit_bias={17: 4.0, 40: -3.0, 101: 2.5}),
+    "bad_words": dict(bad_words=["the", "blocks and"]),
+    "allowed_token_ids": dict(allowed_token_ids=list(range(3, 120))),
+    "min_tokens": dict(min_tokens=14, ignore_eos=False, stop_token_ids=[5, 9, 11]),
+    "stop_strings": dict(stop=["ed", "ar"], ignore_eos=False),
+    "regex": dict(structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{4,30}\.")),
+    "choice": dict(structured_outputs=StructuredOutputsParams(choice=["paged blocks", "swap"])),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(PER_POSITION))
+def test_sampling_settings_apply_at_every_draft_position(engine_zoo, setting: str) -> None:
+    """Penalties, logit bias, bad words, allowed ids, min_tokens, stops and structured outputs
+    are applied to each draft's position as if the drafts before it had been sampled: the
+    answer (tokens, logprobs, text, finish reason) equals the one without speculation."""
+    model = str(engine_zoo.folder("llama"))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, logprobs=2, **{"ignore_eos": True, **PER_POSITION[setting]}
+    )
+    prompts = [TARGET_PROMPT, random_prompt(20, seed=5), TARGET_PROMPT[:30] + TARGET_PROMPT]
+
+    def run(**speculation: Any) -> list[tuple[Any, ...]]:
+        llm = LLM(model, num_gpu_blocks=256, max_model_len=512, **speculation)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.engine.scheduler.spec_stats
+        return [
+            (o.token_ids, o.logprobs, o.text, o.finish_reason, o.stop_reason)
+            for output in outputs
+            for o in output.outputs
+        ], stats
+
+    expected, _ = run()
+    for spec in (NGRAM, draft_model(model)):
+        got, stats = run(speculative_config=spec)
+        assert got == expected, f"{setting}: {spec}"
+    assert stats.num_draft_tokens > 0
+
+
+def chi_square_p_value(first: Counter, second: Counter) -> float:
+    """The p-value of a chi-square test that two samples come from one distribution
+    (categories seen fewer than 5 times in both are pooled)."""
+    total_first, total_second = sum(first.values()), sum(second.values())
+    categories, pooled = [], [0, 0]
+    for key in set(first) | set(second):
+        if first[key] + second[key] >= 10:
+            categories.append((first[key], second[key]))
+        else:
+            pooled[0] += first[key]
+            pooled[1] += second[key]
+    if sum(pooled):
+        categories.append(tuple(pooled))
+    statistic = 0.0
+    for a, b in categories:
+        both = a + b
+        for observed, total in ((a, total_first), (b, total_second)):
+            expected = both * total / (total_first + total_second)
+            statistic += (observed - expected) ** 2 / expected
+    degrees = len(categories) - 1
+    chi2 = torch.distributions.Chi2(torch.tensor(float(degrees), dtype=torch.float64))
+    return float(1 - chi2.cdf(torch.tensor(statistic, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+def test_sampled_tokens_are_distributed_as_without_speculation(engine_zoo) -> None:
+    """Temperature 1 with top_p: each of the tokens after the first (all verified as drafts of
+    the model drafting for itself, kept with probability p(draft), else drawn from the
+    residual) follows the same distribution as plain sampling, by a chi-square test over 1,200
+    seeded samples each way."""
+    model = str(engine_zoo.folder("llama"))
+    prompt = TARGET_PROMPT[:12]
+    count = 1200
+
+    def samples(**speculation: Any) -> list[Counter]:
+        llm = LLM(model, num_gpu_blocks=2048, max_model_len=256, seed=1, **speculation)
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4, ignore_eos=True, seed=s)
+            for s in range(count)
+        ]
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * count, params, use_tqdm=False)
+        positions = [Counter() for _ in range(3)]
+        for output in outputs:
+            for position, token in enumerate(output.outputs[0].token_ids[1:]):
+                positions[position][token] += 1
+        stats = llm.engine.scheduler.spec_stats
+        return positions, stats
+
+    plain, _ = samples()
+    speculative, stats = samples(speculative_config=draft_model(model))
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both rules were used
+    for position in range(3):
+        p_value = chi_square_p_value(plain[position], speculative[position])
+        assert p_value > 1e-3, f"token {position + 1}: p = {p_value:.2g}"
+
+
+def test_the_chi_square_test_sees_a_skewed_sampler() -> None:
+    """The statistic above has the power to tell: a sample that keeps its argmax a quarter of
+    the time more often than it should is rejected."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    fair = Counter(torch.multinomial(probs, 1200, True, generator=generator).tolist())
+    skewed_probs = torch.tensor([0.55, 0.225, 0.15, 0.075])
+    skewed = Counter(torch.multinomial(skewed_probs, 1200, True, generator=generator).tolist())
+    again = Counter(torch.multinomial(probs, 1200, True, generator=generator).tolist())
+    assert chi_square_p_value(fair, skewed) < 1e-3
+    assert chi_square_p_value(fair, again) > 1e-3
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+def test_draft_slots_are_reserved_shown_and_given_back(engine_zoo, drafter: str) -> None:
+    """Between steps, the page map's draft slots are exactly the drafts each running sample
+    will verify (their slots reserved past its tokens): a step gives back the slots of the
+    drafts it rejected. At the end every block is free."""
+    model = str(engine_zoo.folder("llama"))
+    spec = NGRAM if drafter == "ngram" else draft_model(model, 4)
+    engine = engine_for(model, num_gpu_blocks=64, speculative_config=spec)
+    # The penalty makes the model refuse some of its own raw-argmax drafts.
+    params = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.5, ignore_eos=True)
+    for index in range(3):
+        engine.add_request(str(index), random_prompt(10 + 7 * index, seed=index), params)
+    seen = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.manager.check_invariants()
+        drafts = 0
+        for request in engine.scheduler.running:
+            for seq in request.live_sequences:
+                held = engine.manager.num_tokens(seq.seq_id)
+                assert held == len(seq.tokens) + len(seq.draft_token_ids) or (
+                    held == len(seq.tokens) - 1 and not seq.draft_token_ids
+                )
+                drafts += len(seq.draft_token_ids)
+        snapshot = engine.kv_snapshot()
+        assert sum(block.draft_slots for block in snapshot.gpu) == drafts
+        assert all(block.ref_count > 0 for block in snapshot.gpu if block.draft_slots)
+        seen = max(seen, drafts)
+    assert seen > 0
+    stats = engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts were given back
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
+def test_a_sequence_whose_drafts_fail_stops_drafting_for_a_while() -> None:
+    """Drafts that are never kept pause drafting (within two steps from the optimistic start),
+    for longer each time they fail again; a step that keeps most resets the wait."""
+    acceptance = Acceptance()
+    pauses = []
+    for _ in range(4):
+        steps_drafting = 0
+        while acceptance.drafting:
+            acceptance.record(4, 0)
+            steps_drafting += 1
+        assert steps_drafting <= 2
+        steps = 0
+        while not acceptance.drafting:
+            acceptance.step_without_drafts()
+            steps += 1
+        pauses.append(steps)
+    assert pauses[0] == FIRST_PAUSE_STEPS and pauses == sorted(pauses) and pauses[1] > pauses[0]
+    acceptance.record(4, 3)
+    assert acceptance.drafting
+    while acceptance.drafting:
+        acceptance.record(4, 0)
+    assert acceptance.paused_steps == FIRST_PAUSE_STEPS
+
+
+def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
+    """Random text: the n-gram drafts of a random model are mostly refused, so most steps of a
+    long answer verify no drafts at all."""
+    model = str(engine_zoo.folder("mistral"))
+    engine = engine_for(model, num_gpu_blocks=64, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    answers(engine, [("a", random_prompt(30, seed=3), params)])
+    stats = engine.scheduler.spec_stats
+    assert stats.acceptance_rate < 0.3 and stats.num_drafts < 120 / 2
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min (4) must be <= prompt_lookup_max (2)",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_length": 4}, "'draft_length'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ('{"method": "ngram", ', "not valid JSON"),
+        ([3], "must be a dict"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_at_start(config: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(model="unused", speculative_config=config)
+
+
+def test_vllm_spellings_and_defaults() -> None:
+    """vLLM's older `{"model": "ngram"}`, a JSON string as `--speculative-config` passes it,
+    and vLLM's defaults for the lookup sizes (one given stands for both; neither: 5)."""
+    old = EngineArgs(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2})
+    assert (old.speculative.method, old.speculative.prompt_lookup_min) == ("ngram", 5)
+    text = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    parsed = EngineArgs(speculative_config=text).speculative
+    assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)
+    drafted = EngineArgs(speculative_config={"model": "m", "num_speculative_tokens": 2})
+    assert drafted.speculative.method == "draft_model"
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        EngineArgs(tensor_parallel_size=2, speculative_config=drafted.speculative_config)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: Path) -> None:
+    """A draft whose tokenizer splits text otherwise (same vocabulary size) is refused when the
+    engine starts, naming the draft model."""
+    target = engine_zoo.folder("llama")
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(target, other)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(["completely different words here"] * 5, trainer)
+    tokenizer.save(str(other / "tokenizer.json"))
+    with pytest.raises(ValueError, match="draft model needs the model's tokenizer"):
+        Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(other))))
+
+
+def test_draft_model_blocks_cost_both_models_bytes(engine_zoo) -> None:
+    """The pool counts each block at the model's K/V bytes plus the draft's, so the same memory
+    holds fewer blocks, and the start-up line says the draft's share."""
+    model = str(engine_zoo.folder("llama"))
+    memory = 1 << 20
+    plain = engine_for(model, kv_cache_memory=memory)
+    drafted = engine_for(model, kv_cache_memory=memory, speculative_config=draft_model(model))
+    per_block = plain.kv_bytes_per_block
+    assert drafted.kv_bytes_per_block == 2 * per_block
+    assert drafted.manager.num_gpu_blocks == memory // (2 * per_block)
+    assert plain.manager.num_gpu_blocks == memory // per_block
+
+
+@pytest.mark.slow
+def test_the_builtin_model_copies_faster_with_the_same_answer() -> None:
+    """The built-in model quoting a passage back: n-gram drafts are mostly kept (the point of
+    prompt lookup), and the answer is the one without speculation, tokens and logprobs."""
+    passage = (
+        "Paged attention keeps the keys and values of every token in fixed-size blocks, found "
+        "through a block table per sequence, so memory is allocated as tokens arrive and "
+        "shared between requests with a common prefix."
+    )
+    conversation = [{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}]
+    params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=1)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2,
+    }
+    plain = LLM(DEFAULT_MODEL, num_gpu_blocks=256).chat(conversation, params, use_tqdm=False)
+    llm = LLM(DEFAULT_MODEL, num_gpu_blocks=256, speculative_config=spec)
+    fast = llm.chat(conversation, params, use_tqdm=False)
+    assert fast[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert fast[0].outputs[0].logprobs == plain[0].outputs[0].logprobs
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2
+    assert math.isfinite(stats.mean_accepted_length)
