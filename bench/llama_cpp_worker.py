@@ -7,6 +7,12 @@ each gets one JSON line back on stdout (llama.cpp's own logs go to stderr):
     {"model": "/path/file.gguf", "threads": 2, "prompts": [[ids], ...], "max_tokens": 128}
     -> {"generated_tokens": 4096, "seconds": 12.3, "first_token_seconds": [...], ...}
 
+A job with `"mode": "prompt_lookup"` runs the prompts one at a time through llama-cpp-python's
+own `Llama.generate`, greedy, with its prompt-lookup decoding (`LlamaPromptLookupDecoding`,
+`max_ngram_size` and `num_pred_tokens` from the job; `num_pred_tokens` 0: none), each until a
+`stop_ids` token or `max_tokens`, and returns per prompt its tokens and the seconds from its
+first token to its last (`bench/spec_bench.py`).
+
 The model is loaded once per path and kept; every job gets a fresh context, so no job finds
 an earlier one's KV. The decode loop is llama-server's: one context whose n_seq_max is the
 number of sequences, each prompt in its own seq_id, and per step ONE llama_batch holding
@@ -71,6 +77,8 @@ class Worker:
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """One generate job: every prompt to max_tokens new tokens, greedy, no EOS stop."""
+        if job.get("mode") == "prompt_lookup":
+            return prompt_lookup(job)
         model = self.model(job["model"])
         prompts: list[list[int]] = job["prompts"]
         max_tokens = int(job["max_tokens"])
@@ -89,6 +97,41 @@ class Worker:
             }
         finally:
             lc.llama_free(ctx)
+
+
+def prompt_lookup(job: dict[str, Any]) -> dict[str, Any]:
+    """Each prompt alone through `Llama.generate`, with prompt-lookup drafts unless
+    `num_pred_tokens` is 0; greedy; the tokens and the decode seconds of each."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = None
+    if job["num_pred_tokens"]:
+        draft = LlamaPromptLookupDecoding(
+            max_ngram_size=job["max_ngram_size"], num_pred_tokens=job["num_pred_tokens"]
+        )
+    threads = int(job["threads"])
+    llm = lc.Llama(
+        model_path=job["model"],
+        n_ctx=job["n_ctx"],
+        n_batch=N_UBATCH,
+        n_threads=threads,
+        n_threads_batch=threads,
+        draft_model=draft,
+        verbose=False,
+    )
+    stops, max_tokens = set(job["stop_ids"]), int(job["max_tokens"])
+    results = []
+    for prompt in job["prompts"]:
+        tokens: list[int] = []
+        first = 0.0
+        for token in llm.generate(prompt, temp=0.0, reset=True):
+            if not tokens:
+                first = time.perf_counter()
+            tokens.append(int(token))
+            if token in stops or len(tokens) >= max_tokens:
+                break
+        results.append({"tokens": tokens, "decode_seconds": time.perf_counter() - first})
+    return {"results": results, "version": lc.__version__, "threads": threads}
 
 
 def new_context(model: Any, n_ctx: int, n_seq: int, threads: int, unified: bool) -> Any:

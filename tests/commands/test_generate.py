@@ -71,6 +71,26 @@ def test_generate_prints_each_of_n_samples_whole(zoo, capsys):
     assert err.splitlines()[-1].startswith("[12 tokens in ")
 
 
+def test_speculative_decoding_from_the_command_line_prints_the_same_completion(
+    zoo, hf_tokenizer, capsys
+):
+    """`--speculative-config` (vLLM's JSON), n-gram and draft model: transformers' greedy text;
+    a bad config exits 2 naming what is wrong."""
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
+    text, _ = greedy_text(zoo, hf_tokenizer, prompt_ids, 16)
+    model = str(zoo.folder("llama"))
+    argv = ["generate", "--model", model, "--prompt", PROMPT, "--max-tokens", "16", *ENGINE_FLAGS]
+    for spec in (
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+        f'{{"model": "{model}", "num_speculative_tokens": 2}}',
+    ):
+        assert main([*argv, "--speculative-config", spec]) == 0
+        out, err = capsys.readouterr()
+        assert out == text + "\n" and "speculative decoding: " in err
+    assert main([*argv, "--speculative-config", '{"method": "medusa"}']) == 2
+    assert "method 'medusa' is not supported" in capsys.readouterr().err
+
+
 def test_a_bad_sampling_value_exits_2_naming_it(zoo, capsys):
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
     assert main([*argv, "--top-p", "1.5"]) == 2

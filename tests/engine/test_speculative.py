@@ -26,7 +26,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pagedkv.engine import LLM, Engine, EngineArgs, SamplingParams
-from pagedkv.engine.spec.acceptance import FIRST_PAUSE_STEPS, Acceptance
+from pagedkv.engine.spec.acceptance import FIRST_PAUSE_STEPS, Acceptance, StepCost
 from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.hub import DEFAULT_MODEL
 from tests.conftest import TinyZoo
@@ -60,7 +60,7 @@ def spec_busy(model: str, params: SamplingParams, spec: dict[str, Any], case: st
     answer, _, engine = busy_run(
         model, params, others=6, seed=seed, speculative_config=spec, **settings, **case_settings
     )
-    return answer, engine.scheduler.spec_stats
+    return answer, engine.scheduler.drafts.stats
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -137,7 +137,7 @@ def test_sampling_settings_apply_at_every_draft_position(engine_zoo, setting: st
     def run(**speculation: Any) -> list[tuple[Any, ...]]:
         llm = LLM(model, num_gpu_blocks=256, max_model_len=512, **speculation)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = llm.engine.scheduler.spec_stats
+        stats = llm.engine.scheduler.drafts.stats
         return [
             (o.token_ids, o.logprobs, o.text, o.finish_reason, o.stop_reason)
             for output in outputs
@@ -196,7 +196,7 @@ def test_sampled_tokens_are_distributed_as_without_speculation(engine_zoo) -> No
         for output in outputs:
             for position, token in enumerate(output.outputs[0].token_ids[1:]):
                 positions[position][token] += 1
-        stats = llm.engine.scheduler.spec_stats
+        stats = llm.engine.scheduler.drafts.stats
         return positions, stats
 
     plain, _ = samples()
@@ -249,33 +249,54 @@ def test_draft_slots_are_reserved_shown_and_given_back(engine_zoo, drafter: str)
         assert all(block.ref_count > 0 for block in snapshot.gpu if block.draft_slots)
         seen = max(seen, drafts)
     assert seen > 0
-    stats = engine.scheduler.spec_stats
+    stats = engine.scheduler.drafts.stats
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts were given back
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
 
 
-def test_a_sequence_whose_drafts_fail_stops_drafting_for_a_while() -> None:
-    """Drafts that are never kept pause drafting (within two steps from the optimistic start),
-    for longer each time they fail again; a step that keeps most resets the wait."""
+def test_a_sequence_drafts_what_pays_and_pauses_when_nothing_does() -> None:
+    """A draft is verified while the chance that it is kept (the estimated per-draft rate to
+    the power of its position) reaches the step's threshold; a sequence whose first draft would
+    not pay pauses, probes with one draft after the pause, and waits twice as long when the
+    probe fails too; a kept draft resets the wait."""
     acceptance = Acceptance()
+    for _ in range(20):
+        acceptance.record(4, 4)
+    rate = acceptance.rate
+    assert rate > 0.9
+    assert acceptance.drafts_to_verify(rate**4, 4) == 4
+    assert acceptance.drafts_to_verify(rate**2.5, 4) == 2  # drafts 1 and 2 pay, 3 does not
+    assert acceptance.drafting
+    assert acceptance.drafts_to_verify(rate**0.5, 4) == 0 and not acceptance.drafting
+    failing = Acceptance()
     pauses = []
-    for _ in range(4):
-        steps_drafting = 0
-        while acceptance.drafting:
-            acceptance.record(4, 0)
-            steps_drafting += 1
-        assert steps_drafting <= 2
+    for _ in range(3):
+        for _ in range(10):
+            failing.record(4, 0)
+        assert failing.drafts_to_verify(0.2, 4) == 0 and not failing.drafting
         steps = 0
-        while not acceptance.drafting:
-            acceptance.step_without_drafts()
+        while not failing.drafting:
+            failing.step_without_drafts()
             steps += 1
         pauses.append(steps)
-    assert pauses[0] == FIRST_PAUSE_STEPS and pauses == sorted(pauses) and pauses[1] > pauses[0]
-    acceptance.record(4, 3)
-    assert acceptance.drafting
-    while acceptance.drafting:
-        acceptance.record(4, 0)
-    assert acceptance.paused_steps == FIRST_PAUSE_STEPS
+        assert failing.drafts_to_verify(0.2, 4) == 1  # the probe
+        failing.record(1, 0)
+    assert pauses == [FIRST_PAUSE_STEPS, 2 * FIRST_PAUSE_STEPS, 4 * FIRST_PAUSE_STEPS]
+    failing.record(1, 1)
+    assert failing.next_pause == FIRST_PAUSE_STEPS
+
+
+def test_the_step_cost_is_fitted_to_the_steps_timed() -> None:
+    """Steps that take 4 ms plus 1.5 ms a row: the fit finds both, and a draft must have a
+    27% chance of being kept to pay at batch 1, 92% at 32 sequences."""
+    cost = StepCost()
+    assert cost.threshold(1) == pytest.approx(0.2)  # no timings yet: a row is a quarter
+    for rows in [1, 4, 1, 1, 4, 2, 64, 1, 4, 32, 33]:
+        cost.record(rows, 0.004 + 0.0015 * rows)
+    fixed, per_row = cost.fit()
+    assert fixed == pytest.approx(0.004) and per_row == pytest.approx(0.0015)
+    assert cost.threshold(1) == pytest.approx(0.0015 / 0.0055)
+    assert cost.threshold(32) == pytest.approx(0.048 / 0.052)
 
 
 def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
@@ -285,7 +306,7 @@ def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
     engine = engine_for(model, num_gpu_blocks=64, speculative_config=NGRAM)
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     answers(engine, [("a", random_prompt(30, seed=3), params)])
-    stats = engine.scheduler.spec_stats
+    stats = engine.scheduler.drafts.stats
     assert stats.acceptance_rate < 0.3 and stats.num_drafts < 120 / 2
 
 
@@ -380,6 +401,6 @@ def test_the_builtin_model_copies_faster_with_the_same_answer() -> None:
     fast = llm.chat(conversation, params, use_tqdm=False)
     assert fast[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert fast[0].outputs[0].logprobs == plain[0].outputs[0].logprobs
-    stats = llm.engine.scheduler.spec_stats
+    stats = llm.engine.scheduler.drafts.stats
     assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2
     assert math.isfinite(stats.mean_accepted_length)

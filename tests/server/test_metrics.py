@@ -128,6 +128,26 @@ def test_metrics_prefix_vllm_names_every_metric_as_vllm_does(serve) -> None:
     assert all(name.startswith("vllm:") for name in names if ":" in name)
 
 
+def test_speculative_decoding_is_counted_under_vllms_names(serve) -> None:
+    """vLLM's spec_decode_* counters through a server started with --speculative-config: drafts
+    are counted, the kept ones among them, and the per-position counts add up to the kept."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    vllm = serve(ServerConfig(metrics_prefix="vllm"), num_gpu_blocks=64, speculative_config=spec)
+    prompt = [(5 * i) % 40 + 3 for i in range(24)] * 2
+    with vllm.client() as client:
+        model = client.models.list().data[0].id
+        reply = client.completions.create(
+            model=model, prompt=prompt, max_tokens=48, extra_body=IGNORE_EOS
+        )
+    samples = scrape(vllm)
+    drafts = value(samples, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = value(samples, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = value(samples, "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < drafts <= draft_tokens and accepted <= draft_tokens
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert value(samples, "vllm:generation_tokens_total") == reply.usage.completion_tokens == 48
+
+
 def test_serve_parses_metrics_prefix() -> None:
     parser = argparse.ArgumentParser()
     serve_command.add_arguments(parser)

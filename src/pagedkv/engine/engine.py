@@ -342,7 +342,7 @@ class Engine:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block,
             tensor_parallel_size=self.args.tensor_parallel_size,
-            spec_decoding=self.scheduler.spec_stats.snapshot(),
+            spec_decoding=self.scheduler.drafts.stats.snapshot(),
             **memory_fields(self.manager),
         )
 

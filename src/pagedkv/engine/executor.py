@@ -13,6 +13,7 @@ drafter proposes each sample's drafts for its next step. Nothing here changes a 
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Mapping
 
@@ -52,6 +53,14 @@ class StepExecutor:
         """Run `output` over the requests it schedules (by id); the sampled tokens and scores."""
         if not output.chunks and not output.plan:
             return ModelRunnerOutput()  # nothing to run: e.g. a step that only reports aborts
+        started = time.perf_counter()
+        result = self._execute(output, requests)
+        result.step_seconds = time.perf_counter() - started
+        return result
+
+    def _execute(
+        self, output: SchedulerOutput, requests: Mapping[str, Request]
+    ) -> ModelRunnerOutput:
         if self.drafter is not None:
             output = self.drafter.fill(output)
         step = self.runner.execute(output)

@@ -16,6 +16,7 @@ output, and it completes in the newest token's text, past everything already han
 from __future__ import annotations
 
 from pagedkv.engine.request import Request, Sequence
+from pagedkv.engine.sched.output import SampledToken
 
 
 def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
@@ -45,6 +46,27 @@ def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
         return
     if seq.num_output_tokens >= request.max_tokens:
         _finish(seq, "length", None)
+
+
+def append_sampled(request: Request, seq: Sequence, sampled: list[SampledToken]) -> int:
+    """A sample's new tokens, in order, into its record and what reads it (penalty counts, the
+    grammar, logprobs), each followed by the stops; a stop drops the tokens after it. Returns
+    how many were appended."""
+    for count, token in enumerate(sampled, start=1):
+        token_id = token.token_id
+        seq.token_ids.append(token_id)
+        seq.new_token_ids.append(token_id)
+        if seq.counts is not None:
+            seq.counts.add(token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
+        if token.logprobs is not None:
+            seq.new_logprobs.append(token.logprobs)
+            seq.cumulative_logprob += token.logprobs[token_id].logprob
+        apply_stops(request, seq, token_id)
+        if seq.finished:
+            return count
+    return len(sampled)
 
 
 def take_text(request: Request, seq: Sequence) -> str:

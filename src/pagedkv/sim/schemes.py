@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from pagedkv.engine.sched.scheduler import KVMemory
+from pagedkv.engine.sched.kv_memory import KVMemory
 from pagedkv.memory import (
     Allocation,
     KVCacheManager,

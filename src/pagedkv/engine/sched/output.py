@@ -33,13 +33,15 @@ class ModelRunnerOutput:
     `prompt_logprobs`: per request that scores its prompt, the entries this step scored, in
     prompt order. `logits_rows`: per scheduled chunk, its rows of the step's logits (where the
     batch was built). `draft_token_ids`: per sample that drew tokens, the drafts proposed for
-    its next step (none where it drafts nothing).
+    its next step (none where it drafts nothing). `step_seconds`: how long the step took (None
+    where nothing was timed), which tells the scheduler what a row of a step costs.
     """
 
     sampled: dict[SeqId, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     logits_rows: list[range] = field(default_factory=list)
     draft_token_ids: dict[SeqId, list[int]] = field(default_factory=dict)
+    step_seconds: float | None = None
 
     @property
     def num_sampled_tokens(self) -> int:

@@ -23,13 +23,8 @@ before the forward pass. The scheduler owns each sequence's computed count and t
 (`mark_computed`). The runner keeps the block tables; each chunk carries only the change to its
 sequence's table, and `dropped` names the tables to forget. `SchedulerOutput` is plain data.
 
-Speculative decoding: a decoding sample with drafts (`Sequence.draft_token_ids`, proposed by
-the last step) gets a chunk of its last token and the drafts, as many as the token budget
-leaves, in lookahead slots past its record. `update` appends what the step kept (the accepted
-drafts and one sampled token), counts those computed and gives back the slots of the rejected
-drafts (`trim`) in the same step; then it reserves the slots of the drafts proposed for the next
-step, where the pool has room for them above the watermark (else the sample verifies none).
-Those reservations are real blocks: admission and the page map see them.
+Speculative decoding's drafts verify in a decode's chunk, in lookahead slots that
+`DraftSlots` (`drafts.py`) reserves, settles and gives back.
 """
 
 from __future__ import annotations
@@ -37,16 +32,15 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from pagedkv.engine.request import Request, RequestStatus, Sequence
 from pagedkv.engine.sched.config import SchedulerConfig
-from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
+from pagedkv.engine.sched.drafts import DraftSlots
+from pagedkv.engine.sched.kv_memory import KVMemory
+from pagedkv.engine.sched.output import ModelRunnerOutput
 from pagedkv.engine.sched.policy import make_policy
-from pagedkv.engine.spec.metrics import SpecDecodingStats
-from pagedkv.engine.stops import apply_stops
+from pagedkv.engine.stops import append_sampled
 from pagedkv.memory import Allocation, MemoryPlan
-from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 
 # Blocks kept free when admitting, as a share of the pool (at least one block).
@@ -78,10 +72,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._dropped: list[SeqId] = []  # tables the runner must forget, sent with the next step
         # Moves of draft reservations made by `update`, run with the next step.
-        self._pending_plan = MemoryPlan()
-        # First table entry changed by a reservation, per sample, until its next chunk says so.
-        self._table_changes: dict[SeqId, int] = {}
-        self.spec_stats = SpecDecodingStats()
+        self.drafts = DraftSlots(manager, self.watermark_blocks)
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -109,8 +100,7 @@ class Scheduler:
         if seq.seq_id in self.manager:
             self.manager.free(seq.seq_id)
             seq.num_computed = 0
-            seq.draft_token_ids = []
-            self._table_changes.pop(seq.seq_id, None)
+            self.drafts.forget(seq)
             self._dropped.append(seq.seq_id)
 
     def has_unfinished(self) -> bool:
@@ -127,9 +117,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's chunks; preempt, resume and admit as the pool allows."""
         self._queue_compiled()
-        step = _Step(budget=self.max_num_batched_tokens)
-        step.output.plan.extend(self._pending_plan)
-        self._pending_plan = MemoryPlan()
+        num_decoding = sum(len(request.live_sequences) for request in self.running)
+        step = _Step(self.max_num_batched_tokens, self.drafts.threshold(num_decoding))
+        step.output.plan.extend(self.drafts.take_plan())
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING:
                 self._schedule_running(request, step)
@@ -164,6 +154,8 @@ class Scheduler:
         Finished samples free their blocks; a request whose samples all finished leaves the
         scheduler (status FINISHED). The others reserve slots for their next drafts.
         """
+        if result.step_seconds is not None:
+            self.drafts.step_cost.record(output.num_batched_tokens, result.step_seconds)
         running = {request.request_id: request for request in self.running}
         touched: dict[str, Request] = {}
         verified: dict[SeqId, ScheduledChunk] = {}
@@ -185,63 +177,21 @@ class Scheduler:
         for seq_id, sampled in result.sampled.items():
             request = touched[seq_id[0]]
             seq = request.sequences[seq_id[1]]
-            num_kept = _append(request, seq, sampled)
+            num_kept = append_sampled(request, seq, sampled)
             chunk = verified.get(seq_id)
             if chunk is None:
                 seq.acceptance.step_without_drafts()
             else:
-                self._settle_drafts(seq, chunk, num_accepted=len(sampled) - 1, num_kept=num_kept)
+                self.drafts.settle(seq, chunk, num_accepted=len(sampled) - 1, num_kept=num_kept)
         for request in touched.values():
             for seq in request.sequences:
                 if seq.finished:
                     self.free_sequence(seq)
                 elif seq.seq_id in result.sampled:
-                    self._reserve_drafts(request, seq, result.draft_token_ids.get(seq.seq_id, []))
+                    self.drafts.reserve(request, seq, result.draft_token_ids.get(seq.seq_id, []))
             if request.all_samples_finished:
                 self.remove(request)
         return list(touched.values())
-
-    def _settle_drafts(
-        self, seq: Sequence, chunk: ScheduledChunk, num_accepted: int, num_kept: int
-    ) -> None:
-        """A verified chunk: its last token and the `num_accepted` drafts kept have KV, as far
-        as the `num_kept` tokens appended reach (a stop may end the sample sooner)."""
-        seq.num_computed = chunk.num_computed + num_kept
-        self.manager.mark_computed(seq.seq_id, seq.num_computed)
-        self.spec_stats.record(chunk.num_draft_tokens, num_accepted)
-        seq.acceptance.record(chunk.num_draft_tokens, num_accepted)
-
-    def _reserve_drafts(self, request: Request, seq: Sequence, drafts: list[int]) -> None:
-        """Give back the slots past the sample's record (rejected drafts), then reserve slots
-        for `drafts`, the tokens proposed for its next step: cut to what the sample may still
-        produce and its grammar allows, and verified only if the pool holds them above the
-        watermark (a reservation must not preempt anyone)."""
-        held = self.manager.num_tokens(seq.seq_id)
-        if held > len(seq.tokens):
-            self.manager.trim(seq.seq_id, len(seq.tokens))
-            held = len(seq.tokens)
-        if not seq.acceptance.drafting:
-            drafts = []
-        drafts = drafts[: max(0, request.max_tokens - seq.num_output_tokens - 1)]
-        if drafts and seq.grammar is not None and min(drafts) >= 0:  # not placeholders
-            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
-        if drafts:
-            wanted = self._blocks_for(len(seq.tokens) + len(drafts)) - self._blocks_for(held)
-            allocation = None
-            if wanted + self.watermark_blocks <= self.manager.num_free_blocks:
-                allocation = self.manager.allocate_slots(
-                    seq.seq_id, seq.tokens, len(seq.tokens), num_lookahead_tokens=len(drafts)
-                )
-            if allocation is None:
-                drafts = []
-            else:
-                self._pending_plan.extend(allocation.plan)
-                if allocation.table_update is not None:
-                    first = allocation.table_update[0]
-                    self._table_changes[seq.seq_id] = min(
-                        first, self._table_changes.get(seq.seq_id, first)
-                    )
-        seq.draft_token_ids = drafts
 
     def _fork(self, request: Request) -> None:
         """The prompt is computed: samples 1..n-1 share sample 0's blocks."""
@@ -263,9 +213,14 @@ class Scheduler:
             num_new = min(num_new, step.budget)
             if num_new <= 0:
                 continue
-            # A decode verifies its drafts with the budget the decodes after it leave.
+            # A decode verifies the drafts that pay (`acceptance.py`), as many as the budget
+            # the decodes after it leave.
             drafts = seq.draft_token_ids if num_new == 1 else []
             drafts = drafts[: max(0, step.budget - 1 - owed)]
+            if drafts:
+                drafts = drafts[
+                    : seq.acceptance.drafts_to_verify(step.draft_threshold, len(drafts))
+                ]
             while (allocation := self._allocate(seq, num_new, len(drafts))) is None:
                 if drafts:  # verify no drafts rather than preempt anyone for them
                     drafts = []
@@ -380,21 +335,11 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=seq.token_ids[num_computed:end].tolist() + drafts,
             num_computed=num_computed,
-            table_update=self._table_update(seq, allocation),
+            table_update=self.drafts.table_update(seq, allocation),
             sample=sample,
             num_logits=(num_new if scores_prompt else int(sample)) + len(drafts),
             num_draft_tokens=len(drafts),
         )
-
-    def _table_update(self, seq: Sequence, allocation: Allocation) -> tuple[int, list[int]] | None:
-        """The change to the sample's table since its last chunk: this allocation's, joined with
-        any a draft reservation made since."""
-        first = self._table_changes.pop(seq.seq_id, None)
-        if first is None:
-            return allocation.table_update
-        if allocation.table_update is not None:
-            first = min(first, allocation.table_update[0])
-        return first, self.manager.block_table(seq.seq_id)[first:]
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Move the request's blocks to the CPU pool, or free them to be recomputed."""
@@ -402,11 +347,7 @@ class Scheduler:
         self.running.remove(request)
         self._unschedule(request, step)
         for seq in seqs:  # its drafts are dropped: their slots go back before anything moves
-            seq.draft_token_ids = []
-            self._table_changes.pop(seq.seq_id, None)
-            held = self.manager.num_tokens(seq.seq_id)
-            if held > len(seq.tokens):
-                self.manager.trim(seq.seq_id, len(seq.tokens))
+            self.drafts.forget(seq, give_back=True)
         cpu_needed = sum(len(self.manager.block_table(seq.seq_id)) for seq in seqs)
         if self.preemption_mode == "swap" and cpu_needed <= self.manager.num_free_cpu_blocks:
             for seq in seqs:
@@ -459,69 +400,11 @@ class Scheduler:
         return self.watermark_blocks if self.running else 0
 
 
-class KVMemory(Protocol):
-    """What the scheduler asks of KV memory; `KVCacheManager` is the real one.
-
-    `allocate_slots` answers None, having changed nothing, when the slots do not fit. The
-    memory shares each sequence's `SequenceTokens` record (given at its first `allocate_slots`
-    and at `fork`) and reads the ids there; the scheduler counts the computed tokens and reports
-    them with `mark_computed`. Lookahead slots (for drafts past the record) are given back with
-    `trim`; `num_tokens` is the slots a sequence holds.
-    """
-
-    block_size: int
-    num_gpu_blocks: int
-
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_free_cpu_blocks(self) -> int: ...
-    def __contains__(self, seq_id: SeqId) -> bool: ...
-    def allocate_slots(
-        self,
-        seq_id: SeqId,
-        tokens: SequenceTokens,
-        num_tokens: int,
-        *,
-        num_lookahead_tokens: int = 0,
-        cache_salt: str | None = None,
-        read_cache: bool = True,
-    ) -> Allocation | None: ...
-    def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None: ...
-    def trim(self, seq_id: SeqId, num_tokens: int) -> None: ...
-    def num_tokens(self, seq_id: SeqId) -> int: ...
-    def fork(self, parent_id: SeqId, child_id: SeqId, tokens: SequenceTokens) -> None: ...
-    def free(self, seq_id: SeqId) -> None: ...
-    def swap_out(self, seq_id: SeqId) -> MemoryPlan: ...
-    def swap_in(self, seq_id: SeqId) -> MemoryPlan: ...
-    def block_table(self, seq_id: SeqId) -> list[int]: ...
-
-
-def _append(request: Request, seq: Sequence, sampled: list[SampledToken]) -> int:
-    """A sample's new tokens, in order, into its record and what reads it (penalty counts, the
-    grammar, logprobs), each followed by the stops; a stop drops the tokens after it. Returns
-    how many were appended."""
-    for count, token in enumerate(sampled, start=1):
-        token_id = token.token_id
-        seq.token_ids.append(token_id)
-        seq.new_token_ids.append(token_id)
-        if seq.counts is not None:
-            seq.counts.add(token_id)
-        if seq.grammar is not None:
-            seq.grammar.accept(token_id)
-        if token.logprobs is not None:
-            seq.new_logprobs.append(token.logprobs)
-            seq.cumulative_logprob += token.logprobs[token_id].logprob
-        apply_stops(request, seq, token_id)
-        if seq.finished:
-            return count
-    return len(sampled)
-
-
 @dataclass
 class _Step:
     """Running totals while one step is being scheduled."""
 
     budget: int
+    draft_threshold: float  # the least chance of being kept a draft needs to pay this step
     num_seqs: int = 0
     output: SchedulerOutput = field(default_factory=SchedulerOutput)

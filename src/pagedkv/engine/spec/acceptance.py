@@ -1,48 +1,115 @@
-"""When a sequence stops drafting: its recent drafts were accepted too rarely to pay.
+"""How many drafts pay: each sequence's acceptance, weighed against what a row of a step costs.
 
-A drafted token costs a row of the step's forward pass whether or not it is kept. A sequence
-whose drafts keep failing (free-form text that repeats nothing, a draft model that disagrees)
-pays for rows that buy nothing, so each sequence keeps a decaying average of the share of its
-drafts accepted; below `MIN_ACCEPTANCE` it stops drafting for a while, then tries again, and
-waits twice as long each time it fails again (up to `MAX_PAUSE_STEPS`). One good step after a
-pause resets the wait.
+A drafted token costs a row of the step's forward pass whether or not it is kept. Draft i of
+a sequence (i = 1, 2, ...) is kept only if the i - 1 before it were, so with a per-draft
+acceptance probability `a` it yields `a ** i` tokens on average. A row costs `per_row`
+seconds, and a token of a plain decode step of B sequences costs `(fixed + per_row * B) / B`.
+Draft i pays while `a ** i * token_seconds >= per_row`, i.e. while
+
+    a ** i >= per_row * B / (fixed + per_row * B)          (`StepCost.threshold`)
+
+At batch 1, where a step mostly reads weights, rows are cheap and drafts with a fair chance
+pay; with many sequences a step is mostly arithmetic, and only near-certain drafts do.
+
+`Acceptance` estimates `a` per sequence from its recent verifications (kept drafts against
+refusals, decayed). A sequence whose first draft would not pay stops drafting for a while, then
+verifies one draft to measure again, and waits twice as long each time that one fails too (up
+to `MAX_PAUSE_STEPS`). `StepCost` fits `fixed` and `per_row` to the engine's own steps (seconds
+against rows, least squares over the recent ones), so the rule follows the machine and model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Below this share of drafts accepted (recent average), drafting costs more rows than it saves.
-MIN_ACCEPTANCE = 0.3
-# Weight of the newest step in the average.
-NEW_WEIGHT = 0.5
+# Weight of the past in each running estimate, per verification (Acceptance) or step (StepCost).
+DECAY = 0.8
+STEP_DECAY = 0.98
 FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
+# Before the engine has timed steps of different sizes: a row costs a quarter of a step.
+DEFAULT_ROW_SHARE = 0.25
 
 
 @dataclass
 class Acceptance:
-    """One sequence's recent acceptance and how long it still waits before drafting again."""
+    """One sequence's recent drafts: kept and refused (decayed counts), and its pause."""
 
-    rate: float = 1.0  # decaying average share of drafts accepted (optimistic at first)
+    kept: float = 2.0  # prior: two kept for one refused (a = 2/3) until it has drafted
+    refused: float = 1.0
     paused_steps: int = 0  # steps left without drafts
     next_pause: int = FIRST_PAUSE_STEPS
+    probing: bool = False  # the first drafting step after a pause: verify one draft anyway
+
+    @property
+    def rate(self) -> float:
+        """Estimated probability that a draft is kept, given the ones before it were."""
+        return self.kept / (self.kept + self.refused)
 
     @property
     def drafting(self) -> bool:
         """Whether the sequence drafts for its next step."""
         return self.paused_steps == 0
 
+    def drafts_to_verify(self, threshold: float, available: int) -> int:
+        """How many of its `available` drafts pay at `threshold` (StepCost.threshold); none
+        starts a pause, except that a probe after a pause verifies one."""
+        count, chance = 0, 1.0
+        while count < available and chance * self.rate >= threshold:
+            chance *= self.rate
+            count += 1
+        if count == 0 and available:
+            if self.probing:
+                count = 1
+            else:
+                self.paused_steps = self.next_pause
+                self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
+        self.probing = False
+        return count
+
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` drafts and kept `num_accepted` of them."""
-        self.rate = (1 - NEW_WEIGHT) * self.rate + NEW_WEIGHT * num_accepted / num_drafts
-        if self.rate >= MIN_ACCEPTANCE:
+        """A step verified `num_drafts` drafts and kept the first `num_accepted`."""
+        self.kept = DECAY * self.kept + num_accepted
+        self.refused = DECAY * self.refused + (num_accepted < num_drafts)
+        if num_accepted:
             self.next_pause = FIRST_PAUSE_STEPS
-            return
-        self.paused_steps = self.next_pause
-        self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
-        self.rate = MIN_ACCEPTANCE  # after the pause, one good step lets it go on
 
     def step_without_drafts(self) -> None:
-        """A step passed while paused."""
-        self.paused_steps = max(0, self.paused_steps - 1)
+        """A step passed without drafts: a pause runs down, and ends in a probe."""
+        if self.paused_steps:
+            self.paused_steps -= 1
+            self.probing = self.paused_steps == 0
+
+
+class StepCost:
+    """Seconds a step takes as `fixed + per_row * rows`, fitted to the steps seen."""
+
+    def __init__(self) -> None:
+        self._weight = self._rows = self._seconds = self._rows2 = self._cross = 0.0
+
+    def record(self, rows: int, seconds: float) -> None:
+        """One executed step: its rows (tokens computed) and its seconds."""
+        decay = STEP_DECAY
+        self._weight = decay * self._weight + 1
+        self._rows = decay * self._rows + rows
+        self._seconds = decay * self._seconds + seconds
+        self._rows2 = decay * self._rows2 + rows * rows
+        self._cross = decay * self._cross + rows * seconds
+
+    def threshold(self, num_sequences: int) -> float:
+        """The least chance a draft must have of being kept to pay, in a step of
+        `num_sequences` decoding sequences."""
+        fixed, per_row = self.fit()
+        rows = per_row * max(1, num_sequences)
+        return rows / (fixed + rows) if fixed + rows > 0 else 0.0
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, per_row) in seconds; a row a quarter of the fixed part until steps of more
+        than one size have been timed."""
+        if self._weight:
+            mean_rows, mean_seconds = self._rows / self._weight, self._seconds / self._weight
+            spread = self._rows2 / self._weight - mean_rows**2
+            if spread > 1e-9 * max(1.0, mean_rows**2):
+                per_row = max(0.0, (self._cross / self._weight - mean_rows * mean_seconds) / spread)
+                return max(0.0, mean_seconds - per_row * mean_rows), per_row
+        return 1.0, DEFAULT_ROW_SHARE
