@@ -149,3 +149,23 @@ def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_tr
         "smollm2-135m-instruct",
     )
     assert bench_main._models(str(tiny_folder), 0) == (str(tiny_folder), tiny_folder, "llama")
+
+
+def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path) -> None:
+    """With speculation on, the run's draft figures are the engine's counters over that run,
+    and every requested token is still produced exactly once."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = Engine(
+        EngineArgs(
+            model=str(tiny_folder), num_gpu_blocks=64, max_model_len=64, speculative_config=spec
+        )
+    )
+    workload = make_workload("mixed", WorkloadSpec(5, (4, 20), (8, 24)), vocab_size=320, seed=0)
+    run_pagedkv(engine, workload, round_index=0)  # counters before the measured run are not its
+    before = engine.stats.spec_decoding
+    result = run_pagedkv(engine, workload, round_index=1)
+    figures, after = result.details["engine"], engine.stats.spec_decoding
+    assert result.useful_tokens == result.generated_tokens == workload.requested_tokens
+    assert figures.spec_drafts == after.num_drafts - before.num_drafts > 0
+    assert figures.spec_draft_tokens == after.num_draft_tokens - before.num_draft_tokens
+    assert figures.spec_accepted_tokens == after.num_accepted_tokens - before.num_accepted_tokens

@@ -128,6 +128,15 @@ def report_workload(
             f"recompute {last.recompute_preemptions}; prefix-cache hits "
             f"{last.prefix_hit_tokens} tokens"
         )
+        drafts = sum(f.spec_drafts for f in figures)
+        if drafts:
+            draft_tokens = sum(f.spec_draft_tokens for f in figures)
+            accepted = sum(f.spec_accepted_tokens for f in figures)
+            out(
+                f"pagedkv speculative decoding: {drafts} verifications of {draft_tokens} drafted "
+                f"tokens; acceptance rate {accepted / draft_tokens:.1%}, mean accepted length "
+                f"{1 + accepted / drafts:.2f}"
+            )
         busy_text = (
             f"{busy_share:.1%} over the {sum(f.busy_steps for f in busy)} steps with "
             f">= {GOAL_CONCURRENCY} sequences"

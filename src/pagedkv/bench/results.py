@@ -49,6 +49,10 @@ class EngineFigures:
     busy_steps: int = 0  # steps with at least GOAL_CONCURRENCY sequences in the forward
     busy_step_seconds: float = 0.0
     busy_forward_seconds: float = 0.0
+    # Speculative decoding (zero when off): verifications, drafted tokens, drafts kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def outside_forward_share(self) -> float:
