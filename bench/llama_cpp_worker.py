@@ -117,6 +117,9 @@ def prompt_lookup(job: dict[str, Any]) -> dict[str, Any]:
         n_threads=threads,
         n_threads_batch=threads,
         draft_model=draft,
+        # Said here too: with a draft model llama-cpp-python computes every row's logits but
+        # sizes their buffer by this argument, which then overflows past n_batch positions.
+        logits_all=draft is not None,
         verbose=False,
     )
     stops, max_tokens = set(job["stop_ids"]), int(job["max_tokens"])

@@ -61,7 +61,9 @@ INSTALL_HINT = (
     "install it in a separate virtual environment (never into pagedkv's): "
     "python -m venv /path && CMAKE_BUILD_PARALLEL_LEVEL=2 /path/bin/pip install "
     "llama-cpp-python (about 10 min on 2 cores), then pass --llama-python /path/bin/python "
-    "or set PAGEDKV_LLAMA_PYTHON"
+    "or set PAGEDKV_LLAMA_PYTHON; on a CPU with AMX in a VM that does not enable it, llama.cpp's "
+    "AMX matmul crashes: build with CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON "
+    "-DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON' (the instructions the CPU has, no AMX)"
 )
 
 

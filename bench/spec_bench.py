@@ -49,11 +49,13 @@ PASSAGE_MODULES = (
     "pyclbr", "sched", "shelve", "socket", "struct", "timeit", "unittest", "uuid",
 )  # fmt: skip
 PASSAGE_TOKENS = (200, 400)
+# The passage first, the request after it: how text is often pasted, and a phrasing the
+# built-in model follows (asked first, it tends to summarise what it was asked to quote).
 TASKS = (
-    "Quote the following passage exactly, word for word:\n\n{passage}",
-    "The following passage has typing mistakes. Write it out again with the mistakes "
-    "corrected, changing nothing else:\n\n{passage}",
-    "Rewrite the following passage in plain English, keeping its technical terms:\n\n{passage}",
+    "{passage}\n\nRepeat the text above word for word.",
+    "{passage}\n\nThe text above has typing mistakes. Write it out again with the mistakes "
+    "corrected, changing nothing else.",
+    "{passage}\n\nRewrite the text above in plain English, keeping its technical terms.",
 )
 QUESTIONS = (
     "Why is the sky blue?", "Write a short poem about the sea.", "What makes a good teacher?",
@@ -246,7 +248,7 @@ def llama_figures(
         "prompts": workload,
         "max_tokens": args.max_tokens,
         "stop_ids": sorted(tokenizer.eos_token_ids),
-        "n_ctx": max(map(len, workload)) + args.max_tokens + 64,
+        "n_ctx": 2 * (max(map(len, workload)) + args.max_tokens + 64),
         "max_ngram_size": args.prompt_lookup_max,
     }
     try:
@@ -325,7 +327,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating (default: 2)")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=160, help="(default: 160)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="(default: 3)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=5, help="(default: 5)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="(default: 4)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="(default: 2)")
     parser.add_argument("--threads", type=int, default=None, help="(default: physical cores)")

@@ -336,6 +336,13 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
 #pragma omp for schedule(static) nowait
                 for (int64_t cg = 0; cg < col_groups; cg++) {
                     int64_t col0 = cg * 8, cols = n - col0 < 8 ? n - col0 : 8;
+                    /* The weights stream from memory once per call: ask for the group of
+                     * columns two ahead while these compute (a decode step is mostly this). */
+                    if (cg + 2 < col_groups) {
+                        const uint8_t *ahead = values + (col0 + 16) * row_bytes;
+                        for (int64_t at = 0; at < 8 * row_bytes; at += 64)
+                            __builtin_prefetch(ahead + at);
+                    }
                     for (int64_t rr = r0; rr < r1; rr += ROWS) {
                         int rows = r1 - rr < ROWS ? (int)(r1 - rr) : ROWS;
                         float lanes[8][ROWS][8];

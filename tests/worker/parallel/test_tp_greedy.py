@@ -99,3 +99,18 @@ def test_two_ranks_give_a_request_one_answer_however_batched(engines):
         [*PROMPTS, target], [GREEDY] * len(PROMPTS) + [params], use_tqdm=False
     )
     assert answer(crowd) == alone
+
+
+def test_speculative_drafts_verify_across_ranks(tp_folders):
+    """Prompt-lookup drafts travel with the step to every rank: two ranks speculating give the
+    greedy output of one rank without speculation, under preemption and chunking."""
+    folder = str(tp_folders[FAMILIES[0]])
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    prompts = [p * 2 for p in PROMPTS[:4]]  # repeated text: some drafts are kept
+    expected = token_ids(LLM(folder, **SETTINGS), prompts, GREEDY)
+    parallel = LLM(folder, tensor_parallel_size=2, speculative_config=spec, **SETTINGS)
+    try:
+        assert token_ids(parallel, prompts, GREEDY) == expected
+        assert parallel.engine.scheduler.drafts.stats.num_draft_tokens > 0
+    finally:
+        parallel.engine.shutdown()
