@@ -14,7 +14,8 @@ print into one results file. Every figure is measured side by side in one run:
 - agreement: the engine's answers on the device against transformers' on the same float32
   weights: prompts of mixed lengths, some sharing a prefix (cache hits), in small chunks, greedy
   with logprobs; every generated token is checked against transformers' logits of the whole
-  sequence (teacher-forced), with the float32 and the fp8 KV cache.
+  sequence (teacher-forced), with the float32 and the fp8 KV cache, and with speculative
+  decoding (n-gram drafts, and the model drafting for itself).
 
 ``--device cpu`` runs the same code paths at tiny shapes (Triton's interpreter, the engine on
 the CPU, float32): a dry run of the script, whose numbers mean nothing.
@@ -460,6 +461,9 @@ AGREEMENT_MODEL = dict(
 )
 
 
+# Speculative decoding in the agreement check: prompt lookup, and the model as its own draft.
+DRAFTS = {"num_speculative_tokens": 3}
+NGRAM_CHECK = {"method": "ngram", "prompt_lookup_min": 1, **DRAFTS}
 # Largest gap between transformers' top logit and the engine's greedy token, and between the
 # two logprobs of that token, that still counts as agreeing (float32, different kernels).
 AGREEMENT_LOGIT_GAP = 1e-3
@@ -483,7 +487,13 @@ def run_agreement(setup: Setup, device: torch.device) -> None:
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, logprobs=1)
     with tempfile.TemporaryDirectory() as folder:
         model = random_llama(float_setup, device, Path(folder))
-        for kv_cache_dtype in ("auto", "fp8"):
+        runs = {
+            "float32 KV": ("auto", None),
+            "fp8 KV": ("fp8", None),
+            "float32 KV, n-gram drafts": ("auto", NGRAM_CHECK),
+            "float32 KV, the model drafting for itself": ("auto", {"model": folder, **DRAFTS}),
+        }
+        for label, (kv_cache_dtype, speculative_config) in runs.items():
             llm = LLM(
                 model=folder,
                 dtype="float32",
@@ -493,6 +503,7 @@ def run_agreement(setup: Setup, device: torch.device) -> None:
                 max_num_batched_tokens=64,  # prompts run in chunks beside other decodes
                 enable_prefix_caching=True,
                 seed=0,
+                speculative_config=speculative_config,
             )
             llm.generate(prompts[:2], params, use_tqdm=False)  # fills the prefix cache
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -509,23 +520,25 @@ def run_agreement(setup: Setup, device: torch.device) -> None:
                     gaps.append(float(row.max() - row[token_id]))
                     ranks.append(int((row > row[token_id]).sum()) + 1)
                     diffs.append(abs(entry[token_id].logprob - float(logprob_row[token_id])))
+            drafts = llm.engine.stats.spec_decoding
             del llm
             gc.collect()
             total = len(gaps)
             if kv_cache_dtype == "auto":
                 agreeing = sum(gap <= AGREEMENT_LOGIT_GAP for gap in gaps)
                 met = agreeing == total and max(diffs) <= AGREEMENT_LOGPROB_DIFF
+                kept = f", {drafts.num_accepted_tokens} drafts kept" if speculative_config else ""
                 print(
-                    f"agreement, float32 KV: {agreeing}/{total} greedy tokens are transformers' "
+                    f"agreement, {label}: {agreeing}/{total} greedy tokens are transformers' "
                     f"argmax (gap <= {AGREEMENT_LOGIT_GAP}), largest logprob difference "
-                    f"{max(diffs):.2e} (goal: all, <= {AGREEMENT_LOGPROB_DIFF}: "
+                    f"{max(diffs):.2e}{kept} (goal: all, <= {AGREEMENT_LOGPROB_DIFF}: "
                     f"{'met' if met else 'missed'})"
                 )
             else:
                 within = sum(rank <= FP8_TOP_RANK for rank in ranks)
                 top1 = sum(rank == 1 for rank in ranks)
                 print(
-                    f"agreement, fp8 KV: {top1}/{total} greedy tokens are transformers' argmax, "
+                    f"agreement, {label}: {top1}/{total} greedy tokens are transformers' argmax, "
                     f"{within}/{total} in its top {FP8_TOP_RANK} (goal: all in the top "
                     f"{FP8_TOP_RANK}: {'met' if within == total else 'missed'})"
                 )
