@@ -173,7 +173,7 @@ class LlamaCppPeer:
         return f"llama.cpp: llama-cpp-python {self.version}, {self.gguf.name} as stored, {kv}"
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Measure:
-        reply = self._ask(
+        reply = self.ask(
             {
                 "model": str(self.gguf),
                 "threads": self.threads,
@@ -193,7 +193,8 @@ class LlamaCppPeer:
             self.process.wait(timeout=30)
         self.log.close()
 
-    def _ask(self, job: dict[str, Any]) -> dict[str, Any]:
+    def ask(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Send one job to the worker; its reply (PeerUnavailable if it died or failed)."""
         try:
             self.process.stdin.write(json.dumps(job) + "\n")
             self.process.stdin.flush()

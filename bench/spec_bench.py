@@ -30,14 +30,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from peers import LLAMA_VENV, WORKER
+from peers import LLAMA_VENV, LlamaCppPeer
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.hub import DEFAULT_MODEL, pull
@@ -161,33 +160,6 @@ class Pagedkv:
         return {"acceptance": stats.acceptance_rate, "mean_length": stats.mean_accepted_length}
 
 
-class LlamaCpp:
-    """llama-cpp-python's `Llama.generate` in its own environment (llama_cpp_worker.py)."""
-
-    def __init__(self, python: Path) -> None:
-        self.process = subprocess.Popen(
-            [str(python), str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-
-    def batch1(self, job: dict[str, Any]) -> dict[str, Any]:
-        self.process.stdin.write(json.dumps(job) + "\n")
-        self.process.stdin.flush()
-        reply = json.loads(self.process.stdout.readline())
-        if "error" in reply:
-            raise RuntimeError(f"llama.cpp worker: {reply['error']}")
-        tokens = sum(len(result["tokens"]) - 1 for result in reply["results"])
-        seconds = sum(result["decode_seconds"] for result in reply["results"])
-        return {"decode_tok_s": tokens / seconds, "tokens": tokens, "version": reply["version"]}
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     threads = args.threads or physical_cores()
@@ -239,7 +211,7 @@ def llama_figures(
     if not python.is_file():
         print("llama.cpp: skipped (no llama-cpp-python environment; see bench/peers.py)")
         return None
-    llama = LlamaCpp(python)
+    llama = LlamaCppPeer(python, gguf, threads, kv_unified=True)
     workload = prompts["a"]
     job = {
         "mode": "prompt_lookup",
@@ -255,11 +227,14 @@ def llama_figures(
         figures: dict[str, dict[str, Any]] = {}
         for round_index in range(args.rounds):
             for name, drafts in (("lookup", args.num_speculative_tokens), ("plain", 0)):
-                got = llama.batch1({**job, "num_pred_tokens": drafts})
-                figures.setdefault(name, {"runs": []})["runs"].append(got["decode_tok_s"])
-                figures[name]["version"] = got["version"]
+                reply = llama.ask({**job, "num_pred_tokens": drafts})
+                results = reply["results"]
+                tokens = sum(len(result["tokens"]) - 1 for result in results)
+                decode = tokens / sum(result["decode_seconds"] for result in results)
+                figures.setdefault(name, {"runs": []})["runs"].append(decode)
+                figures[name]["version"] = reply["version"]
                 print(f"  round {round_index + 1} (a) llama.cpp {name}: batch 1 decode "
-                      f"{got['decode_tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+                      f"{decode:.1f} tok/s", flush=True)  # fmt: skip
         return figures
     finally:
         llama.close()

@@ -173,6 +173,20 @@ def test_every_family(engine_zoo: TinyZoo, family: str, kv_cache_dtype: str) -> 
     assert got == expected * 3, f"{family} {kv_cache_dtype}: greedy forks"
 
 
+def weight_format(engine_zoo, tiny_gguf, weights: str) -> tuple[str, dict[str, Any]]:
+    """The tiny Llama in `weights` (float32, bfloat16, int8, int4 or gguf-<type>, a GGUF file
+    kept in its own blocks under "auto"): the model to load and the engine settings."""
+    import gguf
+
+    if weights.startswith("gguf-"):
+        qtype = getattr(gguf.GGMLQuantizationType, weights.removeprefix("gguf-"))
+        return str(tiny_gguf("llama", qtype=qtype)), {}
+    model = str(engine_zoo.folder("llama"))
+    if weights == "float32":
+        return model, {}
+    return model, {"dtype": weights} if weights == "bfloat16" else {"quantization": weights}
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize(
     "weights", ["float32", "bfloat16", "int8", "int4", "gguf-Q4_0", "gguf-Q8_0"]
@@ -180,16 +194,7 @@ def test_every_family(engine_zoo: TinyZoo, family: str, kv_cache_dtype: str) -> 
 def test_every_weight_format(engine_zoo, tiny_gguf, weights: str, kv_cache_dtype: str) -> None:
     """Llama in every weight format (GGUF files kept in their own blocks under "auto"):
     greedy and seeded n = 2 sampling, in every case, equal the request alone."""
-    import gguf
-
-    if weights.startswith("gguf-"):
-        qtype = getattr(gguf.GGMLQuantizationType, weights.removeprefix("gguf-"))
-        model, options = str(tiny_gguf("llama", qtype=qtype)), {}
-    else:
-        model = str(engine_zoo.folder("llama"))
-        options = {"dtype": weights} if weights == "bfloat16" else {"quantization": weights}
-        if weights == "float32":
-            options = {}
+    model, options = weight_format(engine_zoo, tiny_gguf, weights)
     options["kv_cache_dtype"] = kv_cache_dtype
     seeded = dataclasses.replace(SEEDED, n=2)
     for params in (GREEDY, seeded):

@@ -38,6 +38,7 @@ from tests.engine.test_batch_invariance import (
     answers,
     busy_run,
     engine_for,
+    weight_format,
 )
 from tests.model.tiny_models import TINY_MODELS, random_prompt
 
@@ -95,12 +96,7 @@ def test_greedy_output_is_unchanged_for_every_weight_format(
     request alone without speculation."""
     import gguf
 
-    if weights.startswith("gguf-"):
-        qtype = getattr(gguf.GGMLQuantizationType, weights.removeprefix("gguf-"))
-        model, options = str(tiny_gguf("llama", qtype=qtype)), {}
-    else:
-        model = str(engine_zoo.folder("llama"))
-        options = {"dtype": weights} if weights == "bfloat16" else {"quantization": weights}
+    model, options = weight_format(engine_zoo, tiny_gguf, weights)
     drafter = str(tiny_gguf("llama", qtype=gguf.GGMLQuantizationType.Q4_0))
     expected = alone(model, GREEDY, **options)
     for spec in (NGRAM, draft_model(drafter)):
