@@ -206,9 +206,10 @@ def test_an_fp8_cache_names_its_dtype_and_halves_its_block_bytes_twice(serve) ->
     assert sizes["fp8_e4m3"] * 4 == sizes["float32"] > 0
 
 
-def test_iteration_tokens_add_up_to_the_tokens_computed(serve) -> None:
-    """Fresh prompts, no cache hits, no preemption: the steps computed every prompt token
-    and every sampled token but the last of each request (its KV is never written)."""
+def test_iteration_tokens_add_up_to_prompt_and_sampled_tokens(serve) -> None:
+    """Fresh prompts, no cache hits, no preemption: vLLM's iteration tokens are each step's
+    prompt tokens plus the tokens it sampled, so every prompt token and every output token
+    (the one sampled at the prefill step included) count once."""
     fresh = serve(num_gpu_blocks=128, enable_prefix_caching=False)
     prompts = [[(3 * i + 17 * j) % 200 + 3 for i in range(9 + 5 * j)] for j in range(3)]
     max_tokens = 7
@@ -223,7 +224,7 @@ def test_iteration_tokens_add_up_to_the_tokens_computed(serve) -> None:
     after = scrape(fresh)
     name = "pagedkv:iteration_tokens_total"
     computed = value(after, f"{name}_sum") - value(before, f"{name}_sum")
-    assert computed == sum(len(p) for p in prompts) + len(prompts) * (max_tokens - 1)
+    assert computed == sum(len(p) for p in prompts) + len(prompts) * max_tokens
     # One inter-token time per output token after a request's first.
     itl = "pagedkv:inter_token_latency_seconds_count"
     assert value(after, itl) - value(before, itl) == len(prompts) * (max_tokens - 1)

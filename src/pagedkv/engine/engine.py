@@ -141,7 +141,10 @@ class Engine:
         self._generation_tokens_total = 0
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._step_seconds = 0.0
+        self._sampled_last_step = 0
         self.last_step_num_tokens = 0  # tokens the last step's forward pass computed
+        # vLLM's iteration tokens of the last step: prompt tokens computed, plus tokens sampled.
+        self.last_step_iteration_tokens = 0
         print(
             f"{weight_footprint(loaded.model).describe()}; {torch.get_num_threads()} CPU threads",
             file=sys.stderr,
@@ -241,6 +244,7 @@ class Engine:
         started = time.perf_counter()
         output = self.scheduler.schedule()
         self.last_step_num_tokens = output.num_batched_tokens
+        prompt_tokens = self._prompt_tokens(output)
         try:
             touched = self._run(output)
         except BaseException as error:
@@ -253,6 +257,7 @@ class Engine:
             if not isinstance(error, Exception):
                 raise
             raise StepFailed(request_ids, error) from error
+        self.last_step_iteration_tokens = prompt_tokens + self._sampled_last_step
         deltas = [self._delta(request) for request in touched.values()]
         deltas += [self._delta(request) for request in self._aborted.values()]
         self._aborted.clear()
@@ -273,10 +278,21 @@ class Engine:
             if request.status is RequestStatus.FINISHED:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
+        self._sampled_last_step = result.num_sampled_tokens
         if result.sampled:
             self._generation_tokens_total += result.num_sampled_tokens
             self._recent_tokens.append((now, result.num_sampled_tokens))
         return {request.request_id: request for request in touched}
+
+    def _prompt_tokens(self, output: SchedulerOutput) -> int:
+        """Tokens of the step's chunks that prefill (a prompt, or a preempted sequence's tokens
+        again), as vLLM counts prompt tokens per iteration; a decode's token was counted when it
+        was sampled."""
+        return sum(
+            len(chunk.token_ids) - chunk.num_draft_tokens
+            for chunk in output.chunks
+            if chunk.num_computed < len(self._requests[chunk.seq_id[0]].prompt_token_ids)
+        )
 
     def _delta(self, request: Request) -> RequestOutput:
         """What each sample produced since the last delta; clears the per-step buffers."""

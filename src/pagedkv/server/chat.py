@@ -167,7 +167,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         if not self._uses_tools:
             return AssistantMessage(content=text), choice.finish_reason
         parsed = parse_output(self.request, text)
-        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls)
+        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
         return message, _finish_reason(choice.finish_reason, bool(parsed.tool_calls))
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: bool = False) -> str:

@@ -59,10 +59,12 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     generation = Generation(context.engine_loop, new_id("cmpl"), best_of)
     await generation.start(prompts, params, request.priority)
     completion = _Completion(context, request, generation)
-    if request.echo:
+    if request.echo:  # a token-id prompt echoes as vLLM's `tokenizer.decode(ids)`: specials too
         completion.echoed = [
-            p if isinstance(p, str) else context.tokenizer.decode(p) for p in request.prompts()
+            p if isinstance(p, str) else context.tokenizer.decode(p, skip_special_tokens=False)
+            for p in request.prompts()
         ]
+        completion.echoed_ids = [not isinstance(p, str) for p in request.prompts()]
     return await completion.respond(raw)
 
 
@@ -119,6 +121,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
 
     choice_type = _Choice
     echoed: list[str] | None = None  # with `echo`: each prompt's text, prepended to its choices
+    echoed_ids: list[bool] | None = None  # per prompt: given as token ids (echoed with specials)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -138,7 +141,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             return super()._update(delta)
         self._keep_prompt(delta)  # this delta, the choice's first, brings them
         entries = self.prompt_entries[delta.index // self.generation.n]
-        prompt = self._legacy_logprobs(choice, entries)
+        prompt = self._legacy_logprobs(choice, entries, prompt=True)
         tokens = super()._update(delta)
         assert tokens is not None
         assert tokens is not None
@@ -164,26 +167,33 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
         return self._legacy_logprobs(choice, list(output.logprobs or []))
 
     def _legacy_logprobs(
-        self, choice: _Choice, positions: list[TokenLogprobs | None]
+        self, choice: _Choice, positions: list[TokenLogprobs | None], prompt: bool = False
     ) -> CompletionLogprobs:
         """Positions in the legacy shape, also added to `choice`. Each position's own token is
-        its first entry; a prompt's first token (None) has no logprob, only its text."""
+        its first entry, and in its `top_logprobs` whatever k (vLLM's and OpenAI's k or k + 1
+        entries); a prompt's first token (None) has no logprob, only its text. An echoed
+        token-id `prompt` counts its special tokens' text, as its echo shows them."""
         k = self.request.logprobs or 0
+        prompt_index = choice.index // self.generation.n
+        # A text prompt echoes as given: its special tokens (the BOS) add no text there.
+        specials = prompt and self.echoed_ids is not None and self.echoed_ids[prompt_index]
         logprobs = CompletionLogprobs()
         for position in positions:
             if position is None:  # the prompt's first token: nothing predicts it
-                token_id = self.prompt_ids[choice.index // self.generation.n][0]
-                text, chosen_logprob, top = self.context.tokenizer.decode([token_id]), None, None
+                token_id = self.prompt_ids[prompt_index][0]
+                text = self.context.tokenizer.decode([token_id], skip_special_tokens=not specials)
+                chosen_logprob, top = None, None
             else:
                 token_id, chosen = next(iter(position.items()))
-                text, chosen_logprob, top = chosen.decoded_token, chosen.logprob, {}
+                text, chosen_logprob = chosen.decoded_token, chosen.logprob
+                top = {text: chosen.logprob}
                 for _, alt in top_logprobs(position, k):  # most likely first: a shared text
                     top.setdefault(alt.decoded_token, alt.logprob)
             logprobs.tokens.append(text)
             logprobs.token_logprobs.append(chosen_logprob)
             logprobs.top_logprobs.append(top)
             logprobs.text_offset.append(choice.characters_begun())
-            choice.text_offset += len(choice.utf8.decode(self._text_bytes(token_id)))
+            choice.text_offset += len(choice.utf8.decode(self._text_bytes(token_id, specials)))
         if choice.logprobs is None:
             choice.logprobs = CompletionLogprobs()
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -252,9 +262,11 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
     def _echo(self, index: int) -> str:
         return "" if self.echoed is None else self.echoed[index // self.request.n]
 
-    def _text_bytes(self, token_id: int) -> bytes:
-        """The bytes a token adds to the choice's text (none for a skipped special token)."""
+    def _text_bytes(self, token_id: int, specials: bool = False) -> bytes:
+        """The bytes a token adds to the choice's text: none for a special token skipped
+        (`skip_special_tokens`, unless `specials` says the text shows them)."""
         token_bytes = self.context.token_bytes
-        if self.request.skip_special_tokens and token_id in token_bytes.special_ids:
+        skipped = not specials and self.request.skip_special_tokens
+        if skipped and token_id in token_bytes.special_ids:
             return b""
         return token_bytes(token_id)

@@ -66,6 +66,7 @@ class _Route:
 
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    params: SamplingParams  # what request_params_n and request_params_max_tokens count
     num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index
     last_token_time: float | None = None  # when the last output token came (inter-token time)
 
@@ -174,7 +175,7 @@ class EngineLoop:
             # Checked and queued with no await between, so no add can follow drain's command.
             raise ShuttingDown("server shutting down: it takes no new requests")
         loop = asyncio.get_running_loop()
-        route = _Route(loop, outputs)
+        route = _Route(loop, outputs, params)
         done = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(_Add(request_id, prompt, params, priority, arrival, route, done))
@@ -347,7 +348,7 @@ class EngineLoop:
         self._kv_dirty = True
         now = time.monotonic()
         if self.metrics is not None:
-            self.metrics.observe_step(self.engine.last_step_num_tokens)
+            self.metrics.observe_step(self.engine.last_step_iteration_tokens)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
@@ -367,7 +368,9 @@ class EngineLoop:
                 del self._routes[output.request_id]
                 if self.metrics is not None:
                     counts = route.num_tokens.values()
-                    self.metrics.observe_finished(output, sum(counts), max(counts, default=0))
+                    self.metrics.observe_finished(
+                        output, sum(counts), max(counts, default=0), route.params
+                    )
             deliveries.setdefault(route.loop, []).append((route.outputs, output))
         for loop, items in deliveries.items():
             _call_soon(loop, _deliver, items)

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from pagedkv.engine import EngineStats, RequestOutput
+    from pagedkv.engine import EngineStats, RequestOutput, SamplingParams
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_PREFIX = "pagedkv"
@@ -33,6 +33,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 # Tokens per engine step, as vLLM's iteration_tokens_total buckets.
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Samples per request (request_params_n), as vLLM's buckets.
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -118,13 +120,27 @@ class ServerMetrics:
         )
         self.iteration_tokens = Histogram(
             f"{prefix}:iteration_tokens_total",
-            "Tokens computed by each engine step (prompt chunks and decodes).",
+            "Tokens of each engine step: prompt tokens computed plus tokens sampled.",
             labels,
             buckets=ITERATION_TOKEN_BUCKETS,
             registry=self.registry,
         )
         self.e2e_request_latency = latency(
             "e2e_request_latency_seconds", "Time from arrival to the last token."
+        )
+        self.request_inference_time = latency(
+            "request_inference_time_seconds",
+            "Time a request spent running: from its first scheduled step to its last token.",
+        )
+        self.request_params_n = Histogram(
+            f"{prefix}:request_params_n",
+            "The n (samples) of each finished request.",
+            labels,
+            buckets=PARAMS_N_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_params_max_tokens = tokens(
+            "request_params_max_tokens", "The max_tokens of each finished request."
         )
         self.request_success = Counter(
             f"{prefix}:request_success",
@@ -134,7 +150,7 @@ class ServerMetrics:
         )
 
     def observe_step(self, num_tokens: int) -> None:
-        """Record one engine step that computed `num_tokens` (engine thread)."""
+        """Record one engine step's iteration tokens (engine thread)."""
         if num_tokens:
             self.iteration_tokens.labels(self.model_name).observe(num_tokens)
 
@@ -143,15 +159,23 @@ class ServerMetrics:
         self.inter_token_latency.labels(self.model_name).observe(seconds)
 
     def observe_finished(
-        self, output: RequestOutput, generation_tokens: int, num_output_tokens: int
+        self,
+        output: RequestOutput,
+        generation_tokens: int,
+        num_output_tokens: int,
+        params: SamplingParams,
     ) -> None:
-        """Record a finished request's latencies (engine thread; prometheus-client is safe).
+        """Record a finished request's latencies and parameters (engine thread;
+        prometheus-client is safe).
 
         `generation_tokens` counts every sample's tokens (vLLM's request_generation_tokens);
         `num_output_tokens` is the longest sample's, whose decode time the per-token time
         divides.
         """
         metrics = output.metrics
+        self.request_params_n.labels(self.model_name).observe(params.n)
+        if params.max_tokens is not None:
+            self.request_params_max_tokens.labels(self.model_name).observe(params.max_tokens)
         reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
         self.request_success.labels(self.model_name, reason).inc()
         self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
@@ -170,6 +194,9 @@ class ServerMetrics:
         )
         self.request_decode_time.labels(self.model_name).observe(
             metrics.finished_time - metrics.first_token_time
+        )
+        self.request_inference_time.labels(self.model_name).observe(
+            metrics.finished_time - scheduled
         )
         if num_output_tokens > 1:
             decode_time = metrics.finished_time - metrics.first_token_time

@@ -71,7 +71,7 @@ class SamplingFields(RequestModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM and OpenAI
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     min_tokens: int = Field(0, ge=0)
@@ -317,11 +317,19 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     """The generated message of one chat choice: text, or tool calls (content then None,
-    unless the model wrote text before them)."""
+    unless the model wrote text before them). Without calls `tool_calls` is left out, as
+    vLLM leaves it (clients read None)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = handler(self)
+        if not fields.get("tool_calls"):
+            fields.pop("tool_calls", None)
+        return fields
 
 
 class ChatChoice(BaseModel):

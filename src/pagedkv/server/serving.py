@@ -78,8 +78,9 @@ class ServingContext:
         return request
 
     def check_model(self, requested: str | None) -> None:
-        """Refuse a request naming another model (None means this one) with OpenAI's 404."""
-        if requested is not None and requested != self.model_name:
+        """Refuse a request naming another model (None or "" means this one, as vLLM serves
+        its one model) with OpenAI's 404."""
+        if requested and requested != self.model_name:
             raise APIError(
                 404,
                 f"the model '{requested}' does not exist; this server runs '{self.model_name}'",

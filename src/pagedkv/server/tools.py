@@ -129,19 +129,68 @@ def tool_constraint(request: ChatCompletionRequest) -> StructuredOutputsParams |
         return StructuredOutputsParams(json=_parameters(_tool(request, choice.function.name)))
     if choice != "required":
         return None
+    definitions: dict[str, Any] = {}
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"enum": [tool.function.name]}, "parameters": _parameters(tool)},
+            "properties": {
+                "name": {"enum": [tool.function.name]},
+                "parameters": _hoisted(_parameters(tool), f"tool{index}", definitions),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for tool in request.tools or []
+        for index, tool in enumerate(request.tools or [])
     ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
     return StructuredOutputsParams(json=schema)
+
+
+def _hoisted(parameters: dict[str, Any], key: str, definitions: dict[str, Any]) -> Any:
+    """A tool's parameters as a part of the combined schema: references inside it point at
+    its own root (`#`, `#/$defs/x`, `#/definitions/x`, `#/properties/...`), which there is the
+    combined schema's, so its definitions move to the root's `$defs` under names prefixed by
+    `key` and every reference is rewritten to match. Without references it stays as it is."""
+    if not _has_refs(parameters):
+        return parameters
+    moved = {
+        f"#/{section}/{name}": f"#/$defs/{key}__{name}"
+        for section in ("$defs", "definitions")
+        for name in parameters.get(section) or {}
+    }
+
+    def ref(target: str) -> str:
+        for old, new in moved.items():
+            if target == old or target.startswith(old + "/"):
+                return new + target[len(old) :]
+        return f"#/$defs/{key}{target[1:]}" if target.startswith("#") else target
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                name: ref(value) if name == "$ref" and isinstance(value, str) else rewrite(value)
+                for name, value in node.items()
+            }
+        return [rewrite(item) for item in node] if isinstance(node, list) else node
+
+    for section in ("$defs", "definitions"):
+        for name, definition in (parameters.get(section) or {}).items():
+            definitions[f"{key}__{name}"] = rewrite(definition)
+    body = {
+        name: value for name, value in parameters.items() if name not in ("$defs", "definitions")
+    }
+    definitions[key] = rewrite(body)
+    return {"$ref": f"#/$defs/{key}"}
+
+
+def _has_refs(node: Any) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(_has_refs(value) for value in node.values())
+    return isinstance(node, list) and any(_has_refs(item) for item in node)
 
 
 def _tool(request: ChatCompletionRequest, name: str) -> Tool:
