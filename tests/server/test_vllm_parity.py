@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
@@ -209,3 +210,191 @@ def test_metrics_count_what_vllm_counts(serve) -> None:
     assert delta("vllm:request_inference_time_seconds_count") == 10
     inference = delta("vllm:request_inference_time_seconds_sum")
     assert 0 < inference <= delta("vllm:e2e_request_latency_seconds_sum")
+
+
+# 2. Fields that change the output are never ignored
+
+
+GUIDED = [
+    ("guided_regex", r"(yes|no), [a-z]{3,8}\.", None),
+    ("guided_choice", ["paged", "blocks", "swap"], None),
+    (
+        "guided_json",
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        None,
+    ),  # fmt: skip
+    ("guided_grammar", 'start: "ab" | "cd" ("e")*', None),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "_"), GUIDED)
+def test_vllms_older_guided_fields_constrain_the_output(
+    client, model_name: str, name: str, value, _
+) -> None:
+    """`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: each output follows
+    its constraint, in completions and chat."""
+    import re
+
+    for text in (
+        client.completions.create(
+            model=model_name, prompt="Answer:", max_tokens=40, extra_body={name: value}
+        ).choices[0].text,
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Answer"}], max_tokens=40,
+            extra_body={name: value},
+        ).choices[0].message.content,
+    ):  # fmt: skip
+        if name == "guided_regex":
+            assert re.fullmatch(value, text), text
+        elif name == "guided_choice":
+            assert text in value
+        elif name == "guided_json":
+            jsonschema.validate(json.loads(text), value)
+        else:
+            assert re.fullmatch(r"ab|cde*", text), text
+
+
+def test_two_constraints_at_once_are_refused(server: RunningServer) -> None:
+    body = {"prompt": "Hi", "guided_regex": "a+", "guided_choice": ["a"]}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400 and "not several" in response.json()["error"]["message"]
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(
+    client, model_name: str, hf_tokenizer
+) -> None:
+    """vLLM's `return_token_ids`: the prompt's ids (transformers' tokenizer's) and the
+    output's, whose text is the completion; streamed, the prompt's come first, once."""
+    expected_prompt = hf_tokenizer(PROMPT)["input_ids"]
+    args = dict(model=model_name, prompt=PROMPT, max_tokens=6, temperature=0.0,
+                extra_body={"return_token_ids": True, **IGNORE_EOS})  # fmt: skip
+    choice = client.completions.create(**args).choices[0]
+    assert choice.prompt_token_ids == expected_prompt
+    assert len(choice.token_ids) == 6
+    assert hf_tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    chunks = list(client.completions.create(**args, stream=True))
+    # Fields vLLM sends only where they are set (the openai client keeps them as extras).
+    prompts = [
+        ids for c in chunks if (ids := getattr(c.choices[0], "prompt_token_ids", None)) is not None
+    ]
+    assert prompts == [expected_prompt]
+    assert [t for c in chunks for t in c.choices[0].token_ids] == choice.token_ids
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        temperature=0.0, extra_body={"return_token_ids": True, **IGNORE_EOS},
+    )  # fmt: skip
+    rendered = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat.prompt_token_ids == hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert len(chat.choices[0].token_ids) == 5
+    plain = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_dump(exclude_unset=True)
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model_name: str) -> None:
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True, **IGNORE_EOS}
+    choice = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=5, logprobs=2, temperature=0.0,
+        extra_body=extra,
+    ).choices[0]  # fmt: skip
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        logprobs=True, top_logprobs=2, temperature=0.0, extra_body=extra,
+    ).choices[0]  # fmt: skip
+    assert [e.token for e in chat.logprobs.content] == [f"token_id:{t}" for t in chat.token_ids]
+
+
+def test_continuous_usage_stats_put_the_usage_in_every_chunk(client, model_name: str) -> None:
+    chunks = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=6, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=IGNORE_EOS,
+        )
+    )  # fmt: skip
+    assert all(chunk.usage is not None for chunk in chunks)
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 6
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    client, model_name: str, hf_tokenizer
+) -> None:
+    """The answer to a prompt cut to its last 5 tokens is the answer to those 5 tokens."""
+    ids = hf_tokenizer(PROMPT)["input_ids"]
+    args = dict(model=model_name, max_tokens=6, temperature=0.0, extra_body=IGNORE_EOS)
+    cut = client.completions.create(
+        prompt=PROMPT, **{**args, "extra_body": {"truncate_prompt_tokens": 5, **IGNORE_EOS}}
+    )
+    assert cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == client.completions.create(prompt=ids[-5:], **args).choices[0].text
+
+
+def test_chat_template_switches_render_as_transformers_renders(
+    client, model_name: str, hf_tokenizer
+) -> None:
+    """`add_generation_prompt`, `continue_final_message` (with `echo`: the continued message
+    comes back whole), `chat_template` and `chat_template_kwargs`: the prompt's ids equal
+    transformers' rendering of the same switches."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Paged"}]
+    extra = {"return_token_ids": True, "add_generation_prompt": False,
+             "continue_final_message": True, "echo": True, **IGNORE_EOS}  # fmt: skip
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=4, temperature=0.0, extra_body=extra
+    )
+    rendered = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert reply.prompt_token_ids == hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert reply.choices[0].message.content.startswith("Paged")
+    template = "{{ greeting }}{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    custom = client.chat.completions.create(
+        model=model_name, messages=messages[:1], max_tokens=2,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"greeting": "Hello"},
+                    "return_token_ids": True},
+    )  # fmt: skip
+    assert (
+        custom.prompt_token_ids == hf_tokenizer("Hello Hi", add_special_tokens=False)["input_ids"]
+    )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=2,
+            extra_body={"continue_final_message": True},  # with add_generation_prompt true
+        )  # fmt: skip
+
+
+def test_version_is_served(server: RunningServer) -> None:
+    from importlib.metadata import version
+
+    with server.http() as http:
+        assert http.get("/version").json() == {"version": version("pagedkv")}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logits_processors", ["x"]), ("structural_tag", "{}"), ("early_stopping", True),
+     ("spaces_between_special_tokens", False), ("guided_whitespace_pattern", " "),
+     ("reasoning_effort", "low"), ("modalities", ["text", "audio"]), ("functions", [])],
+)  # fmt: skip
+def test_a_field_that_would_change_the_output_is_refused_by_name(
+    server: RunningServer, field: str, value
+) -> None:
+    response = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, field: value})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
+def test_fields_that_cannot_change_the_output_are_accepted(server: RunningServer) -> None:
+    """OpenAI's user, store, metadata, service_tier; vLLM's request_id, cache_salt, and the
+    refused fields sent with the value that changes nothing."""
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "user": "u",
+        "store": False, "metadata": {"a": "b"}, "service_tier": "auto", "request_id": "r1",
+        "cache_salt": "s", "guided_decoding_backend": "xgrammar", "modalities": ["text"],
+        "early_stopping": False, "spaces_between_special_tokens": True,
+    }  # fmt: skip
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text

@@ -138,6 +138,10 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             return shutting_down("server shutting down").response()
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")  # vLLM's: the server's version, open like /health
+    async def server_version() -> JSONResponse:
+        return JSONResponse({"version": version("pagedkv")})
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)

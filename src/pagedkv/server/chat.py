@@ -35,8 +35,10 @@ from pagedkv.server.serving import (
     Generation,
     ServingContext,
     new_id,
+    prompt_ids,
     sampling_params,
     sse,
+    token_text,
     top_logprobs,
 )
 from pagedkv.server.structured import structured_outputs
@@ -71,18 +73,34 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n)
     await generation.start([prompt], params, request.priority)
-    return await _ChatCompletion(context, request, generation).respond(raw)
+    completion = _ChatCompletion(context, request, generation)
+    last = request.messages[-1]
+    if request.echo and last.role == "assistant":  # vLLM's: only a message of the reply's role
+        completion.echoed = last.text()
+    return await completion.respond(raw)
 
 
 def _render(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation (and tools) plus the assistant's generation prompt."""
+    """Token ids of the conversation (and tools) plus the assistant's generation prompt, as
+    the request's template switches say (vLLM's `add_generation_prompt`,
+    `continue_final_message`, `chat_template`, `chat_template_kwargs`, `add_special_tokens`),
+    cut to `truncate_prompt_tokens`."""
     tokenizer = context.tokenizer
-    messages, variables = render_messages(request, tokenizer.chat_template)
+    template = request.chat_template or tokenizer.chat_template
+    messages, variables = render_messages(request, template)
     try:
-        text = tokenizer.render_chat(messages, template_kwargs=variables)
-        return tokenizer.encode(text, add_special_tokens=False)
+        text = tokenizer.render_chat(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            template_kwargs={**(request.chat_template_kwargs or {}), **variables},
+        )
     except ChatTemplateError as error:
         raise APIError(400, str(error), param="messages") from error
+    except ValueError as error:  # the two switches asked together
+        raise APIError(400, str(error), param="continue_final_message") from error
+    return prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)[0]
 
 
 @dataclass
@@ -98,12 +116,21 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
     """Turns a Generation's deltas into a chat completion or stream chunks."""
 
     choice_type = _Choice
+    echoed = ""  # with vLLM's `echo`: the last (assistant) message, leading each reply
 
     def _opening(self) -> list[str]:
-        """A role-only delta per choice, as OpenAI's streams begin."""
+        """A role-only delta per choice, as OpenAI's streams begin (with `echo`, the last
+        message's content in it); with return_token_ids the first also carries the prompt's
+        token ids, as vLLM's does."""
+        prompt_ids = self.generation.prompts[0] if self.request.return_token_ids else None
         return [
             self._chunk(
-                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
+                [
+                    ChatChunkChoice(
+                        index=index, delta=ChatDelta(role="assistant", content=self.echoed)
+                    )
+                ],
+                prompt_token_ids=prompt_ids if index == 0 else None,
             )
             for index in range(self.request.n)
         ]
@@ -118,13 +145,15 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             chosen = position[token_id]
             top = [
                 TopLogprob(
-                    token=alt.decoded_token, logprob=alt.logprob, bytes=list(token_bytes(alt_id))
+                    token=token_text(self.request, alt_id, alt.decoded_token),
+                    logprob=alt.logprob,
+                    bytes=list(token_bytes(alt_id)),
                 )
                 for alt_id, alt in top_logprobs(position, k)
             ]
             entries.append(
                 TokenLogprob(
-                    token=chosen.decoded_token,
+                    token=token_text(self.request, token_id, chosen.decoded_token),
                     logprob=chosen.logprob,
                     bytes=list(token_bytes(token_id)),
                     top_logprobs=top,
@@ -154,6 +183,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             logprobs=ChatLogprobs(content=logprobs) if self.request.logprobs else None,
             finish_reason=finish_reason,
             stop_reason=output.stop_reason,
+            token_ids=list(output.token_ids) if self.request.return_token_ids else None,
         )
 
     @property
@@ -163,14 +193,19 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
 
     def _message(self, choice: _Choice) -> tuple[AssistantMessage, str | None]:
         """A finished choice's message, and its finish reason ("tool_calls" if it called)."""
-        text = "".join(choice.text)
+        text = self.echoed + "".join(choice.text)
         if not self._uses_tools:
             return AssistantMessage(content=text), choice.finish_reason
         parsed = parse_output(self.request, text)
         message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
         return message, _finish_reason(choice.finish_reason, bool(parsed.tool_calls))
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: bool = False) -> str:
+    def _chunk(
+        self,
+        choices: list[ChatChunkChoice],
+        usage: bool = False,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
         chunk = ChatCompletionChunk(
             id=self.generation.request_id,
             created=self.created,
@@ -178,6 +213,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             system_fingerprint=self.context.system_fingerprint,
             choices=choices,
             usage=self.generation.usage() if usage else None,
+            prompt_token_ids=prompt_token_ids,
         )
         # Every choice says `finish_reason: null` and `logprobs: null` until it has them, as
         # OpenAI's chunks do; the usage appears only in the chunk that carries it.
@@ -198,12 +234,14 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
                     else None,
                     finish_reason=finish_reason,
                     stop_reason=choice.stop_reason,
+                    token_ids=list(choice.token_ids) if self.request.return_token_ids else None,
                 )
                 for choice in choices
                 for message, finish_reason in [self._message(choice)]
             ],
             usage=self.generation.usage(),
             prompt_logprobs=self._prompt_logprobs(0),
+            prompt_token_ids=self.generation.prompts[0] if self.request.return_token_ids else None,
         )
 
 

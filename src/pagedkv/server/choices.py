@@ -84,14 +84,15 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         try:
             for event in self._opening():
                 yield event
+            options = self.request.stream_options
+            every_chunk = options is not None and options.continuous_usage_stats
             async for delta in self.generation.deltas():
                 output = delta.output
                 if not (output.text or output.token_ids or output.finish_reason):
                     continue
                 choice = self._chunk_choice(delta, self._update(delta))
                 if choice is not None:
-                    yield self._chunk([choice])
-            options = self.request.stream_options
+                    yield self._chunk([choice], usage=every_chunk)
             if options is not None and options.include_usage:
                 yield self._chunk([], usage=True)
         except APIError as error:
@@ -105,6 +106,18 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         choice = self.choices.setdefault(delta.index, self.choice_type(delta.index))
         choice.fold(delta.output)
         return self._logprobs(choice, delta.output)
+
+    def _stream_token_ids(self, delta: ChoiceDelta) -> tuple[list[int] | None, list[int] | None]:
+        """With return_token_ids: (the prompt's ids on the choice's first chunk, else None;
+        the delta's own ids); (None, None) without."""
+        if not self.request.return_token_ids:
+            return None, None
+        choice = self.choices[delta.index]
+        prompt = None
+        if not choice.prompt_ids_sent:
+            choice.prompt_ids_sent = True
+            prompt = self.generation.prompts[delta.index // self.generation.n]
+        return prompt, list(delta.output.token_ids)
 
     def _keep_prompt(self, delta: ChoiceDelta) -> None:
         """Keep the prompt's logprobs and token ids of the delta that brings them."""
@@ -145,12 +158,15 @@ class ChoiceState:
 
     index: int
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_ids_sent: bool = False  # a stream with return_token_ids sent its prompt's ids
 
     def fold(self, output: CompletionOutput) -> None:
-        """Append a delta's text; keep its finish reason once it has one."""
+        """Append a delta's text and tokens; keep its finish reason once it has one."""
         self.text.append(output.text)
+        self.token_ids.extend(output.token_ids)
         if output.finish_reason is not None:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason

@@ -28,8 +28,10 @@ from pagedkv.server.serving import (
     Generation,
     ServingContext,
     new_id,
+    prompt_ids,
     sampling_params,
     sse,
+    token_text,
     top_logprobs,
 )
 from pagedkv.server.structured import structured_outputs
@@ -43,7 +45,13 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     """Validate, submit, then stream or collect the completion."""
     request = context.parse(await raw.body(), CompletionRequest)
     _check_unsupported(request)
-    prompts = await asyncio.to_thread(_token_ids, context, request.prompts())
+    prompts = await asyncio.to_thread(
+        prompt_ids,
+        context,
+        request.prompts(),
+        request,
+        add_special_tokens=request.add_special_tokens,
+    )
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
@@ -84,11 +92,6 @@ def _check_unsupported(request: CompletionRequest) -> None:
             "known only once all have finished",
             param="best_of",
         )
-
-
-def _token_ids(context: ServingContext, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Tokenize text prompts here, in a worker thread, rather than on the engine thread."""
-    return [context.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
 
 @dataclass
@@ -185,10 +188,10 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
                 chosen_logprob, top = None, None
             else:
                 token_id, chosen = next(iter(position.items()))
-                text, chosen_logprob = chosen.decoded_token, chosen.logprob
-                top = {text: chosen.logprob}
-                for _, alt in top_logprobs(position, k):  # most likely first: a shared text
-                    top.setdefault(alt.decoded_token, alt.logprob)
+                text = token_text(self.request, token_id, chosen.decoded_token)
+                chosen_logprob, top = chosen.logprob, {text: chosen.logprob}
+                for alt_id, alt in top_logprobs(position, k):  # most likely first: shared text
+                    top.setdefault(token_text(self.request, alt_id, alt.decoded_token), alt.logprob)
             logprobs.tokens.append(text)
             logprobs.token_logprobs.append(chosen_logprob)
             logprobs.top_logprobs.append(top)
@@ -208,18 +211,22 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
         if self._echo_logprobs and delta.index not in self.echo_sent:
             self.echo_sent.add(delta.index)
             text = self._echo(delta.index) + text
+        prompt_token_ids, token_ids = self._stream_token_ids(delta)
         return CompletionChoice(
             index=delta.index,
             text=text,
             logprobs=logprobs,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            prompt_token_ids=prompt_token_ids,
+            token_ids=token_ids,
         )
 
     def _chunk(self, choices: list[CompletionChoice], usage: bool = False) -> str:
         return sse(self._object(choices, usage).model_dump_json())
 
     def _response(self, choices: list[_Choice]) -> CompletionResponse:
+        samples = self.generation.n
         return self._object(
             [
                 CompletionChoice(
@@ -229,11 +236,17 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
                     finish_reason=choice.finish_reason,
                     stop_reason=choice.stop_reason,
                     prompt_logprobs=self._prompt_logprobs(choice.index // self.generation.n),
+                    prompt_token_ids=self._ids(self.generation.prompts[choice.index // samples]),
+                    token_ids=self._ids(choice.token_ids),
                 )
                 for index, choice in enumerate(self._best(choices))
             ],
             usage=True,
         )
+
+    def _ids(self, token_ids: list[int]) -> list[int] | None:
+        """Token ids for the response, when the request set return_token_ids."""
+        return list(token_ids) if self.request.return_token_ids else None
 
     def _best(self, choices: list[_Choice]) -> list[_Choice]:
         """Each prompt's n samples of highest cumulative logprob (all of them without best_of),

@@ -1,10 +1,16 @@
 """Request and response bodies of the OpenAI API, as pydantic models.
 
 Requests are strict about types: wrong types are not coerced ("5" is not an int), NaN and
-infinity are refused. Unknown fields are kept aside (`unknown_fields` names them) so that the
-server can ignore them with a log line, as vLLM does, or refuse them under `--strict-fields`.
-Besides OpenAI's fields the requests accept vLLM's sampling extensions (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`).
+infinity are refused. Besides OpenAI's fields the requests accept vLLM's extensions (sampling:
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, ...; the older `guided_*` names of structured outputs; `return_token_ids`,
+`return_tokens_as_token_ids`, `truncate_prompt_tokens`; the chat template's switches).
+
+Every field a vLLM or OpenAI client may send that is not implemented here is on one of two
+lists: `REFUSED_FIELDS` would change the output, so setting one (to anything but the value that
+changes nothing) is a 400 naming it; `IGNORED_FIELDS` cannot change it, so it is ignored. A
+field on neither list (unknown to both APIs) is ignored with a log line, as vLLM does, or
+refused under `--strict-fields` (`unknown_fields` names them).
 Range checks that need the model (prompt length, token ids) live in `serving`, next to the
 engine. The parts of structured outputs and tools live in `formats`.
 """
@@ -39,6 +45,40 @@ MAX_PROMPTS = 64  # prompts in one completions request
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
+# Fields of vLLM's and OpenAI's requests that would change the output and are not implemented:
+# field -> the value that changes nothing (sent with that value, the field is accepted).
+NO_VALUE = object()
+REFUSED_FIELDS: dict[str, object] = {
+    "guided_whitespace_pattern": NO_VALUE,  # vLLM: whitespace inside guided JSON
+    "structural_tag": NO_VALUE,  # vLLM: tags switching structured outputs on and off
+    "logits_processors": NO_VALUE,  # vLLM: user logits processors
+    "vllm_xargs": NO_VALUE,  # vLLM: arguments of custom logits processors
+    "early_stopping": False,  # vLLM's beam search stopping rule
+    "spaces_between_special_tokens": True,  # vLLM: detokenisation of special tokens
+    "documents": NO_VALUE,  # vLLM chat: documents for a RAG chat template
+    "mm_processor_kwargs": NO_VALUE,  # vLLM: multimodal processing (no multimodal models)
+    "prompt_embeds": NO_VALUE,  # vLLM completions: embeddings instead of tokens
+    "reasoning_effort": NO_VALUE,  # OpenAI: reasoning models
+    "audio": NO_VALUE,  # OpenAI: audio output
+    "modalities": ["text"],  # OpenAI: output modalities
+    "web_search_options": NO_VALUE,  # OpenAI: web search
+    "functions": NO_VALUE,  # OpenAI's deprecated function calling (use tools)
+    "function_call": NO_VALUE,
+    "prediction": NO_VALUE,  # OpenAI: predicted outputs
+}
+# Fields that cannot change the output: accepted and ignored.
+IGNORED_FIELDS = frozenset(
+    {
+        "metadata",  # OpenAI: tags stored with the request
+        "service_tier",  # OpenAI: billing tier
+        "request_id",  # vLLM: the id in logs (the response's id is the server's)
+        "guided_decoding_backend",  # vLLM: which grammar library (llguidance here)
+        "kv_transfer_params",  # vLLM: disaggregated prefill
+        "cache_salt",  # vLLM: prefix-cache isolation (pagedkv salts per request already)
+        "parallel_tool_calls",  # on completions: no tools there
+    }
+)
+
 
 def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
     """Dotted names of the fields `request` and its nested models did not declare."""
@@ -54,9 +94,11 @@ def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
 
 
 class StreamOptions(RequestModel):
-    """`stream_options`: whether the last chunk before [DONE] carries the usage."""
+    """`stream_options`: whether the last chunk before [DONE] carries the usage, and (vLLM's
+    `continuous_usage_stats`) whether every chunk carries the usage so far."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(RequestModel):
@@ -91,6 +133,24 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     # vLLM's: each prompt token's logprob and its top k (in the response's prompt_logprobs).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's older names of structured outputs (one of them, or structured_outputs).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's: the token ids in the response (prompt_token_ids, token_ids), and logprob tokens
+    # written as "token_id:N" rather than as text.
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    # vLLM's: keep the prompt's last N tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("must be >= 1, or -1 for as many as the context holds")
+        return keep
 
     @field_validator("logit_bias")
     @classmethod
@@ -121,6 +181,7 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: Any
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     max_tokens: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the prompt's text is prepended to each choice
@@ -203,6 +264,17 @@ class ChatCompletionRequest(SamplingFields):
     # Default: "auto" with tools, "none" without (OpenAI's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (with "required")
+    # vLLM's chat template switches: the assistant turn's opening, continuing the last message
+    # instead (add_generation_prompt false then), variables for the template, the template
+    # itself, the tokenizer's special tokens on the rendered text (the template places them).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    add_special_tokens: bool = False
+    # vLLM's: the reply's content starts with the last message's, when that is the
+    # assistant's (a continued message comes back whole).
+    echo: bool = False
 
     @property
     def resolved_tool_choice(self) -> str | NamedToolChoice:
@@ -219,6 +291,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # Responses: plain models, serialised with OpenAI's field names and nulls.
+
+
+class WithTokenIds(BaseModel):
+    """A response part that carries vLLM's `return_token_ids` fields only when asked for them
+    (left out otherwise, as vLLM leaves them)."""
+
+    @model_serializer(mode="wrap")
+    def _without_unasked_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields = handler(self)
+        for name in ("prompt_token_ids", "token_ids"):
+            if name in fields and fields[name] is None:
+                del fields[name]
+        return fields
 
 
 class ErrorInfo(BaseModel):
@@ -272,8 +357,10 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(BaseModel):
-    """One choice of a completion, or one choice's delta in a stream chunk."""
+class CompletionChoice(WithTokenIds):
+    """One choice of a completion, or one choice's delta in a stream chunk. With vLLM's
+    `return_token_ids`: its prompt's token ids (in a stream, on the choice's first chunk) and
+    its output's (the chunk's own in a stream)."""
 
     index: int
     text: str
@@ -281,6 +368,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -332,17 +421,18 @@ class AssistantMessage(BaseModel):
         return fields
 
 
-class ChatChoice(BaseModel):
-    """One choice of a chat completion."""
+class ChatChoice(WithTokenIds):
+    """One choice of a chat completion (`token_ids`: vLLM's `return_token_ids`)."""
 
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(WithTokenIds):
     """A whole chat completion."""
 
     id: str
@@ -353,6 +443,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatDelta(BaseModel):
@@ -367,7 +458,7 @@ class ChatDelta(BaseModel):
         return {name: value for name, value in handler(self).items() if value is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(WithTokenIds):
     """One choice's part of a chat stream chunk."""
 
     index: int
@@ -375,9 +466,10 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(WithTokenIds):
     """One server-sent event of a streamed chat completion."""
 
     id: str
@@ -387,6 +479,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

@@ -25,11 +25,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import SamplingParams, StructuredOutputsParams
+from pagedkv.engine.admission import truncate
 from pagedkv.engine.errors import PromptTooLong, RequestRejected
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
+    IGNORED_FIELDS,
+    NO_VALUE,
+    REFUSED_FIELDS,
     PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
@@ -65,9 +69,20 @@ class ServingContext:
     strict_fields: bool = False  # refuse unknown request fields instead of ignoring them
 
     def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
-        """A validated request: known fields, this model, settings that go together."""
+        """A validated request: known fields, this model, settings that go together. A field
+        that would change the output and is not implemented is a 400 naming it; one that
+        cannot change it is ignored (`protocol.REFUSED_FIELDS`, `IGNORED_FIELDS`)."""
         request = parse_body(body, model)
-        unknown = unknown_fields(request)
+        for name, value in (request.model_extra or {}).items():
+            harmless = REFUSED_FIELDS.get(name, NO_VALUE)
+            if name in REFUSED_FIELDS and value != harmless:
+                raise APIError(
+                    400, f"{name} is not supported (it would change the output)", param=name
+                )
+        unknown = [
+            name for name in unknown_fields(request)
+            if name not in REFUSED_FIELDS and name not in IGNORED_FIELDS
+        ]  # fmt: skip
         if unknown and self.strict_fields:
             raise APIError(400, f"unknown field '{unknown[0]}' (--strict-fields)", param=unknown[0])
         if unknown:
@@ -95,6 +110,25 @@ class ServingContext:
         for; a prompt with no room at all is refused by the engine (PromptTooLong).
         """
         return max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, self.max_model_len - prompt_len))
+
+
+def prompt_ids(
+    context: ServingContext, prompts: list[str | list[int]], request: SamplingFields, **encode
+) -> list[list[int]]:
+    """Token ids of each prompt (text tokenized with `encode`'s options), cut to the request's
+    `truncate_prompt_tokens` as the engine would cut them (so limits and usage count what runs).
+    Meant for a worker thread: tokenizing a long prompt should not hold the event loop."""
+    ids = [context.tokenizer.encode(p, **encode) if isinstance(p, str) else p for p in prompts]
+    if request.truncate_prompt_tokens is None:
+        return ids
+    keep = SamplingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
+    return [truncate(prompt, keep, context.max_model_len) for prompt in ids]
+
+
+def token_text(request: SamplingFields, token_id: int, text: str) -> str:
+    """How a logprob entry names its token: its text, or vLLM's "token_id:N" when the request
+    sets `return_tokens_as_token_ids`."""
+    return f"token_id:{token_id}" if request.return_tokens_as_token_ids else text
 
 
 def sampling_params(
@@ -210,6 +244,7 @@ class Generation:
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._prompt_index: dict[str, int] = {}
         self._unfinished: set[str] = set()
+        self.prompts: list[list[int]] = []  # as submitted, by prompt index
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -232,6 +267,7 @@ class Generation:
             )
         for prompt in prompts:
             check_room(len(prompt), params.max_tokens, self.engine_loop.engine.max_model_len)
+        self.prompts = prompts
         try:
             for index, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id

@@ -1,9 +1,11 @@
-"""A request's `response_format` or vLLM's `structured_outputs` field, as the engine's
-StructuredOutputsParams (None when the output is free text).
+"""A request's `response_format`, vLLM's `structured_outputs` field or its older `guided_*`
+fields, as the engine's StructuredOutputsParams (None when the output is free text).
 
 `json_object` is any JSON object; `json_schema` is its schema, enforced whether or not the
 client says `strict` (OpenAI enforces only strict ones; a constraint kept is never worse).
-Asking for both fields at once is refused: they would be two constraints on one output.
+`guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` are `structured_outputs`'
+json, regex, choice and grammar under vLLM's older names. Asking for more than one at once is
+refused: they would be several constraints on one output.
 """
 
 from __future__ import annotations
@@ -17,14 +19,23 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
     """The constraint the request's fields ask for; a 400 naming the field if it is malformed."""
     response_format = request.response_format
     wanted = response_format is not None and response_format.type != "text"
+    guided = {
+        name: value
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        if (value := getattr(request, name)) is not None
+    }
     fields = request.structured_outputs
-    if wanted and fields is not None:
-        raise APIError(
-            400,
-            "set response_format or structured_outputs, not both",
-            param="structured_outputs",
-        )
+    asked = [
+        name
+        for name, given in (("response_format", wanted), ("structured_outputs", fields))
+        if given
+    ] + list(guided)
+    if len(asked) > 1:
+        raise APIError(400, f"set one of {', '.join(asked)}, not several", param=asked[-1])
     try:
+        if guided:
+            [(name, value)] = guided.items()
+            return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
         if fields is not None:
             return StructuredOutputsParams(
                 json=fields.json_,
@@ -42,5 +53,4 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
         schema = response_format.json_schema.json_schema
         return StructuredOutputsParams(json=schema if schema is not None else {})
     except ValueError as error:
-        param = "structured_outputs" if fields is not None else "response_format"
-        raise APIError(400, str(error), param=param) from error
+        raise APIError(400, str(error), param=asked[0]) from error
