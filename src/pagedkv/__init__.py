@@ -11,6 +11,7 @@ from typing import Any
 _ENGINE_NAMES = (
     "LLM",
     "SamplingParams",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "Engine",
     "EngineArgs",

@@ -12,10 +12,14 @@ import json
 import jsonschema
 import openai
 import pytest
+import torch
 import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedkv.engine import BeamSearchParams
 from pagedkv.server import ServerConfig
+from tests.engine.test_beam_search import MIN_MARGIN, reference_beam_search, without_eos
+from tests.model.tiny_models import random_prompt
 from tests.server.conftest import RunningServer
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
@@ -398,3 +402,76 @@ def test_fields_that_cannot_change_the_output_are_accepted(server: RunningServer
     }  # fmt: skip
     response = post(server, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
+
+
+# 3. Beam search
+
+
+@pytest.fixture(scope="module")
+def beam_reference(tiny_model):
+    """vLLM's beam search rule (tests/engine/test_beam_search.py) over transformers' logits
+    of the served model: prompt ids -> the best beams' output ids, a final EOS left out."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+
+    def next_logprobs(token_ids):
+        with torch.no_grad():
+            return hf(torch.tensor([list(token_ids)])).logits[0, -1].double().log_softmax(-1)
+
+    def best(prompt: list[int], params: BeamSearchParams) -> list[list[int]]:
+        beams, margin = reference_beam_search(next_logprobs, prompt, params)
+        assert margin > MIN_MARGIN, f"case hinges on a near-tie ({margin:.2e})"
+        return [without_eos(beam) for beam in beams]
+
+    return best
+
+
+BEAM_PROMPTS = [random_prompt(19, seed=19), random_prompt(40, seed=43)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_use_beam_search_gives_the_best_beams_of_each_prompt(
+    client, model_name: str, hf_tokenizer, beam_reference, stream: bool
+) -> None:
+    """vLLM's `use_beam_search`: n beams per prompt (choices prompt by prompt, best first),
+    ranked with `length_penalty`; logprobs, token ids and streaming as for sampled choices."""
+    params = BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.7)
+    response = client.completions.create(
+        model=model_name, prompt=BEAM_PROMPTS, n=3, max_tokens=10, logprobs=1, stream=stream,
+        extra_body={"use_beam_search": True, "length_penalty": 0.7, "return_token_ids": True},
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    token_ids: dict[int, list[int]] = {}
+    tokens: dict[int, list[str]] = {}
+    for chunk in response if stream else [response]:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            token_ids.setdefault(choice.index, []).extend(choice.token_ids or [])
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+    expected = [ids for prompt in BEAM_PROMPTS for ids in beam_reference(prompt, params)]
+    assert [token_ids[index] for index in range(6)] == expected
+    assert [texts[index] for index in range(6)] == [
+        hf_tokenizer.decode(ids, skip_special_tokens=True) for ids in expected
+    ]
+    assert [len(tokens[index]) for index in range(6)] == [len(ids) for ids in expected]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("stop", ["a"]), ("presence_penalty", 0.5), ("best_of", 4), ("top_p", 0.5),
+     ("guided_choice", ["a", "b"]), ("prompt_logprobs", 1)],
+)  # fmt: skip
+def test_beam_search_refuses_what_it_would_ignore(server: RunningServer, field: str, value) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "n": 2, "use_beam_search": True, field: value}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
+def test_chat_refuses_beam_search(server: RunningServer) -> None:
+    """Beam search is on completions only: chat says so rather than sample instead."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "use_beam_search": True}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "use_beam_search"

@@ -10,6 +10,9 @@ from typing import Any
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BlockState",
     "CompletionOutput",
     "DuplicateRequest",
@@ -40,7 +43,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
-    from pagedkv.engine import args, engine, errors, llm, outputs, params, stats
+    from pagedkv.engine import args, beam_search, engine, errors, llm, outputs, params, stats
 
-    module = next(m for m in (args, engine, errors, llm, outputs, params, stats) if name in dir(m))
+    modules = (args, beam_search, engine, errors, llm, outputs, params, stats)
+    module = next(m for m in modules if name in dir(m))
     return getattr(module, name)

@@ -26,11 +26,12 @@ from pagedkv.engine.admission import (
     truncate,
 )
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.beam_search import BeamSearchParams, BeamState
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
 from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.invariance import invariance_line
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.engine.outputs import RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts, uses_penalties
 from pagedkv.engine.request import Request, RequestStatus, Sequence
@@ -39,7 +40,7 @@ from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.engine.spec.draft_model import DraftModelDrafter, load_draft_model
 from pagedkv.engine.spec.drafter import Drafter, NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
-from pagedkv.engine.stops import take_text
+from pagedkv.engine.stops import take_outputs
 from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
@@ -168,6 +169,7 @@ class Engine:
         cache_salt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        beam_search: BeamSearchParams | None = None,
     ) -> None:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
 
@@ -177,7 +179,13 @@ class Engine:
         `priority` orders requests under `scheduling_policy="priority"` (lower runs first);
         under "fcfs" it must be 0. The request keeps a checked copy of `params` as they are now
         (a `ValueError` names a field set to a bad value after construction).
+
+        With `beam_search` the request is a beam search (`beam_search.py`): its one delta,
+        when it finishes, has the best beams as its outputs, their text decoded with special
+        tokens unless `params` says `skip_special_tokens` (of `params`, only that is read).
         """
+        if beam_search is not None:
+            params = beam_search.sampling_params(params is not None and params.skip_special_tokens)
         params = params.clone() if params is not None else SamplingParams()
         if request_id in self._requests:
             raise DuplicateRequest(request_id)
@@ -209,7 +217,9 @@ class Engine:
             eos_token_ids=self._eos_token_ids,
         )
         first = request.sequences[0]
-        for index in range(1, params.n):
+        if beam_search is not None:
+            request.beam = BeamState(beam_search, len(token_ids), max_tokens, self._eos_token_ids)
+        for index in range(1, 1 if beam_search is not None else params.n):
             seq = self._new_sequence(request_id, index, token_ids, params, grammar)
             if first.counts is not None:  # the prompt's mask is the request's: one for all
                 seq.counts = first.counts.sibling()
@@ -223,6 +233,8 @@ class Engine:
         if request is None:
             return
         self.scheduler.remove(request)
+        if request.beam is not None:  # its live beams are its answer so far
+            request.beam.finish([seq.index for seq in request.live_sequences], "abort")
         for seq in request.sequences:
             if not seq.finished:
                 seq.finish_reason = "abort"
@@ -279,7 +291,7 @@ class Engine:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
         self._sampled_last_step = result.num_sampled_tokens
-        if result.sampled:
+        if result.num_sampled_tokens:
             self._generation_tokens_total += result.num_sampled_tokens
             self._recent_tokens.append((now, result.num_sampled_tokens))
         return {request.request_id: request for request in touched}
@@ -295,28 +307,15 @@ class Engine:
         )
 
     def _delta(self, request: Request) -> RequestOutput:
-        """What each sample produced since the last delta; clears the per-step buffers."""
-        outputs = []
-        for seq in request.sequences:
-            text = take_text(request, seq)
-            finishing = seq.finished and not seq.finish_reported
-            if not (seq.new_token_ids or text or finishing):
-                continue
-            wants_logprobs = request.params.logprobs is not None
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=seq.new_token_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=seq.new_logprobs if wants_logprobs else None,
-                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                )
-            )
-            seq.new_token_ids = []
-            seq.new_logprobs = []
-            seq.finish_reported = seq.finished
+        """What each sample produced since the last delta; clears the per-step buffers. A beam
+        search has one delta with outputs: its best beams, once it finishes."""
+        finished = request.status is RequestStatus.FINISHED
+        if request.beam is None:
+            outputs = take_outputs(request)
+        elif finished:
+            outputs = request.beam.answer(self.tokenizer, request.params.skip_special_tokens)
+        else:
+            outputs = []
         prompt_logprobs = None
         scored = len(request.prompt_logprobs) == len(request.prompt_token_ids)
         if request.scores_prompt and scored and not request.prompt_logprobs_reported:
@@ -327,7 +326,7 @@ class Engine:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.status is RequestStatus.FINISHED,
+            finished=finished,
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 
 import torch
 
+from pagedkv.engine.beam_search import Candidate
 from pagedkv.engine.logprobs import logprob_entry, score_prompts
 from pagedkv.engine.request import Request, Sequence
-from pagedkv.engine.sampler import Sampler, SamplingRow, sampling_row
+from pagedkv.engine.sampler import Sampler, SamplingRow, sampling_row, token_logprobs
 from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
 from pagedkv.engine.spec.drafter import Drafter, DraftRequest
 from pagedkv.tokenizer import Tokenizer
@@ -71,12 +72,16 @@ class StepExecutor:
         rows: list[int] = []
         sampling_rows: list[SamplingRow] = []
         drawing: list[tuple[Request, Sequence, int]] = []  # (request, sample, its rows)
+        beams: list[tuple[Request, tuple[str, int], int]] = []  # (request, beam, its row)
         for chunk, chunk_rows in zip(output.chunks, step.rows, strict=True):
             if not chunk.sample:
                 continue
             request = requests[chunk.seq_id[0]]
+            if request.beam is not None:
+                beams.append((request, chunk.seq_id, chunk_rows[-1]))
+                continue
             if chunk.num_draft_tokens:
-                seq = request.sequences[chunk.seq_id[1]]
+                seq = request.sequence(chunk.seq_id[1])
                 drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
                 rows.extend(chunk_rows[len(chunk_rows) - len(drafts) - 1 :])
                 # A draft the grammar refuses is masked out, so never kept: the rows after it
@@ -92,6 +97,8 @@ class StepExecutor:
                 rows.append(chunk_rows[-1])
                 sampling_rows.append(sampling_row(request, seq))
                 drawing.append((request, seq, 1))
+        if beams:
+            result.beam_candidates = self._beam_candidates(step.logits, beams)
         if not drawing:
             return result
         logits = step.logits
@@ -114,6 +121,30 @@ class StepExecutor:
         if self.drafter is not None:
             result.draft_token_ids = self._propose(drawing, result)
         return result
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, beams: list[tuple[Request, tuple[str, int], int]]
+    ) -> dict[tuple[str, int], list[Candidate]]:
+        """Each beam's `2 * beam_width` most likely next tokens (its row's logprobs, after the
+        request's temperature when it sets one), each with its logprob entry."""
+        candidates = {}
+        for request, seq_id, row in beams:
+            params = request.beam.params  # type: ignore[union-attr]
+            row_logits = logits[row : row + 1]
+            if params.temperature > 0:
+                row_logits = row_logits / params.temperature
+            count = min(params.num_candidates, row_logits.shape[-1])
+            top = token_logprobs(row_logits, row_logits.argmax(dim=-1), [count])[0]
+            _, _, top_ids, top_values = top
+            candidates[seq_id] = [
+                Candidate(
+                    token_id,
+                    value,
+                    logprob_entry(self.tokenizer, token_id, (value, rank, top_ids, top_values)),
+                )
+                for rank, (token_id, value) in enumerate(zip(top_ids, top_values, strict=True), 1)
+            ]
+        return candidates
 
     def _propose(
         self, drawing: list[tuple[Request, Sequence, int]], result: ModelRunnerOutput

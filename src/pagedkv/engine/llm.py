@@ -13,9 +13,11 @@ import itertools
 import reprlib
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.params import SamplingParams
@@ -55,7 +57,44 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
-        return self._run(prompt_list, params, use_tqdm, priorities)
+        options = [
+            {"params": each, "priority": rank}
+            for each, rank in zip(params, priorities, strict=True)
+        ]
+        return self._run(prompt_list, options, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search over each prompt (the rule: `beam_search.py`), its beams sharing
+        their blocks; per prompt, the `beam_width` best beams, best first. Each beam's tokens
+        start with the prompt's and keep a final EOS; its text decodes them all."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        # The EOS stays in the tokens, as vLLM's `LLM.beam_search` keeps it.
+        whole = replace(params, include_stop_str_in_output=True)
+        outputs = self._run(prompt_list, [{"beam_search": whole}] * len(prompt_list), use_tqdm)
+        tokenizer = self.engine.tokenizer
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=(tokens := [*output.prompt_token_ids, *beam.token_ids]),
+                        logprobs=beam.logprobs or [],
+                        cum_logprob=beam.cumulative_logprob or 0.0,
+                        text=tokenizer.decode(tokens, skip_special_tokens=False),
+                        finish_reason=beam.finish_reason,
+                        stop_reason=beam.stop_reason,  # type: ignore[arg-type]
+                    )
+                    for beam in output.outputs
+                ]
+            )
+            for output in outputs
+        ]
 
     def chat(
         self,
@@ -89,17 +128,17 @@ class LLM:
         # The template places any BOS itself, so the text is encoded without special tokens.
         prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm, [0] * len(prompts), texts)
+        return self._run(prompts, [{"params": each} for each in params], use_tqdm, texts)
 
     def _run(
         self,
         prompts: Sequence[Prompt],
-        params: list[SamplingParams],
+        options: Sequence[Mapping[str, Any]],
         use_tqdm: bool,
-        priorities: list[int],
         texts: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Add the prompts, step until all finish, return whole outputs in order.
+        """Add the prompts, each with its `Engine.add_request` keywords (`options`), step
+        until all finish, return whole outputs in order.
 
         `texts` are the prompts as text where they are given as ids (chat's rendered
         conversations), reported as `RequestOutput.prompt` as vLLM does.
@@ -108,10 +147,8 @@ class LLM:
         request_ids = [str(next(self._request_ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, request_params, priority in zip(
-                request_ids, prompts, params, priorities, strict=True
-            ):
-                engine.add_request(request_id, prompt, request_params, priority=priority)
+            for request_id, prompt, keywords in zip(request_ids, prompts, options, strict=True):
+                engine.add_request(request_id, prompt, **keywords)
                 added.append(request_id)
         except BaseException:
             self._abort(added)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pagedkv.engine.beam_search import BeamState
     from pagedkv.engine.detokenizer import IncrementalDetokenizer
     from pagedkv.engine.penalties import TokenCounts
     from pagedkv.engine.structured.compiler import CompiledGrammar
@@ -128,6 +129,14 @@ class Request:
     prompt_logprobs_reported: bool = False
     # params.structured_outputs compiling (or compiled): admitted only once it is ready.
     grammar: CompiledGrammar | None = None
+    # Beam search (`beam_search.py`): its live beams are the samples, forked and freed by it.
+    beam: BeamState | None = None
+
+    def sequence(self, index: int) -> Sequence:
+        """The sample of index `index` (beams come and go, so not always at that position)."""
+        if index < len(self.sequences) and self.sequences[index].index == index:
+            return self.sequences[index]
+        return next(seq for seq in self.sequences if seq.index == index)
 
     @property
     def grammar_ready(self) -> bool:

@@ -15,6 +15,7 @@ output, and it completes in the newest token's text, past everything already han
 
 from __future__ import annotations
 
+from pagedkv.engine.outputs import CompletionOutput
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.sched.output import SampledToken
 
@@ -79,6 +80,33 @@ def take_text(request: Request, seq: Sequence) -> str:
     text = seq.text[seq.num_text_emitted : end]
     seq.num_text_emitted = end
     return text
+
+
+def take_outputs(request: Request) -> list[CompletionOutput]:
+    """What each sample produced since the last delta: its new tokens, the text safe to hand
+    out and logprobs (and its finish, once); clears its per-step buffers."""
+    outputs = []
+    wants_logprobs = request.params.logprobs is not None
+    for seq in request.sequences:
+        text = take_text(request, seq)
+        finishing = seq.finished and not seq.finish_reported
+        if not (seq.new_token_ids or text or finishing):
+            continue
+        outputs.append(
+            CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=seq.new_token_ids,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=seq.new_logprobs if wants_logprobs else None,
+                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            )
+        )
+        seq.new_token_ids = []
+        seq.new_logprobs = []
+        seq.finish_reported = seq.finished
+    return outputs
 
 
 def _find_stop_string(

@@ -28,11 +28,12 @@ from pagedkv.server.completions import create_completion
 from pagedkv.server.drain import SHUTDOWN_TIMEOUT_S, Drain
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import APIError, install_error_handlers
+from pagedkv.server.generation import ARRIVAL_TIME
 from pagedkv.server.header_guard import HeaderGuard
 from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
-from pagedkv.server.protocol import ModelCard, ModelList
-from pagedkv.server.serving import ARRIVAL_TIME, ServingContext, now, shutting_down
+from pagedkv.server.responses import ModelCard, ModelList
+from pagedkv.server.serving import ServingContext, now, shutting_down
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine

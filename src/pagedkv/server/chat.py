@@ -18,12 +18,13 @@ from starlette.responses import Response
 from pagedkv.model.errors import ChatTemplateError
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import (
+from pagedkv.server.generation import ChoiceDelta, Generation
+from pagedkv.server.protocol import ChatCompletionRequest
+from pagedkv.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -31,8 +32,6 @@ from pagedkv.server.protocol import (
     TopLogprob,
 )
 from pagedkv.server.serving import (
-    ChoiceDelta,
-    Generation,
     ServingContext,
     new_id,
     prompt_ids,

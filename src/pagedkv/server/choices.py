@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import ErrorResponse, PromptLogprobs, SamplingFields
+from pagedkv.server.generation import ChoiceDelta, Generation
+from pagedkv.server.protocol import SamplingFields
+from pagedkv.server.responses import ErrorResponse, PromptLogprobs
 from pagedkv.server.serving import (
     CLIENT_CLOSED_REQUEST,
     SSE_DONE,
-    ChoiceDelta,
     EventStream,
-    Generation,
     ServingContext,
     now,
     prompt_logprobs_json,

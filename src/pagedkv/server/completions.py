@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pagedkv.engine import BeamSearchParams, SamplingParams
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-)
+from pagedkv.server.generation import ChoiceDelta, Generation
+from pagedkv.server.protocol import CompletionRequest
+from pagedkv.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
 from pagedkv.server.serving import (
-    ChoiceDelta,
-    Generation,
     ServingContext,
     new_id,
     prompt_ids,
@@ -61,11 +57,12 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     params = sampling_params(
         request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs(request)
     )
+    beams = _beam_search(request, params) if request.use_beam_search else None
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
     generation = Generation(context.engine_loop, new_id("cmpl"), best_of)
-    await generation.start(prompts, params, request.priority)
+    await generation.start(prompts, params, request.priority, beams)
     completion = _Completion(context, request, generation)
     if request.echo:  # a token-id prompt echoes as vLLM's `tokenizer.decode(ids)`: specials too
         completion.echoed = [
@@ -92,6 +89,67 @@ def _check_unsupported(request: CompletionRequest) -> None:
             "known only once all have finished",
             param="best_of",
         )
+
+
+SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.init]
+# What a beam search reads of a request (vLLM's `to_beam_search_params`), and what cannot
+# change its answer; any other sampling setting is refused with it, not ignored.
+BEAM_SEARCH_SETTINGS = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "temperature",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "logprobs",
+        "seed",
+        "skip_special_tokens",
+        "truncate_prompt_tokens",
+    }
+)
+
+
+def _beam_search(request: CompletionRequest, params: SamplingParams) -> BeamSearchParams:
+    """`use_beam_search`: n beams per prompt under vLLM's rule (`engine/beam_search.py`).
+
+    Beams are ranked by their logprobs alone, so a setting that would reshape the sampling
+    (penalties, stops, structured outputs, prompt logprobs, best_of) is a 400 naming it.
+    """
+    default = SamplingParams()
+    clashing = [
+        _request_field(request, name)
+        for name in SAMPLING_FIELDS
+        if name not in BEAM_SEARCH_SETTINGS and getattr(params, name) != getattr(default, name)
+    ]
+    if request.best_of not in (None, request.n):
+        clashing.append("best_of")
+    if clashing:
+        raise APIError(
+            400,
+            f"use_beam_search cannot be combined with {', '.join(clashing)}: beam search "
+            "ranks beams by their logprobs alone",
+            param=clashing[0],
+        )
+    try:
+        return BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=params.max_tokens,  # type: ignore[arg-type]
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature,
+            length_penalty=request.length_penalty,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error), param="length_penalty") from error
+
+
+def _request_field(request: CompletionRequest, name: str) -> str:
+    """The request's field behind SamplingParams field `name` (a structured output comes from
+    one of several)."""
+    if name != "structured_outputs":
+        return name
+    given = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return next((field for field in given if getattr(request, field) is not None), name)
 
 
 @dataclass

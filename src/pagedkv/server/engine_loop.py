@@ -34,7 +34,7 @@ from pagedkv.server.kv_frames import KVSample, KVWatch
 from pagedkv.worker.parallel.errors import WorkerFailed
 
 if TYPE_CHECKING:
-    from pagedkv.engine import Engine, EngineStats, SamplingParams
+    from pagedkv.engine import BeamSearchParams, Engine, EngineStats, SamplingParams
     from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class _Add:
     arrival_time: float
     route: _Route
     done: asyncio.Future
+    beam_search: BeamSearchParams | None = None
 
 
 @dataclass
@@ -159,8 +160,10 @@ class EngineLoop:
         outputs: asyncio.Queue,
         priority: int = 0,
         arrival_time: float | None = None,
+        beam_search: BeamSearchParams | None = None,
     ) -> None:
-        """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`.
+        """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`
+        (a beam search with `beam_search`: then `params` counts only in the metrics).
 
         `arrival_time` (time.monotonic, default: now) is when its HTTP request arrived: the
         request's latencies then include the wait for this thread, as vLLM's do.
@@ -178,7 +181,9 @@ class EngineLoop:
         route = _Route(loop, outputs, params)
         done = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_Add(request_id, prompt, params, priority, arrival, route, done))
+        self._commands.put(
+            _Add(request_id, prompt, params, priority, arrival, route, done, beam_search)
+        )
         try:
             await done
         except asyncio.CancelledError:
@@ -321,6 +326,7 @@ class EngineLoop:
                 command.params,
                 priority=command.priority,
                 arrival_time=command.arrival_time,
+                beam_search=command.beam_search,
             )
         except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
             _resolve(command.route.loop, command.done, error=error)

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+from pagedkv.server.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI API, as pydantic models.
+"""Request bodies of the OpenAI API, as pydantic models (responses: `responses`).
 
 Requests are strict about types: wrong types are not coerced ("5" is not an int), NaN and
 infinity are refused. Besides OpenAI's fields the requests accept vLLM's extensions (sampling:
@@ -22,9 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     Field,
-    SerializerFunctionWrapHandler,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -35,7 +33,6 @@ from pagedkv.server.formats import (
     StructuredOutputsFields,
     Tool,
     ToolCall,
-    ToolCallDelta,
 )
 
 MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
@@ -65,6 +62,8 @@ REFUSED_FIELDS: dict[str, object] = {
     "functions": NO_VALUE,  # OpenAI's deprecated function calling (use tools)
     "function_call": NO_VALUE,
     "prediction": NO_VALUE,  # OpenAI: predicted outputs
+    "use_beam_search": False,  # chat: beam search is on completions only
+    "length_penalty": 1.0,
 }
 # Fields that cannot change the output: accepted and ignored.
 IGNORED_FIELDS = frozenset(
@@ -187,6 +186,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples per prompt; the best n return
+    # vLLM's beam search: n beams per prompt, ranked by cumulative logprob over the length
+    # to the power length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -288,212 +291,3 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
-
-
-# Responses: plain models, serialised with OpenAI's field names and nulls.
-
-
-class WithTokenIds(BaseModel):
-    """A response part that carries vLLM's `return_token_ids` fields only when asked for them
-    (left out otherwise, as vLLM leaves them)."""
-
-    @model_serializer(mode="wrap")
-    def _without_unasked_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields = handler(self)
-        for name in ("prompt_token_ids", "token_ids"):
-            if name in fields and fields[name] is None:
-                del fields[name]
-        return fields
-
-
-class ErrorInfo(BaseModel):
-    """The body of OpenAI's `{"error": ...}`."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """`{"error": {"message", "type", "param", "code"}}`."""
-
-    error: ErrorInfo
-
-
-class PromptTokensDetails(BaseModel):
-    """Prompt tokens read from the prefix cache instead of being computed."""
-
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts of a whole request (all prompts, all choices)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions logprobs: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """One token's entry in vLLM's `prompt_logprobs` (keyed by token id, as a string)."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-# vLLM's shape: one dict per prompt token (None for the first: nothing predicts it).
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class CompletionChoice(WithTokenIds):
-    """One choice of a completion, or one choice's delta in a stream chunk. With vLLM's
-    `return_token_ids`: its prompt's token ids (in a stream, on the choice's first chunk) and
-    its output's (the chunk's own in a stream)."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A completion, or (with `usage` usually None) one chunk of a streamed one."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    """One alternative token and its log probability."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    """A generated token, its log probability and the most likely alternatives."""
-
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    """Chat logprobs: one entry per generated token."""
-
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    """The generated message of one chat choice: text, or tool calls (content then None,
-    unless the model wrote text before them). Without calls `tool_calls` is left out, as
-    vLLM leaves it (clients read None)."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        fields = handler(self)
-        if not fields.get("tool_calls"):
-            fields.pop("tool_calls", None)
-        return fields
-
-
-class ChatChoice(WithTokenIds):
-    """One choice of a chat completion (`token_ids`: vLLM's `return_token_ids`)."""
-
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(WithTokenIds):
-    """A whole chat completion."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class ChatDelta(BaseModel):
-    """What one stream chunk adds to a choice's message: only the fields it sets are sent."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {name: value for name, value in handler(self).items() if value is not None}
-
-
-class ChatChunkChoice(WithTokenIds):
-    """One choice's part of a chat stream chunk."""
-
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(WithTokenIds):
-    """One server-sent event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class ModelCard(BaseModel):
-    """One entry of `GET /v1/models`."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pagedkv"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    """`GET /v1/models`: the one model this server runs."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedkv.engine.beam_search import Candidate
 from pagedkv.engine.outputs import TokenLogprobs
 
 SeqId = tuple[str, int]
@@ -42,8 +43,10 @@ class ModelRunnerOutput:
     logits_rows: list[range] = field(default_factory=list)
     draft_token_ids: dict[SeqId, list[int]] = field(default_factory=dict)
     step_seconds: float | None = None
+    # Beam search: per live beam that computed its next row, the extensions it proposes.
+    beam_candidates: dict[SeqId, list[Candidate]] = field(default_factory=dict)
 
     @property
     def num_sampled_tokens(self) -> int:
-        """Tokens the step produced, over all samples."""
-        return sum(len(tokens) for tokens in self.sampled.values())
+        """Tokens the step produced, over all samples (a beam's row gives its beams one)."""
+        return sum(len(tokens) for tokens in self.sampled.values()) + len(self.beam_candidates)

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.engine.request import Request, RequestStatus, Sequence
+from pagedkv.engine.sched.beams import advance_beams
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.drafts import DraftSlots
 from pagedkv.engine.sched.kv_memory import KVMemory
@@ -161,7 +162,7 @@ class Scheduler:
         verified: dict[SeqId, ScheduledChunk] = {}
         for chunk in output.chunks:
             request = running[chunk.seq_id[0]]
-            seq = request.sequences[chunk.seq_id[1]]
+            seq = request.sequence(chunk.seq_id[1])
             if chunk.num_draft_tokens:
                 verified[seq.seq_id] = chunk  # counted once its drafts are settled, below
             else:
@@ -176,7 +177,7 @@ class Scheduler:
                 self._fork(request)
         for seq_id, sampled in result.sampled.items():
             request = touched[seq_id[0]]
-            seq = request.sequences[seq_id[1]]
+            seq = request.sequence(seq_id[1])
             num_kept = append_sampled(request, seq, sampled)
             chunk = verified.get(seq_id)
             if chunk is None:
@@ -184,6 +185,8 @@ class Scheduler:
             else:
                 self.drafts.settle(seq, chunk, num_accepted=len(sampled) - 1, num_kept=num_kept)
         for request in touched.values():
+            if request.beam is not None:
+                advance_beams(request, result.beam_candidates, self.manager, self.free_sequence)
             for seq in request.sequences:
                 if seq.finished:
                     self.free_sequence(seq)

@@ -1,0 +1,155 @@
+"""A `Generation`: one HTTP request's engine requests (one per prompt, each with `n` samples)
+read back as one stream of per-choice deltas.
+
+It aborts whatever is still running when it is closed early (client gone, handler cancelled),
+which frees the blocks before the next step. Its engine requests carry the HTTP request's
+arrival time (`ARRIVAL_TIME`, set by the route before the body is read), so latency metrics
+include the server's own queueing, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedkv.engine.errors import PromptTooLong, RequestRejected
+from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
+from pagedkv.server.errors import APIError
+from pagedkv.server.responses import PromptTokensDetails, Usage
+from pagedkv.server.serving import check_room, shutting_down
+
+if TYPE_CHECKING:
+    from pagedkv.engine import BeamSearchParams, CompletionOutput, RequestOutput, SamplingParams
+    from pagedkv.engine.outputs import TokenLogprobs
+
+RETRY_AFTER_S = 1
+# When the HTTP request being handled arrived (time.monotonic); a context variable because the
+# endpoints receive only the raw request, and the route sets it before anything else.
+ARRIVAL_TIME: ContextVar[float | None] = ContextVar("arrival_time", default=None)
+
+
+@dataclass
+class ChoiceDelta:
+    """What one step added to one choice."""
+
+    index: int
+    output: CompletionOutput
+    # The prompt's logprobs (SamplingParams.prompt_logprobs) and token ids, on the delta that
+    # brings them.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Generation:
+    """One HTTP request's engine requests, merged into one stream of choice deltas."""
+
+    def __init__(self, engine_loop: EngineLoop, request_id: str, n: int) -> None:
+        self.engine_loop = engine_loop
+        self.request_id = request_id
+        self.n = n
+        self.arrival_time = ARRIVAL_TIME.get() or time.monotonic()
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._prompt_index: dict[str, int] = {}
+        self._unfinished: set[str] = set()
+        self.prompts: list[list[int]] = []  # as submitted, by prompt index
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+
+    async def start(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int = 0,
+        beam_search: BeamSearchParams | None = None,
+    ) -> None:
+        """Submit every prompt (as a beam search with `beam_search`); refusals become 4xx/503
+        and abort the prompts already queued.
+
+        More prompts than may ever wait at once is a 400: a 503 would have the client retry
+        a request that can never be admitted.
+        """
+        max_waiting = self.engine_loop.max_waiting
+        if max_waiting is not None and len(prompts) > max_waiting:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts in one request, but at most {max_waiting} may wait "
+                "(--max-waiting)",
+                param="prompt",
+            )
+        for prompt in prompts:
+            check_room(len(prompt), params.max_tokens, self.engine_loop.engine.max_model_len)
+        self.prompts = prompts
+        try:
+            for index, prompt in enumerate(prompts):
+                engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id
+                self._prompt_index[engine_id] = index
+                self._unfinished.add(engine_id)
+                await self.engine_loop.add(
+                    engine_id,
+                    prompt,
+                    params,
+                    self._outputs,
+                    priority,
+                    self.arrival_time,
+                    beam_search,
+                )
+                self.prompt_tokens += len(prompt)
+        except BaseException as error:
+            self.close()
+            if isinstance(error, Overloaded):
+                raise APIError(
+                    503,
+                    str(error),
+                    type="server_error",
+                    code="overloaded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                ) from error
+            if isinstance(error, EngineFailed):
+                raise APIError(503, str(error), type="server_error") from error
+            if isinstance(error, ShuttingDown):
+                raise shutting_down(str(error)) from error
+            if isinstance(error, RequestRejected):
+                code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
+                raise APIError(400, str(error), code=code) from error
+            raise
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas as they arrive, until all requests have finished."""
+        while self._unfinished:
+            item = await self._outputs.get()
+            if isinstance(item, ShuttingDown):
+                self._unfinished.clear()
+                raise shutting_down(str(item))
+            if isinstance(item, EngineFailed):
+                self._unfinished.clear()
+                raise APIError(500, str(item), type="server_error")
+            output: RequestOutput = item
+            base = self._prompt_index[output.request_id] * self.n
+            for completion in output.outputs:
+                self.completion_tokens += len(completion.token_ids)
+                scored = output.prompt_logprobs
+                prompt_ids = output.prompt_token_ids if scored is not None else None
+                yield ChoiceDelta(base + completion.index, completion, scored, prompt_ids)
+            if output.finished:
+                self._unfinished.discard(output.request_id)
+                self.cached_tokens += output.metrics.num_cached_tokens
+
+    def close(self) -> None:
+        """Abort whatever has not finished (safe to call more than once)."""
+        for engine_id in self._unfinished:
+            self.engine_loop.abort(engine_id)
+        self._unfinished.clear()
+
+    def usage(self) -> Usage:
+        """Token counts so far, over every prompt and choice."""
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
