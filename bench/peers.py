@@ -8,7 +8,16 @@ so a change in a shared machine's load touches every system alike. Figures per s
 - batch: 32 seeded random prompts of 32-256 tokens, 128 new tokens each (greedy, no EOS
   stop), all submitted at once; generated tokens / seconds of the whole (prefill + decode);
 - batch-1: one 64-token prompt, 128 new tokens: decode tokens/s (the 127 tokens after the
-  first over the time after the first) and whole-request tokens/s.
+  first over the time after the first) and whole-request tokens/s;
+- prefill: one 256-token prompt, one new token: prompt tokens/s.
+
+Besides, once per run: the machine's read bandwidth (a threaded sum over a buffer far larger
+than the caches), the weight bytes a decoded token reads (every tensor of the file but the
+embedding table, which a token reads one row of, unless the output shares it), so the
+bandwidth limit of batch-1 decode and each system's fraction of it; and how long pagedkv's
+`LLM()` took to be ready (its weights mapped from the packed cache after a first start).
+`--model 1b` is a seeded random model of TinyLlama-1.1B's shape (`pagedkv.bench.model_1b`,
+written once into the cache in `--qtype`).
 
 llama.cpp runs in a subprocess under another interpreter (`--llama-python`, the virtual
 environment holding llama-cpp-python, never a dependency of pagedkv) executing
@@ -39,6 +48,7 @@ from typing import IO, Any, Protocol
 import torch
 
 from pagedkv.bench.main import positive_int
+from pagedkv.bench.model_1b import QTYPES as QTYPES_1B
 from pagedkv.bench.transformers_baselines import load_hf_model, run_hf_generate
 from pagedkv.bench.workloads import Workload, WorkloadSpec, make_workload
 from pagedkv.quant.schemes import QUANTIZATIONS
@@ -53,6 +63,8 @@ TITLES = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PROMPT_LEN = (32, 256)
 BATCH1_PROMPT_LEN = 64
+PREFILL_PROMPT_LEN = 256
+BANDWIDTH_BYTES = 2**30  # the buffer read to measure bandwidth: far past any cache
 KV_SLACK = 256  # tokens of KV beyond what the batch needs, for pagedkv and llama.cpp alike
 BLOCK_SIZE = 16
 WORKER = Path(__file__).with_name("llama_cpp_worker.py")
@@ -116,6 +128,7 @@ class PagedkvPeer:
     def __init__(self, gguf: Path, quantization: str, threads: int, kv: int) -> None:
         from pagedkv import LLM
 
+        started = time.perf_counter()
         self.llm = LLM(
             model=str(gguf),
             quantization=quantization,
@@ -125,11 +138,13 @@ class PagedkvPeer:
             block_size=BLOCK_SIZE,
             swap_space_gb=0,
         )
+        self.start_seconds = time.perf_counter() - started  # LLM() until ready to generate
 
     def describe(self) -> str:
         from pagedkv.model.footprint import weight_footprint
 
-        return f"pagedkv {weight_footprint(self.llm.engine.runner.model).describe()}"
+        footprint = weight_footprint(self.llm.engine.runner.model).describe()
+        return f"pagedkv {footprint}; LLM() ready in {self.start_seconds:.2f} s"
 
     def close(self) -> None:
         pass
@@ -338,7 +353,15 @@ def run_peers(config: Config, out: Callable[[str], None] = print) -> dict[str, A
         vocab_size,
         config.seed,
     )
+    prefill = make_workload(
+        "peers-prefill",
+        WorkloadSpec(1, (PREFILL_PROMPT_LEN, PREFILL_PROMPT_LEN), (1, 1)),
+        vocab_size,
+        config.seed,
+    )
     load_before = os.getloadavg()[0]
+    bandwidth = read_bandwidth(config.threads)
+    bytes_per_token = weight_bytes_per_token(config.gguf)
     peers, skipped = load_peers(config, kv_tokens(batch.prompts, config.max_tokens))
     report: dict[str, Any] = {
         "model": config.model_name or str(config.gguf),
@@ -349,7 +372,11 @@ def run_peers(config: Config, out: Callable[[str], None] = print) -> dict[str, A
         "seed": config.seed,
         "batch": {"num_prompts": config.num_prompts, "prompt_tokens": _prompt_tokens(batch)},
         "batch1_prompt_tokens": BATCH1_PROMPT_LEN,
+        "prefill_prompt_tokens": PREFILL_PROMPT_LEN,
         "max_tokens": config.max_tokens,
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes_per_token": bytes_per_token,
+        "bandwidth_limit_tokens_per_s": bandwidth / bytes_per_token,
         "kv_tokens": kv_tokens(batch.prompts, config.max_tokens),
         "llama_kv_unified": config.llama_kv_unified,
         "load_average_before": load_before,
@@ -360,7 +387,10 @@ def run_peers(config: Config, out: Callable[[str], None] = print) -> dict[str, A
     try:
         ready = _warmed_up(peers, _warm_up_prompts(vocab_size), skipped)
         out(_header(config, batch, ready, skipped, load_before))
-        runs = _run_rounds(config, ready, batch, single, out)
+        runs = _run_rounds(config, ready, [batch, single, prefill], out)
+        report["pagedkv_start_seconds"] = next(
+            (p.start_seconds for p in ready if isinstance(p, PagedkvPeer)), None
+        )
     finally:
         for peer in peers:
             peer.close()
@@ -408,24 +438,25 @@ def _warmed_up(peers: list[Peer], prompts: list[list[int]], skipped: dict[str, s
 
 
 def _run_rounds(
-    config: Config,
-    peers: list[Peer],
-    batch: Workload,
-    single: Workload,
-    out: Callable[[str], None],
+    config: Config, peers: list[Peer], workloads: list[Workload], out: Callable[[str], None]
 ) -> dict[str, list[dict[str, Any]]]:
-    """Round r runs every system, batch then batch-1, in the fixed order of SYSTEMS."""
+    """Round r runs every system, batch, batch-1 then prefill, in the fixed order of SYSTEMS."""
+    batch, single, prefill = workloads
     runs: dict[str, list[dict[str, Any]]] = {peer.name: [] for peer in peers}
     for round_index in range(config.rounds):
         for peer in peers:
             whole = peer.run(batch.prompts, config.max_tokens)
             one = peer.run(single.prompts, config.max_tokens)
-            runs[peer.name].append({"batch": asdict(whole), "batch1": asdict(one)})
+            first = peer.run(prefill.prompts, 1)
+            runs[peer.name].append(
+                {"batch": asdict(whole), "batch1": asdict(one), "prefill": asdict(first)}
+            )
             decode = one.decode_tokens_per_s
             out(
                 f"  round {round_index + 1}  {TITLES[peer.name]:<28} batch "
                 f"{whole.seconds:7.2f} s {whole.tokens_per_s:8.1f} tok/s | batch-1 decode "
-                f"{_num(decode)} tok/s, request {one.tokens_per_s:6.1f} tok/s"
+                f"{_num(decode)} tok/s, request {one.tokens_per_s:6.1f} tok/s | prefill "
+                f"{PREFILL_PROMPT_LEN / first.seconds:7.1f} tok/s"
             )
     return runs
 
@@ -436,8 +467,10 @@ def _figures(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for system, rounds in runs.items():
         batch = [Measure(**r["batch"]) for r in rounds]
         single = [Measure(**r["batch1"]) for r in rounds]
+        prefill = [Measure(**r["prefill"]) for r in rounds]
         figures[system] = {
             "batch_tokens_per_s": _spread([m.tokens_per_s for m in batch]),
+            "prefill_tokens_per_s": _spread([PREFILL_PROMPT_LEN / m.seconds for m in prefill]),
             "batch1_decode_tokens_per_s": _spread([m.decode_tokens_per_s for m in single]),
             "batch1_request_tokens_per_s": _spread([m.tokens_per_s for m in single]),
             "batch_generated_tokens": [m.generated_tokens for m in batch],
@@ -470,7 +503,7 @@ def _ratios(systems: dict[str, Any]) -> dict[str, Any]:
             continue
         ratios[f"pagedkv/{system}"] = {
             key: _divide(ours[key]["median"], systems[system][key]["median"])
-            for key in ("batch_tokens_per_s", "batch1_decode_tokens_per_s")
+            for key in ("batch_tokens_per_s", "batch1_decode_tokens_per_s", "prefill_tokens_per_s")
         }
     return ratios
 
@@ -502,19 +535,33 @@ def _print_table(config: Config, report: dict[str, Any], out: Callable[[str], No
     out("")
     out(
         f"{'system':<28} {'batch tok/s (min-max)':>26} {'batch-1 decode (min-max)':>26} "
-        f"{'batch-1 request':>16}"
+        f"{'batch-1 request':>16} {'prefill tok/s (min-max)':>26}"
     )
     for system, figures in report["systems"].items():
         out(
             f"{TITLES[system]:<28} {_cell(figures['batch_tokens_per_s']):>26} "
             f"{_cell(figures['batch1_decode_tokens_per_s']):>26} "
-            f"{_num(figures['batch1_request_tokens_per_s']['median']):>16}"
+            f"{_num(figures['batch1_request_tokens_per_s']['median']):>16} "
+            f"{_cell(figures['prefill_tokens_per_s']):>26}"
         )
     for name, ratios in report["ratios"].items():
         out(
             f"{name}: batch {_times(ratios['batch_tokens_per_s'])}, batch-1 decode "
-            f"{_times(ratios['batch1_decode_tokens_per_s'])} (medians)"
+            f"{_times(ratios['batch1_decode_tokens_per_s'])}, prefill "
+            f"{_times(ratios['prefill_tokens_per_s'])} (medians)"
         )
+    limit = report["bandwidth_limit_tokens_per_s"]
+    out(
+        f"read bandwidth {report['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; weights read "
+        f"per decoded token {report['weight_bytes_per_token'] / 1e6:.1f} MB: batch-1 decode "
+        f"limit {limit:.1f} tok/s"
+    )
+    for system, figures in report["systems"].items():
+        decode = figures["batch1_decode_tokens_per_s"]["median"]
+        if decode is not None:
+            out(f"  {TITLES[system]}: batch-1 decode at {decode / limit:.0%} of the limit")
+    if report.get("pagedkv_start_seconds") is not None:
+        out(f"pagedkv LLM() ready in {report['pagedkv_start_seconds']:.2f} s")
     versions = ", ".join(f"{name} {version}" for name, version in report["versions"].items())
     out(
         f"threads {config.threads}, quantization {config.quantization}; {versions}; load "
@@ -539,6 +586,32 @@ def kv_tokens(prompts: list[list[int]], max_tokens: int) -> int:
     """KV tokens for a run: every sequence at the longest's length, plus slack; llama.cpp's
     n_ctx (kv_unified: all sequences share it), and pagedkv's pool for the batch."""
     return len(prompts) * (max(map(len, prompts)) + max_tokens) + KV_SLACK
+
+
+def read_bandwidth(threads: int, repeats: int = 5) -> float:
+    """Bytes per second of a threaded sum over `BANDWIDTH_BYTES` of float32 (best of
+    `repeats`): what streaming weights from memory can reach on this machine."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(BANDWIDTH_BYTES // 4)
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return BANDWIDTH_BYTES / best
+
+
+def weight_bytes_per_token(gguf: Path) -> int:
+    """Bytes of weights one decoded token reads from the file: every tensor, except that of the
+    embedding table only a row is read, unless the output layer is the same table."""
+    from pagedkv.weights.gguf.file import GGUFFile
+
+    tensors = GGUFFile(gguf).tensors
+    total = sum(tensor.data.nbytes for tensor in tensors.values())
+    embedding = tensors["token_embd.weight"]
+    if "output.weight" in tensors:  # untied: the table is read a row at a time
+        total -= embedding.data.nbytes - embedding.data.nbytes // int(embedding.shape[1])
+    return total
 
 
 def _warm_up_prompts(vocab_size: int) -> list[list[int]]:
@@ -584,7 +657,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"a built-in model name or a .gguf file (default: {DEFAULT_MODEL})",
+        help=f"a built-in model name, 1b (a random model of TinyLlama-1.1B's shape, in "
+        f"--qtype) or a .gguf file (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--qtype",
+        choices=QTYPES_1B,
+        default="Q4_1",
+        help="block type of --model 1b (default: Q4_1)",
     )
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
@@ -635,7 +715,11 @@ def make_config(args: argparse.Namespace) -> Config:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise SystemExit(f"peers: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}")
-    if args.model.endswith(".gguf"):
+    if args.model == "1b":
+        from pagedkv.bench.model_1b import model_1b_path
+
+        gguf, model_name = model_1b_path(args.qtype), None
+    elif args.model.endswith(".gguf"):
         gguf, model_name = Path(args.model), None
         if not gguf.is_file():
             raise SystemExit(f"peers: no such file {gguf}")

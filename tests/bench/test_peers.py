@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import gguf
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -66,6 +67,10 @@ def test_peers_runs_pagedkv_and_transformers_with_exact_token_counts(
         "batch-1 decode (min-max)",
         "pagedkv/transformers: batch",
         "load average (1 min) before",
+        "prefill tok/s (min-max)",
+        "read bandwidth",
+        "pagedkv: batch-1 decode at",
+        "pagedkv LLM() ready in",
         "threads 1, quantization auto",
         "torch ",
         "transformers ",
@@ -78,13 +83,30 @@ def test_peers_runs_pagedkv_and_transformers_with_exact_token_counts(
     assert set(report["systems"]) == {"pagedkv", "transformers"}
     assert set(report["ratios"]) == {"pagedkv/transformers"}
     assert {"load_average_before", "load_average_after", "versions"} <= set(report)
+    assert report["pagedkv_start_seconds"] > 0
+    limit = report["read_bandwidth_bytes_per_s"] / report["weight_bytes_per_token"]
+    assert report["bandwidth_limit_tokens_per_s"] == pytest.approx(limit)
     for system, figures in report["systems"].items():
         assert figures["batch_generated_tokens"] == [NUM_PROMPTS * MAX_TOKENS] * 2, system
         assert figures["batch1_generated_tokens"] == [MAX_TOKENS] * 2, system
-        for key in ("batch_tokens_per_s", "batch1_decode_tokens_per_s"):
+        for key in ("batch_tokens_per_s", "batch1_decode_tokens_per_s", "prefill_tokens_per_s"):
             spread = figures[key]
             assert len(spread["per_round"]) == 2, (system, key)
             assert 0 < spread["min"] <= spread["median"] <= spread["max"], (system, key)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decoded_token_reads_every_weight_but_the_embedding_rows_it_skips(tiny_gguf, tied):
+    """Every tensor's bytes, as gguf's own reader counts them; of an untied embedding table
+    only one row (the output layer reads a tied one whole)."""
+    path = tiny_gguf("llama", drop_tensors=("lm_head.weight",) if tied else ())
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    if not tied:
+        table = tensors["token_embd.weight"]
+        total -= int(table.n_bytes) - int(table.n_bytes) // int(table.shape[1])
+    assert ("output.weight" in tensors) is not tied
+    assert peers.weight_bytes_per_token(path) == total
 
 
 def test_a_peer_that_cannot_run_is_skipped_with_the_reason(

@@ -4,10 +4,11 @@
 commands and the tests all go through `load`, so the three sources cannot drift apart.
 
 A built-in model is pulled on first use. Under quantization "auto" (the default) its GGUF
-file is read directly and its blocks kept as they are (re-packing them is fast: no float32
-copy is ever made); asked for float weights ("none"), it is converted once into a float32
-Hugging Face folder beside the file, so later starts read safetensors instead of dequantising
-again. A `.gguf` path given directly is read on every load: caching a float32 copy of an
+file is read directly and its blocks kept as they are (no float32 copy is ever made; re-packed
+once into a memory-mapped cache, `gguf/packed.py`); asked for float weights ("none"), it is
+converted once into a float32 Hugging Face folder beside the file, so later starts read
+safetensors instead of dequantising again. A `.gguf` path given directly is read the same way
+under "auto"; under "none" it is dequantised on every load: caching a float32 copy of an
 arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
 
 What loading spent is kept by phase (`LoadedModel.seconds`) for the engine's start-up line: a

@@ -28,6 +28,7 @@ class GGUFFile:
         contents = read_gguf(self.path)
         self.fields = contents.fields
         self.tensors: dict[str, GGUFTensor] = contents.tensors
+        self.header_size = contents.header_size  # bytes before the tensor data
 
     @property
     def architecture(self) -> str:

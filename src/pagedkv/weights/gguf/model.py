@@ -22,6 +22,7 @@ from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.assemble import build_model
 from pagedkv.weights.gguf.config import config_dict
 from pagedkv.weights.gguf.file import GGUFFile
+from pagedkv.weights.gguf.packed import packed_tensors
 from pagedkv.weights.gguf.tensors import gguf_tensors
 from pagedkv.weights.gguf.tokenizer import TokenizerFiles, tokenizer_files
 
@@ -68,15 +69,15 @@ class GGUFModel:
         """Read the weights one tensor at a time into an eval-mode model.
 
         `quantization` (as `quant.schemes.resolve_quantization` resolves it) "auto" keeps the
-        file's quantised blocks as they are; "none" dequantises them to `dtype`; "int8"/"int4"
-        re-quantise every projection.
+        file's quantised blocks as they are (re-packed once into a cache, `packed.py`); "none"
+        dequantises them to `dtype`; "int8"/"int4" re-quantise every projection.
         """
         path = self.file.path
         keep = resolve_quantization(quantization, device, building_group().size) == "auto"
-        tensors = (
-            (path, name, tensor)
-            for name, tensor in gguf_tensors(self.file, self.config, keep_quantized=keep)
-        )
+        stream = gguf_tensors(self.file, self.config, keep_quantized=keep)
+        if keep:  # re-packed once, then mapped from the cache (`packed.py`)
+            stream = packed_tensors(self.file, stream)
+        tensors = ((path, name, tensor) for name, tensor in stream)
         return build_model(
             self.config, tensors, path, dtype=dtype, device=device, quantization=quantization
         )

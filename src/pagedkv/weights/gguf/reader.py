@@ -68,10 +68,12 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFContents:
-    """Everything `read_gguf` found: metadata values by key, tensors by name, in file order."""
+    """Everything `read_gguf` found: metadata values by key, tensors by name, in file order,
+    and the header's size (the bytes before the tensor data: header, metadata, tensor infos)."""
 
     fields: dict[str, Any]
     tensors: dict[str, GGUFTensor]
+    header_size: int
 
 
 def read_gguf(path: Path) -> GGUFContents:
@@ -129,7 +131,7 @@ class _Parser:
             if name in tensors:
                 raise MalformedModelFile(self.path, f"tensor {name!r} appears twice")
             tensors[name] = self._tensor(file_bytes, data_start + offset, name, shape, tensor_type)
-        return GGUFContents(fields, tensors)
+        return GGUFContents(fields, tensors, data_start)
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], QType, int]:
         name = self._string()
