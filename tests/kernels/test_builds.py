@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.kernels import native
@@ -29,10 +30,10 @@ pytestmark = pytest.mark.slow
 TARGETS = ("haswell", "x86-64")
 
 
-def forward_logits(model_folder: str, quantization: str, dtype: str) -> torch.Tensor:
+def forward_logits(source: str, quantization: str, dtype: str) -> torch.Tensor:
     """A prompt's logits at every position, then 4 decode steps of it beside a second
     sequence, as one tensor."""
-    model = load(model_folder, quantization=quantization, dtype=dtype).model
+    model = load(source, quantization=quantization, dtype=dtype).model
     cache = KVCache.for_model(model, block_size=16, num_blocks=16)
     tables = [list(range(8)), list(range(8, 16))]
     prompts = [random_prompt(37, seed=1), random_prompt(20, seed=2)]
@@ -60,20 +61,29 @@ torch.save(forward_logits(sys.argv[1], sys.argv[2], sys.argv[3]), sys.argv[4])
 
 
 @pytest.mark.parametrize(
-    ("quantization", "dtype"),
-    [("int4", "float32"), ("int8", "float32"), ("none", "float32"), ("none", "bfloat16")],
+    ("qtype", "quantization", "dtype"),
+    [
+        (None, "int4", "float32"),
+        (None, "int8", "float32"),
+        (None, "none", "float32"),
+        (None, "none", "bfloat16"),
+        (QType.Q4_1, "auto", "float32"),  # float16 scales and mins
+        (QType.Q8_0, "auto", "float32"),
+    ],
+    ids=str,
 )
-def test_every_build_computes_the_same_logits(zoo, tmp_path, quantization, dtype):
+def test_every_build_computes_the_same_logits(zoo, tiny_gguf, tmp_path, qtype, quantization, dtype):
     if native.kernels() is None:
         pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
-    folder = str(zoo.folder("qwen2"))  # tied head, q/k/v biases, a sliding window
-    ours = forward_logits(folder, quantization, dtype)
+    # qwen2: a tied head, q/k/v biases, a sliding window; from its folder or a GGUF file
+    source = str(zoo.folder("qwen2") if qtype is None else tiny_gguf("qwen2", qtype=qtype))
+    ours = forward_logits(source, quantization, dtype)
     root = Path(__file__).resolve().parents[2]
     for target in TARGETS:
         env = dict(os.environ, PAGEDKV_MARCH=target)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         out = tmp_path / f"{target}.pt"
-        args = [folder, quantization, dtype, str(out)]
+        args = [source, quantization, dtype, str(out)]
         result = subprocess.run(
             [sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True
         )

@@ -238,16 +238,17 @@ def test_weight_quantisation_error_is_measured(zoo, name):
     assert errors["int4"][0] < 0.9, errors
 
 
-def expected_resident_bytes(folder, bits_of) -> tuple[int, int]:
+def expected_resident_bytes(folder, bits_of, group_bytes: int = 4) -> tuple[int, int]:
     """(resident, float32) bytes from the checkpoint's shapes: a quantised `[rows, cols]`
-    matrix holds rows*cols*bits/8 value bytes plus a float32 scale and min per group of 32
-    (8 * rows * cols / 32 bytes); every other tensor stays float32 at 4 bytes per value."""
+    matrix holds rows*cols*bits/8 value bytes plus a scale and a min per group of 32
+    (`group_bytes * rows * cols / 32` bytes: 4 for a GGUF file's float16 pair, 8 for float32);
+    every other tensor stays float32 at 4 bytes per value."""
     resident = total = 0
     for hf_name, tensor in folder_weights(folder).items():
         values = tensor.size
         total += 4 * values
         bits = bits_of(hf_name) if tensor.ndim == 2 else None
-        resident += 4 * values if bits is None else values * bits // 8 + 8 * values // 32
+        resident += 4 * values if bits is None else values * bits // 8 + group_bytes * values // 32
     return resident, total
 
 
@@ -273,7 +274,7 @@ def test_gguf_auto_keeps_the_files_blocks(zoo, tiny_gguf, monkeypatch, name, qty
     if model.config.tie_word_embeddings:  # the folder may carry a head the file leaves out
         head = folder_weights(zoo.folder(name)).get("lm_head.weight")
         if head is not None:
-            resident -= head.size * LAYOUT[qtype][0] // 8 + 8 * head.size // 32
+            resident -= head.size * LAYOUT[qtype][0] // 8 + 4 * head.size // 32
             total -= 4 * head.size
     counted = footprint.weight_footprint(model)
     assert (counted.resident_bytes, counted.float32_bytes) == (resident, total)

@@ -33,20 +33,22 @@ from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import quantized_linear, uses_kernels
 
 EPS32 = torch.finfo(torch.float32).eps
-# (bits, group_size, with mins): every layout QuantizedTensor has, with and without mins.
+# (bits, group_size, with mins, float16 scales): every layout QuantizedTensor has, with and
+# without mins, its scales and mins kept as float32 or float16.
 LAYOUTS = [
-    (bits, group, with_mins)
+    (bits, group, with_mins, half)
     for bits, group in ((4, 32), (8, 32), (8, 16))
     for with_mins in (False, True)
+    for half in (False, True)
 ]
 # Batch sizes: 0, every remainder of the kernel's 4-row tiles, and past its tile of rows that
 # share the cache (clamp(16384 / cols, 4, 64) rows).
 BATCHES = [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 33, 70, 200]
 
 
-def layout_id(layout: tuple[int, int, bool]) -> str:
-    bits, group, with_mins = layout
-    return f"{bits}bit-g{group}-{'mins' if with_mins else 'sym'}"
+def layout_id(layout: tuple[int, int, bool, bool]) -> str:
+    bits, group, with_mins, half = layout
+    return f"{bits}bit-g{group}-{'mins' if with_mins else 'sym'}-{'f16' if half else 'f32'}"
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +61,13 @@ def kernels() -> native.Kernels:
 
 
 def make_weight(
-    rows: int, cols: int, bits: int, group: int, with_mins: bool, seed: int
+    rows: int, cols: int, bits: int, group: int, with_mins: bool, seed: int, half: bool = False
 ) -> tuple[QuantizedTensor, torch.Tensor]:
     """A random QuantizedTensor and its exact float64 weight, from integers packed here.
 
     Values cover each width's full range (8-bit includes -128); scales are signed with
-    magnitudes spread over two decades per row, as real files have them.
+    magnitudes spread over two decades per row, as real files have them. With `half`, scales
+    and mins are float16 values, kept as float16.
     """
     gen = torch.Generator().manual_seed(seed)
     groups = cols // group
@@ -82,6 +85,8 @@ def make_weight(
         mins = torch.randn(rows, groups, generator=gen) * magnitude * 8
     else:
         mins = torch.zeros(rows, groups)
+    if half:
+        scales, mins = scales.half(), mins.half()
     weight = QuantizedTensor.from_ggml(values.contiguous(), scales, mins, bits, group)
     exact = (
         q.to(torch.float64).view(rows, groups, group) * scales.double().unsqueeze(-1)
@@ -202,8 +207,8 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Ten
 
 
 def check_product(batch: int, rows: int, cols: int, layout, with_bias: bool, seed: int):
-    bits, group, with_mins = layout
-    weight, exact = make_weight(rows, cols, bits, group, with_mins, seed)
+    bits, group, with_mins, half = layout
+    weight, exact = make_weight(rows, cols, bits, group, with_mins, seed, half)
     x = make_input(batch, cols, seed)
     bias = make_bias(rows, seed) if with_bias else None
     out = quantized_linear(x, weight, bias)
@@ -271,7 +276,7 @@ def test_torch_fallback_without_kernels(monkeypatch):
     monkeypatch.setattr(native, "kernels", lambda: None)
     for index, layout in enumerate(LAYOUTS):
         for batch in (1, 9):
-            weight, exact = make_weight(9, 64, *layout, seed=100 + index)
+            weight, exact = make_weight(9, 64, *layout[:3], seed=100 + index, half=layout[3])
             x = make_input(batch, 64, seed=index)
             bias = make_bias(9, seed=index)
             out = quantized_linear(x, weight, bias)
@@ -301,7 +306,7 @@ def test_kernel_dequantize_equals_torch_dequantize(kernels, layout):
     """The C dequantiser (`matmul.dequantize`) gives exactly `QuantizedTensor.dequantize()`:
     both compute `scale * q + min` in float32, so any difference is a rounding the two paths
     do differently (a weight that depends on whether a C compiler was found)."""
-    weight, exact = make_weight(37, 160, *layout, seed=21)
+    weight, exact = make_weight(37, 160, *layout[:3], seed=21, half=layout[3])
     dense = matmul.dequantize(weight)
     torch_dense = weight.dequantize()
     differ = int((dense != torch_dense).sum())
@@ -311,6 +316,20 @@ def test_kernel_dequantize_equals_torch_dequantize(kernels, layout):
     )
     # and both are the exact weight, rounded
     assert_within(torch_dense, exact, rounding_bound(weight, exact), "torch dequantize")
+
+
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout[3]], ids=layout_id)
+def test_float16_scales_give_the_float32_products_bit_for_bit(kernels, layout):
+    """Scales and mins kept as float16 are widened exactly: the product and the dequantised
+    weight equal those of the same values kept as float32, at every batch size."""
+    half, exact = make_weight(11, 288, *layout[:3], seed=31, half=True)
+    wide = QuantizedTensor(half.values, half.scales.float(), half.mins.float(), *layout[:2])
+    assert half.half_scales and not wide.half_scales
+    for batch in BATCHES:
+        x = make_input(batch, 288, seed=batch)
+        assert torch.equal(quantized_linear(x, half, None), quantized_linear(x, wide, None))
+    assert torch.equal(matmul.dequantize(half), matmul.dequantize(wide))
+    assert torch.equal(half.dequantize(), wide.dequantize())
 
 
 def test_non_contiguous_fields_are_multiplied_correctly(kernels):

@@ -1,8 +1,9 @@
 /* Llama-family decoder layers for a step, in one call, on the CPU.
  *
  * A step is any mix of sequences, each a chunk of rows (`query_starts`): a decode's one token,
- * a speculative step's token and drafts, a prompt chunk. At batch 1 a layer's arithmetic is a few hundred microseconds of matmuls, but run as ~20
- * PyTorch ops and 8 module calls it pays 5-15 us of dispatch each: more than the arithmetic.
+ * a speculative step's token and drafts, a prompt chunk. At batch 1 a layer's arithmetic is a
+ * few hundred microseconds of matmuls, but run as ~20 PyTorch ops and 8 module calls it pays
+ * 5-15 us of dispatch each: more than the arithmetic.
  * This runs the same steps, through the same kernels, with no Python in between, and runs a
  * whole stack of layers per call: with Python between layers, each layer's first matmul found
  * its weights out of the cores' caches and took ~2x as long (176 against 92 us a layer on
@@ -23,8 +24,9 @@
 /* A quantised projection as pagedkv_qmatmul takes it (see formats.py for the layout). */
 typedef struct {
     const uint8_t *values;
-    const float *scales;
-    const float *mins;
+    const void *scales; /* float16 when half_scales, else float32 */
+    const void *mins;
+    int64_t half_scales;
     int64_t has_mins;
     int64_t bits;
     int64_t group_size;
@@ -46,8 +48,8 @@ typedef struct {
 } Fp8Cache;
 
 int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
-                    const float *scales, const float *mins, int has_mins, int bits, int64_t g,
-                    int64_t n, const float *bias, float *y);
+                    const void *scales, const void *mins, int half, int has_mins, int bits,
+                    int64_t g, int64_t n, const float *bias, float *y);
 int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       int cache_dtype, const float *fp8_table, float k_scale, float v_scale,
                       const int32_t *block_tables, int64_t table_stride,
@@ -70,8 +72,8 @@ void pagedkv_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *
 
 static int project(const float *x, int64_t m, const QuantizedWeight *w, float *y) {
     return pagedkv_qmatmul(x, m, w->in_features, w->values, w->scales, w->mins,
-                           (int)w->has_mins, (int)w->bits, w->group_size, w->out_features,
-                           w->bias, y);
+                           (int)w->half_scales, (int)w->has_mins, (int)w->bits, w->group_size,
+                           w->out_features, w->bias, y);
 }
 
 /* The new tokens' keys and values (rows `stride` floats apart) into their slots. */

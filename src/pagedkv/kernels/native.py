@@ -53,12 +53,14 @@ MARCH_VARIABLE = "PAGEDKV_MARCH"
 _QMATMUL_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
     + [ctypes.c_void_p] * 3  # values, scales, mins
-    + [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]  # has_mins, bits, g, n
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_int]  # half (float16 scales and mins), has_mins, bits
+    + [ctypes.c_int64, ctypes.c_int64]  # g, n
     + [ctypes.c_void_p, ctypes.c_void_p]  # bias, y
 )
 _DEQUANTIZE_ARGS = (
     [ctypes.c_void_p] * 3  # values, scales, mins
-    + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # bits, g, n, k
+    + [ctypes.c_int, ctypes.c_int]  # half, bits
+    + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # g, n, k
     + [ctypes.c_void_p]  # out
 )
 _FMATMUL_ARGS = (
@@ -100,6 +102,7 @@ class QuantizedWeightArgs(ctypes.Structure):
         ("values", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
         ("mins", ctypes.c_void_p),
+        ("half_scales", ctypes.c_int64),
         ("has_mins", ctypes.c_int64),
         ("bits", ctypes.c_int64),
         ("group_size", ctypes.c_int64),

@@ -12,8 +12,9 @@
  * groups accumulate into 8 lanes (lane j: group j of each block, `fma(dot, scale, acc)` then
  * `fma(min, sum, acc)`, blocks in order), the lanes are summed by simd.h's tree, the groups past
  * the last whole block follow one by one, then the bias. The plain C twin below gives the same
- * bits, so a build without AVX2 agrees with one with it, and VNNI's integer dot products equal
- * AVX2's two-instruction ones.
+ * bits, so a build without AVX2 agrees with one with it, and AVX-512 VNNI's integer dot products
+ * (64 bytes, two of AVX2's vectors, per instruction) equal AVX2's two-instruction ones: integer
+ * sums are exact in any order.
  *
  * Weight bytes are kept in "kernel order" (formats.py): within a whole block of 8 groups, 4-byte
  * unit u of group j is stored at unit u * 8 + j, so one 32-byte load holds a unit of each of the
@@ -35,9 +36,12 @@
 #define TILE_BYTES 16384
 
 /* Which 32-byte activation vector of a block (0 .. g/4 - 1) holds values 4u .. 4u + 3 of each
- * group: for 8 bits vector u, beside weight unit u; for 4 bits, weight unit u's low nibbles
- * (values 4u..) pair with vector 2u and its high ones (values 16 + 4u..) with vector 2u + 1. */
-static inline int64_t act_vector(int bits, int64_t u) { return bits == 8 ? u : 2 * (u % 4) + u / 4; }
+ * group: for 8 bits vector u, beside weight unit u; for 4 bits, per pair of weight units (w, w +
+ * 1) the low nibbles of both (values 4w.., 4w + 4..), then the high ones (16 + 4w.., 20 + 4w..),
+ * so one 64-byte load of weights (two units) meets 64 contiguous bytes of activations. */
+static inline int64_t act_vector(int bits, int64_t u) {
+    return bits == 8 ? u : 4 * ((u % 4) / 2) + 2 * (u / 4) + u % 2;
+}
 
 /* int8 activations of one row [k] in kernel order, with per-group scale, float sum and
  * integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree. */
@@ -97,30 +101,46 @@ static int32_t scalar_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g
     return dot;
 }
 
+#ifdef __AVX2__
+/* A tail group's integer products with its (natural-order) activations as 8 int32 lanes whose
+ * sum is the exact dot product (g = 16: 4 lanes, the rest zero). maddubs multiplies unsigned by
+ * signed bytes: an 8-bit weight lends x its sign. */
+INLINE __m256i tail_partial(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (g == 16) {
+        __m128i wv = _mm_loadu_si128((const __m128i *)w), av = _mm_loadu_si128((const __m128i *)a);
+        __m128i pairs = _mm_maddubs_epi16(_mm_sign_epi8(wv, wv), _mm_sign_epi8(av, wv));
+        return _mm256_zextsi128_si256(_mm_madd_epi16(pairs, _mm256_castsi256_si128(ones)));
+    }
+    __m256i wv;
+    if (bits == 8) {
+        wv = _mm256_loadu_si256((const __m256i *)w);
+    } else {
+        __m128i packed = _mm_loadu_si128((const __m128i *)w);
+        wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                              _mm256_set1_epi8(0x0F));
+    }
+    __m256i av = _mm256_loadu_si256((const __m256i *)a);
+    __m256i u = bits == 8 ? _mm256_sign_epi8(wv, wv) : wv;
+    __m256i x = bits == 8 ? _mm256_sign_epi8(av, wv) : av;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+}
+
+/* The lane sums of 8 vectors, lane c the sum of p[c]'s lanes (exact: integers). */
+INLINE __m256i hsum8x8_epi32(const __m256i p[8]) {
+    __m256i s01 = _mm256_hadd_epi32(p[0], p[1]), s23 = _mm256_hadd_epi32(p[2], p[3]);
+    __m256i s45 = _mm256_hadd_epi32(p[4], p[5]), s67 = _mm256_hadd_epi32(p[6], p[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                            _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+#endif
+
 /* The exact integer dot product of a tail group with its (natural-order) activations. */
 static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
 #ifdef __AVX2__
-    if (bits == 8 && g == 16) { /* maddubs: unsigned x signed, the weight lends x its sign */
-        __m128i wv = _mm_loadu_si128((const __m128i *)w), av = _mm_loadu_si128((const __m128i *)a);
-        __m128i pairs = _mm_maddubs_epi16(_mm_sign_epi8(wv, wv), _mm_sign_epi8(av, wv));
-        __m128i h = _mm_madd_epi16(pairs, _mm_set1_epi16(1));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-        return _mm_cvtsi128_si32(h);
-    }
-    if (g == 32) {
-        __m256i wv;
-        if (bits == 8) {
-            wv = _mm256_loadu_si256((const __m256i *)w);
-        } else {
-            __m128i packed = _mm_loadu_si128((const __m128i *)w);
-            wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                                  _mm256_set1_epi8(0x0F));
-        }
-        __m256i av = _mm256_loadu_si256((const __m256i *)a);
-        __m256i u = bits == 8 ? _mm256_sign_epi8(wv, wv) : wv;
-        __m256i s = bits == 8 ? _mm256_sign_epi8(av, wv) : av;
-        __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    if ((bits == 8 && g == 16) || g == 32) {
+        __m256i d = tail_partial(w, a, bits, g);
         __m128i h = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
@@ -133,45 +153,97 @@ static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) 
 /* Rows of activations sharing each loaded (and unpacked) block of weights. */
 #define ROWS 4
 
+/* Scale or min `at` of an array of float32, or of float16 when `half` (formats.py: exact
+ * either way, so the arithmetic after the load is the same). */
+INLINE float scale_at(const void *p, int64_t at, int half) {
+    if (!half) return ((const float *)p)[at];
+#ifdef __F16C__
+    return _cvtsh_ss(((const uint16_t *)p)[at]);
+#else
+    return f16_to_f32(((const uint16_t *)p)[at]);
+#endif
+}
+
 #ifdef __AVX2__
+/* Scales or mins at .. at + 7 as float32 lanes. */
+INLINE __m256 scales8(const void *p, int64_t at, int half) {
+    if (!half) return _mm256_loadu_ps((const float *)p + at);
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
+#else
+    float lanes[8];
+    for (int j = 0; j < 8; j++) lanes[j] = scale_at(p, at + j, 1);
+    return _mm256_loadu_ps(lanes);
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* A whole block's weights as its integer products take them, two 32-byte vectors to a 64-byte
+ * one (vector t holds vectors 2t and 2t + 1 of the 256-bit form): 4 bits, nibbles (values
+ * 0..15, unsigned); 8 bits, shifted to unsigned (w + 128). Half the instructions per block. */
+typedef struct {
+    __m512i v[4];
+} Unpacked;
+
+INLINE void unpack_block(const uint8_t *w, int bits, int64_t g, Unpacked *out) {
+    if (bits == 4) {
+        const __m512i mask = _mm512_set1_epi8(0x0F);
+        for (int t = 0; t < 2; t++) {
+            __m512i p = _mm512_loadu_si512((const void *)(w + 64 * t));
+            out->v[2 * t] = _mm512_and_si512(p, mask);
+            out->v[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+        }
+        return;
+    }
+    for (int t = 0; t < g / 8; t++)
+        out->v[t] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64 * t)),
+                                     _mm512_set1_epi8((char)0x80));
+}
+
+/* The 8 groups' exact integer dot products of one whole block with one row's activations, lane
+ * j for group j: the two 256-bit halves hold parts of the same groups, and are added. */
+INLINE __m256i block_dots(const Unpacked *wv, const int8_t *a, int bits, int64_t g,
+                          const int32_t *isum) {
+    int vectors = bits == 4 ? 4 : (int)(g / 8);
+    __m512i acc = _mm512_setzero_si512(), acc2 = _mm512_setzero_si512();
+    for (int t = 0; t < vectors; t += 2) {
+        acc = _mm512_dpbusd_epi32(acc, wv->v[t], _mm512_loadu_si512((const void *)(a + 64 * t)));
+        acc2 = _mm512_dpbusd_epi32(acc2, wv->v[t + 1],
+                                   _mm512_loadu_si512((const void *)(a + 64 * t + 64)));
+    }
+    acc = _mm512_add_epi32(acc, acc2);
+    __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    if (bits == 8) /* (w + 128) x summed, less 128 * sum(x) */
+        dots = _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)isum), 7));
+    return dots;
+}
+#else
 /* One whole block's weights as the vectors its integer products take: 4 bits, 8 vectors of
- * nibbles (low and high of each unit: values 0..15, unsigned); 8 bits, g / 4 vectors, with
- * VNNI shifted to unsigned (w + 128), else as stored. */
-INLINE void unpack_block(const uint8_t *w, int bits, int64_t g, __m256i wv[8]) {
+ * nibbles (each unit's low and high nibbles, in act_vector's order: values 0..15, unsigned);
+ * 8 bits, g / 4 vectors as stored. */
+typedef struct {
+    __m256i v[8];
+} Unpacked;
+
+INLINE void unpack_block(const uint8_t *w, int bits, int64_t g, Unpacked *out) {
     if (bits == 4) {
         const __m256i mask = _mm256_set1_epi8(0x0F);
         for (int u = 0; u < 4; u++) {
             __m256i p = _mm256_loadu_si256((const __m256i *)(w + 32 * u));
-            wv[2 * u] = _mm256_and_si256(p, mask);
-            wv[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+            out->v[act_vector(4, u)] = _mm256_and_si256(p, mask);
+            out->v[act_vector(4, u + 4)] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
         }
         return;
     }
-    for (int u = 0; u < g / 4; u++) {
-        wv[u] = _mm256_loadu_si256((const __m256i *)(w + 32 * u));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-        wv[u] = _mm256_xor_si256(wv[u], _mm256_set1_epi8((char)0x80));
-#endif
-    }
+    for (int u = 0; u < g / 4; u++) out->v[u] = _mm256_loadu_si256((const __m256i *)(w + 32 * u));
 }
 
 /* The 8 groups' exact integer dot products of one whole block with one row's activations (g / 4
  * vectors, vector t beside weight vector t), lane j for group j. */
-INLINE __m256i block_dots(const __m256i wv[8], const int8_t *a, int bits, int64_t g,
+INLINE __m256i block_dots(const Unpacked *unpacked, const int8_t *a, int bits, int64_t g,
                           const int32_t *isum) {
+    const __m256i *wv = unpacked->v;
     int vectors = (int)(g / 4);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    __m256i acc = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
-    for (int t = 0; t < vectors; t += 2) {
-        acc = _mm256_dpbusd_epi32(acc, wv[t], _mm256_loadu_si256((const __m256i *)(a + 32 * t)));
-        acc2 = _mm256_dpbusd_epi32(acc2, wv[t + 1],
-                                   _mm256_loadu_si256((const __m256i *)(a + 32 * t + 32)));
-    }
-    acc = _mm256_add_epi32(acc, acc2);
-    if (bits == 8) /* (w + 128) x summed, less 128 * sum(x) */
-        acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)isum), 7));
-    return acc;
-#else
     const __m256i ones = _mm256_set1_epi16(1);
     (void)isum;
     if (bits == 4) { /* 8 int16 sums of two 15 * 127 products stay below 2^15 */
@@ -189,28 +261,28 @@ INLINE __m256i block_dots(const __m256i wv[8], const int8_t *a, int bits, int64_
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
     }
     return acc;
-#endif
 }
+#endif
 #endif
 
 /* The 8 accumulator lanes of one column with `rows` consecutive activation rows (k bytes
  * apart): whole blocks only, each block's weights loaded once for all rows. */
-INLINE void block_lanes(const uint8_t *w, const float *ws, const float *wmin, const int8_t *a,
-                        const float *xs, const float *xsum, const int32_t *xisum, int bits,
-                        int64_t g, int64_t k, int64_t blocks, int has_mins, int rows,
+INLINE void block_lanes(const uint8_t *w, const void *ws, const void *wmin, int half,
+                        const int8_t *a, const float *xs, const float *xsum, const int32_t *xisum,
+                        int bits, int64_t g, int64_t k, int64_t blocks, int has_mins, int rows,
                         float lanes[ROWS][8]) {
     int64_t block_bytes = 8 * g * bits / 8, groups = k / g;
 #ifdef __AVX2__
     __m256 acc[ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m256i wv[8];
-        unpack_block(w + b * block_bytes, bits, g, wv);
-        __m256 scale = _mm256_loadu_ps(ws + 8 * b);
-        __m256 wm = has_mins ? _mm256_loadu_ps(wmin + 8 * b) : _mm256_setzero_ps();
+        Unpacked wv;
+        unpack_block(w + b * block_bytes, bits, g, &wv);
+        __m256 scale = scales8(ws, 8 * b, half);
+        __m256 wm = has_mins ? scales8(wmin, 8 * b, half) : _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
             int64_t at = r * groups + 8 * b;
-            __m256i dots = block_dots(wv, a + r * k + b * 8 * g, bits, g, xisum + at);
+            __m256i dots = block_dots(&wv, a + r * k + b * 8 * g, bits, g, xisum + at);
             __m256 both = _mm256_mul_ps(scale, _mm256_loadu_ps(xs + at));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), both, acc[r]);
             if (has_mins) acc[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xsum + at), acc[r]);
@@ -232,38 +304,47 @@ INLINE void block_lanes(const uint8_t *w, const float *ws, const float *wmin, co
                     dot += block_value(block, bits, j, i) * (int32_t)ab[at];
                 }
                 int64_t at = r * groups + 8 * b + j;
-                lane[j] = __builtin_fmaf((float)dot, ws[8 * b + j] * xs[at], lane[j]);
-                if (has_mins) lane[j] = __builtin_fmaf(wmin[8 * b + j], xsum[at], lane[j]);
+                lane[j] = __builtin_fmaf((float)dot, scale_at(ws, 8 * b + j, half) * xs[at],
+                                         lane[j]);
+                if (has_mins)
+                    lane[j] = __builtin_fmaf(scale_at(wmin, 8 * b + j, half), xsum[at], lane[j]);
             }
         }
     }
 #endif
 }
 
-/* block_lanes with its row count and layout as constants, one copy per case. */
-static void block_lanes_any(const uint8_t *w, const float *ws, const float *wmin,
+/* block_lanes with its row count, layout and scale width as constants, one copy per case. */
+static void block_lanes_any(const uint8_t *w, const void *ws, const void *wmin, int half,
                             const int8_t *a, const float *xs, const float *xsum,
                             const int32_t *xisum, int bits, int64_t g, int64_t k, int64_t blocks,
                             int has_mins, int rows, float lanes[ROWS][8]) {
-#define CASE(R)                                                                              \
-    if (rows == R) {                                                                         \
-        if (bits == 4)                                                                       \
-            block_lanes(w, ws, wmin, a, xs, xsum, xisum, 4, 32, k, blocks, has_mins, R, lanes); \
-        else if (g == 32)                                                                    \
-            block_lanes(w, ws, wmin, a, xs, xsum, xisum, 8, 32, k, blocks, has_mins, R, lanes); \
-        else                                                                                 \
-            block_lanes(w, ws, wmin, a, xs, xsum, xisum, 8, 16, k, blocks, has_mins, R, lanes); \
-        return;                                                                              \
+#define LAYOUT(R, H)                                                                          \
+    if (bits == 4)                                                                            \
+        block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, 4, 32, k, blocks, has_mins, R, lanes); \
+    else if (g == 32)                                                                         \
+        block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, 8, 32, k, blocks, has_mins, R, lanes); \
+    else                                                                                      \
+        block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, 8, 16, k, blocks, has_mins, R, lanes);
+#define CASE(R)                                                                               \
+    if (rows == R) {                                                                          \
+        if (half) {                                                                           \
+            LAYOUT(R, 1)                                                                      \
+        } else {                                                                              \
+            LAYOUT(R, 0)                                                                      \
+        }                                                                                     \
+        return;                                                                               \
     }
     CASE(4) CASE(1) CASE(2) CASE(3)
 #undef CASE
+#undef LAYOUT
 }
 
 /* Row `row`'s outputs for columns col0 .. col0 + cols - 1: each column's lanes summed by the
  * tree, then its tail groups one by one, then the bias. With 8 columns the same operations run
  * on 8 lanes at once (lane c: column col0 + c). */
 static void finish_row(float lanes[8][ROWS][8], int r, int64_t row, int64_t col0, int64_t cols,
-                       const uint8_t *values, const float *scales, const float *mins,
+                       const uint8_t *values, const void *scales, const void *mins, int half,
                        int has_mins, int bits, int64_t g, int64_t k, int64_t n, const int8_t *xq,
                        const float *xs, const float *xsum, const float *bias, float *y) {
     int64_t groups = k / g, blocks = groups / 8, row_bytes = k * bits / 8;
@@ -276,17 +357,23 @@ static void finish_row(float lanes[8][ROWS][8], int r, int64_t row, int64_t col0
         __m256 v[8];
         for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_ps(lanes[c][r]);
         __m256 total = hsum8x8(v);
+        int vector_tail = (bits == 8 && g == 16) || g == 32;
         for (int64_t group = blocks * 8; group < groups; group++) {
+            __m256i partial[8];
             int32_t dots[8];
             float ws[8], wm[8];
             for (int c = 0; c < 8; c++) {
                 const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
-                dots[c] = tail_dot(w, a + group * g, bits, g);
-                ws[c] = scales[(col0 + c) * groups + group];
-                wm[c] = mins[(col0 + c) * groups + group];
+                if (vector_tail)
+                    partial[c] = tail_partial(w, a + group * g, bits, g);
+                else
+                    dots[c] = scalar_dot(w, a + group * g, bits, g);
+                ws[c] = scale_at(scales, (col0 + c) * groups + group, half);
+                wm[c] = scale_at(mins, (col0 + c) * groups + group, half);
             }
             __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_set1_ps(rs[group]));
-            __m256 dot = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)dots));
+            __m256 dot = _mm256_cvtepi32_ps(vector_tail ? hsum8x8_epi32(partial)
+                                                        : _mm256_loadu_si256((const __m256i *)dots));
             total = _mm256_fmadd_ps(dot, scale, total);
             if (has_mins)
                 total = _mm256_fmadd_ps(_mm256_loadu_ps(wm), _mm256_set1_ps(rsum[group]), total);
@@ -302,19 +389,23 @@ static void finish_row(float lanes[8][ROWS][8], int r, int64_t row, int64_t col0
         for (int64_t group = blocks * 8; group < groups; group++) {
             const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
             int32_t dot = tail_dot(w, a + group * g, bits, g);
-            total = __builtin_fmaf((float)dot, scales[col * groups + group] * rs[group], total);
-            if (has_mins) total = __builtin_fmaf(mins[col * groups + group], rsum[group], total);
+            float scale = scale_at(scales, col * groups + group, half);
+            total = __builtin_fmaf((float)dot, scale * rs[group], total);
+            if (has_mins)
+                total = __builtin_fmaf(scale_at(mins, col * groups + group, half), rsum[group], total);
         }
         y[row * n + col] = bias != NULL ? total + bias[col] : total;
     }
 }
 
 /* y [m, n] = x [m, k] W^T (+ bias), W given by kernel-order values, scales and mins (bits 4 or
- * 8, groups of g). k must be a multiple of 32. `has_mins` is 0 when every min is zero.
- * Returns 0, or -1 when scratch memory cannot be allocated. */
+ * 8, groups of g; scales and mins float16 when `half`, else float32). k must be a multiple of
+ * 32. `has_mins` is 0 when every min is zero. Returns 0, or -1 when scratch memory cannot be
+ * allocated. */
 int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
-                    const float *scales, const float *mins, int has_mins, int bits, int64_t g,
-                    int64_t n, const float *bias, float *y) {
+                    const void *scales, const void *mins, int half, int has_mins, int bits,
+                    int64_t g, int64_t n, const float *bias, float *y) {
+    int64_t scale_bytes = half ? 2 : 4;
     int64_t groups = k / g, blocks = groups / 8, row_bytes = k * bits / 8;
     int8_t *xq = malloc((size_t)(m * k));
     float *xs = malloc(sizeof(float) * (size_t)(m * groups));
@@ -348,13 +439,15 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                         float lanes[8][ROWS][8];
                         for (int64_t c = 0; c < cols; c++) {
                             int64_t col = col0 + c;
-                            block_lanes_any(values + col * row_bytes, scales + col * groups,
-                                            mins + col * groups, xq + rr * k, xs + rr * groups,
-                                            xsum + rr * groups, xisum + rr * groups, bits, g, k,
-                                            blocks, has_mins, rows, lanes[c]);
+                            block_lanes_any(values + col * row_bytes,
+                                            (const char *)scales + col * groups * scale_bytes,
+                                            (const char *)mins + col * groups * scale_bytes, half,
+                                            xq + rr * k, xs + rr * groups, xsum + rr * groups,
+                                            xisum + rr * groups, bits, g, k, blocks, has_mins,
+                                            rows, lanes[c]);
                         }
                         for (int r = 0; r < rows; r++)
-                            finish_row(lanes, r, rr + r, col0, cols, values, scales, mins,
+                            finish_row(lanes, r, rr + r, col0, cols, values, scales, mins, half,
                                        has_mins, bits, g, k, n, xq, xs, xsum, bias, y);
                     }
                 }
@@ -370,15 +463,16 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
 
 /* out [n, k] float32 = the weight dequantised from kernel order: scale * q + min per group,
  * multiplied then added (two roundings, as QuantizedTensor.dequantize in torch). */
-void pagedkv_dequantize(const uint8_t *values, const float *scales, const float *mins, int bits,
-                        int64_t g, int64_t n, int64_t k, float *out) {
+void pagedkv_dequantize(const uint8_t *values, const void *scales, const void *mins, int half,
+                        int bits, int64_t g, int64_t n, int64_t k, float *out) {
     int64_t groups = k / g, blocked = groups / 8 * 8, row_bytes = k * bits / 8;
     int64_t block_bytes = 8 * g * bits / 8, tail_bytes = g * bits / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t col = 0; col < n; col++) {
         const uint8_t *w = values + col * row_bytes;
         for (int64_t group = 0; group < groups; group++) {
-            float scale = scales[col * groups + group], min = mins[col * groups + group];
+            float scale = scale_at(scales, col * groups + group, half);
+            float min = scale_at(mins, col * groups + group, half);
             float *d = out + col * k + group * g;
             for (int64_t i = 0; i < g; i++) {
                 int32_t q = group < blocked

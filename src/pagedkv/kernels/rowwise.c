@@ -70,10 +70,10 @@ void pagedkv_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *
     }
 }
 
-/* Which instructions this build computes with: 2 AVX2 with AVX-512 VNNI's integer dot
+/* Which instructions this build computes with: 2 AVX2 with AVX-512 VNNI's 512-bit integer dot
  * products, 1 AVX2, 0 plain C. Every path gives the same bits (see each kernel's header). */
 int pagedkv_vector_path(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 2;
 #elif defined(__AVX2__)
     return 1;

@@ -170,12 +170,13 @@ def _projection(linear: Linear) -> native.QuantizedWeightArgs | None:
     bias = linear.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    values, scales, mins, has_mins = qweight.pointers
+    values, scales, mins, half, has_mins = qweight.pointers
     rows, cols = qweight.shape
     return native.QuantizedWeightArgs(
         values,
         scales,
         mins,
+        half,
         has_mins,
         qweight.bits,
         32,

@@ -10,6 +10,11 @@ Q4_K's `d * sc * q - dmin * m` is `scale * q + min` with both products exact in 
 re-packing a file's blocks loses nothing; `gguf_blocks.py` does it and its tests compare
 against gguf's own dequantiser bit for bit. One layout means one matmul kernel to keep fast.
 
+Scales and mins are float32, or float16 where every one of them is exactly a float16
+(`narrowed`): GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 store theirs as float16, and keeping them
+so streams a quarter fewer bytes per 4-bit group (a decode step is mostly that stream). The
+kernels widen them exactly, so the arithmetic is the same either way.
+
 Two widths:
 - 4 bits: unsigned values 0..15, two per byte, groups of 32. Byte `j` of a group's 16 bytes
   holds value `j` in its low nibble and value `j + 16` in its high one (ggml's Q4_0 order),
@@ -32,6 +37,7 @@ import torch
 from torch import Tensor
 
 GROUP_SIZES = {4: (32,), 8: (16, 32)}
+SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,8 @@ class QuantizedTensor:
     """A quantised `[rows, cols]` weight; see the module docstring for the layout."""
 
     values: Tensor  # kernel order; bits 4: uint8 [rows, cols // 2]; bits 8: int8 [rows, cols]
-    scales: Tensor  # float32 [rows, cols // group_size]
-    mins: Tensor  # float32 [rows, cols // group_size]
+    scales: Tensor  # float32 or float16 [rows, cols // group_size]
+    mins: Tensor  # as scales (the same dtype)
     bits: int
     group_size: int
 
@@ -60,10 +66,13 @@ class QuantizedTensor:
         groups = (rows, cols // self.group_size)
         for name in ("scales", "mins"):
             tensor = getattr(self, name)
-            if tensor.dtype != torch.float32 or tuple(tensor.shape) != groups:
+            if tensor.dtype not in SCALE_DTYPES or tuple(tensor.shape) != groups:
                 raise ValueError(
-                    f"{name} must be float32 {groups}, got {tensor.dtype} {tuple(tensor.shape)}"
+                    f"{name} must be float32 or float16 {groups}, got {tensor.dtype} "
+                    f"{tuple(tensor.shape)}"
                 )
+        if self.scales.dtype != self.mins.dtype:
+            raise ValueError(f"scales are {self.scales.dtype} but mins {self.mins.dtype}")
 
     @classmethod
     def from_ggml(
@@ -88,15 +97,22 @@ class QuantizedTensor:
         return self.values.device.type == "cpu" and self.shape[1] % 32 == 0
 
     @cached_property
-    def pointers(self) -> tuple[int, int, int, int]:
-        """Addresses of values, scales and mins, and whether any min is non-zero: what the C
-        kernel is called with, computed once (a decode step makes ~120 calls)."""
+    def pointers(self) -> tuple[int, int, int, int, int]:
+        """Addresses of values, scales and mins, whether those are float16, and whether any
+        min is non-zero: what the C kernel is called with, computed once (a decode step makes
+        ~120 calls)."""
         return (
             self.values.data_ptr(),
             self.scales.data_ptr(),
             self.mins.data_ptr(),
+            int(self.half_scales),
             int(self.has_mins),
         )
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether scales and mins are kept as float16."""
+        return self.scales.dtype == torch.float16
 
     @cached_property
     def has_mins(self) -> bool:
@@ -121,7 +137,7 @@ class QuantizedTensor:
         """The weight as a dense `[rows, cols]` tensor, computed in float32 then cast."""
         rows, cols = self.shape
         q = self.integers().view(rows, -1, self.group_size).to(torch.float32)
-        dense = q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)
+        dense = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
         return dense.view(rows, cols).to(dtype)
 
     def rows(self, index: Tensor) -> QuantizedTensor:
@@ -129,6 +145,16 @@ class QuantizedTensor:
         return QuantizedTensor(
             self.values[index], self.scales[index], self.mins[index], self.bits, self.group_size
         )
+
+
+def narrowed(scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
+    """`scales` and `mins` as float16 when every one of them is exactly a float16 (finite),
+    else as they are."""
+    both = torch.cat((scales.reshape(-1), mins.reshape(-1)))
+    half = both.to(torch.float16)
+    if torch.isfinite(half).all() and torch.equal(half.to(both.dtype), both):
+        return scales.to(torch.float16), mins.to(torch.float16)
+    return scales, mins
 
 
 def _to_kernel_order(values: Tensor, bits: int, group_size: int, inverse: bool = False) -> Tensor:

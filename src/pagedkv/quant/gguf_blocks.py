@@ -32,7 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.formats import QuantizedTensor, narrowed
 
 _CHUNK_VALUES = 1 << 20  # weight values converted per step, bounding the temporaries
 
@@ -193,10 +193,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: QType, cols: int) -> QuantizedTenso
         values[start:stop] = chunk_values.reshape(stop - start, -1)
         scales[start:stop] = chunk_scales.reshape(stop - start, -1)
         mins[start:stop] = chunk_mins.reshape(stop - start, -1)
+    # Kept as float16 where the file's are (and every product, like Q4_0's -8 d, still is).
+    kept_scales, kept_mins = narrowed(torch.from_numpy(scales), torch.from_numpy(mins))
     return QuantizedTensor.from_ggml(
-        torch.from_numpy(values),
-        torch.from_numpy(scales),
-        torch.from_numpy(mins),
-        fmt.bits,
-        fmt.group_size,
+        torch.from_numpy(values), kept_scales, kept_mins, fmt.bits, fmt.group_size
     )

@@ -33,7 +33,7 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
     rows, cols = weight.shape
     flat, bias = _float32_rows(x, cols), _float32_bias(bias)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
-    values, scales, mins, has_mins = weight.pointers
+    values, scales, mins, half, has_mins = weight.pointers
     status = kernels.qmatmul(
         flat.data_ptr(),
         flat.shape[0],
@@ -41,6 +41,7 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
         values,
         scales,
         mins,
+        half,
         has_mins,
         weight.bits,
         weight.group_size,
@@ -87,6 +88,7 @@ def dequantize(weight: QuantizedTensor) -> Tensor:
         weight.values.data_ptr(),
         weight.scales.data_ptr(),
         weight.mins.data_ptr(),
+        int(weight.half_scales),
         weight.bits,
         weight.group_size,
         rows,

@@ -1,8 +1,9 @@
 """A GGUF file's re-packed weights, cached on disk once and memory-mapped on later loads.
 
 Keeping a file's quantised blocks means re-packing them into the kernels' layout
-(`quant/gguf_blocks.py`): bytes reordered, scales widened to float32. It loses nothing, but it
-reads and writes every byte, about 1.7 s for a 1B-class file on 2 cores, on every start. So the
+(`quant/gguf_blocks.py`): bytes reordered, each group's scale and min worked out. It loses
+nothing, but it reads and writes every byte, about 1.7 s for a 1B-class file on 2 cores, on
+every start. So the
 first load of a file of at least `MIN_CACHED_BYTES` writes what it re-packed (exactly the
 stream `gguf_tensors(keep_quantized=True)` yields) into one file under
 `cache_dir() / "packed"`, and later loads map that file (`torch.load(mmap=True)`): no byte is
