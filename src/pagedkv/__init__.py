@@ -12,6 +12,7 @@ _ENGINE_NAMES = (
     "LLM",
     "SamplingParams",
     "BeamSearchParams",
+    "LoRARequest",
     "StructuredOutputsParams",
     "Engine",
     "EngineArgs",

@@ -36,12 +36,14 @@ class SequenceInput:
     counted from the last, need logits: 1 for a chunk that samples, 0 for a prompt chunk that
     does not reach the prompt's end (the LM head is skipped for it: at a 151k vocabulary it
     is the largest matmul of a step), all of them to score every position (perplexity).
+    `lora_id` names the LoRA adapter its rows go through (`model/lora.py`; 0: none).
     """
 
     token_ids: Sequence[int]
     num_computed: int
     block_table: Sequence[int]
     num_logits: int = 1
+    lora_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class ForwardBatch:
     host_token_id_ranges: tuple[tuple[int, int], ...]  # (min, max) new token id per sequence
     # Per sequence, its rows of the logits the forward returns (`num_logits` of them).
     host_logits_rows: tuple[range, ...]
+    # Per sequence, its LoRA adapter's id (0: none).
+    host_lora_ids: tuple[int, ...] = ()
     # Per-step state of the attention backend (see `step_state`); not an init field, so
     # `replace` makes a batch that plans afresh.
     _step_state: dict[Hashable, Any] = field(
@@ -131,6 +135,7 @@ class ForwardBatch:
                 (min(seq.token_ids), max(seq.token_ids)) for seq in sequences
             ),
             host_logits_rows=_logits_rows(sequences),
+            host_lora_ids=tuple(seq.lora_id for seq in sequences),
         )
 
     def check_inputs(self, vocab_size: int, max_positions: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -20,9 +21,17 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
+from pagedkv.kvmath.lora import LoRAPlan, plan_lora
 from pagedkv.kvmath.parallel import per_rank_spec
 from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, resolve_model
-from pagedkv.kvmath.spec import DTYPE_BYTES, GB, KV_CACHE_DTYPES, ConfigError, format_bytes
+from pagedkv.kvmath.spec import (
+    DTYPE_BYTES,
+    GB,
+    KV_CACHE_DTYPES,
+    ConfigError,
+    KVSpec,
+    format_bytes,
+)
 
 DEFAULT_LENGTHS = "2k,8k,32k,128k"
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -90,6 +99,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks the KV heads (and, with --gpu, the weights) are split across: figures are "
         "per rank, whose pool holds the same blocks as every other rank's (default: 1)",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=positive_int,
+        help="serve LoRA adapters of this rank on every projection: their blocks are taken "
+        "from the pool before it is shared out (the engine pages them into the KV pool)",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=1,
+        help="with --lora-rank: adapters resident at once (default: %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -99,6 +120,15 @@ def run(args: argparse.Namespace) -> int:
         model = resolve_model(args.model, _kv_dtype(args))
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         pool = _pool(args, model)
+        lora = _lora(args, model, spec)
+        if lora is not None:
+            if lora.pool_bytes >= pool.pool_bytes:
+                raise ConfigError(
+                    f"{lora.max_loras} LoRA adapters of rank {lora.rank} take "
+                    f"{format_bytes(lora.pool_bytes)}, the whole KV pool is "
+                    f"{format_bytes(pool.pool_bytes)}"
+                )
+            pool = replace(pool, pool_bytes=pool.pool_bytes - lora.pool_bytes)
         plan = plan_capacity(
             spec,
             pool,
@@ -111,11 +141,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
     ranks = _ranks(model, args.tensor_parallel_size)
+    adapters = {} if lora is None else lora.to_dict()
     if args.json:
-        print(json.dumps({"model": model.name, **ranks, **plan.to_dict()}, indent=2))
+        print(json.dumps({"model": model.name, **ranks, **adapters, **plan.to_dict()}, indent=2))
     else:
-        _print_plan(Console(), model, plan, ranks)
+        _print_plan(Console(), model, plan, ranks, lora)
     return 0
+
+
+def _lora(args: argparse.Namespace, model: Model, spec: KVSpec) -> LoRAPlan | None:
+    """The adapters' share of the pool with --lora-rank, else None."""
+    if args.lora_rank is None:
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ConfigError("--lora-rank: LoRA is not supported with tensor parallelism")
+    config = model.config or {}
+    if not spec.num_kv_heads or not {"hidden_size", "intermediate_size"} <= set(config):
+        raise ConfigError(f"--lora-rank needs a Llama-style model config; {model.name} is not")
+    return plan_lora(config, spec, args.lora_rank, args.max_loras, args.block_size)
 
 
 def _ranks(model: Model, tensor_parallel_size: int) -> dict[str, int]:
@@ -167,7 +210,13 @@ def _default(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def _print_plan(console: Console, model: Model, plan: CapacityPlan, ranks: dict[str, int]) -> None:
+def _print_plan(
+    console: Console,
+    model: Model,
+    plan: CapacityPlan,
+    ranks: dict[str, int],
+    lora: LoRAPlan | None = None,
+) -> None:
     spec = plan.spec
     per_rank = " on each rank" if ranks["tensor_parallel_size"] > 1 else ""
     console.print(
@@ -187,10 +236,18 @@ def _print_plan(console: Console, model: Model, plan: CapacityPlan, ranks: dict[
     if spec.sliding_window:
         console.print(f"  sliding window: a request holds at most {spec.sliding_window:,} tokens")
     console.print()
+    adapter_bytes = 0 if lora is None else lora.pool_bytes
     if plan.pool.gpu is not None:
-        console.print(_pool_table(model, plan.pool, ranks["tensor_parallel_size"]))
+        console.print(_pool_table(model, plan.pool, ranks["tensor_parallel_size"], adapter_bytes))
     else:
-        console.print(f"KV pool {format_bytes(plan.pool.pool_bytes)}, given")
+        console.print(f"KV pool {format_bytes(plan.pool.pool_bytes + adapter_bytes)}, given")
+    if lora is not None:
+        console.print(
+            f"  LoRA: {lora.max_loras} adapter{'s' if lora.max_loras > 1 else ''} of rank "
+            f"{lora.rank} on every projection, {format_bytes(lora.bytes_per_adapter)} of float32 "
+            f"each = {lora.blocks_per_adapter:,} blocks; {lora.blocks:,} blocks "
+            f"({format_bytes(lora.pool_bytes)}) when all are resident, the rest for KV:"
+        )
     console.print(
         f"  = {plan.pool_tokens:,} tokens = {plan.pool_blocks:,} blocks of {plan.block_size} "
         f"tokens, {format_bytes(spec.bytes_per_block(plan.block_size))} each"
@@ -204,7 +261,9 @@ def _print_plan(console: Console, model: Model, plan: CapacityPlan, ranks: dict[
         console.print(_comparison_table(plan))
 
 
-def _pool_table(model: Model, pool: PoolBudget, tensor_parallel_size: int) -> Table:
+def _pool_table(
+    model: Model, pool: PoolBudget, tensor_parallel_size: int, adapter_bytes: int = 0
+) -> Table:
     table = Table(
         title=f"KV pool on {pool.gpu} ({GPU_PRESETS[pool.gpu].product})", title_justify="left"
     )
@@ -218,6 +277,11 @@ def _pool_table(model: Model, pool: PoolBudget, tensor_parallel_size: int) -> Ta
         (f"x utilization {pool.utilization:g}", usable, ""),
         ("- weights", pool.weight_bytes, _weight_source(model, tensor_parallel_size)),
         ("- activation reserve", pool.activation_bytes, "--activation-gb"),
+        *(
+            [("- LoRA adapters", adapter_bytes, "--lora-rank, --max-loras")]
+            if adapter_bytes
+            else []
+        ),
         ("= KV pool", pool.pool_bytes, ""),
     ):
         table.add_row(term, f"{value / GB:,.2f}", f"{value / 2**30:,.2f}", source)

@@ -96,6 +96,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "long, then end them with an error (default: %(default)s)",
     )
     server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve, each chosen by its NAME as `model` "
+        "(needs --enable-lora)",
+    )
+    server.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which turns them on too)",
+    )
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the name clients pass as `model` (default: the --model argument)",
@@ -106,11 +121,20 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from pagedkv.engine import Engine, EngineArgs
     from pagedkv.server import build_app, build_server
+    from pagedkv.server.errors import APIError
 
     if args.host not in LOOPBACK_ADDRESSES and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
+    if args.lora_modules and not args.enable_lora:
+        print("pagedkv serve: error: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
     engine = Engine(EngineArgs.from_cli_args(args))
-    app = build_app(engine, server_config(args))
+    try:
+        app = build_app(engine, server_config(args))
+    except APIError as error:  # a --lora-modules adapter that cannot be served
+        print(f"pagedkv serve: error: {error}", file=sys.stderr)
+        engine.shutdown()
+        return 2
     print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)
     server = build_server(app, host=args.host, port=args.port, log_level="info")
     try:
@@ -140,4 +164,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         request_read_timeout=args.request_read_timeout,
         max_page_map_viewers=args.max_page_map_viewers,
         shutdown_timeout=args.shutdown_timeout,
+        lora_modules=tuple(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """`--lora-modules`' NAME=PATH."""
+    from pagedkv.server.adapters import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

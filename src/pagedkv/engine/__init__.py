@@ -24,6 +24,8 @@ __all__ = [
     "InvalidStructuredOutput",
     "InvalidTokenId",
     "KVSnapshot",
+    "LoRARejected",
+    "LoRARequest",
     "Logprob",
     "PriorityNotSupported",
     "PromptTooLong",
@@ -43,8 +45,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
-    from pagedkv.engine import args, beam_search, engine, errors, llm, outputs, params, stats
+    from pagedkv.engine import args, beam_search, engine, errors, llm, lora, outputs, params, stats
 
-    modules = (args, beam_search, engine, errors, llm, outputs, params, stats)
+    modules = (args, beam_search, engine, errors, llm, lora, outputs, params, stats)
     module = next(m for m in modules if name in dir(m))
     return getattr(module, name)

@@ -69,6 +69,10 @@ _HELP = {
     '"prompt_lookup_min": 2}\' (prompt lookup) or \'{"model": PATH_OR_NAME, '
     '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary); greedy output '
     "is unchanged, bit for bit",
+    "enable_lora": "serve LoRA adapters (PEFT folders) per request; their weights are paged "
+    "into the KV pool's blocks while requests use them",
+    "max_loras": "most LoRA adapters resident in the pool at once (with enable_lora)",
+    "max_lora_rank": "largest LoRA rank accepted (with enable_lora)",
 }
 
 
@@ -100,6 +104,9 @@ class EngineArgs:
     kv_offloading_size: float = 0.0
     tensor_parallel_size: int = 1
     speculative_config: SpeculativeConfig | dict | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks_override is not None:
@@ -113,6 +120,8 @@ class EngineArgs:
             "max_num_batched_tokens",
             "max_logprobs",
             "tensor_parallel_size",
+            "max_loras",
+            "max_lora_rank",
         ):
             _positive_int(name, getattr(self, name))
         for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
@@ -150,6 +159,11 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora is not supported with tensor_parallel_size "
+                f"{self.tensor_parallel_size}"
             )
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         speculative = self.speculative_config
@@ -220,7 +234,7 @@ class EngineArgs:
         for field in fields(cls):
             flag = "--" + field.name.replace("_", "-")
             default = field.default
-            if field.name == "enable_prefix_caching":
+            if field.name in ("enable_prefix_caching", "enable_lora"):
                 group.add_argument(
                     flag,
                     action=argparse.BooleanOptionalAction,
@@ -275,6 +289,8 @@ _CLI_TYPES = {
     "max_num_batched_tokens": int,
     "max_model_len": int,
     "tensor_parallel_size": int,
+    "max_loras": int,
+    "max_lora_rank": int,
     "seed": int,
     "gpu_memory_utilization": float,
 }

@@ -14,6 +14,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence as SequenceOf
+from dataclasses import replace
 
 import torch
 
@@ -31,6 +32,7 @@ from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
 from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.invariance import invariance_line
+from pagedkv.engine.lora import LoRACatalog, LoRARequest, lora_cache_salt
 from pagedkv.engine.outputs import RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts, uses_penalties
@@ -43,6 +45,7 @@ from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fi
 from pagedkv.engine.stops import take_outputs
 from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
 from pagedkv.weights.load import LoadedModel
@@ -110,8 +113,19 @@ class Engine:
             enable_prefix_caching=args.enable_prefix_caching,
             num_offload_blocks=cache.num_offload_blocks,
         )
-        self.scheduler = Scheduler(self.manager, args.scheduler_config())
         self.runner = self.ranks.runner(loaded.model, self.kv_cache)
+        # LoRA adapters live in the KV pool's blocks while requests use them (`engine/lora.py`).
+        self.adapters = (
+            AdapterBlocks(self.manager.pool, args.max_loras) if args.enable_lora else None
+        )
+        self.loras = LoRACatalog(
+            self.config,
+            args,
+            self.kv_cache.adapter_chunk_elements,
+            cache.num_gpu_blocks,
+            self.runner.lora_registry,
+        )
+        self.scheduler = Scheduler(self.manager, args.scheduler_config(), self.adapters)
         drafter: Drafter | None = None
         if draft is not None:
             draft_cache = draft_kv_pool(draft.model, cache, args.kv_cache_dtype)
@@ -170,6 +184,7 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         beam_search: BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
 
@@ -183,6 +198,9 @@ class Engine:
         With `beam_search` the request is a beam search (`beam_search.py`): its one delta,
         when it finishes, has the best beams as its outputs, their text decoded with special
         tokens unless `params` says `skip_special_tokens` (of `params`, only that is read).
+
+        With `lora_request` (an engine with `enable_lora`) its rows go through that adapter,
+        read and checked the first time its id is used (`engine/lora.py`).
         """
         if beam_search is not None:
             params = beam_search.sampling_params(params is not None and params.skip_special_tokens)
@@ -194,9 +212,12 @@ class Engine:
         self._aborted.pop(request_id, None)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidPriority(priority)
+        lora_id, lora_blocks = self.loras.resolve(lora_request)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
-        max_tokens = check_request(token_ids, params, self._limits)
+        # The adapter's blocks and the request's KV must fit the pool together.
+        limits = replace(self._limits, num_gpu_blocks=self._limits.num_gpu_blocks - lora_blocks)
+        max_tokens = check_request(token_ids, params, limits)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.submit(so)
         metrics = RequestMetrics(
@@ -210,11 +231,13 @@ class Engine:
             max_tokens=max_tokens,
             sequences=[self._new_sequence(request_id, 0, token_ids, params, grammar)],
             metrics=metrics,
-            cache_salt=cache_salt,
+            cache_salt=lora_cache_salt(cache_salt, lora_id),
             priority=priority,
             bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
             grammar=grammar,
             eos_token_ids=self._eos_token_ids,
+            lora_id=lora_id,
+            lora_blocks=lora_blocks,
         )
         first = request.sequences[0]
         if beam_search is not None:
@@ -362,8 +385,8 @@ class Engine:
         )
 
     def kv_snapshot(self) -> KVSnapshot:
-        """Every GPU and CPU block: ref count, prefix-cache state and holders."""
-        return kv_snapshot(self.manager, self._requests.values())
+        """Every GPU and CPU block: ref count, prefix-cache state and holders; LoRA runs."""
+        return kv_snapshot(self.manager, self._requests.values(), self.loras.runs(self.adapters))
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
+from pagedkv.engine.lora import LoRARequest
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.hub import DEFAULT_MODEL
@@ -47,19 +48,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt: a string, token ids, a `{"prompt": ...}` or
         `{"prompt_token_ids": [...]}` dict, or a list of them; anything else is a TypeError.
 
         `priority` gives one priority per prompt, as vLLM's does; it needs the engine's
-        `scheduling_policy="priority"` (lower runs first).
+        `scheduling_policy="priority"` (lower runs first). `lora_request` is one LoRA adapter
+        for every prompt, or one (or None) per prompt; it needs `enable_lora=True`.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
+        loras = _lora_per_prompt(lora_request, len(prompt_list))
         options = [
-            {"params": each, "priority": rank}
-            for each, rank in zip(params, priorities, strict=True)
+            {"params": each, "priority": rank, "lora_request": lora}
+            for each, rank, lora in zip(params, priorities, loras, strict=True)
         ]
         return self._run(prompt_list, options, use_tqdm)
 
@@ -106,12 +110,14 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or several, each rendered with the model's chat template
         (or `chat_template`, given `chat_template_kwargs` as extra variables), as vLLM's.
 
         `continue_final_message` continues the last message instead of starting a new turn
         (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
+        `lora_request` is as `generate`'s.
         """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
@@ -128,7 +134,11 @@ class LLM:
         # The template places any BOS itself, so the text is encoded without special tokens.
         prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
         params = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, [{"params": each} for each in params], use_tqdm, texts)
+        loras = _lora_per_prompt(lora_request, len(prompts))
+        options = [
+            {"params": each, "lora_request": lora} for each, lora in zip(params, loras, strict=True)
+        ]
+        return self._run(prompts, options, use_tqdm, texts)
 
     def _run(
         self,
@@ -253,6 +263,20 @@ def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> li
             f"priority has {len(priorities)} entries for {num_prompts} prompts; give one per prompt"
         )
     return priorities
+
+
+def _lora_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"lora_request has {len(loras)} entries for {num_prompts} prompts; give one per "
+            "prompt, or one LoRARequest for all"
+        )
+    return loras
 
 
 def _empty_like(delta: RequestOutput) -> RequestOutput:

@@ -131,6 +131,11 @@ class Request:
     grammar: CompiledGrammar | None = None
     # Beam search (`beam_search.py`): its live beams are the samples, forked and freed by it.
     beam: BeamState | None = None
+    # Its LoRA adapter (0: none), the pool blocks that adapter takes, and whether the request
+    # holds a reference on it (from admission until it leaves the scheduler).
+    lora_id: int = 0
+    lora_blocks: int = 0
+    holds_adapter: bool = False
 
     def sequence(self, index: int) -> Sequence:
         """The sample of index `index` (beams come and go, so not always at that position)."""

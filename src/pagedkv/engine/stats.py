@@ -6,7 +6,7 @@ plain data built on demand from the scheduler's queues and the memory manager.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from pagedkv.engine.request import Request
@@ -97,6 +97,8 @@ class KVSnapshot:
     gpu: list[BlockState]
     cpu: list[BlockState]
     offload: list[BlockState] = field(default_factory=list)
+    # Runs of GPU blocks holding a LoRA adapter's weights: (first block, blocks, its name).
+    adapters: tuple[tuple[int, int, str], ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready data: holders as [request_id, sample, block_index] lists.
@@ -111,6 +113,7 @@ class KVSnapshot:
             "gpu": [_block_dict(block) for block in self.gpu],
             "cpu": [_block_dict(block) for block in self.cpu],
             "offload": [_block_dict(block) for block in self.offload],
+            "adapters": [list(run) for run in self.adapters],
         }
 
 
@@ -125,9 +128,14 @@ def _block_dict(block: BlockState) -> dict[str, object]:
     }
 
 
-def kv_snapshot(manager: KVCacheManager, requests: Iterable[Request]) -> KVSnapshot:
+def kv_snapshot(
+    manager: KVCacheManager,
+    requests: Iterable[Request],
+    adapters: Sequence[tuple[int, int, str]] = (),
+) -> KVSnapshot:
     """Every GPU and CPU block of `manager`: ref count, prefix-cache state, holders, and the
-    slots that hold speculative drafts (the slots a sequence holds past its tokens)."""
+    slots that hold speculative drafts (the slots a sequence holds past its tokens); and the
+    runs of blocks LoRA adapters hold, `(first block, blocks, name)`."""
     gpu_holders: dict[int, list[tuple[str, int, int]]] = {}
     cpu_holders: dict[int, list[tuple[str, int, int]]] = {}
     draft_slots: dict[int, int] = {}
@@ -171,6 +179,7 @@ def kv_snapshot(manager: KVCacheManager, requests: Iterable[Request]) -> KVSnaps
         gpu=gpu,
         cpu=cpu,
         offload=offload,
+        adapters=tuple(adapters),
     )
 
 

@@ -41,6 +41,7 @@ SOURCES = tuple(
         "rowwise.c",
         "rope_kv.c",
         "decode_layer.c",
+        "lora.c",
     )
 )
 HEADERS = (Path(__file__).with_name("simd.h"),)
@@ -67,6 +68,10 @@ _FMATMUL_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
     + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]  # w, w_dtype, n
     + [ctypes.c_void_p, ctypes.c_void_p]  # bias, y
+)
+_LORA_ADD_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, k, num_groups
+    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # groups, out, out_stride
 )
 _ATTENTION_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64]  # q, q_stride
@@ -109,6 +114,21 @@ class QuantizedWeightArgs(ctypes.Structure):
         ("out_features", ctypes.c_int64),
         ("in_features", ctypes.c_int64),
         ("bias", ctypes.c_void_p),
+    ]
+
+
+class LoRAGroupArgs(ctypes.Structure):
+    """lora.c's `LoRAGroup`: one adapter's module over its rows of the batch."""
+
+    _fields_ = [
+        ("rows", ctypes.c_void_p),
+        ("num_rows", ctypes.c_int64),
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("offset", ctypes.c_int64),
+        ("scaling", ctypes.c_float),
     ]
 
 
@@ -189,6 +209,7 @@ class Kernels:
     rms_norm: ctypes._CFuncPtr  # RMSNorm of float32 rows
     silu_mul: ctypes._CFuncPtr  # SwiGLU's silu(gate) * up
     decode_layers: ctypes._CFuncPtr  # consecutive decoder layers of a step, in one call
+    lora_add: ctypes._CFuncPtr  # a mixed batch's LoRA products, added to a projection's output
     vector_path: str  # the instructions this build computes with (VECTOR_PATHS)
 
 
@@ -223,6 +244,8 @@ def kernels() -> Kernels | None:
     library.pagedkv_rms_norm.restype = None
     library.pagedkv_decode_layers.argtypes = _DECODE_LAYERS_ARGS
     library.pagedkv_decode_layers.restype = ctypes.c_int
+    library.pagedkv_lora_add.argtypes = _LORA_ADD_ARGS
+    library.pagedkv_lora_add.restype = ctypes.c_int
     return Kernels(
         library.pagedkv_qmatmul,
         library.pagedkv_dequantize,
@@ -235,6 +258,7 @@ def kernels() -> Kernels | None:
         library.pagedkv_rms_norm,
         library.pagedkv_silu_mul,
         library.pagedkv_decode_layers,
+        library.pagedkv_lora_add,
         VECTOR_PATHS[library.pagedkv_vector_path()],
     )
 

@@ -58,6 +58,7 @@ class Model:
     spec: KVSpec
     weight_bytes: int | None
     weight_source: str
+    config: Mapping[str, object] | None = None  # its config.json fields
 
 
 def _llama(layers, hidden, heads, kv_heads, ffn, vocab, context, dtype="bfloat16", **extra):
@@ -248,6 +249,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
                 f"{preset.num_params / 1e9:,.2f} B params x "
                 f"{DTYPE_BYTES[preset.weight_dtype]} B ({preset.weight_dtype}), published"
             ),
+            config=preset.config,
         )
     path = Path(name_or_path)
     if not path.exists():
@@ -261,9 +263,9 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if shards:
         size = sum(shard.stat().st_size for shard in shards)
-        return Model(name, spec, size, f"{len(shards)} .safetensors file(s) in {path}")
+        return Model(name, spec, size, f"{len(shards)} .safetensors file(s) in {path}", config)
     if _is_mixture_of_experts(config):
-        return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint")
+        return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint", config)
     num_params = dense_param_count(config)
     dtype = normalize_dtype(config.get("torch_dtype"))
     return Model(
@@ -271,6 +273,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         spec,
         num_params * DTYPE_BYTES[dtype],
         f"{num_params / 1e9:,.2f} B params x {DTYPE_BYTES[dtype]} B ({dtype}), counted from config",
+        config,
     )
 
 

@@ -480,6 +480,11 @@ class KVCacheManager:
         """Sequences holding a block table, in allocation order."""
         return list(self._seqs)
 
+    @property
+    def pool(self) -> BlockPool:
+        """The GPU blocks themselves: LoRA adapters (`adapters.py`) take runs of them too."""
+        return self._pool
+
     def block_ref_count(self, block_id: int) -> int:
         """How many block tables hold this GPU block (more than one means shared)."""
         return self._pool.blocks[block_id].ref_count
@@ -565,11 +570,12 @@ class KVCacheManager:
                 raise AssertionError(f"sequence {seq_id!r} has {num_computed} computed tokens")
             if len(seq.block_hashes) > num_computed // self.block_size:
                 raise AssertionError(f"sequence {seq_id!r} hashed blocks that are not computed")
+        expected_refs.update(self._pool.runs)  # LoRA adapters' blocks (`adapters.py`)
         for block in self._pool.blocks:
             if block.ref_count != expected_refs[block.block_id]:
                 raise AssertionError(
                     f"block {block.block_id} has ref count {block.ref_count}, "
-                    f"held by {expected_refs[block.block_id]} tables"
+                    f"held by {expected_refs[block.block_id]} tables and adapters"
                 )
         cpu_ids = held_cpu + self._free_cpu_blocks
         if sorted(cpu_ids) != list(range(self.num_cpu_blocks)):

@@ -43,6 +43,8 @@ class BlockPool:
         # (block id, hash, token bytes) of the cached blocks the last `allocate` evicted: the
         # KV they still hold until it is overwritten, for a host tier to save.
         self.last_evicted: list[tuple[int, BlockHash, bytes]] = []
+        # Ids of the blocks taken as runs (`take_run`), held until `release_run`.
+        self.runs: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +67,40 @@ class BlockPool:
                 self._evict(block)
             block.ref_count = 1
         return taken
+
+    def take_run(self, count: int) -> list[Block] | None:
+        """Take `count` free blocks of consecutive ids (a LoRA adapter's, `adapters.py`), the
+        run holding the fewest prefix-cached blocks, evicting those; None when no run of free
+        blocks is that long."""
+        best: tuple[int, int] | None = None  # (cached blocks in the run, first id)
+        start = cached = 0
+        for end, block in enumerate(self.blocks):
+            if block.ref_count != 0:
+                start, cached = end + 1, 0
+                continue
+            cached += block.block_hash is not None
+            if end - start + 1 > count:
+                cached -= self.blocks[start].block_hash is not None
+                start += 1
+            if end - start + 1 == count and (best is None or cached < best[0]):
+                best = (cached, start)
+        if best is None:
+            return None
+        taken = self.blocks[best[1] : best[1] + count]
+        for block in taken:
+            self.free_queue.remove(block)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = block.token_bytes = None
+                self.num_evictions += 1
+            block.ref_count = 1
+        self.runs.update(block.block_id for block in taken)
+        return taken
+
+    def release_run(self, blocks: list[Block]) -> None:
+        """Give back a run `take_run` took: its blocks are free, reused first."""
+        self.runs.difference_update(block.block_id for block in blocks)
+        self.release(blocks)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block (prefix-cache hits), reviving free ones."""

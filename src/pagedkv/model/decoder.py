@@ -44,6 +44,7 @@ from pagedkv.model.fused_decode import LayerPath
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.layers.norm import RMSNorm
+from pagedkv.model.lora import AdapterWeights, lora_step, name_lora_targets
 from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.model.rope import inverse_frequencies, rope_cos_sin, rotate_qk
 
@@ -173,6 +174,11 @@ class DecoderModel(nn.Module):
             for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The LoRA adapters resident in the KV pool, by id (`model/lora.py`; the worker loads
+        # and evicts them), and each adaptable projection's layer index.
+        self.lora_adapters: dict[int, AdapterWeights] = {}
+        for index, layer in enumerate(self.layers):
+            name_lora_targets(layer, index)
         # Tied models read logits through the embedding matrix itself.
         self.lm_head = (
             None
@@ -224,7 +230,10 @@ class DecoderModel(nn.Module):
         kv_cache.check_dtype(self.dtype)
         hidden = self.embed_tokens(batch.input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, hidden.dtype)
-        with forward_context(ForwardContext(batch, kv_cache, cos, sin)):
+        with (
+            forward_context(ForwardContext(batch, kv_cache, cos, sin)),
+            lora_step(self.lora_adapters, batch),
+        ):
             hidden = self.layer_path(hidden)
         last = self.norm(hidden[batch.logits_indices])
         if self.lm_head is None:

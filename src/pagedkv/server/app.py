@@ -9,6 +9,8 @@ no secret (the page asks for the key itself).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,11 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server import connections, page_map
+from pagedkv.server.adapters import ServedAdapters, runtime_updating_allowed
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.drain import SHUTDOWN_TIMEOUT_S, Drain
@@ -55,6 +58,8 @@ class ServerConfig:
     request_read_timeout: float = connections.REQUEST_READ_TIMEOUT_S  # s to send a request
     max_page_map_viewers: int = page_map.MAX_VIEWERS  # more get 503
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # s running requests may go on when stopping
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and unload
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -66,6 +71,11 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         model_name, lambda: engine_loop.stats, engine.max_model_len, config.metrics_prefix
     )
     engine_loop.metrics = metrics
+    adapters = ServedAdapters(
+        model_name, engine.config, engine.adapters is not None, engine.args.max_lora_rank
+    )
+    for name, path in config.lora_modules:
+        adapters.add(name, path)  # a bad one stops the start, naming it
     context = ServingContext(
         engine_loop=engine_loop,
         tokenizer=engine.tokenizer,
@@ -73,6 +83,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         model_name=model_name,
         max_model_len=engine.max_model_len,
         system_fingerprint=f"pagedkv-{version('pagedkv')}",
+        adapters=adapters,
         strict_fields=config.strict_fields,
     )
     started = now()
@@ -111,14 +122,43 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     card = ModelCard(id=model_name, created=started, max_model_len=engine.max_model_len)
 
+    def cards() -> list[ModelCard]:
+        """The base model, then each served LoRA adapter (vLLM's `root` and `parent`)."""
+        return [card] + [
+            ModelCard(
+                id=name,
+                created=started,
+                max_model_len=engine.max_model_len,
+                root=lora.lora_path,
+                parent=model_name,
+            )
+            for name, lora in adapters.by_name.items()
+        ]
+
     @v1.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=cards()).model_dump(exclude_none=True))
 
     @v1.get("/models/{model_id:path}")  # a path: served names are often "org/model"
     async def model(model_id: str) -> JSONResponse:
         context.check_model(model_id)
-        return JSONResponse(card.model_dump())
+        found = next(c for c in cards() if c.id == model_id or not model_id)
+        return JSONResponse(found.model_dump(exclude_none=True))
+
+    if runtime_updating_allowed(config.allow_runtime_lora_updating):
+
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            body = await _json_object(request)
+            name = body.get("lora_name")
+            await asyncio.to_thread(adapters.add, name, body.get("lora_path"))
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            name = (await _json_object(request)).get("lora_name")
+            adapters.remove(name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @v1.get("/kv")
     async def kv() -> Response:
@@ -153,3 +193,14 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
+
+
+async def _json_object(request: Request) -> dict:
+    """The request's body as a JSON object; a 400 otherwise."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise APIError(400, "the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body

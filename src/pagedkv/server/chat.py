@@ -70,7 +70,8 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
-    generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n)
+    lora = context.check_model(request.model)
+    generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
     await generation.start([prompt], params, request.priority)
     completion = _ChatCompletion(context, request, generation)
     last = request.messages[-1]
@@ -208,7 +209,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         chunk = ChatCompletionChunk(
             id=self.generation.request_id,
             created=self.created,
-            model=self.context.model_name,
+            model=self.generation.served_name(self.context.model_name),
             system_fingerprint=self.context.system_fingerprint,
             choices=choices,
             usage=self.generation.usage() if usage else None,
@@ -222,7 +223,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         return ChatCompletionResponse(
             id=self.generation.request_id,
             created=self.created,
-            model=self.context.model_name,
+            model=self.generation.served_name(self.context.model_name),
             system_fingerprint=self.context.system_fingerprint,
             choices=[
                 ChatChoice(

@@ -61,7 +61,8 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
-    generation = Generation(context.engine_loop, new_id("cmpl"), best_of)
+    lora = context.check_model(request.model)
+    generation = Generation(context.engine_loop, new_id("cmpl"), best_of, lora)
     await generation.start(prompts, params, request.priority, beams)
     completion = _Completion(context, request, generation)
     if request.echo:  # a token-id prompt echoes as vLLM's `tokenizer.decode(ids)`: specials too
@@ -324,7 +325,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
         return CompletionResponse(
             id=self.generation.request_id,
             created=self.created,
-            model=self.context.model_name,
+            model=self.generation.served_name(self.context.model_name),
             system_fingerprint=self.context.system_fingerprint,
             choices=choices,
             usage=self.generation.usage() if usage else None,

@@ -34,7 +34,7 @@ from pagedkv.server.kv_frames import KVSample, KVWatch
 from pagedkv.worker.parallel.errors import WorkerFailed
 
 if TYPE_CHECKING:
-    from pagedkv.engine import BeamSearchParams, Engine, EngineStats, SamplingParams
+    from pagedkv.engine import BeamSearchParams, Engine, EngineStats, LoRARequest, SamplingParams
     from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class _Add:
     route: _Route
     done: asyncio.Future
     beam_search: BeamSearchParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -161,6 +162,7 @@ class EngineLoop:
         priority: int = 0,
         arrival_time: float | None = None,
         beam_search: BeamSearchParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`
         (a beam search with `beam_search`: then `params` counts only in the metrics).
@@ -182,7 +184,17 @@ class EngineLoop:
         done = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(
-            _Add(request_id, prompt, params, priority, arrival, route, done, beam_search)
+            _Add(
+                request_id,
+                prompt,
+                params,
+                priority,
+                arrival,
+                route,
+                done,
+                beam_search,
+                lora_request,
+            )
         )
         try:
             await done
@@ -327,6 +339,7 @@ class EngineLoop:
                 priority=command.priority,
                 arrival_time=command.arrival_time,
                 beam_search=command.beam_search,
+                lora_request=command.lora_request,
             )
         except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
             _resolve(command.route.loop, command.done, error=error)

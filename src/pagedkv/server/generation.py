@@ -23,7 +23,13 @@ from pagedkv.server.responses import PromptTokensDetails, Usage
 from pagedkv.server.serving import check_room, shutting_down
 
 if TYPE_CHECKING:
-    from pagedkv.engine import BeamSearchParams, CompletionOutput, RequestOutput, SamplingParams
+    from pagedkv.engine import (
+        BeamSearchParams,
+        CompletionOutput,
+        LoRARequest,
+        RequestOutput,
+        SamplingParams,
+    )
     from pagedkv.engine.outputs import TokenLogprobs
 
 RETRY_AFTER_S = 1
@@ -47,8 +53,15 @@ class ChoiceDelta:
 class Generation:
     """One HTTP request's engine requests, merged into one stream of choice deltas."""
 
-    def __init__(self, engine_loop: EngineLoop, request_id: str, n: int) -> None:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        request_id: str,
+        n: int,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         self.engine_loop = engine_loop
+        self.lora_request = lora_request  # the adapter the request's `model` names
         self.request_id = request_id
         self.n = n
         self.arrival_time = ARRIVAL_TIME.get() or time.monotonic()
@@ -59,6 +72,10 @@ class Generation:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
+
+    def served_name(self, model_name: str) -> str:
+        """The `model` a response names: the adapter asked for, else the served model."""
+        return model_name if self.lora_request is None else self.lora_request.lora_name
 
     async def start(
         self,
@@ -97,6 +114,7 @@ class Generation:
                     priority,
                     self.arrival_time,
                     beam_search,
+                    self.lora_request,
                 )
                 self.prompt_tokens += len(prompt)
         except BaseException as error:

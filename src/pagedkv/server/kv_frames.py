@@ -13,7 +13,9 @@ A block is encoded as a flat list `[ref_count, cached, r0, s0, p0, r1, s1, p1, .
 `cached` is 2 for a host-tier block copied back since the previous frame. A delta entry puts
 the block id first. The pools are the GPU pool, the CPU swap pool and the host tier. Every
 message also lists, as `drafts`, the GPU blocks that hold speculative drafts not yet accepted:
-`[block_id, slots]` pairs (few, and whole in every message, so a viewer needs no history).
+`[block_id, slots]` pairs (few, and whole in every message, so a viewer needs no history),
+and, as `adapters`, the runs of GPU blocks that hold LoRA adapters' weights: `[first_block,
+blocks, name]`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class KVFrame:
     stats: dict[str, Any]
     offload: tuple[Block, ...] = ()
     drafts: tuple[tuple[int, int], ...] = ()  # (GPU block, slots holding drafts)
+    adapters: tuple[tuple[int, int, str], ...] = ()  # LoRA runs: (first block, blocks, name)
 
     @classmethod
     def capture(cls, sample: KVSample) -> KVFrame:
@@ -59,6 +62,7 @@ class KVFrame:
             drafts=tuple(
                 (state.block_id, state.draft_slots) for state in snapshot.gpu if state.draft_slots
             ),
+            adapters=tuple(snapshot.adapters),
         )
 
 
@@ -151,6 +155,7 @@ def _message(
         "names": {str(first_index + i): name for i, name in enumerate(names)},
         **pools,
         "drafts": [list(draft) for draft in frame.drafts],
+        "adapters": [list(run) for run in frame.adapters],
         "stats": frame.stats,
     }
 

@@ -207,10 +207,12 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedkv"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):
-    """`GET /v1/models`: the one model this server runs."""
+    """`GET /v1/models`: the model this server runs, then its LoRA adapters."""
 
     object: Literal["list"] = "list"
     data: list[ModelCard]

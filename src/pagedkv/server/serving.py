@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from pagedkv.engine import SamplingParams, StructuredOutputsParams
 from pagedkv.engine.admission import truncate
 from pagedkv.engine.token_bytes import TokenBytes
+from pagedkv.server.adapters import ServedAdapters
 from pagedkv.server.engine_loop import EngineLoop
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
@@ -32,7 +33,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.responses import PromptLogprob
 
 if TYPE_CHECKING:
-    from pagedkv.engine import Logprob
+    from pagedkv.engine import Logprob, LoRARequest
     from pagedkv.engine.outputs import TokenLogprobs
     from pagedkv.tokenizer import Tokenizer
 
@@ -52,6 +53,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     system_fingerprint: str  # names the server build, as OpenAI's names its backend
+    adapters: ServedAdapters  # the LoRA adapters served by name (none without --enable-lora)
     strict_fields: bool = False  # refuse unknown request fields instead of ignoring them
 
     def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
@@ -78,16 +80,10 @@ class ServingContext:
             raise APIError(400, "stream_options needs stream=true", param="stream_options")
         return request
 
-    def check_model(self, requested: str | None) -> None:
-        """Refuse a request naming another model (None or "" means this one, as vLLM serves
-        its one model) with OpenAI's 404."""
-        if requested and requested != self.model_name:
-            raise APIError(
-                404,
-                f"the model '{requested}' does not exist; this server runs '{self.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, requested: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model, also for None or
+        "", as vLLM serves its one model); another name is OpenAI's 404."""
+        return self.adapters.request_for(requested)
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """OpenAI's completions default of 16 tokens, cut to the room the context leaves.

@@ -171,6 +171,19 @@ class KVCache:
         of `dtype` (an fp8 pool's bytes viewed as its fp8 dtype)."""
         return self.cache[index, 0].view(self._dtype), self.cache[index, 1].view(self._dtype)
 
+    @property
+    def adapter_chunk_elements(self) -> int:
+        """float32 elements in one block's K (or V) chunk of one layer: the unit a LoRA
+        adapter's matrices are packed in (`memory/adapters.py`)."""
+        return self.cache[0, 0, 0].numel() * self.cache.element_size() // 4
+
+    def adapter_region(self, layer: int, region: int, first_block: int, num_blocks: int) -> Tensor:
+        """Layer `layer`'s K (region 0) or V (region 1) chunks of blocks `first_block ..
+        first_block + num_blocks - 1`, consecutive in memory, as one flat float32 tensor: where
+        a LoRA adapter's matrices of that layer live while it is resident."""
+        chunks = self.cache[layer, region, first_block : first_block + num_blocks]
+        return chunks.reshape(-1).view(torch.uint8).view(torch.float32)
+
     def layer_scales(self, index: int) -> KVScales:
         """What layer `index`'s fp8 key and value bytes are worth (unused by other caches)."""
         return self._scales[index]

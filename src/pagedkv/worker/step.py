@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pagedkv.memory import MemoryPlan
+from pagedkv.memory.adapters import AdapterChanges
 
 PreemptionMode = Literal["swap", "recompute"]
 
@@ -38,6 +39,7 @@ class ScheduledChunk:
     sample: bool
     num_logits: int
     num_draft_tokens: int = 0
+    lora_id: int = 0  # the LoRA adapter its rows go through (0: none)
 
 
 @dataclass
@@ -45,13 +47,15 @@ class SchedulerOutput:
     """One step's work: the chunks to compute and the memory plan to execute first.
 
     `dropped` names the sequences whose block tables the runner forgets first: freed,
-    preempted or swapped out since the last step.
+    preempted or swapped out since the last step. `adapters` says which LoRA adapters left the
+    pool and which were given blocks (their weights written after the plan has run).
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     plan: MemoryPlan = field(default_factory=MemoryPlan)
     preempted: list[tuple[str, PreemptionMode]] = field(default_factory=list)
     dropped: list[tuple[str, int]] = field(default_factory=list)
+    adapters: AdapterChanges = field(default_factory=AdapterChanges)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -1,5 +1,7 @@
 """Scheduler: which sequences run this step, how many tokens each, and who gives way.
 
+(Over 400 lines: one step's whole decision, admission, preemption and update, in one place.)
+
 One token budget per step (`max_num_batched_tokens`) is shared by everything, as in vLLM v1:
 there are no separate prefill and decode phases. Each step:
 1. running requests, oldest first: each live sequence gets its next tokens (one for a
@@ -25,6 +27,11 @@ sequence's table, and `dropped` names the tables to forget. `SchedulerOutput` is
 
 Speculative decoding's drafts verify in a decode's chunk, in lookahead slots that
 `DraftSlots` (`drafts.py`) reserves, settles and gives back.
+
+With LoRA adapters (`memory/adapters.py`), a request is admitted only once its adapter is
+resident in the pool (loaded into a run of free blocks if it is not) and its KV fits too; it
+holds the adapter until it leaves. Idle adapters give their blocks back when KV needs them,
+before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pagedkv.engine.sched.output import ModelRunnerOutput
 from pagedkv.engine.sched.policy import make_policy
 from pagedkv.engine.stops import append_sampled
 from pagedkv.memory import Allocation, MemoryPlan
+from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 
 # Blocks kept free when admitting, as a share of the pool (at least one block).
@@ -56,8 +64,11 @@ class Scheduler:
     """Queues of requests over one `KVMemory`; `schedule()` builds each step, `update()`
     records what the runner computed."""
 
-    def __init__(self, manager: KVMemory, config: SchedulerConfig) -> None:
+    def __init__(
+        self, manager: KVMemory, config: SchedulerConfig, adapters: AdapterBlocks | None = None
+    ) -> None:
         self.manager = manager
+        self.adapters = adapters
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.preemption_mode = config.preemption_mode
@@ -94,6 +105,9 @@ class Scheduler:
                 queue.remove(request)
         for seq in request.sequences:
             self.free_sequence(seq)
+        if request.holds_adapter and self.adapters is not None:
+            self.adapters.release(request.lora_id)
+            request.holds_adapter = False
         request.status = RequestStatus.FINISHED
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -131,7 +145,9 @@ class Scheduler:
             while self.waiting and self._try_admit(self.waiting.peek(), step):
                 self.waiting.pop()
         self._dropped += step.output.dropped
-        if step.output.chunks or step.output.plan:  # a step the runner will execute
+        if self.adapters is not None:
+            step.output.adapters = self.adapters.take_changes()
+        if step.output.chunks or step.output.plan or step.output.adapters:  # the runner runs it
             step.output.dropped, self._dropped = self._dropped, []
         else:
             step.output.dropped = []
@@ -228,6 +244,8 @@ class Scheduler:
                 if drafts:  # verify no drafts rather than preempt anyone for them
                     drafts = []
                     continue
+                if self.adapters is not None and self.adapters.evict_idle():
+                    continue  # an adapter no one uses gives way before any request
                 victim = self.policy.victim(self.running)
                 self._preempt(victim, step)
                 if victim is request:
@@ -248,9 +266,16 @@ class Scheduler:
         return True
 
     def _try_admit(self, request: Request, step: _Step) -> bool:
-        """Allocate a waiting request's blocks if they fit with the watermark; schedule it."""
-        if not self._fits(request, step):
-            return False
+        """Allocate a waiting request's blocks (and load its adapter) if they fit with the
+        watermark; schedule it."""
+        if request.lora_id and not request.holds_adapter:
+            assert self.adapters is not None, "the engine adds LoRA requests with adapters on"
+            if self.adapters.acquire(request.lora_id, request.lora_blocks) is None:
+                return False
+            request.holds_adapter = True
+        while not self._fits(request, step):
+            if self.adapters is None or not self.adapters.evict_idle():
+                return False
         allocations: list[Allocation] = []
         for seq in request.live_sequences:
             allocation = self.manager.allocate_slots(
@@ -342,6 +367,7 @@ class Scheduler:
             sample=sample,
             num_logits=(num_new if scores_prompt else int(sample)) + len(drafts),
             num_draft_tokens=len(drafts),
+            lora_id=request.lora_id,
         )
 
     def _preempt(self, request: Request, step: _Step) -> None:

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from pagedkv.model.lora import add_lora
 from pagedkv.parallel.collectives import all_reduce, gather_last_dim
 from pagedkv.parallel.group import building_group
 from pagedkv.parallel.split import Split, split_even, split_or_replicate, split_padded
@@ -153,9 +154,15 @@ class Linear(nn.Module):
         self.qweight: QuantizedTensor | None = None
         self.scheme: str | None = None  # see `quantize`
         self._pending: list[Tensor | QuantizedTensor | None] = []
+        # (layer index, checkpoint parts) when the model adapts it with LoRA (`model/lora.py`).
+        self.lora_target: tuple[int, tuple[str, ...]] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        if self.lora_target is None:
+            return out
+        layer, parts = self.lora_target
+        return add_lora(layer, parts, self.part_sizes, x, out)
 
     def checkpoint_parts(self, own_name: str) -> tuple[str, ...]:
         """Checkpoint module names whose tensors fill this layer, in row order.

@@ -3,7 +3,8 @@
 // --kv-offloading-size gives it one) drawn block by block on canvases, live from the
 // server-sent frames of /v1/kv/stream (one full frame, then only the blocks that changed).
 // Canvases rather than one element per block, so 10,000+ blocks stay smooth; a delta frame
-// repaints only its blocks. The stream is read with fetch(), not EventSource, because
+// repaints only its blocks. LoRA adapters' weights live in runs of GPU blocks: striped, a colour
+// per adapter, named in the tooltip and on the run's first block. The stream is read with fetch(), not EventSource, because
 // EventSource cannot send the Authorization header a server with --api-key needs.
 
 const COLORS = {
@@ -27,6 +28,7 @@ class Pool {
     this.counter = counter;
     this.blocks = []; // [ref, cached, r0, s0, p0, ...] per block id
     this.drafts = new Map(); // block id -> slots holding speculative drafts not accepted yet
+    this.adapters = new Map(); // block id -> [adapter name, index in its run, run length]
     this.cell = 8;
     this.columns = 1;
   }
@@ -43,6 +45,19 @@ class Pool {
     this.drafts = new Map(pairs);
     const changed = new Set([...before.keys(), ...this.drafts.keys()]);
     return [...changed].filter((id) => before.get(id) !== this.drafts.get(id));
+  }
+
+  // LoRA adapters' runs of blocks ([first, count, name]); the blocks whose adapter changed
+  // are redrawn with the frame's other changes.
+  setAdapters(runs) {
+    const before = this.adapters;
+    this.adapters = new Map();
+    for (const [first, count, name] of runs) {
+      for (let i = 0; i < count; i += 1) this.adapters.set(first + i, [name, i, count]);
+    }
+    const changed = new Set([...before.keys(), ...this.adapters.keys()]);
+    const same = (a, b) => a && b && a[0] === b[0] && a[1] === b[1];
+    return [...changed].filter((id) => !same(before.get(id), this.adapters.get(id)));
   }
 
   update(changes, redraw = []) {
@@ -96,6 +111,11 @@ class Pool {
     ctx.fillStyle = COLORS.bg;
     ctx.fillRect(x, y, this.cell * scale, this.cell * scale);
     const [ref, cached] = block;
+    const adapter = this.adapters.get(id);
+    if (adapter) {
+      this.drawAdapterBlock(ctx, adapter, x, y, size, scale);
+      return;
+    }
     if (ref > 1) ctx.fillStyle = COLORS.shared;
     else if (ref === 1) ctx.fillStyle = ownerColor(block[2], block[3]);
     else if (cached === 2) ctx.fillStyle = COLORS.tierHit; // host tier: just copied back
@@ -123,6 +143,25 @@ class Pool {
         ctx.fillStyle = COLORS.text; // too small for digits: a corner mark says "shared"
         ctx.fillRect(x, y, Math.max(1, size / 3), Math.max(1, size / 3));
       }
+    }
+  }
+
+  // A block of a LoRA adapter's weights: its adapter's colour, striped, its name on the first.
+  drawAdapterBlock(ctx, [name, index], x, y, size, scale) {
+    ctx.fillStyle = ownerColor(name, 0);
+    ctx.fillRect(x, y, size, size);
+    ctx.strokeStyle = "#ffffffaa";
+    ctx.lineWidth = Math.max(1, scale);
+    ctx.beginPath();
+    ctx.moveTo(x, y + size);
+    ctx.lineTo(x + size, y);
+    ctx.stroke();
+    if (index === 0 && size >= 11 * scale) {
+      ctx.fillStyle = COLORS.text;
+      ctx.font = `bold ${Math.floor(size * 0.5)}px monospace`;
+      ctx.textAlign = "left";
+      ctx.textBaseline = "middle";
+      ctx.fillText(name.slice(0, 1).toUpperCase(), x + scale, y + size / 2);
     }
   }
 
@@ -183,7 +222,10 @@ function applyFrame(frame) {
   for (const [index, name] of Object.entries(frame.names)) state.names.set(Number(index), name);
   state.blockSize = frame.block_size;
   document.getElementById("offload-pool").hidden = frame.num_offload_blocks === 0;
-  const redraw = state.gpu.setDrafts(frame.drafts || []);
+  const redraw = [
+    ...state.gpu.setDrafts(frame.drafts || []),
+    ...state.gpu.setAdapters(frame.adapters || []),
+  ];
   for (const pool of POOLS) {
     if (frame.type === "full") state[pool].reset(frame[pool]);
     else state[pool].update(frame[pool], pool === "gpu" ? redraw : []);
@@ -253,6 +295,11 @@ function drawChart(now) {
 // Hover: the block's owner(s), position in each sequence, ref count and cache state.
 function describe(pool, id) {
   const [ref, cached, ...holders] = pool.blocks[id];
+  const adapter = pool.adapters.get(id);
+  if (adapter) {
+    const [name, index, count] = adapter;
+    return `${pool.name} block ${id}\nLoRA adapter ${name}: its weights, block ${index + 1} of ${count}`;
+  }
   const lines = [`${pool.name} block ${id}`, `ref count ${ref}${ref > 1 ? " (shared)" : ""}`];
   lines.push(`prefix cache: ${cached ? "yes" : "no"}`);
   if (pool === state.offload) {

@@ -1,0 +1,122 @@
+"""LoRARequest, vLLM's, and the catalog of adapters the engine's requests have named.
+
+`LoRARequest(lora_name, lora_int_id, lora_path)` names an adapter: a PEFT folder, known to the
+engine by its id from then on. The catalog reads a folder the first time its id is used (so a
+missing, malformed or mismatched adapter is refused when the request is added, naming it,
+and nothing in flight is touched), keeps the weights on the host for the worker to write into
+pool blocks when a request needs them, and says how many blocks that takes
+(`memory/adapters.py`). An id always means the same adapter: reusing it for another name or
+path is refused, as vLLM refuses it.
+
+Prefix caching is keyed by adapter: a request's cache salt carries its adapter's id, so two
+adapters never share KV blocks, whatever the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.errors import RequestRejected
+from pagedkv.kvmath.lora import blocks_needed
+from pagedkv.memory.adapters import AdapterBlocks
+from pagedkv.model.config import ModelConfig
+from pagedkv.weights.lora import AdapterError, LoRAAdapter, read_adapter
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for a request: its name, its id (>= 1, unique per adapter) and its
+    PEFT folder (vLLM's fields and order)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
+class LoRARejected(RequestRejected):
+    """A LoRA request the engine cannot serve; the message names the adapter and why."""
+
+
+class LoRACatalog:
+    """The adapters named so far, by id, read and checked once; `registry` is the worker's
+    view of them (what a load writes into pool blocks)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        args: EngineArgs,
+        chunk_elements: int,
+        num_gpu_blocks: int,
+        registry: dict[int, LoRAAdapter],
+    ) -> None:
+        self.config = config
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enabled = args.enable_lora
+        self.max_lora_rank = args.max_lora_rank
+        self.chunk_elements = chunk_elements
+        self.registry = registry
+        self.requests: dict[int, LoRARequest] = {}
+        self.num_blocks: dict[int, int] = {}
+
+    def resolve(self, lora: LoRARequest | None) -> tuple[int, int]:
+        """The adapter's id and the pool blocks it takes, reading it on first use; (0, 0)
+        for a request without one."""
+        if lora is None:
+            return 0, 0
+        if not isinstance(lora, LoRARequest):
+            raise LoRARejected(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if not self.enabled:
+            raise LoRARejected(
+                f"LoRA adapter {lora.lora_name!r} asked of an engine started without "
+                "enable_lora=True (--enable-lora)"
+            )
+        lora_id = lora.lora_int_id
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
+            raise LoRARejected(
+                f"LoRA adapter {lora.lora_name!r}: lora_int_id must be an integer >= 1, "
+                f"got {lora_id!r}"
+            )
+        known = self.requests.get(lora_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lora.lora_name, lora.lora_path):
+                raise LoRARejected(
+                    f"LoRA id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}), "
+                    f"not {lora.lora_name!r} ({lora.lora_path}): one id, one adapter"
+                )
+            return lora_id, self.num_blocks[lora_id]
+        try:
+            adapter = read_adapter(lora.lora_path, lora.lora_name, self.config, self.max_lora_rank)
+        except AdapterError as error:
+            raise LoRARejected(str(error)) from None
+        num_blocks = blocks_needed(adapter.layer_sizes(self.config.num_layers), self.chunk_elements)
+        if num_blocks >= self.num_gpu_blocks:
+            raise LoRARejected(
+                f"LoRA adapter {lora.lora_name!r} takes {num_blocks} KV blocks, the whole pool "
+                f"has {self.num_gpu_blocks}: no room for a request beside it"
+            )
+        self.requests[lora_id] = lora
+        self.num_blocks[lora_id] = num_blocks
+        self.registry[lora_id] = adapter
+        return lora_id, self.num_blocks[lora_id]
+
+    def runs(self, adapters: AdapterBlocks | None) -> list[tuple[int, int, str]]:
+        """The resident adapters' runs of blocks, `(first block, blocks, name)`."""
+        resident = () if adapters is None else adapters.resident.values()
+        return [(a.first_block, a.num_blocks, self.requests[a.lora_id].lora_name) for a in resident]
+
+
+def lora_cache_salt(cache_salt: str | None, lora_id: int) -> str | None:
+    """The prefix-cache salt of a request with adapter `lora_id` (0: none): its own salt with
+    the adapter's id, so KV computed through one adapter never serves another."""
+    if not lora_id:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora_id}"

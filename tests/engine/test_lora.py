@@ -1,0 +1,205 @@
+"""Multi-LoRA serving: greedy output equals transformers + peft with the adapter merged.
+
+Adapters are made by peft itself (`init_lora_weights=False`: random A and B, so every adapter
+changes the output), saved with `save_pretrained` as PEFT folders, and served from the KV
+pool's blocks. The oracle is peft's `merge_and_unload()`: transformers' own model with each
+adapter folded into its weights, its logits taken teacher-forced over the engine's tokens, so a
+near tie of a random model can never make the test flaky: every token the engine chose must be
+transformers' argmax, or within `TIE` of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedkv.engine import LoRARejected, LoRARequest, SamplingParams
+from pagedkv.kvmath.lora import plan_lora
+from pagedkv.kvmath.spec import KVSpec
+from tests.engine.conftest import make_engine, make_llm, run_to_completion
+from tests.model.tiny_models import random_prompt
+
+peft = pytest.importorskip("peft")
+
+TIE = 1e-4
+MAX_NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, alpha, targets, extra LoraConfig settings) of each adapter the tests make.
+ADAPTERS = {
+    "all": (8, 16, ALL_TARGETS, {}),
+    "attention": (4, 8, ["q_proj", "v_proj"], {}),
+    "mlp-rslora": (16, 4, ["gate_proj", "up_proj", "down_proj"], {"use_rslora": True}),
+    "patterned": (
+        6,
+        12,
+        ["k_proj", "o_proj", "down_proj"],
+        {"rank_pattern": {"o_proj": 2}, "alpha_pattern": {"down_proj": 3}},
+    ),
+}
+
+
+def make_adapter(zoo, name: str, kind: str, folder: Path) -> Path:
+    """A random PEFT LoRA adapter of `kind` for tiny model `name`, saved in `folder`."""
+    rank, alpha, targets, extra = ADAPTERS[kind]
+    torch.manual_seed(hash(kind) % 1000)
+    base = zoo.hf(name).__class__.from_pretrained(zoo.folder(name), dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **extra
+    )
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # peft's random B is small: make each adapter matter
+        for param_name, param in model.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+def merged_logits(zoo, name: str, adapter: Path | None, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits at every position with `adapter` merged into the weights."""
+    model = zoo.hf(name).__class__.from_pretrained(zoo.folder(name), dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with torch.no_grad():
+        return model.eval()(torch.tensor([tokens])).logits[0]
+
+
+def assert_greedy(zoo, name: str, adapter: Path | None, prompt: list[int], output: list[int]):
+    logits = merged_logits(zoo, name, adapter, prompt + output)
+    for step, token in enumerate(output):
+        row = logits[len(prompt) - 1 + step]
+        assert row.max() - row[token] <= TIE, (
+            f"token {step}: the engine chose {token}, transformers+peft {int(row.argmax())} "
+            f"({float(row.max() - row[token]):.3g} above it)"
+        )
+
+
+@pytest.fixture(scope="module")
+def adapters(engine_zoo, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        (name, kind): make_adapter(engine_zoo, name, kind, root / f"{name}-{kind}")
+        for name in ("llama", "qwen3")
+        for kind in ADAPTERS
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_each_adapter_alone_matches_peft_merged(engine_zoo, adapters, name):
+    llm = make_llm(engine_zoo, name, enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompt = random_prompt(23, seed=3)
+    for index, kind in enumerate(ADAPTERS, start=1):
+        folder = adapters[(name, kind)]
+        lora = LoRARequest(kind, index, str(folder))
+        [output] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=lora)
+        assert_greedy(engine_zoo, name, folder, prompt, list(output.outputs[0].token_ids))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_batch_mixing_three_adapters_and_base_requests(engine_zoo, adapters, name):
+    """Requests of 3 adapters and of none, in one batch: each row gets its own adapter, and
+    each output is what that request gives alone (batch invariance extends to adapters)."""
+    kinds = ["all", "attention", "mlp-rslora"]
+    loras = [LoRARequest(kind, i, str(adapters[(name, kind)])) for i, kind in enumerate(kinds, 1)]
+    prompts = [random_prompt(length, seed=length) for length in (9, 40, 17, 33, 5, 21, 60, 12)]
+    chosen = [loras[i % 4] if i % 4 < 3 else None for i in range(len(prompts))]
+    llm = make_llm(engine_zoo, name, enable_lora=True, max_loras=3, max_lora_rank=16)
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    together = llm.generate(requests, GREEDY, lora_request=chosen)
+    for prompt, lora, output in zip(prompts, chosen, together, strict=True):
+        tokens = list(output.outputs[0].token_ids)
+        folder = None if lora is None else Path(lora.lora_path)
+        assert_greedy(engine_zoo, name, folder, prompt, tokens)
+        [alone] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=lora)
+        assert list(alone.outputs[0].token_ids) == tokens
+        assert alone.outputs[0].cumulative_logprob == output.outputs[0].cumulative_logprob
+
+
+def test_a_pool_smaller_than_every_adapter_finishes_everything(engine_zoo, adapters):
+    """Four adapters, room for about one beside the KV it needs: requests queue, idle adapters
+    are evicted (LRU), and every request still finishes with its own adapter's output."""
+    kinds = list(ADAPTERS)
+    loras = [
+        LoRARequest(kind, i, str(adapters[("llama", kind)])) for i, kind in enumerate(kinds, 1)
+    ]
+    probe = make_engine(engine_zoo, "llama", enable_lora=True)
+    largest = max(probe.loras.resolve(lora)[1] for lora in loras)
+    engine = make_engine(
+        engine_zoo, "llama", enable_lora=True, max_loras=4, num_gpu_blocks=largest + 12
+    )
+    prompts = [random_prompt(30 + 7 * i, seed=i) for i in range(8)]
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, GREEDY, lora_request=loras[index % 4])
+    tokens: dict[str, list[int]] = {}
+    for deltas in run_to_completion(engine):
+        for delta in deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+    assert engine.adapters.num_evictions > 0
+    for index, prompt in enumerate(prompts):
+        folder = Path(loras[index % 4].lora_path)
+        assert_greedy(engine_zoo, "llama", folder, prompt, tokens[str(index)])
+    # Only the idle adapters remain: every other block is free again.
+    assert (
+        engine.manager.num_free_blocks == engine.manager.num_gpu_blocks - engine.adapters.num_blocks
+    )
+
+
+def test_prefix_cache_is_keyed_by_adapter(engine_zoo, adapters):
+    """The same prompt under two adapters never shares KV blocks; under one it does."""
+    engine = make_engine(engine_zoo, "llama", enable_lora=True, max_loras=2)
+    prompt = random_prompt(64, seed=9)
+    first = LoRARequest("all", 1, str(adapters[("llama", "all")]))
+    second = LoRARequest("attention", 2, str(adapters[("llama", "attention")]))
+    cached = []
+    for request_id, lora in (("a", first), ("b", second), ("c", first), ("d", None)):
+        engine.add_request(request_id, prompt, GREEDY, lora_request=lora)
+        for deltas in run_to_completion(engine):
+            for delta in deltas:
+                if delta.finished:
+                    cached.append(delta.num_cached_tokens)
+    assert cached == [0, 0, 48, 0]
+
+
+def test_bad_adapters_are_clear_errors_and_touch_nothing(engine_zoo, adapters, tmp_path):
+    engine = make_engine(engine_zoo, "llama", enable_lora=True, max_lora_rank=8)
+    engine.add_request("running", random_prompt(10, seed=1), GREEDY)
+    good = adapters[("llama", "attention")]
+    malformed = tmp_path / "malformed"
+    malformed.mkdir()
+    (malformed / "adapter_config.json").write_text("{not json")
+    big_rank = adapters[("llama", "mlp-rslora")]  # rank 16 > max_lora_rank 8
+    other_model = adapters[("qwen3", "all")]  # qwen3's heads are 32 wide, llama's 16
+    cases = {
+        LoRARequest("missing", 1, str(tmp_path / "nowhere")): "no such folder",
+        LoRARequest("malformed", 2, str(malformed)): "is not JSON",
+        LoRARequest("big", 3, str(big_rank)): "above max_lora_rank 8",
+        LoRARequest("ok", 5, str(good)): None,
+        LoRARequest("reused-id", 5, str(big_rank)): "one id, one adapter",
+        LoRARequest("zero", 0, str(good)): "lora_int_id must be an integer >= 1",
+        LoRARequest("other", 4, str(other_model)): "another base model",
+    }
+    for lora, message in cases.items():
+        if message is None:
+            engine.add_request(lora.lora_name, random_prompt(8, seed=2), GREEDY, lora_request=lora)
+            continue
+        with pytest.raises(LoRARejected, match=message):
+            engine.add_request(lora.lora_name, random_prompt(8, seed=2), GREEDY, lora_request=lora)
+    finished = {d.request_id for deltas in run_to_completion(engine) for d in deltas if d.finished}
+    assert finished == {"running", "ok"}
+    plain = make_engine(engine_zoo, "llama")
+    with pytest.raises(LoRARejected, match="enable_lora"):
+        plain.add_request("x", [1, 2, 3], GREEDY, lora_request=LoRARequest("ok", 1, str(good)))
+
+
+def test_the_planner_states_the_blocks_the_engine_takes(engine_zoo, adapters):
+    """`pagedkv plan --lora-rank 8` (kvmath/lora.py, from config.json alone) and the engine
+    (from the adapter's tensors) agree on an adapter's blocks."""
+    engine = make_engine(engine_zoo, "llama", enable_lora=True)
+    _, blocks = engine.loras.resolve(LoRARequest("all", 1, str(adapters[("llama", "all")])))
+    config = json.loads((engine_zoo.folder("llama") / "config.json").read_text())
+    spec = KVSpec.from_hf_config(config, "fp32")
+    assert plan_lora(config, spec, rank=8, max_loras=1, block_size=16).blocks_per_adapter == blocks
