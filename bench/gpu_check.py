@@ -124,6 +124,7 @@ def main() -> None:
         run_engine(setup, device)
     else:
         run_agreement(setup, device)
+        run_lora_agreement(setup, device)
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -542,6 +543,66 @@ def run_agreement(setup: Setup, device: torch.device) -> None:
                     f"{within}/{total} in its top {FP8_TOP_RANK} (goal: all in the top "
                     f"{FP8_TOP_RANK}: {'met' if within == total else 'missed'})"
                 )
+
+
+def run_lora_agreement(setup: Setup, device: torch.device) -> None:
+    """LoRA on the device: 3 random adapters of rank 8 and base requests in one batch; each
+    request's greedy tokens against transformers' logits with its adapter merged into the
+    weights (W += scaling * B A), teacher-forced."""
+    from safetensors.torch import load_file
+
+    from pagedkv import LLM, LoRARequest, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from lora_bench import write_adapter
+
+    float_setup = replace(setup, dtype=torch.float32, model=setup.model | AGREEMENT_MODEL)
+    rng = random.Random(2)
+    vocab = float_setup.model["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 40, 17, 64, 9, 33, 100, 3)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+    with tempfile.TemporaryDirectory() as folder:
+        model = random_llama(float_setup, device, Path(folder) / "model")
+        llm = LLM(
+            model=str(Path(folder) / "model"),
+            dtype="float32",
+            device=device.type,
+            num_gpu_blocks=512,
+            enable_lora=True,
+            max_loras=3,
+        )
+        config = llm.engine.config
+        loras = [
+            LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(folder) / f"a{i}", config, 8, i)))
+            for i in range(3)
+        ]
+        chosen = [loras[i % 4] if i % 4 < 3 else None for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
+        base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        gaps = []
+        for prompt, lora, output in zip(prompts, chosen, outputs, strict=True):
+            merged = dict(base)
+            if lora is not None:
+                settings = json.loads((Path(lora.lora_path) / "adapter_config.json").read_text())
+                scaling = settings["lora_alpha"] / settings["r"]
+                tensors = load_file(Path(lora.lora_path) / "adapter_model.safetensors")
+                for key, a in tensors.items():
+                    if ".lora_A." in key:
+                        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                        name = key.removeprefix("base_model.model.").replace(".lora_A", "")
+                        merged[name] = base[name] + scaling * (b.to(device) @ a.to(device))
+            model.load_state_dict(merged)
+            tokens = list(output.outputs[0].token_ids)
+            with torch.inference_mode():
+                ids = torch.tensor([prompt + tokens], device=device)
+                logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            gaps += [float(row.max() - row[t]) for row, t in zip(logits, tokens, strict=True)]
+        agreeing = sum(gap <= AGREEMENT_LOGIT_GAP for gap in gaps)
+        print(
+            f"agreement, 3 LoRA adapters and base requests in one batch: {agreeing}/{len(gaps)} "
+            f"greedy tokens are transformers' argmax with the adapter merged (gap <= "
+            f"{AGREEMENT_LOGIT_GAP}; goal: all: {'met' if agreeing == len(gaps) else 'missed'})"
+        )
 
 
 def random_llama(setup: Setup, device: torch.device, folder: Path):

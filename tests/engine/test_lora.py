@@ -203,3 +203,35 @@ def test_the_planner_states_the_blocks_the_engine_takes(engine_zoo, adapters):
     config = json.loads((engine_zoo.folder("llama") / "config.json").read_text())
     spec = KVSpec.from_hf_config(config, "fp32")
     assert plan_lora(config, spec, rank=8, max_loras=1, block_size=16).blocks_per_adapter == blocks
+
+
+def test_the_one_call_decode_adds_the_same_products(engine_zoo, adapters, monkeypatch):
+    """On quantised weights a step runs the layers in one C call, which adds the LoRA products
+    itself (kernels/decode_layer.c): outputs and logprobs equal the op-by-op path's, bit for bit,
+    in a batch mixing adapters and base requests."""
+    from pagedkv.attention.backend import CPUAttention
+    from pagedkv.model import fused_decode
+
+    kinds = ["all", "patterned", "mlp-rslora"]
+    loras = [LoRARequest(k, i, str(adapters[("llama", k)])) for i, k in enumerate(kinds, 1)]
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (7, 30, 19, 44, 3)]
+    chosen = [loras[0], None, loras[1], loras[2], loras[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        llm = make_llm(engine_zoo, "llama", enable_lora=True, max_loras=3, quantization="int8")
+        outputs = llm.generate(prompts, params, lora_request=chosen)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    fused_with_lora = []
+    original = CPUAttention.decode_layers
+
+    def counting(self, *args, **kwargs):
+        fused_with_lora.append(kwargs.get("lora", args[5] if len(args) > 5 else None))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CPUAttention, "decode_layers", counting)
+    fused = run()
+    assert any(lora is not None for lora in fused_with_lora), "no step took the C decode"
+    monkeypatch.setattr(fused_decode.LayerPath, "takes_step", lambda self, hidden, context: False)
+    assert run() == fused

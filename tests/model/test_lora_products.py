@@ -9,20 +9,24 @@ import torch
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.kernels import native
 from pagedkv.model import lora
-from pagedkv.model.lora import AdapterWeights, add_lora, lora_step
+from pagedkv.model.lora import AdapterWeights, LoRAPart, ProjectionLoRA, add_lora, lora_step
 
 PARTS, SIZES = ("q_proj", "k_proj", "v_proj"), (48, 16, 16)
 IN = 40
 
 
 def adapter(seed: int, parts=PARTS, rank: int = 8) -> AdapterWeights:
+    """Random A and B of `parts` of layer 3's q/k/v projection; A stacked, B transposed."""
     gen = torch.Generator().manual_seed(seed)
-    modules = {}
-    for part, size in zip(PARTS, SIZES, strict=True):
+    a_parts, adapted, offset = [], [], 0
+    for index, (part, size) in enumerate(zip(PARTS, SIZES, strict=True)):
         if part in parts:
-            a, b = torch.randn(rank, IN, generator=gen), torch.randn(size, rank, generator=gen)
-            modules[(3, part)] = (a, b, 0.5 + seed)
-    return AdapterWeights(modules)
+            a_parts.append(torch.randn(rank, IN, generator=gen))
+            b_t = torch.randn(rank, size, generator=gen)
+            adapted.append(LoRAPart(index, offset, b_t, 0.5 + seed + index))
+            offset += rank
+    projection = ProjectionLoRA(torch.cat(a_parts), adapted)
+    return AdapterWeights({(3, PARTS): projection}, num_layers=4)
 
 
 def batch(lora_ids: list[int], lengths: list[int]) -> ForwardBatch:
@@ -41,7 +45,7 @@ def products(adapters, lora_ids, lengths, x, out, monkeypatch=None) -> torch.Ten
 @pytest.fixture
 def setting():
     adapters = {1: adapter(1), 2: adapter(2, parts=("q_proj", "v_proj"), rank=4), 3: adapter(3)}
-    lora_ids, lengths = [1, 0, 2, 1, 3, 0], [3, 2, 1, 4, 2, 1]
+    lora_ids, lengths = [1, 0, 2, 1, 3, 0], [3, 2, 1, 40, 2, 1]  # adapter 1: 43 rows, the rest few
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(sum(lengths), IN, generator=gen)
     out = torch.randn(sum(lengths), sum(SIZES), generator=gen)
@@ -60,14 +64,14 @@ def test_kernel_equals_torch_twin_and_float64(setting, monkeypatch):
     for lora_id, length in zip(lora_ids, lengths, strict=True):
         for _ in range(length):
             expected = out[row].double().clone()
-            offset = 0
-            for part, size in zip(PARTS, SIZES, strict=True):
-                module = adapters[lora_id].modules.get((3, part)) if lora_id else None
-                if module is not None:
-                    a, b, scaling = module
-                    delta = (x[row].double() @ a.double().T) @ b.double().T * scaling
-                    expected[offset : offset + size] += delta
-                offset += size
+            offsets = [0, SIZES[0], SIZES[0] + SIZES[1]]
+            if lora_id:
+                projection = adapters[lora_id].projections[(3, PARTS)]
+                for part in projection.parts:
+                    a = projection.a[part.rank_offset : part.rank_offset + part.rank].double()
+                    delta = (x[row].double() @ a.T) @ part.b_t.double() * part.scaling
+                    at = offsets[part.index]
+                    expected[at : at + SIZES[part.index]] += delta
             assert torch.allclose(ours[row].double(), expected, rtol=1e-5, atol=1e-5)
             row += 1
 

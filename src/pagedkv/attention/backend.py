@@ -294,10 +294,12 @@ class CPUAttention(TorchAttention):
         heads: tuple[int, int, int],
         scale: float,
         context: ForwardContext,
+        lora: tuple[int, int] | None = None,
     ) -> Tensor:
         """The hidden states after `layers` (consecutive `native.DecodeLayerArgs`), in one C
         call over a step `takes_decode_step` accepted; `heads` is `(num_heads, num_kv_heads,
-        head_dim)`. Their new K/V are in the cache afterwards, as op by op."""
+        head_dim)`. Their new K/V are in the cache afterwards, as op by op. `lora` is the
+        step's LoRA groups table of these layers and its group count (`model/lora.py`)."""
         num_heads, num_kv_heads, head_dim = heads
         batch = context.batch
         tables, query_starts, context_lens = self.step_tables(batch)
@@ -321,6 +323,7 @@ class CPUAttention(TorchAttention):
             batch.num_seqs,
             context.kv_cache.layer(0)[0].shape[1],
             scale,
+            *(lora or (None, 0)),
         )
         if status != 0:
             raise MemoryError(f"decoder layers over {hidden.shape[0]} rows: no scratch memory")

@@ -14,8 +14,9 @@
  *
  * Every step is the kernel the unfused path calls: pagedkv_qmatmul over quantised weights,
  * rope and the K/V write of rope_kv.c, pagedkv_attention, and RMSNorm and silu(g) * u of
- * rowwise.c; the residual adds are float32 adds, as torch's. So the floats are the unfused
- * path's, bit for bit. The caches hold float32, or fp8 bytes when an Fp8Cache is given:
+ * rowwise.c; the residual adds are float32 adds, as torch's; a step with LoRA adapters adds each
+ * projection's products right after it, by lora.c, as the unfused path's `Linear` does. So the
+ * floats are the unfused path's, bit for bit. The caches hold float32, or fp8 bytes when an Fp8Cache is given:
  * written and read by those same kernels.
  */
 #include <stdint.h>
@@ -69,6 +70,23 @@ void pagedkv_write_kv_fp8(const float *k, int64_t k_stride, const float *v, int6
 void pagedkv_rms_norm(const float *x, int64_t x_stride, int64_t rows, int64_t cols,
                       const float *weight, float eps, float *out);
 void pagedkv_silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out);
+int pagedkv_lora_add(const float *x, int64_t k, int64_t num_groups, const void *groups,
+                     int64_t num_parts, const int64_t *part_sizes, float *out, int64_t out_stride);
+
+/* A step's LoRA groups of one layer: per projection (qkv, o, gate_up, down) the address of its
+ * groups (0: none), as model/lora.py lays them out; `num_groups` each. */
+typedef struct {
+    const int64_t *groups; /* [4], or NULL: no LoRA in this step */
+    int64_t num_groups;
+} LayerLoRA;
+
+/* Add projection `which`'s LoRA products of x [*, k] to y [*, n] (parts of `sizes`). */
+static int add_lora(LayerLoRA lora, int which, const float *x, int64_t k, const int64_t *sizes,
+                    int64_t num_parts, float *y, int64_t n) {
+    if (lora.groups == NULL || lora.groups[which] == 0) return 0;
+    return pagedkv_lora_add(x, k, lora.num_groups, (const void *)lora.groups[which], num_parts,
+                            sizes, y, n);
+}
 
 static int project(const float *x, int64_t m, const QuantizedWeight *w, float *y) {
     return pagedkv_qmatmul(x, m, w->in_features, w->values, w->scales, w->mins,
@@ -112,14 +130,19 @@ static int decode_layer(float *hidden, int64_t m, int64_t hidden_size, const Dec
                         const float *cos, const float *sin, const int64_t *slots,
                         const int32_t *block_tables, int64_t table_stride,
                         const int64_t *query_starts, const int32_t *context_lens,
-                        int64_t num_seqs, int64_t block_size, float scale, const Scratch *s) {
+                        int64_t num_seqs, int64_t block_size, float scale, const Scratch *s,
+                        LayerLoRA lora) {
     const QuantizedWeight *qkv = &layer->weights[0], *o = &layer->weights[1],
                           *gate_up = &layer->weights[2], *down = &layer->weights[3];
     const Fp8Cache *fp8 = layer->fp8;
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     int64_t qkv_size = qkv->out_features, inter = gate_up->out_features / 2;
+    const int64_t qkv_sizes[3] = {q_size, kv_size, kv_size}, o_sizes[1] = {hidden_size},
+                  gate_up_sizes[2] = {inter, inter};
     pagedkv_rms_norm(hidden, hidden_size, m, hidden_size, layer->input_norm, layer->eps, s->normed);
     int status = project(s->normed, m, qkv, s->mixed);
+    if (status == 0)
+        status = add_lora(lora, 0, s->normed, hidden_size, qkv_sizes, 3, s->mixed, qkv_size);
     if (status != 0) return status;
     pagedkv_rope(s->mixed, m, qkv_size, num_heads, head_dim, cos, sin);
     pagedkv_rope(s->mixed + q_size, m, qkv_size, num_kv_heads, head_dim, cos, sin);
@@ -131,13 +154,19 @@ static int decode_layer(float *hidden, int64_t m, int64_t hidden_size, const Dec
                                context_lens, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                scale, layer->window, s->attended);
     if (status == 0) status = project(s->attended, m, o, s->projected);
+    if (status == 0)
+        status = add_lora(lora, 1, s->attended, q_size, o_sizes, 1, s->projected, hidden_size);
     if (status != 0) return status;
     for (int64_t i = 0; i < m * hidden_size; i++) hidden[i] += s->projected[i];
     pagedkv_rms_norm(hidden, hidden_size, m, hidden_size, layer->post_norm, layer->eps, s->normed);
     status = project(s->normed, m, gate_up, s->gated);
+    if (status == 0)
+        status = add_lora(lora, 2, s->normed, hidden_size, gate_up_sizes, 2, s->gated, 2 * inter);
     if (status != 0) return status;
     pagedkv_silu_mul(s->gated, m, inter, s->activated);
     status = project(s->activated, m, down, s->projected);
+    if (status == 0)
+        status = add_lora(lora, 3, s->activated, inter, o_sizes, 1, s->projected, hidden_size);
     if (status == 0)
         for (int64_t i = 0; i < m * hidden_size; i++) hidden[i] += s->projected[i];
     return status;
@@ -147,14 +176,16 @@ static int64_t largest(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* `num_layers` consecutive layers of one step in one call: hidden [m, hidden_size] is
  * updated in place. Every layer shares the attention shape, rope and the step's slots and
- * block tables. Returns 0, or -1 when scratch memory cannot be allocated. */
+ * block tables. `lora_groups` (or NULL) holds, per layer, the addresses of its four projections'
+ * LoRA groups (`lora_num_groups` each). Returns 0, or -1 when scratch memory cannot be
+ * allocated. */
 int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t num_layers,
                           const DecodeLayer *layers, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, const float *cos, const float *sin,
                           const int64_t *slots, const int32_t *block_tables,
                           int64_t table_stride, const int64_t *query_starts,
                           const int32_t *context_lens, int64_t num_seqs, int64_t block_size,
-                          float scale) {
+                          float scale, const int64_t *lora_groups, int64_t lora_num_groups) {
     int64_t qkv_size = 0, gate_up_size = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         qkv_size = largest(qkv_size, layers[l].weights[0].out_features);
@@ -174,7 +205,9 @@ int pagedkv_decode_layers(float *hidden, int64_t m, int64_t hidden_size, int64_t
         for (int64_t l = 0; l < num_layers && status == 0; l++)
             status = decode_layer(hidden, m, hidden_size, &layers[l], num_heads, num_kv_heads,
                                   head_dim, cos, sin, slots, block_tables, table_stride,
-                                  query_starts, context_lens, num_seqs, block_size, scale, &s);
+                                  query_starts, context_lens, num_seqs, block_size, scale, &s,
+                                  (LayerLoRA){lora_groups ? lora_groups + 4 * l : NULL,
+                                              lora_num_groups});
     }
     free(s.normed);
     free(s.mixed);

@@ -70,8 +70,9 @@ _FMATMUL_ARGS = (
     + [ctypes.c_void_p, ctypes.c_void_p]  # bias, y
 )
 _LORA_ADD_ARGS = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, k, num_groups
-    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]  # groups, out, out_stride
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x, k, groups
+    + [ctypes.c_int64, ctypes.c_void_p]  # num_parts, part_sizes
+    + [ctypes.c_void_p, ctypes.c_int64]  # out, out_stride
 )
 _ATTENTION_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64]  # q, q_stride
@@ -117,17 +118,14 @@ class QuantizedWeightArgs(ctypes.Structure):
     ]
 
 
-class LoRAGroupArgs(ctypes.Structure):
-    """lora.c's `LoRAGroup`: one adapter's module over its rows of the batch."""
+class LoRAPartArgs(ctypes.Structure):
+    """lora.c's `LoRAPart`: one adapted part of a projection."""
 
     _fields_ = [
-        ("rows", ctypes.c_void_p),
-        ("num_rows", ctypes.c_int64),
-        ("a", ctypes.c_void_p),
-        ("b", ctypes.c_void_p),
+        ("b_t", ctypes.c_void_p),
         ("rank", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("offset", ctypes.c_int64),
+        ("rank_offset", ctypes.c_int64),
+        ("index", ctypes.c_int64),
         ("scaling", ctypes.c_float),
     ]
 
@@ -170,6 +168,7 @@ _DECODE_LAYERS_ARGS = (
     + [ctypes.c_void_p] * 4  # cos, sin, slots, block_tables
     + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # table_stride, query_starts, lens
     + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]  # num_seqs, block_size, scale
+    + [ctypes.c_void_p, ctypes.c_int64]  # LoRA groups per layer and projection (or NULL), count
 )
 _RMS_NORM_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # x, stride, rows, cols

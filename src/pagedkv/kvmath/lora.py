@@ -1,7 +1,8 @@
 """LoRA adapters' share of the KV pool: what `pagedkv plan --lora-rank R --max-loras N` states.
 
 An adapter of rank R on every projection holds, per layer, A `[R, in]` and B `[out, R]` of q, k,
-v, o, gate, up and down, in float32, in a run of pool blocks (`memory/adapters.py` packs them:
+v, o, gate, up and down, in float32 (the A matrices of one fused projection stacked), in a run
+of pool blocks (`memory/adapters.py` packs them:
 per layer, a block lends its K and its V chunk). So it takes `blocks_needed` blocks, the same
 count the engine computes when a request first names it, and N resident adapters keep that
 many blocks from KV. `place` is that packing, for the engine's worker as for the planner.
@@ -15,6 +16,14 @@ from dataclasses import dataclass
 from pagedkv.kvmath.spec import KVSpec
 
 FLOAT32_BYTES = 4
+# The projections LoRA adapts, as the model fuses them: an adapter's A matrices of one projection
+# are stacked (`[sum of ranks, in]`, one matmul for all its parts), each part's B kept apart.
+PROJECTIONS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
 Placement = tuple[int, int]  # (region: 0 the K chunks, 1 the V chunks; offset in elements)
 
 
@@ -112,7 +121,10 @@ def plan_lora(
         spec.num_kv_heads,
         spec.head_dim,
     )
-    layer = [size for i, o in shapes.values() for size in (rank * i, o * rank)]
+    layer = []
+    for parts in PROJECTIONS:
+        layer.append(sum(rank * shapes[part][0] for part in parts))  # the stacked A
+        layer += [shapes[part][1] * rank for part in parts]  # each part's B
     block_bytes = spec.bytes_per_block(block_size)
     chunk_elements = block_bytes // (2 * spec.num_layers) // FLOAT32_BYTES
     blocks = blocks_needed([layer] * spec.num_layers, chunk_elements)

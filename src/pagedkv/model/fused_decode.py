@@ -35,7 +35,7 @@ from pagedkv.attention.backend import AttentionBackend, CPUAttention
 from pagedkv.attention.context import ForwardContext, PagedKVCache, get_forward_context
 from pagedkv.kernels import native
 from pagedkv.model.layers.linear import QUANTIZED, Linear
-from pagedkv.model.lora import lora_active
+from pagedkv.model.lora import fused_lora
 
 
 @dataclass
@@ -103,13 +103,8 @@ class LayerPath:
         return hidden
 
     def takes_step(self, hidden: Tensor, context: ForwardContext) -> bool:
-        """Whether this step's C runs go through the one-call decode (decided once a step):
-        not when a row has a LoRA adapter, whose products the C layers do not add."""
-        return (
-            self.cpu is not None
-            and not lora_active()
-            and self.cpu.takes_decode_step(hidden, context)
-        )
+        """Whether this step's C runs go through the one-call decode (decided once a step)."""
+        return self.cpu is not None and self.cpu.takes_decode_step(hidden, context)
 
     def run_fused(self, run: LayerRun, hidden: Tensor, context: ForwardContext) -> Tensor:
         """The hidden states after a C run's layers, in one call."""
@@ -120,6 +115,7 @@ class LayerPath:
             (attn.num_heads, attn.num_kv_heads, attn.head_dim),
             attn.scale,
             context,
+            fused_lora(run.start, run.stop),
         )
 
     def run_layers(self, run: LayerRun, hidden: Tensor) -> Tensor:

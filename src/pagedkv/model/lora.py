@@ -7,30 +7,37 @@ each adapter. Every adapted projection then adds, for each adapter's rows only,
 
     out[rows, part] += ((x[rows] A^T) B^T) * scaling
 
+with the A matrices of a projection's parts stacked (`t = x A^T` for q, k and v in one
+`quant.matmul.float_linear`: a product of 16 columns is mostly overhead) and B kept transposed
+(`[rank, out]`): `t B^T` is the rank's rows of B^T scaled by t's columns and added in order,
+which needs no reduction however small the rank. This is
 a segmented gather-matmul: one small product pair per adapter and module, never a forward per
-adapter. The products go through `quant.matmul.float_linear` (on the CPU the C kernel whose
-result for a row never depends on the other rows) and the add is per element, so a request's
-output does not depend on which adapters, if any, its neighbours use. A quantised base weight
+adapter. `float_linear` is, on the CPU, the C kernel whose result for a row never depends on
+the other rows, and the rest is per element, so a request's output does not depend on which
+adapters, if any, its neighbours use. A quantised base weight
 stays quantised: the LoRA product is added in float32 to its output. On the CPU one C call per
 projection does it all (`kernels/lora.c`, the same arithmetic); elsewhere torch, op by op.
 
-A step with any adapted row runs the layers op by op (the one-call C decode has no LoRA), which
-computes the same floats as the C decode for the rows without one (`fused_decode.py`).
+On the CPU the one-call C decode of the layers (`fused_decode.py`) adds them the same way,
+through the same C function (`fused_lora`), so either path gives the same floats.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from pagedkv.attention.batch import ForwardBatch
 from pagedkv.kernels import native
+from pagedkv.kvmath.lora import PROJECTIONS
 from pagedkv.quant.matmul import float_linear
 
 # The projections an adapter may adapt, by their checkpoint names (every registry family's).
@@ -38,52 +45,110 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 @dataclass(frozen=True)
-class AdapterWeights:
-    """A resident adapter: per (layer, projection name) its A `[rank, in]`, B `[out, rank]`
-    (float32 views) and scaling."""
+class LoRAPart:
+    """One adapted part of a projection: its index among the projection's parts, where its
+    rank's columns start in the stacked A product, B transposed `[rank, out]`, its scaling."""
 
-    modules: Mapping[tuple[int, str], tuple[Tensor, Tensor, float]]
+    index: int
+    rank_offset: int
+    b_t: Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.b_t.shape[0]
+
+
+@dataclass(frozen=True)
+class ProjectionLoRA:
+    """An adapter's parts of one projection: their A matrices stacked `[sum of ranks, in]`."""
+
+    a: Tensor
+    parts: list[LoRAPart]
+
+
+class AdapterWeights:
+    """A resident adapter: per (layer, projection's parts) its `ProjectionLoRA` (float32 views
+    into the pool); and, made once per projection, the table of them the C kernel reads."""
+
+    def __init__(
+        self, projections: Mapping[tuple[int, tuple[str, ...]], ProjectionLoRA], num_layers: int
+    ) -> None:
+        self.projections = projections
+        self.num_layers = num_layers
+        self._kernel_arrays: list[ctypes.Array] = []  # kept alive: the tables point into them
+        self._tables: dict[tuple[str, ...], np.ndarray] = {}
+
+    def kernel_table(self, parts: tuple[str, ...]) -> np.ndarray:
+        """Per layer, `(a, total rank, parts array, number of parts)` as `lora.c` reads them
+        (all 0 where the layer does not adapt this projection)."""
+        table = self._tables.get(parts)
+        if table is None:
+            table = np.zeros((self.num_layers, 4), dtype=np.int64)
+            for layer in range(self.num_layers):
+                projection = self.projections.get((layer, parts))
+                if projection is None:
+                    continue
+                array = (native.LoRAPartArgs * len(projection.parts))(
+                    *(
+                        native.LoRAPartArgs(
+                            part.b_t.data_ptr(),
+                            part.rank,
+                            part.rank_offset,
+                            part.index,
+                            part.scaling,
+                        )
+                        for part in projection.parts
+                    )
+                )
+                self._kernel_arrays.append(array)
+                a = projection.a
+                table[layer] = (a.data_ptr(), a.shape[0], ctypes.addressof(array), len(array))
+            self._tables[parts] = table
+        return table
 
 
 @dataclass(frozen=True)
 class LoRAStep:
     """The step's adapted rows: per adapter, its weights and its rows of the batch; and, made
-    on first use, each projection's groups as the C kernel takes them."""
+    on first use, per projection the `lora.c` groups of every layer."""
 
     groups: tuple[tuple[AdapterWeights, Tensor], ...]
-    c_groups: dict[tuple[int, tuple[str, ...]], ctypes.Array | None] = field(
-        default_factory=dict, compare=False
-    )
+    # Per projection's parts, and per run of layers ("layers", start, stop): made on first use.
+    tables: dict[tuple, np.ndarray] = field(default_factory=dict, compare=False)
 
-    def kernel_groups(
-        self, layer: int, parts: Sequence[str], part_sizes: Sequence[int]
-    ) -> ctypes.Array | None:
-        """`lora.c`'s groups for layer `layer`'s projection of `parts` (None: none adapted)."""
-        key = (layer, tuple(parts))
-        if key not in self.c_groups:
-            entries = []
-            for adapter, rows in self.groups:
-                offset = 0
-                for part, size in zip(parts, part_sizes, strict=True):
-                    module = adapter.modules.get((layer, part))
-                    if module is not None:
-                        a, b, scaling = module
-                        entries.append(
-                            native.LoRAGroupArgs(
-                                rows.data_ptr(),
-                                rows.numel(),
-                                a.data_ptr(),
-                                b.data_ptr(),
-                                a.shape[0],
-                                size,
-                                offset,
-                                scaling,
-                            )
-                        )
-                    offset += size
-            array = (native.LoRAGroupArgs * len(entries))(*entries) if entries else None
-            self.c_groups[key] = array
-        return self.c_groups[key]
+    def kernel_groups(self, layer: int, parts: tuple[str, ...]) -> int | None:
+        """The address of layer `layer`'s `LoRAGroup`s for the projection of `parts` (one per
+        adapter), or None when no adapter of the step adapts it there."""
+        table = self.tables.get(parts)
+        if table is None:
+            # [layer, adapter, (rows, num_rows, a, total rank, parts, num parts)]: lora.c's
+            # LoRAGroup, six int64s
+            table = np.empty((self.groups[0][0].num_layers, len(self.groups), 6), dtype=np.int64)
+            for index, (adapter, rows) in enumerate(self.groups):
+                table[:, index, 0] = rows.data_ptr()
+                table[:, index, 1] = rows.numel()
+                table[:, index, 2:] = adapter.kernel_table(parts)
+            self.tables[parts] = table
+        if not table[layer, :, 2].any():
+            return None
+        return table.ctypes.data + table.strides[0] * layer
+
+    def layers_table(self, start: int, stop: int) -> np.ndarray:
+        """Layers `[start, stop)`'s groups per projection (`PROJECTIONS` order; 0: none), as
+        the one-call C decode (`kernels/decode_layer.c`) reads them."""
+        key = ("layers", start, stop)
+        table = self.tables.get(key)
+        if table is None:
+            table = np.array(
+                [
+                    [self.kernel_groups(layer, parts) or 0 for parts in PROJECTIONS]
+                    for layer in range(start, stop)
+                ],
+                dtype=np.int64,
+            )
+            self.tables[key] = table
+        return table
 
 
 _STEP: ContextVar[LoRAStep | None] = ContextVar("lora_step", default=None)
@@ -101,9 +166,14 @@ def lora_step(adapters: Mapping[int, AdapterWeights], batch: ForwardBatch) -> It
         _STEP.reset(token)
 
 
-def lora_active() -> bool:
-    """Whether the current step has rows with an adapter."""
-    return _STEP.get() is not None
+def fused_lora(start: int, stop: int) -> tuple[int, int] | None:
+    """For the one-call C decode of layers `[start, stop)`: the address of their LoRA groups
+    table and the number of groups, or None when the step has no adapted row."""
+    step = _STEP.get()
+    if step is None:
+        return None
+    table = step.layers_table(start, stop)
+    return table.ctypes.data, len(step.groups)
 
 
 def add_lora(
@@ -116,26 +186,33 @@ def add_lora(
         return out
     kernels = native.cpu_kernels(x, out)
     if kernels is not None and _kernel_reads(x, out):
-        groups = step.kernel_groups(layer, parts, part_sizes)
+        groups = step.kernel_groups(layer, tuple(parts))
         if groups is not None:
-            args = (x.data_ptr(), x.shape[1], len(groups), groups, out.data_ptr(), out.shape[1])
-            if kernels.lora_add(*args) != 0:
+            sizes = _part_sizes(tuple(part_sizes))
+            args = (x.data_ptr(), x.shape[1], len(step.groups), groups, len(parts), sizes)
+            if kernels.lora_add(*args, out.data_ptr(), out.shape[1]) != 0:
                 raise MemoryError(f"LoRA products of {x.shape[0]} rows: no scratch memory")
         return out
+    offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
     for adapter, rows in step.groups:
-        x_rows = None
-        offset = 0
-        for part, size in zip(parts, part_sizes, strict=True):
-            module = adapter.modules.get((layer, part))
-            if module is not None:
-                if x_rows is None:
-                    x_rows = x.index_select(0, rows).to(torch.float32)
-                a, b, scaling = module
-                delta = float_linear(float_linear(x_rows, a, None), b, None) * scaling
-                columns = slice(offset, offset + size)
-                out[rows, columns] = out[rows, columns] + delta.to(out.dtype)
-            offset += size
+        projection = adapter.projections.get((layer, tuple(parts)))
+        if projection is None:
+            continue
+        t = float_linear(x.index_select(0, rows).to(torch.float32), projection.a, None)
+        for part in projection.parts:
+            own = t[:, part.rank_offset : part.rank_offset + part.rank]
+            delta = own[:, :1] * part.b_t[0]
+            for k in range(1, part.rank):
+                delta = delta + own[:, k : k + 1] * part.b_t[k]
+            columns = slice(offsets[part.index], offsets[part.index] + part_sizes[part.index])
+            out[rows, columns] = out[rows, columns] + (delta * part.scaling).to(out.dtype)
     return out
+
+
+@functools.cache
+def _part_sizes(sizes: tuple[int, ...]) -> ctypes.Array:
+    """A projection's part sizes as lora.c reads them (one array per shape, kept)."""
+    return (ctypes.c_int64 * len(sizes))(*sizes)
 
 
 def _kernel_reads(x: Tensor, out: Tensor) -> bool:

@@ -74,20 +74,43 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(m.a.numel() * 4 + m.b.numel() * 4 for m in self.modules.values())
 
-    def layer_modules(self, num_layers: int) -> list[list[tuple[str, LoRAModule]]]:
-        """Per layer, its adapted modules in TARGETS order."""
-        layers: list[list[tuple[str, LoRAModule]]] = [[] for _ in range(num_layers)]
-        for (layer, target), module in sorted(self.modules.items(), key=_module_order):
-            layers[layer].append((target, module))
+    def layer_projections(self, num_layers: int) -> list[list[AdaptedProjection]]:
+        """Per layer, its adapted projections (`kvmath.lora.PROJECTIONS` order), each with
+        its parts' A matrices stacked."""
+        layers: list[list[AdaptedProjection]] = [[] for _ in range(num_layers)]
+        for layer in range(num_layers):
+            for parts in lora_plan.PROJECTIONS:
+                present = [
+                    (index, self.modules[(layer, part)])
+                    for index, part in enumerate(parts)
+                    if (layer, part) in self.modules
+                ]
+                if present:
+                    stacked = torch.cat([module.a for _, module in present])
+                    layers[layer].append(AdaptedProjection(parts, stacked, present))
         return layers
 
     def layer_sizes(self, num_layers: int) -> list[list[int]]:
-        """Per layer, the float32 element counts of its matrices (A then B of each module, in
-        TARGETS order): what `memory.adapters` packs into pool blocks."""
+        """Per layer, the float32 element counts of its matrices (each projection's stacked A,
+        then its parts' B): what `kvmath.lora.place` packs into pool blocks."""
         return [
-            [size for _, m in modules for size in (m.a.numel(), m.b.numel())]
-            for modules in self.layer_modules(num_layers)
+            [size for projection in layer for size in projection.sizes]
+            for layer in self.layer_projections(num_layers)
         ]
+
+
+@dataclass(frozen=True)
+class AdaptedProjection:
+    """One projection's adapted parts: their A matrices stacked `[sum of ranks, in]`, and per
+    part its index among the projection's parts and its module (B, scaling)."""
+
+    parts: tuple[str, ...]
+    a: Tensor
+    present: list[tuple[int, LoRAModule]]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.a.numel(), *(module.b.numel() for _, module in self.present)]
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -203,8 +226,3 @@ def _alpha(settings: dict[str, Any], layer: int, target: str) -> float:
 
 def _block(target: str) -> str:
     return "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-
-
-def _module_order(item: tuple[tuple[int, str], LoRAModule]) -> tuple[int, int]:
-    (layer, target), _ = item
-    return layer, TARGETS.index(target)

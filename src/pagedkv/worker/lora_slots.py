@@ -12,10 +12,10 @@ from collections.abc import Mapping
 
 import torch
 
-from pagedkv.kvmath.lora import place
+from pagedkv.kvmath.lora import Placement, place
 from pagedkv.memory.adapters import ResidentAdapter
 from pagedkv.model.decoder import DecoderModel
-from pagedkv.model.lora import AdapterWeights
+from pagedkv.model.lora import AdapterWeights, LoRAPart, ProjectionLoRA
 from pagedkv.weights.lora import LoRAAdapter
 from pagedkv.worker.kv_cache import KVCache
 
@@ -37,24 +37,33 @@ def load_adapters(
 def write_adapter(
     adapter: LoRAAdapter, resident: ResidentAdapter, kv_cache: KVCache, num_layers: int
 ) -> AdapterWeights:
-    """Copy `adapter`'s matrices into `resident`'s blocks; views of them, by module."""
-    layers = adapter.layer_modules(num_layers)
+    """Copy `adapter`'s matrices into `resident`'s blocks; views of them, by projection. Each
+    projection's A matrices are stacked; each B is kept transposed, `[rank, out]`
+    (`model/lora.py` multiplies by its rows)."""
+    layers = adapter.layer_projections(num_layers)
     placements = place(
         adapter.layer_sizes(num_layers), resident.num_blocks, kv_cache.adapter_chunk_elements
     )
-    modules = {}
-    for layer, (targets, where) in enumerate(zip(layers, placements, strict=True)):
+    projections = {}
+    for layer, (adapted, where) in enumerate(zip(layers, placements, strict=True)):
         regions = [
             kv_cache.adapter_region(layer, region, resident.first_block, resident.num_blocks)
             for region in (0, 1)
         ]
-        for index, (target, module) in enumerate(targets):
-            views = []
-            for matrix, (region, offset) in zip(
-                (module.a, module.b), where[2 * index : 2 * index + 2], strict=True
-            ):
-                view = regions[region][offset : offset + matrix.numel()].view(matrix.shape)
-                view.copy_(matrix)
-                views.append(view)
-            modules[(layer, target)] = (views[0], views[1], module.scaling)
-    return AdapterWeights(modules)
+        spots = iter(where)
+        for projection in adapted:
+            a = _written(projection.a, regions, next(spots))
+            parts, rank_offset = [], 0
+            for index, module in projection.present:
+                b_t = _written(module.b.T.contiguous(), regions, next(spots))
+                parts.append(LoRAPart(index, rank_offset, b_t, module.scaling))
+                rank_offset += module.rank
+            projections[(layer, projection.parts)] = ProjectionLoRA(a, parts)
+    return AdapterWeights(projections, num_layers)
+
+
+def _written(matrix: torch.Tensor, regions: list[torch.Tensor], spot: Placement) -> torch.Tensor:
+    """`matrix` copied to its spot (`place`'s) of a layer's regions; the view of it there."""
+    region, offset = spot
+    view = regions[region][offset : offset + matrix.numel()].view(matrix.shape)
+    return view.copy_(matrix)

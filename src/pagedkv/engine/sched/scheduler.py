@@ -273,9 +273,8 @@ class Scheduler:
             if self.adapters.acquire(request.lora_id, request.lora_blocks) is None:
                 return False
             request.holds_adapter = True
-        while not self._fits(request, step):
-            if self.adapters is None or not self.adapters.evict_idle():
-                return False
+        if not self._fits(request, step):
+            return False
         allocations: list[Allocation] = []
         for seq in request.live_sequences:
             allocation = self.manager.allocate_slots(
@@ -303,14 +302,18 @@ class Scheduler:
 
     def _fits(self, request: Request, step: _Step) -> bool:
         """Room in this step for the request's samples and tokens, and in the pool for its
-        blocks (all its tokens, with the watermark kept free while others run)."""
+        blocks (all its tokens, with the watermark kept free while others run), idle LoRA
+        adapters giving their blocks back if the pool alone is short."""
         seqs = request.live_sequences
+        if step.num_seqs + request.num_samples_to_run > self.max_num_seqs:
+            return False
+        if step.budget < len(seqs):
+            return False
         needed = sum(self._blocks_for(len(seq.token_ids)) for seq in seqs)
-        return (
-            step.num_seqs + request.num_samples_to_run <= self.max_num_seqs
-            and step.budget >= len(seqs)
-            and needed + self._watermark() <= self.manager.num_free_blocks
-        )
+        while needed + self._watermark() > self.manager.num_free_blocks:
+            if self.adapters is None or not self.adapters.evict_idle():
+                return False
+        return True
 
     def _start(self, request: Request, step: _Step, allocations: list[Allocation]) -> None:
         """A request that just got its blocks runs from this step on: every live sample gets
