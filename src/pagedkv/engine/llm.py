@@ -14,7 +14,7 @@ import reprlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -24,6 +24,8 @@ from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.params import SamplingParams
 from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 Prompt = str | Sequence[int]
 # vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}.
@@ -245,24 +247,13 @@ def _params_per_prompt(
         return [SamplingParams() for _ in range(num_prompts)]
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(
-            f"sampling_params has {len(params)} entries for {num_prompts} prompts; "
-            "give one SamplingParams or one per prompt"
-        )
-    return params
+    return _one_per_prompt("sampling_params", sampling_params, num_prompts, "one SamplingParams")
 
 
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
     if priority is None:
         return [0] * num_prompts
-    priorities = list(priority)
-    if len(priorities) != num_prompts:
-        raise ValueError(
-            f"priority has {len(priorities)} entries for {num_prompts} prompts; give one per prompt"
-        )
-    return priorities
+    return _one_per_prompt("priority", priority, num_prompts)
 
 
 def _lora_per_prompt(
@@ -270,13 +261,19 @@ def _lora_per_prompt(
 ) -> list[LoRARequest | None]:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * num_prompts
-    loras = list(lora_request)
-    if len(loras) != num_prompts:
+    return _one_per_prompt("lora_request", lora_request, num_prompts, "one LoRARequest for all")
+
+
+def _one_per_prompt(name: str, values: Sequence[T], num_prompts: int, single: str = "") -> list[T]:
+    """`values` as a list, refused (naming `name`) unless it has one entry per prompt."""
+    listed = list(values)
+    if len(listed) != num_prompts:
+        alternative = f"{single} or " if single else ""
         raise ValueError(
-            f"lora_request has {len(loras)} entries for {num_prompts} prompts; give one per "
-            "prompt, or one LoRARequest for all"
+            f"{name} has {len(listed)} entries for {num_prompts} prompts; give "
+            f"{alternative}one per prompt"
         )
-    return loras
+    return listed
 
 
 def _empty_like(delta: RequestOutput) -> RequestOutput:

@@ -42,8 +42,8 @@ def test_kernel_figures_dry_run() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the real run covers it")
 def test_agreement_dry_run() -> None:
     """The agreement part checks the engine's greedy tokens and logprobs against transformers'
-    logits, with a float32 and an fp8 KV cache and with speculative decoding, and finds them
-    agreeing on the CPU."""
+    logits, with a float32 and an fp8 KV cache, with speculative decoding and with LoRA adapters
+    (against the adapters merged into the weights), and finds them agreeing on the CPU."""
     result = subprocess.run(
         [sys.executable, "bench/gpu_check.py", "agreement", "--device", "cpu"],
         cwd=ROOT,
@@ -53,4 +53,4 @@ def test_agreement_dry_run() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("agreement")]
-    assert len(lines) == 4 and all(line.endswith("met)") for line in lines), result.stdout
+    assert len(lines) == 5 and all(line.endswith("met)") for line in lines), result.stdout
