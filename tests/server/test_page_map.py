@@ -149,3 +149,27 @@ def test_page_map_draws_the_host_tier_and_its_hits(serve, browser) -> None:
     page.wait_for_function("window.sawHit", timeout=WAIT_MS)
     page.wait_for_function("pagemap.offload.blocks.some((b) => b[1] === 1)", timeout=WAIT_MS)
     page.close()
+
+
+def test_page_map_draws_lora_adapters_with_their_names(serve, browser, tiny_model, tmp_path):
+    """An adapter's blocks of the pool are drawn as its own, and hovering one names it."""
+    from pagedkv.server import ServerConfig
+    from tests.server.test_lora_server import make_adapter
+
+    folder = make_adapter(tiny_model, tmp_path / "sql", 3, ["q_proj", "down_proj"])
+    config = ServerConfig(lora_modules=(("sql", str(folder)),))
+    lora = serve(config, enable_lora=True, num_gpu_blocks=256)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(lora.url + "/")
+    page.wait_for_function("Number(document.body.dataset.frames) >= 1", timeout=WAIT_MS)
+    assert page.evaluate("pagemap.gpu.adapters.size") == 0
+    with lora.client() as client:
+        client.completions.create(model="sql", prompt="Paged attention", max_tokens=2)
+    page.wait_for_function("pagemap.gpu.adapters.size > 0", timeout=WAIT_MS)
+    block = page.evaluate("[...pagemap.gpu.adapters.keys()][0]")
+    centre = page.evaluate(f"pagemap.gpu.blockCentre({block})")
+    page.mouse.move(centre["x"], centre["y"])
+    tooltip = page.locator("#tooltip")
+    tooltip.wait_for(state="visible", timeout=WAIT_MS)
+    assert "LoRA adapter sql" in tooltip.inner_text()
+    page.close()
