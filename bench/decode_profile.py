@@ -33,7 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import DEFAULT_MODEL, read_bandwidth, weight_bytes_per_token  # noqa: E402
+from peers import (  # noqa: E402
+    DEFAULT_MODEL,
+    model_file,
+    read_bandwidth,
+    weight_bytes_per_token,
+)
 
 from pagedkv.bench.main import positive_int  # noqa: E402
 from pagedkv.bench.model_1b import QTYPES as QTYPES_1B  # noqa: E402
@@ -127,7 +132,7 @@ def profile(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
     """Run the measurement; returns milliseconds per decoded token by part."""
     from pagedkv import LLM, SamplingParams
 
-    gguf = model_file(args)
+    gguf = model_file(args.model, args.qtype, "decode_profile")
     bandwidth = read_bandwidth(args.threads)
     llm = LLM(
         model=str(gguf),
@@ -195,22 +200,6 @@ def profile(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
         f"C call {step - ms['layers (one C call)']:.3f} ms a token"
     )
     return ms
-
-
-def model_file(args: argparse.Namespace) -> Path:
-    """The GGUF file of `--model`: the 1B shape, a path, or a built-in model's."""
-    if args.model == "1b":
-        from pagedkv.bench.model_1b import model_1b_path
-
-        return model_1b_path(args.qtype)
-    if args.model.endswith(".gguf"):
-        path = Path(args.model)
-        if not path.is_file():
-            raise SystemExit(f"decode_profile: no such file {path}")
-        return path
-    from pagedkv.hub import pull
-
-    return pull(args.model, progress=lambda line: print(line, file=sys.stderr))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -29,10 +29,10 @@ from safetensors.torch import save_file
 
 from pagedkv.bench.main import positive_int
 from pagedkv.bench.workloads import WorkloadSpec, make_workload
+from pagedkv.kvmath.lora import TARGETS
 from pagedkv.worker.threads import physical_cores
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:

@@ -715,19 +715,9 @@ def make_config(args: argparse.Namespace) -> Config:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise SystemExit(f"peers: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}")
-    if args.model == "1b":
-        from pagedkv.bench.model_1b import model_1b_path
-
-        gguf, model_name = model_1b_path(args.qtype), None
-    elif args.model.endswith(".gguf"):
-        gguf, model_name = Path(args.model), None
-        if not gguf.is_file():
-            raise SystemExit(f"peers: no such file {gguf}")
-    else:
-        from pagedkv.hub import pull
-
-        gguf = pull(args.model, progress=lambda line: print(line, file=sys.stderr))
-        model_name = args.model
+    gguf = model_file(args.model, args.qtype, "peers")
+    builtin = args.model != "1b" and not args.model.endswith(".gguf")
+    model_name = args.model if builtin else None
     return Config(
         gguf=gguf.resolve(),
         model_name=model_name,
@@ -741,6 +731,22 @@ def make_config(args: argparse.Namespace) -> Config:
         llama_python=_llama_python(args.llama_python),
         llama_kv_unified=args.llama_kv_unified,
     )
+
+
+def model_file(model: str, qtype: str, prog: str) -> Path:
+    """The GGUF file of a `--model`: 1b (TinyLlama-1.1B's shape in `qtype`), a .gguf path, or
+    a built-in model's (pulled if needed); `prog` names the script in errors."""
+    if model == "1b":
+        from pagedkv.bench.model_1b import model_1b_path
+
+        return model_1b_path(qtype)
+    if model.endswith(".gguf"):
+        if not Path(model).is_file():
+            raise SystemExit(f"{prog}: no such file {model}")
+        return Path(model)
+    from pagedkv.hub import pull
+
+    return pull(model, progress=lambda line: print(line, file=sys.stderr))
 
 
 def _llama_python(given: Path | None) -> Path | None:

@@ -14,13 +14,13 @@ import openai
 import pytest
 import torch
 import transformers
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.engine import BeamSearchParams
 from pagedkv.server import ServerConfig
 from tests.engine.test_beam_search import MIN_MARGIN, reference_beam_search, without_eos
 from tests.model.tiny_models import random_prompt
 from tests.server.conftest import RunningServer
+from tests.server.test_metrics import scrape
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
 IGNORE_EOS = {"ignore_eos": True}
@@ -171,16 +171,6 @@ def test_tool_calls_are_left_out_of_an_answer_without_any(server: RunningServer)
     with_tools = post(server, "/v1/chat/completions", {**body, "tools": [PLAIN_TOOL],
                                                       "tool_choice": "none"})  # fmt: skip
     assert "tool_calls" not in with_tools.json()["choices"][0]["message"]
-
-
-def scrape(server: RunningServer) -> dict[tuple[str, frozenset], float]:
-    with server.http() as http:
-        text = http.get("/metrics").text
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def total(samples: dict, name: str) -> float:

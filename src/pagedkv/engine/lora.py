@@ -21,7 +21,7 @@ from pagedkv.engine.errors import RequestRejected
 from pagedkv.kvmath.lora import blocks_needed
 from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.model.config import ModelConfig
-from pagedkv.weights.lora import AdapterError, LoRAAdapter, read_adapter
+from pagedkv.weights.lora import AdapterError, LoRAAdapter, layer_sizes, read_adapter
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ class LoRACatalog:
             adapter = read_adapter(lora.lora_path, lora.lora_name, self.config, self.max_lora_rank)
         except AdapterError as error:
             raise LoRARejected(str(error)) from None
-        num_blocks = blocks_needed(adapter.layer_sizes(self.config.num_layers), self.chunk_elements)
+        sizes = layer_sizes(adapter.layer_projections(self.config.num_layers))
+        num_blocks = blocks_needed(sizes, self.chunk_elements)
         if num_blocks >= self.num_gpu_blocks:
             raise LoRARejected(
                 f"LoRA adapter {lora.lora_name!r} takes {num_blocks} KV blocks, the whole pool "

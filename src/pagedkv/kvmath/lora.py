@@ -1,11 +1,11 @@
-"""LoRA adapters' share of the KV pool: what `pagedkv plan --lora-rank R --max-loras N` states.
+"""LoRA adapters' share of the KV pool: how their matrices are packed into pool blocks, and
+what `pagedkv plan --lora-rank R --max-loras N` states.
 
-An adapter of rank R on every projection holds, per layer, A `[R, in]` and B `[out, R]` of q, k,
-v, o, gate, up and down, in float32 (the A matrices of one fused projection stacked), in a run
-of pool blocks (`memory/adapters.py` packs them:
-per layer, a block lends its K and its V chunk). So it takes `blocks_needed` blocks, the same
-count the engine computes when a request first names it, and N resident adapters keep that
-many blocks from KV. `place` is that packing, for the engine's worker as for the planner.
+An adapter holds, per layer, A `[rank, in]` and B `[out, rank]` of any of q, k, v, o, gate, up
+and down, in float32, the A matrices of one fused projection stacked (`matrix_sizes`). They
+live in a run of pool blocks (`memory/adapters.py`): per layer, a block lends its K and its V
+chunk, and `place` packs the layer's matrices into the run's two regions. An adapter takes
+`blocks_needed` blocks: the engine's worker and the planner count them the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ PROJECTIONS = (
     ("gate_proj", "up_proj"),
     ("down_proj",),
 )
+TARGETS = tuple(part for parts in PROJECTIONS for part in parts)  # q_proj .. down_proj
 Placement = tuple[int, int]  # (region: 0 the K chunks, 1 the V chunks; offset in elements)
 
 
@@ -41,6 +42,16 @@ def projection_shapes(
         "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden),
     }
+
+
+def matrix_sizes(projections: list[list[tuple[int, int, int]]]) -> list[int]:
+    """The float32 element counts of one layer's matrices, in the order they are written: per
+    adapted projection (its parts' `(in, out, rank)`), its stacked A, then each part's B."""
+    sizes = []
+    for parts in projections:
+        sizes.append(sum(in_features * rank for in_features, _, rank in parts))
+        sizes += [out_features * rank for _, out_features, rank in parts]
+    return sizes
 
 
 def place(
@@ -121,10 +132,7 @@ def plan_lora(
         spec.num_kv_heads,
         spec.head_dim,
     )
-    layer = []
-    for parts in PROJECTIONS:
-        layer.append(sum(rank * shapes[part][0] for part in parts))  # the stacked A
-        layer += [shapes[part][1] * rank for part in parts]  # each part's B
+    layer = matrix_sizes([[(*shapes[part], rank) for part in parts] for parts in PROJECTIONS])
     block_bytes = spec.bytes_per_block(block_size)
     chunk_elements = block_bytes // (2 * spec.num_layers) // FLOAT32_BYTES
     blocks = blocks_needed([layer] * spec.num_layers, chunk_elements)

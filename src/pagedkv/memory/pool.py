@@ -87,12 +87,11 @@ class BlockPool:
         if best is None:
             return None
         taken = self.blocks[best[1] : best[1] + count]
+        self.last_evicted = []  # as `allocate`: only this call's evictions
         for block in taken:
             self.free_queue.remove(block)
             if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = block.token_bytes = None
-                self.num_evictions += 1
+                self._evict(block)
             block.ref_count = 1
         self.runs.update(block.block_id for block in taken)
         return taken

@@ -1,4 +1,4 @@
-"""LoRA in a forward pass: each row gets its own adapter's product, in one pass for all.
+"""LoRA in a forward pass: each row gets its own adapter's products, in one pass for all.
 
 A step may mix requests of several adapters and of none. The model's resident adapters
 (`DecoderModel.lora_adapters`, by id: views of their matrices where the worker put them, in
@@ -7,19 +7,19 @@ each adapter. Every adapted projection then adds, for each adapter's rows only,
 
     out[rows, part] += ((x[rows] A^T) B^T) * scaling
 
-with the A matrices of a projection's parts stacked (`t = x A^T` for q, k and v in one
-`quant.matmul.float_linear`: a product of 16 columns is mostly overhead) and B kept transposed
-(`[rank, out]`): `t B^T` is the rank's rows of B^T scaled by t's columns and added in order,
-which needs no reduction however small the rank. This is
-a segmented gather-matmul: one small product pair per adapter and module, never a forward per
-adapter. `float_linear` is, on the CPU, the C kernel whose result for a row never depends on
-the other rows, and the rest is per element, so a request's output does not depend on which
-adapters, if any, its neighbours use. A quantised base weight
-stays quantised: the LoRA product is added in float32 to its output. On the CPU one C call per
-projection does it all (`kernels/lora.c`, the same arithmetic); elsewhere torch, op by op.
+a segmented gather-matmul, never a forward per adapter. A projection's parts have their A
+matrices stacked (`t = x A^T` for q, k and v in one `quant.matmul.float_linear`: a product of
+16 columns is mostly overhead) and B kept transposed (`[rank, out]`): `t B^T` is the rank's
+rows of B^T scaled by t's columns and added in order, with no reduction however small the rank.
+`float_linear` is, on the CPU, the C kernel whose result for a row never depends on the other
+rows, and the rest is per element, so a request's output does not depend on which adapters, if
+any, its neighbours use. A quantised base weight stays quantised: the products are added in
+float32 to its output.
 
-On the CPU the one-call C decode of the layers (`fused_decode.py`) adds them the same way,
-through the same C function (`fused_lora`), so either path gives the same floats.
+On the CPU one C call per projection does it all (`kernels/lora.c`, the same arithmetic as the
+torch loop here, which serves other devices), from the tables `LoRAStep` lays out; the one-call
+C decode of the layers (`fused_decode.py`) calls it too (`fused_lora`), so either path gives the
+same floats.
 """
 
 from __future__ import annotations
@@ -37,11 +37,8 @@ from torch import Tensor, nn
 
 from pagedkv.attention.batch import ForwardBatch
 from pagedkv.kernels import native
-from pagedkv.kvmath.lora import PROJECTIONS
+from pagedkv.kvmath.lora import PROJECTIONS, TARGETS
 from pagedkv.quant.matmul import float_linear
-
-# The projections an adapter may adapt, by their checkpoint names (every registry family's).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -229,9 +226,11 @@ def name_lora_targets(layer: nn.Module, index: int) -> None:
     """Tell each projection of decoder layer `index` whose checkpoint parts are all LoRA
     targets (q/k/v, o, gate/up, down) its layer index and parts, so it adds their products."""
     for name, module in layer.named_modules():
-        parts = getattr(module, "checkpoint_parts", None)
-        if parts is not None and all(p in TARGETS for p in parts(name.rsplit(".", 1)[-1])):
-            module.lora_target = (index, parts(name.rsplit(".", 1)[-1]))
+        if not hasattr(module, "checkpoint_parts"):
+            continue
+        parts = module.checkpoint_parts(name.rsplit(".", 1)[-1])
+        if all(part in TARGETS for part in parts):
+            module.lora_target = (index, parts)
 
 
 def _step_of(adapters: Mapping[int, AdapterWeights], batch: ForwardBatch) -> LoRAStep | None:

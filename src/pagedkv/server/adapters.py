@@ -3,10 +3,11 @@
 `serve --enable-lora --lora-modules name=path ...` names adapters at start; with
 `--allow-runtime-lora-updating` (or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`),
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
-{"lora_name"}` add and remove them while serving. Each name gets its own `LoRARequest` id. An
-adapter is read and checked against the model when it is named (a bad one is a 400 naming it,
-or an error at start), so a request for it never fails later for that reason; a request for a
-name nobody serves is OpenAI's 404. `/v1/models` lists the adapters after the base model.
+{"lora_name"}` add and remove them while serving. Each name gets its own `LoRARequest` id. The
+engine reads and checks an adapter when it is named (`Engine.loras.resolve`, the same check a
+request's adapter gets; a bad one is a 400 naming it, or an error at start), so a request for
+it never fails later for that reason; a request for a name nobody serves is OpenAI's 404.
+`/v1/models` lists the adapters after the base model.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedkv.engine.lora import LoRARequest
-from pagedkv.model.config import ModelConfig
+from pagedkv.engine.lora import LoRARejected, LoRARequest
 from pagedkv.server.errors import APIError
-from pagedkv.weights.lora import AdapterError, read_adapter
 
 RUNTIME_UPDATING_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -36,34 +35,28 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 
 
 class ServedAdapters:
-    """Adapter names -> their `LoRARequest`s, checked against the served model."""
+    """Adapter names -> their `LoRARequest`s."""
 
-    def __init__(
-        self, model_name: str, config: ModelConfig, enabled: bool, max_lora_rank: int
-    ) -> None:
+    def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.config = config
-        self.enabled = enabled
-        self.max_lora_rank = max_lora_rank
         self.by_name: dict[str, LoRARequest] = {}
         self._next_id = 1
 
-    def add(self, name: str, path: str) -> LoRARequest:
-        """Serve the PEFT folder `path` as `name`; an APIError (400) says why it cannot be."""
-        if not self.enabled:
-            raise APIError(400, "LoRA adapters need a server started with --enable-lora")
+    def new(self, name: object, path: object) -> LoRARequest:
+        """The request that would serve PEFT folder `path` as `name`, with an id of its own;
+        an APIError (400) when the name or path cannot be used. The engine checks the adapter
+        itself (`rejected` turns its refusal into a 400); `serve` then serves it."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise APIError(400, "lora_name and lora_path must be non-empty strings")
-        if name == self.model_name or name in self.by_name:
-            raise APIError(400, f"the name '{name}' is already served", param="lora_name")
-        try:
-            read_adapter(Path(path), name, self.config, self.max_lora_rank)
-        except AdapterError as error:
-            raise APIError(400, str(error), param="lora_path") from None
+        self._check_free(name)
         lora = LoRARequest(name, self._next_id, str(Path(path).resolve()))
         self._next_id += 1
-        self.by_name[name] = lora
         return lora
+
+    def serve(self, lora: LoRARequest) -> None:
+        """Serve `lora` under its name (still free: another load may have taken it since)."""
+        self._check_free(lora.lora_name)
+        self.by_name[lora.lora_name] = lora
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (requests already running finish with it); 404 if unknown."""
@@ -91,3 +84,12 @@ class ServedAdapters:
                 code="model_not_found",
             )
         return lora
+
+    def _check_free(self, name: str) -> None:
+        if name == self.model_name or name in self.by_name:
+            raise APIError(400, f"the name '{name}' is already served", param="lora_name")
+
+
+def rejected(error: LoRARejected) -> APIError:
+    """The engine's refusal of an adapter as a 400 naming it."""
+    return APIError(400, str(error), param="lora_path")

@@ -9,7 +9,6 @@ no secret (the page asks for the key itself).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,9 +22,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from pagedkv.engine.lora import LoRARejected
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server import connections, page_map
-from pagedkv.server.adapters import ServedAdapters, runtime_updating_allowed
+from pagedkv.server.adapters import ServedAdapters, rejected, runtime_updating_allowed
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.drain import SHUTDOWN_TIMEOUT_S, Drain
@@ -71,11 +71,14 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         model_name, lambda: engine_loop.stats, engine.max_model_len, config.metrics_prefix
     )
     engine_loop.metrics = metrics
-    adapters = ServedAdapters(
-        model_name, engine.config, engine.adapters is not None, engine.args.max_lora_rank
-    )
-    for name, path in config.lora_modules:
-        adapters.add(name, path)  # a bad one stops the start, naming it
+    adapters = ServedAdapters(model_name)
+    for name, path in config.lora_modules:  # a bad one stops the start, naming it
+        lora = adapters.new(name, path)
+        try:
+            engine.loras.resolve(lora)  # the engine thread is not running yet
+        except LoRARejected as error:
+            raise rejected(error) from None
+        adapters.serve(lora)
     context = ServingContext(
         engine_loop=engine_loop,
         tokenizer=engine.tokenizer,
@@ -150,9 +153,15 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         @v1.post("/load_lora_adapter")
         async def load_lora_adapter(request: Request) -> Response:
             body = await _json_object(request)
-            name = body.get("lora_name")
-            await asyncio.to_thread(adapters.add, name, body.get("lora_path"))
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+            lora = adapters.new(body.get("lora_name"), body.get("lora_path"))
+            try:
+                await engine_loop.call(lambda engine: engine.loras.resolve(lora))
+            except LoRARejected as error:
+                raise rejected(error) from None
+            adapters.serve(lora)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{lora.lora_name}' added successfully."
+            )
 
         @v1.post("/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:

@@ -21,6 +21,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from pagedkv.kvmath import lora as lora_plan
+from pagedkv.kvmath.lora import TARGETS
 from pagedkv.model.config import ModelConfig
-from pagedkv.model.lora import TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -65,18 +66,8 @@ class LoRAAdapter:
     path: Path
     modules: dict[tuple[int, str], LoRAModule]
 
-    @property
-    def rank(self) -> int:
-        """The largest rank of any module."""
-        return max(module.rank for module in self.modules.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.a.numel() * 4 + m.b.numel() * 4 for m in self.modules.values())
-
     def layer_projections(self, num_layers: int) -> list[list[AdaptedProjection]]:
-        """Per layer, its adapted projections (`kvmath.lora.PROJECTIONS` order), each with
-        its parts' A matrices stacked."""
+        """Per layer, its adapted projections (`kvmath.lora.PROJECTIONS` order)."""
         layers: list[list[AdaptedProjection]] = [[] for _ in range(num_layers)]
         for layer in range(num_layers):
             for parts in lora_plan.PROJECTIONS:
@@ -86,31 +77,33 @@ class LoRAAdapter:
                     if (layer, part) in self.modules
                 ]
                 if present:
-                    stacked = torch.cat([module.a for _, module in present])
-                    layers[layer].append(AdaptedProjection(parts, stacked, present))
+                    layers[layer].append(AdaptedProjection(parts, present))
         return layers
-
-    def layer_sizes(self, num_layers: int) -> list[list[int]]:
-        """Per layer, the float32 element counts of its matrices (each projection's stacked A,
-        then its parts' B): what `kvmath.lora.place` packs into pool blocks."""
-        return [
-            [size for projection in layer for size in projection.sizes]
-            for layer in self.layer_projections(num_layers)
-        ]
 
 
 @dataclass(frozen=True)
 class AdaptedProjection:
-    """One projection's adapted parts: their A matrices stacked `[sum of ranks, in]`, and per
-    part its index among the projection's parts and its module (B, scaling)."""
+    """One projection's adapted parts: per part its index among the projection's parts and its
+    module."""
 
     parts: tuple[str, ...]
-    a: Tensor
     present: list[tuple[int, LoRAModule]]
 
-    @property
-    def sizes(self) -> list[int]:
-        return [self.a.numel(), *(module.b.numel() for _, module in self.present)]
+    @cached_property
+    def a(self) -> Tensor:
+        """The parts' A matrices stacked, `[sum of ranks, in]` (made when first written)."""
+        return torch.cat([module.a for _, module in self.present])
+
+
+def layer_sizes(layers: list[list[AdaptedProjection]]) -> list[list[int]]:
+    """Per layer, the element counts of its matrices as they are written (stacked A, then each
+    part's B): what `kvmath.lora.place` packs into pool blocks."""
+    return [
+        lora_plan.matrix_sizes(
+            [[(m.a.shape[1], m.b.shape[0], m.rank) for _, m in p.present] for p in projections]
+        )
+        for projections in layers
+    ]
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -16,7 +16,7 @@ from pagedkv.kvmath.lora import Placement, place
 from pagedkv.memory.adapters import ResidentAdapter
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.lora import AdapterWeights, LoRAPart, ProjectionLoRA
-from pagedkv.weights.lora import LoRAAdapter
+from pagedkv.weights.lora import LoRAAdapter, layer_sizes
 from pagedkv.worker.kv_cache import KVCache
 
 
@@ -41,9 +41,7 @@ def write_adapter(
     projection's A matrices are stacked; each B is kept transposed, `[rank, out]`
     (`model/lora.py` multiplies by its rows)."""
     layers = adapter.layer_projections(num_layers)
-    placements = place(
-        adapter.layer_sizes(num_layers), resident.num_blocks, kv_cache.adapter_chunk_elements
-    )
+    placements = place(layer_sizes(layers), resident.num_blocks, kv_cache.adapter_chunk_elements)
     projections = {}
     for layer, (adapted, where) in enumerate(zip(layers, placements, strict=True)):
         regions = [
