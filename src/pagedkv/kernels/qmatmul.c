@@ -111,28 +111,42 @@ static int32_t scalar_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g
 }
 
 #ifdef __AVX2__
-/* A tail group's integer products with its (natural-order) activations as 8 int32 lanes whose
- * sum is the exact dot product (g = 16: 4 lanes, the rest zero). maddubs multiplies unsigned by
- * signed bytes: an 8-bit weight lends x its sign. */
-INLINE __m256i tail_partial(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
-    const __m256i ones = _mm256_set1_epi16(1);
+/* A tail group's weights as maddubs takes them, unpacked once for every row: `u` the unsigned
+ * factors (4 bits: the nibbles; 8 bits: |w|, the weight lending x its sign), `w` the raw bytes. */
+typedef struct {
+    __m256i u, w;
+} TailWeights;
+
+INLINE TailWeights tail_weights(const uint8_t *w, int bits, int64_t g) {
+    TailWeights t;
     if (g == 16) {
-        __m128i wv = _mm_loadu_si128((const __m128i *)w), av = _mm_loadu_si128((const __m128i *)a);
-        __m128i pairs = _mm_maddubs_epi16(_mm_sign_epi8(wv, wv), _mm_sign_epi8(av, wv));
-        return _mm256_zextsi128_si256(_mm_madd_epi16(pairs, _mm256_castsi256_si128(ones)));
-    }
-    __m256i wv;
-    if (bits == 8) {
-        wv = _mm256_loadu_si256((const __m256i *)w);
+        __m128i wv = _mm_loadu_si128((const __m128i *)w);
+        t.w = _mm256_zextsi128_si256(wv);
+        t.u = _mm256_zextsi128_si256(_mm_sign_epi8(wv, wv));
+    } else if (bits == 8) {
+        t.w = _mm256_loadu_si256((const __m256i *)w);
+        t.u = _mm256_sign_epi8(t.w, t.w);
     } else {
         __m128i packed = _mm_loadu_si128((const __m128i *)w);
-        wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                              _mm256_set1_epi8(0x0F));
+        t.w = t.u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                     _mm256_set1_epi8(0x0F));
+    }
+    return t;
+}
+
+/* A tail group's integer products with its (natural-order) activations as 8 int32 lanes whose
+ * sum is the exact dot product (g = 16: 4 lanes, the rest zero). */
+INLINE __m256i tail_product(TailWeights t, const int8_t *a, int bits, int64_t g) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (g == 16) {
+        __m128i av = _mm_loadu_si128((const __m128i *)a);
+        __m128i pairs = _mm_maddubs_epi16(_mm256_castsi256_si128(t.u),
+                                          _mm_sign_epi8(av, _mm256_castsi256_si128(t.w)));
+        return _mm256_zextsi128_si256(_mm_madd_epi16(pairs, _mm256_castsi256_si128(ones)));
     }
     __m256i av = _mm256_loadu_si256((const __m256i *)a);
-    __m256i u = bits == 8 ? _mm256_sign_epi8(wv, wv) : wv;
-    __m256i x = bits == 8 ? _mm256_sign_epi8(av, wv) : av;
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+    __m256i x = bits == 8 ? _mm256_sign_epi8(av, t.w) : av;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(t.u, x), ones);
 }
 
 /* The lane sums of 8 vectors, lane c the sum of p[c]'s lanes (exact: integers). */
@@ -149,7 +163,7 @@ INLINE __m256i hsum8x8_epi32(const __m256i p[8]) {
 static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
 #ifdef __AVX2__
     if ((bits == 8 && g == 16) || g == 32) {
-        __m256i d = tail_partial(w, a, bits, g);
+        __m256i d = tail_product(tail_weights(w, bits, g), a, bits, g);
         __m128i h = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
@@ -184,6 +198,25 @@ INLINE __m256 scales8(const void *p, int64_t at, int half) {
     for (int j = 0; j < 8; j++) lanes[j] = scale_at(p, at + j, 1);
     return _mm256_loadu_ps(lanes);
 #endif
+}
+
+/* Scales or mins at, at + stride, ..., at + 7 stride (one group of 8 columns) as float32
+ * lanes, built in registers: eight scalar stores read back as one vector would stall on
+ * store forwarding, once per row and tail group. */
+INLINE __m256 scales8_strided(const void *p, int64_t at, int64_t stride, int half) {
+#ifdef __F16C__
+    if (half) {
+        const uint16_t *h = (const uint16_t *)p + at;
+        return _mm256_cvtph_ps(_mm_set_epi16((short)h[7 * stride], (short)h[6 * stride],
+                                             (short)h[5 * stride], (short)h[4 * stride],
+                                             (short)h[3 * stride], (short)h[2 * stride],
+                                             (short)h[stride], (short)h[0]));
+    }
+#endif
+    return _mm256_set_ps(scale_at(p, at + 7 * stride, half), scale_at(p, at + 6 * stride, half),
+                         scale_at(p, at + 5 * stride, half), scale_at(p, at + 4 * stride, half),
+                         scale_at(p, at + 3 * stride, half), scale_at(p, at + 2 * stride, half),
+                         scale_at(p, at + stride, half), scale_at(p, at, half));
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -358,61 +391,71 @@ static void block_lanes_any(const uint8_t *w, const void *ws, const void *wmin, 
 #undef LAYOUT
 }
 
-/* Row `row`'s outputs for columns col0 .. col0 + cols - 1: each column's lanes summed by the
- * tree, then its tail groups one by one, then the bias. With 8 columns the same operations run
- * on 8 lanes at once (lane c: column col0 + c). */
-static void finish_row(float lanes[8][ROWS][8], int r, int64_t row, int64_t col0, int64_t cols,
-                       const uint8_t *values, const void *scales, const void *mins, int half,
-                       int has_mins, int bits, int64_t g, int64_t k, int64_t n, const int8_t *xq,
-                       const float *xs, const float *xsum, const float *bias, float *y) {
+/* Rows row0 .. row0 + rows - 1's outputs for columns col0 .. col0 + cols - 1: each column's
+ * lanes summed by the tree, then its tail groups one by one, then the bias. With 8 columns the
+ * same operations run on 8 lanes at once (lane c: column col0 + c), and each tail group's
+ * weights and scales are unpacked once for all the rows. */
+static void finish_rows(float lanes[8][ROWS][8], int rows, int64_t row0, int64_t col0,
+                        int64_t cols, const uint8_t *values, const void *scales, const void *mins,
+                        int half, int has_mins, int bits, int64_t g, int64_t k, int64_t n,
+                        const int8_t *xq, const float *xs, const float *xsum, const float *bias,
+                        float *y) {
     int64_t groups = k / g, blocks = groups / 8, row_bytes = k * bits / 8;
     int64_t tail_bytes = g * bits / 8;
-    const int8_t *a = xq + row * k;
-    const float *rs = xs + row * groups, *rsum = xsum + row * groups;
     const uint8_t *tails = values + col0 * row_bytes + blocks * 8 * tail_bytes;
 #ifdef __AVX2__
-    if (cols == 8) {
-        __m256 v[8];
-        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_ps(lanes[c][r]);
-        __m256 total = hsum8x8(v);
-        int vector_tail = (bits == 8 && g == 16) || g == 32;
-        for (int64_t group = blocks * 8; group < groups; group++) {
-            __m256i partial[8];
-            int32_t dots[8];
-            float ws[8], wm[8];
-            for (int c = 0; c < 8; c++) {
-                const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
-                if (vector_tail)
-                    partial[c] = tail_partial(w, a + group * g, bits, g);
-                else
-                    dots[c] = scalar_dot(w, a + group * g, bits, g);
-                ws[c] = scale_at(scales, (col0 + c) * groups + group, half);
-                wm[c] = scale_at(mins, (col0 + c) * groups + group, half);
-            }
-            __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_set1_ps(rs[group]));
-            __m256 dot = _mm256_cvtepi32_ps(vector_tail ? hsum8x8_epi32(partial)
-                                                        : _mm256_loadu_si256((const __m256i *)dots));
-            total = _mm256_fmadd_ps(dot, scale, total);
-            if (has_mins)
-                total = _mm256_fmadd_ps(_mm256_loadu_ps(wm), _mm256_set1_ps(rsum[group]), total);
+    if (cols == 8 && ((bits == 8 && g == 16) || g == 32)) {
+        __m256 total[ROWS];
+        for (int r = 0; r < rows; r++) {
+            __m256 v[8];
+            for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_ps(lanes[c][r]);
+            total[r] = hsum8x8(v);
         }
-        if (bias != NULL) total = _mm256_add_ps(total, _mm256_loadu_ps(bias + col0));
-        _mm256_storeu_ps(y + row * n + col0, total);
+        for (int64_t group = blocks * 8; group < groups; group++) {
+            __m256i partial[ROWS][8];
+            for (int c = 0; c < 8; c++) {
+                TailWeights t = tail_weights(
+                    tails + c * row_bytes + (group - blocks * 8) * tail_bytes, bits, g);
+                for (int r = 0; r < rows; r++)
+                    partial[r][c] = tail_product(t, xq + (row0 + r) * k + group * g, bits, g);
+            }
+            int64_t at = col0 * groups + group;
+            __m256 scale = scales8_strided(scales, at, groups, half);
+            __m256 min = has_mins ? scales8_strided(mins, at, groups, half) : _mm256_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                int64_t x_at = (row0 + r) * groups + group;
+                __m256 dot = _mm256_cvtepi32_ps(hsum8x8_epi32(partial[r]));
+                total[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[x_at])),
+                                           total[r]);
+                if (has_mins)
+                    total[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsum[x_at]), total[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            if (bias != NULL) total[r] = _mm256_add_ps(total[r], _mm256_loadu_ps(bias + col0));
+            _mm256_storeu_ps(y + (row0 + r) * n + col0, total[r]);
+        }
         return;
     }
 #endif
-    for (int64_t c = 0; c < cols; c++) {
-        int64_t col = col0 + c;
-        float total = hsum8_lanes(lanes[c][r]);
-        for (int64_t group = blocks * 8; group < groups; group++) {
-            const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
-            int32_t dot = tail_dot(w, a + group * g, bits, g);
-            float scale = scale_at(scales, col * groups + group, half);
-            total = __builtin_fmaf((float)dot, scale * rs[group], total);
-            if (has_mins)
-                total = __builtin_fmaf(scale_at(mins, col * groups + group, half), rsum[group], total);
+    for (int r = 0; r < rows; r++) {
+        int64_t row = row0 + r;
+        const int8_t *a = xq + row * k;
+        const float *rs = xs + row * groups, *rsum = xsum + row * groups;
+        for (int64_t c = 0; c < cols; c++) {
+            int64_t col = col0 + c;
+            float total = hsum8_lanes(lanes[c][r]);
+            for (int64_t group = blocks * 8; group < groups; group++) {
+                const uint8_t *w = tails + c * row_bytes + (group - blocks * 8) * tail_bytes;
+                int32_t dot = tail_dot(w, a + group * g, bits, g);
+                float scale = scale_at(scales, col * groups + group, half);
+                total = __builtin_fmaf((float)dot, scale * rs[group], total);
+                if (has_mins)
+                    total = __builtin_fmaf(scale_at(mins, col * groups + group, half),
+                                           rsum[group], total);
+            }
+            y[row * n + col] = bias != NULL ? total + bias[col] : total;
         }
-        y[row * n + col] = bias != NULL ? total + bias[col] : total;
     }
 }
 
@@ -457,9 +500,8 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                                             xisum + rr * groups, bits, g, k, blocks, has_mins,
                                             rows, lanes[c]);
                         }
-                        for (int r = 0; r < rows; r++)
-                            finish_row(lanes, r, rr + r, col0, cols, values, scales, mins, half,
-                                       has_mins, bits, g, k, n, xq, xs, xsum, bias, y);
+                        finish_rows(lanes, rows, rr, col0, cols, values, scales, mins, half,
+                                    has_mins, bits, g, k, n, xq, xs, xsum, bias, y);
                     }
                 }
             }
