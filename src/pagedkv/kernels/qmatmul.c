@@ -53,25 +53,51 @@ static inline int64_t act_vector(int bits, int64_t u) {
 }
 
 /* int8 activations of one row [k] in kernel order, with per-group scale, float sum and
- * integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree. */
+ * integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree; a value's
+ * int8 is nearbyint(value x 127 / amax). The AVX2 path takes the same 8 lanes and rounds the
+ * same way (to nearest, ties to even), so both give the same bytes and floats. */
 static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int8_t *xq, float *xs,
                          float *xsum, int32_t *xisum) {
     int64_t groups = k / g, blocked = groups / 8 * 8;
+    int32_t units[64]; /* one group's int8 values (g <= 64), as int32 */
     for (int64_t group = 0; group < groups; group++) {
         const float *v = x + group * g;
-        float amax = 0.0f, lanes[8] = {0};
+        float amax = 0.0f, inverse;
+#ifdef __AVX2__
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 most = _mm256_setzero_ps(), lanes = _mm256_setzero_ps();
+        for (int64_t i = 0; i < g; i += 8) {
+            __m256 value = _mm256_loadu_ps(v + i);
+            most = _mm256_max_ps(_mm256_and_ps(value, magnitude), most);
+            lanes = _mm256_add_ps(lanes, value);
+        }
+        float most_lanes[8];
+        _mm256_storeu_ps(most_lanes, most);
+        for (int l = 0; l < 8; l++) amax = most_lanes[l] > amax ? most_lanes[l] : amax;
+        xsum[group] = hsum8(lanes);
+        inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t i = 0; i < g; i += 8) {
+            __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse));
+            __m256 rounded = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_storeu_si256((__m256i *)(units + i), _mm256_cvtps_epi32(rounded));
+        }
+#else
+        float lanes[8] = {0};
         for (int64_t i = 0; i < g; i += 8)
             for (int l = 0; l < 8; l++) {
                 float a = fabsf(v[i + l]);
                 amax = a > amax ? a : amax;
                 lanes[l] += v[i + l];
             }
-        float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xsum[group] = hsum8_lanes(lanes);
+        inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t i = 0; i < g; i++) units[i] = (int32_t)nearbyintf(v[i] * inverse);
+#endif
         int32_t isum = 0;
         for (int64_t u = 0; u < g / 4; u++) {
             int8_t unit[4];
             for (int e = 0; e < 4; e++) {
-                unit[e] = (int8_t)nearbyintf(v[4 * u + e] * inverse);
+                unit[e] = (int8_t)units[4 * u + e];
                 isum += unit[e];
             }
             int64_t at = group < blocked
@@ -80,7 +106,6 @@ static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int8_t 
             memcpy(xq + at, unit, 4);
         }
         xs[group] = amax / 127.0f;
-        xsum[group] = hsum8_lanes(lanes);
         xisum[group] = isum;
     }
 }
