@@ -288,11 +288,25 @@ def test_the_step_cost_is_fitted_to_the_steps_timed() -> None:
     cost = StepCost()
     assert cost.threshold(1) == pytest.approx(0.2)  # no timings yet: a row is a quarter
     for rows in [1, 4, 1, 1, 4, 2, 64, 1, 4, 32, 33]:
-        cost.record(rows, 0.004 + 0.0015 * rows)
+        cost.record(rows, 0.004 + 0.0015 * rows, decodes_only=True)
     fixed, per_row = cost.fit()
     assert fixed == pytest.approx(0.004) and per_row == pytest.approx(0.0015)
     assert cost.threshold(1) == pytest.approx(0.0015 / 0.0055)
     assert cost.threshold(32) == pytest.approx(0.048 / 0.052)
+
+
+def test_the_step_cost_of_a_row_is_a_decode_row_once_decodes_were_timed() -> None:
+    """Prompt rows (no logits) at 0.5 ms, decode rows at 1.5 ms: prompt steps set the fit only
+    until decode steps of two sizes were timed, then the decode steps alone do."""
+    cost = StepCost()
+    for rows in [64, 128, 32]:
+        cost.record(rows, 0.004 + 0.0005 * rows, decodes_only=False)
+    cost.record(1, 0.0055, decodes_only=True)
+    assert cost.fit()[1] < 0.001  # one decode size: the prompts still decide
+    for rows in [3, 1, 6, 2]:
+        cost.record(rows, 0.004 + 0.0015 * rows, decodes_only=True)
+    cost.record(256, 0.004 + 0.0005 * 256, decodes_only=False)
+    assert cost.fit() == pytest.approx((0.004, 0.0015))
 
 
 def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:

@@ -61,3 +61,10 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         """Tokens the forward pass computes."""
         return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+    @property
+    def decodes_only(self) -> bool:
+        """Whether every chunk is a decode: one token, and its drafts if it has any."""
+        return bool(self.chunks) and all(
+            len(chunk.token_ids) == 1 + chunk.num_draft_tokens for chunk in self.chunks
+        )

@@ -172,7 +172,9 @@ class Scheduler:
         scheduler (status FINISHED). The others reserve slots for their next drafts.
         """
         if result.step_seconds is not None:
-            self.drafts.step_cost.record(output.num_batched_tokens, result.step_seconds)
+            self.drafts.step_cost.record(
+                output.num_batched_tokens, result.step_seconds, output.decodes_only
+            )
         running = {request.request_id: request for request in self.running}
         touched: dict[str, Request] = {}
         verified: dict[SeqId, ScheduledChunk] = {}

@@ -15,7 +15,8 @@ pay; with many sequences a step is mostly arithmetic, and only near-certain draf
 refusals, decayed). A sequence whose first draft would not pay stops drafting for a while, then
 verifies one draft to measure again, and waits twice as long each time that one fails too (up
 to `MAX_PAUSE_STEPS`). `StepCost` fits `fixed` and `per_row` to the engine's own steps (seconds
-against rows, least squares over the recent ones), so the rule follows the machine and model.
+against rows, least squares over the recent ones; decode steps only, once there are enough), so
+the rule follows the machine and model.
 """
 
 from __future__ import annotations
@@ -81,20 +82,51 @@ class Acceptance:
             self.probing = self.paused_steps == 0
 
 
-class StepCost:
-    """Seconds a step takes as `fixed + per_row * rows`, fitted to the steps seen."""
+@dataclass
+class _LeastSquares:
+    """Decayed sums of (rows, seconds) pairs, and the line through them."""
 
-    def __init__(self) -> None:
-        self._weight = self._rows = self._seconds = self._rows2 = self._cross = 0.0
+    weight: float = 0.0
+    rows: float = 0.0
+    seconds: float = 0.0
+    rows2: float = 0.0
+    cross: float = 0.0
 
     def record(self, rows: int, seconds: float) -> None:
-        """One executed step: its rows (tokens computed) and its seconds."""
-        decay = STEP_DECAY
-        self._weight = decay * self._weight + 1
-        self._rows = decay * self._rows + rows
-        self._seconds = decay * self._seconds + seconds
-        self._rows2 = decay * self._rows2 + rows * rows
-        self._cross = decay * self._cross + rows * seconds
+        self.weight = STEP_DECAY * self.weight + 1
+        self.rows = STEP_DECAY * self.rows + rows
+        self.seconds = STEP_DECAY * self.seconds + seconds
+        self.rows2 = STEP_DECAY * self.rows2 + rows * rows
+        self.cross = STEP_DECAY * self.cross + rows * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_row), or None until steps of more than one size were recorded."""
+        if not self.weight:
+            return None
+        mean_rows, mean_seconds = self.rows / self.weight, self.seconds / self.weight
+        spread = self.rows2 / self.weight - mean_rows**2
+        if spread <= 1e-9 * max(1.0, mean_rows**2):
+            return None
+        per_row = max(0.0, (self.cross / self.weight - mean_rows * mean_seconds) / spread)
+        return max(0.0, mean_seconds - per_row * mean_rows), per_row
+
+
+class StepCost:
+    """Seconds a step takes as `fixed + per_row * rows`, fitted to the steps seen: to the decode
+    steps once they came in more than one size (a decode row, like a draft's, goes through the
+    LM head and the sampler, where a prompt's rows need no logits and look cheaper), to every
+    step until then."""
+
+    def __init__(self) -> None:
+        self._decodes = _LeastSquares()
+        self._steps = _LeastSquares()
+
+    def record(self, rows: int, seconds: float, decodes_only: bool) -> None:
+        """One executed step: its rows (tokens computed), its seconds, and whether its chunks
+        were all decodes (a token and its drafts)."""
+        self._steps.record(rows, seconds)
+        if decodes_only:
+            self._decodes.record(rows, seconds)
 
     def threshold(self, num_sequences: int) -> float:
         """The least chance a draft must have of being kept to pay, in a step of
@@ -106,10 +138,4 @@ class StepCost:
     def fit(self) -> tuple[float, float]:
         """(fixed, per_row) in seconds; a row a quarter of the fixed part until steps of more
         than one size have been timed."""
-        if self._weight:
-            mean_rows, mean_seconds = self._rows / self._weight, self._seconds / self._weight
-            spread = self._rows2 / self._weight - mean_rows**2
-            if spread > 1e-9 * max(1.0, mean_rows**2):
-                per_row = max(0.0, (self._cross / self._weight - mean_rows * mean_seconds) / spread)
-                return max(0.0, mean_seconds - per_row * mean_rows), per_row
-        return 1.0, DEFAULT_ROW_SHARE
+        return self._decodes.fit() or self._steps.fit() or (1.0, DEFAULT_ROW_SHARE)
