@@ -99,12 +99,16 @@ static int64_t window_start(int64_t pos, int64_t window) {
     return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
 }
 
+/* Bytes of one cached value. */
+static int64_t value_bytes(const Call *c) {
+    return c->cache_dtype == CACHE_F32 ? 4 : (c->cache_dtype == CACHE_FP8 ? 1 : 2);
+}
+
 /* Where position p's row for KV head h starts, in the sequence whose block table is `table`. */
 static const char *row_address(const Call *c, const void *cache, const int32_t *table,
                                int64_t h, int64_t p) {
     int64_t slot = (int64_t)table[p / c->block_size] * c->block_size + p % c->block_size;
-    int64_t bytes = c->cache_dtype == CACHE_F32 ? 4 : (c->cache_dtype == CACHE_FP8 ? 1 : 2);
-    return (const char *)cache + (slot * c->num_kv_heads + h) * c->head_dim * bytes;
+    return (const char *)cache + (slot * c->num_kv_heads + h) * c->head_dim * value_bytes(c);
 }
 
 #ifdef __AVX2__
@@ -135,8 +139,7 @@ static __m256 f16x8_to_f32(const uint16_t *h) {
 static void load_rows(const Call *c, const void *cache, const int32_t *table, int64_t h,
                       int64_t p0, int64_t n, int64_t last, Tile *t) {
     int64_t hd = c->head_dim;
-    int64_t bytes = c->cache_dtype == CACHE_F32 ? 4 : (c->cache_dtype == CACHE_FP8 ? 1 : 2);
-    int64_t row_bytes = hd * bytes;
+    int64_t row_bytes = hd * value_bytes(c);
     /* One KV head's rows lie num_kv_heads x head_dim values apart within a block, and blocks
      * lie anywhere in the pool: the hardware prefetcher does not follow that, so each copy
      * waited for memory (a batch-1 decode at 500 tokens of context spent a third of its layers'

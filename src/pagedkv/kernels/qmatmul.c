@@ -136,6 +136,10 @@ static int32_t scalar_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g
 }
 
 #ifdef __AVX2__
+/* Whether a tail group's products take the vector path (tail_weights, tail_product): 8-bit
+ * groups of 16 and any group of 32; the rest go one by one (scalar_dot). */
+INLINE int vector_tail(int bits, int64_t g) { return (bits == 8 && g == 16) || g == 32; }
+
 /* A tail group's weights as maddubs takes them, unpacked once for every row: `u` the unsigned
  * factors (4 bits: the nibbles; 8 bits: |w|, the weight lending x its sign), `w` the raw bytes. */
 typedef struct {
@@ -187,7 +191,7 @@ INLINE __m256i hsum8x8_epi32(const __m256i p[8]) {
 /* The exact integer dot product of a tail group with its (natural-order) activations. */
 static int32_t tail_dot(const uint8_t *w, const int8_t *a, int bits, int64_t g) {
 #ifdef __AVX2__
-    if ((bits == 8 && g == 16) || g == 32) {
+    if (vector_tail(bits, g)) {
         __m256i d = tail_product(tail_weights(w, bits, g), a, bits, g);
         __m128i h = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
         h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
@@ -429,7 +433,7 @@ static void finish_rows(float lanes[8][ROWS][8], int rows, int64_t row0, int64_t
     int64_t tail_bytes = g * bits / 8;
     const uint8_t *tails = values + col0 * row_bytes + blocks * 8 * tail_bytes;
 #ifdef __AVX2__
-    if (cols == 8 && ((bits == 8 && g == 16) || g == 32)) {
+    if (cols == 8 && vector_tail(bits, g)) {
         __m256 total[ROWS];
         for (int r = 0; r < rows; r++) {
             __m256 v[8];
