@@ -16,6 +16,9 @@ alternating which goes first, the same prompts, greedy (so both give the same to
   included, which speculation does not change);
 - with speculation: the acceptance rate and the mean accepted length (tokens a verification
   step produced: the kept drafts plus one).
+- what workload (a)'s own greedy outputs allow at the engine's fitted step cost (`replay_bound`):
+  the speed-up of verifying every draft, and of verifying exactly the drafts that will be kept
+  (an oracle: a ceiling no rule reaches, since none knows in advance).
 llama.cpp runs the same prompts (token ids) on the same file at batch 1 through llama-cpp-python's
 own prompt-lookup decoding (`LlamaPromptLookupDecoding`, the same n-gram size and drafts) and
 without it, same threads, greedy (`bench/llama_cpp_worker.py`, in its own environment: see
@@ -32,13 +35,16 @@ import random
 import statistics
 import sys
 import time
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from peers import LLAMA_VENV, LlamaCppPeer
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.spec.ngram import propose_ngram
 from pagedkv.hub import DEFAULT_MODEL, pull
 from pagedkv.worker.threads import physical_cores
 
@@ -135,15 +141,16 @@ class Pagedkv:
             speculative_config=speculative_config,
         )
 
-    def batch1(self, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-        """Each prompt alone: decode tokens/s over the requests."""
-        tokens, seconds = 0, 0.0
+    def batch1(self, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+        """Each prompt alone: decode tokens/s over the requests, and each one's tokens."""
+        tokens, seconds, outputs = 0, 0.0, []
         for prompt in prompts:
             [output] = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             metrics = output.metrics
-            tokens += len(output.outputs[0].token_ids) - 1
+            outputs.append(list(output.outputs[0].token_ids))
+            tokens += len(outputs[-1]) - 1
             seconds += metrics.finished_time - metrics.first_token_time
-        return {"decode_tok_s": tokens / seconds, "tokens": tokens}
+        return {"decode_tok_s": tokens / seconds, "tokens": tokens, "outputs": outputs}
 
     def batch(self, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
         """Every prompt at once: generated tokens over the wall time."""
@@ -158,6 +165,56 @@ class Pagedkv:
     def spec_figures(self) -> dict[str, float]:
         stats = self.llm.engine.stats.spec_decoding
         return {"acceptance": stats.acceptance_rate, "mean_length": stats.mean_accepted_length}
+
+    def step_cost(self) -> tuple[float, float]:
+        """The engine's current fit of a step's seconds: (fixed, per row)."""
+        return self.llm.engine.scheduler.drafts.step_cost.fit()
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Workload (a) replayed at a step cost: speed-ups over plain decoding."""
+
+    fixed: float  # seconds of a step, whatever its rows
+    per_row: float  # seconds per row
+    every_draft: float  # verifying every draft proposed
+    oracle: float  # verifying exactly the drafts the model keeps
+    free_rows: float  # either, were a step's extra rows free: decode tokens per step
+
+
+def replay_bound(
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    spec: dict[str, Any],
+    cost: tuple[float, float],
+) -> Bound:
+    """What n-gram drafts can give on these greedy outputs at step cost `fixed + per_row x rows`.
+
+    Each output is replayed a step at a time: the drafts the lookup proposes after the tokens so
+    far (`propose_ngram`, the engine's own), the prefix of them the output continues with (what
+    verification keeps), and the step's rows. Verifying every draft costs all of them; an oracle
+    verifies only the ones kept. Both keep the same tokens, so the oracle is the most any
+    adaptive rule could get from this drafter, model and machine; with rows free (a machine
+    whose step costs the same for a few more rows) both come to tokens per step."""
+    fixed, per_row = cost
+    lookup = spec["prompt_lookup_min"], spec["prompt_lookup_max"], spec["num_speculative_tokens"]
+    plain = every = oracle = 0.0
+    tokens = steps = 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        at = 1  # the first token comes from the prompt's step
+        plain += (len(output) - 1) * (fixed + per_row)
+        tokens += len(output) - 1
+        while at < len(output):
+            so_far = array("q", prompt + output[:at])
+            drafts = propose_ngram(so_far, *lookup)[: len(output) - at - 1]
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == output[at + kept]:
+                kept += 1
+            every += fixed + per_row * (1 + len(drafts))
+            oracle += fixed + per_row * (1 + kept)
+            steps += 1
+            at += kept + 1
+    return Bound(fixed, per_row, plain / every, plain / oracle, tokens / steps)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,11 +237,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         lengths = [len(p) for p in workload]
         print(f"workload ({name}): {len(workload)} prompts of {min(lengths)}-{max(lengths)} tokens")
     runs: dict[tuple[str, str, str], list[float]] = {}
+    bounds = []
     for round_index in range(args.rounds):
         order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
         for name, workload in prompts.items():
             for mode in order:
-                one = systems[mode].batch1(workload, params)["decode_tok_s"]
+                single = systems[mode].batch1(workload, params)
+                one = single["decode_tok_s"]
+                if name == "a" and mode == "on":  # the fit of its batch-1 steps
+                    cost = systems["on"].step_cost()
+                    bounds.append(replay_bound(workload, single["outputs"], spec, cost))
                 many = systems[mode].batch(workload, params)["tok_s"]
                 runs.setdefault((name, mode, "batch1"), []).append(one)
                 runs.setdefault((name, mode, "batch32"), []).append(many)
@@ -192,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{len(workload)} sequences {many:.1f} tok/s", flush=True)  # fmt: skip
     spec_figures = systems["on"].spec_figures()
     llama = llama_figures(args, gguf, prompts, tokenizer, threads)
-    report(runs, spec_figures, llama, len(prompts["a"]))
+    report(runs, spec_figures, llama, len(prompts["a"]), bounds)
     print(f"load average after {load()}")
     return 0
 
@@ -245,6 +307,7 @@ def report(
     spec_figures: dict[str, float],
     llama: dict[str, dict[str, Any]] | None,
     count: int,
+    bounds: list[Bound],
 ) -> None:
     def median(key: tuple[str, str, str]) -> float:
         return statistics.median(runs[key])
@@ -267,6 +330,11 @@ def report(
         f"with speculation (all runs): acceptance rate {spec_figures['acceptance']:.1%}, "
         f"mean accepted length {spec_figures['mean_length']:.2f}"
     )
+    for bound in bounds:
+        every, oracle, free = bound.every_draft, bound.oracle, bound.free_rows
+        print(f"(a) replayed at the engine's batch-1 step cost ({1e3 * bound.fixed:.2f} ms + "
+              f"{1e3 * bound.per_row:.2f} ms a row): every draft verified {every:.2f}x, "
+              f"only the drafts kept (oracle) {oracle:.2f}x; rows free {free:.2f}x")  # fmt: skip
     if llama is not None:
         on = median(("a", "on", "batch1"))
         lookup = statistics.median(llama["lookup"]["runs"])

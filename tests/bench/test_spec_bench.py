@@ -17,6 +17,7 @@ def _load_spec_bench():
     try:
         spec = importlib.util.spec_from_file_location("bench_spec_bench", BENCH / "spec_bench.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
         spec.loader.exec_module(module)
         return module
     finally:
@@ -46,3 +47,19 @@ def test_typos_are_deterministic_swaps_that_keep_every_word() -> None:
     assert once == again and once != text
     pairs = list(zip(once.split(" "), text.split(" "), strict=True))
     assert all(sorted(a) == sorted(b) for a, b in pairs)  # letters swapped, none lost
+
+
+def test_replay_bound_counts_the_steps_and_rows_of_the_lookups_drafts() -> None:
+    spec = {"prompt_lookup_min": 2, "prompt_lookup_max": 4, "num_speculative_tokens": 3}
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17]
+    # After [.., 10, 11] the lookup drafts 12, 13, 14, all kept; after [.., 14, 15] it drafts
+    # 16, 17 (cut so that the step's token after them is still one the output has), of which
+    # the output keeps 16; the first and last steps find no n-gram.
+    output = [10, 11, 12, 13, 14, 15, 16, 99, 98]
+    bound = spec_bench.replay_bound([prompt], [output], spec, (4.0, 1.0))
+    # steps at 1 (no draft), 2 (3 drafts, 3 kept), 6 (2 drafts, 1 kept), 8 (no draft)
+    plain, every, oracle = 8 * 5.0, 5.0 + 8.0 + 7.0 + 5.0, 5.0 + 8.0 + 6.0 + 5.0
+    assert (bound.fixed, bound.per_row) == (4.0, 1.0)
+    assert abs(bound.every_draft - plain / every) < 1e-12
+    assert abs(bound.oracle - plain / oracle) < 1e-12
+    assert bound.free_rows == 8 / 4
