@@ -119,6 +119,29 @@ def test_a_batch_mixing_three_adapters_and_base_requests(engine_zoo, adapters, n
         assert alone.outputs[0].cumulative_logprob == output.outputs[0].cumulative_logprob
 
 
+def test_a_draft_model_leaves_adapter_outputs_unchanged(engine_zoo, adapters):
+    """Adapter and base requests in one batch, drafted by a draft model: the same tokens and
+    logprobs as without speculation. The draft model drafts with its own weights (no adapter
+    of the model is one of its), and the model verifies each row with that row's adapter."""
+    name = "llama"
+    lora = LoRARequest("all", 1, str(adapters[(name, "all")]))
+    prompts = [random_prompt(length, seed=length) for length in (14, 31, 22)]
+    chosen = [lora, None, lora]
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=2, ignore_eos=True)
+    spec = {"model": str(engine_zoo.folder(name)), "num_speculative_tokens": 3}
+
+    def run(**speculation):
+        llm = make_llm(engine_zoo, name, enable_lora=True, max_lora_rank=16, **speculation)
+        outputs = llm.generate(requests, params, lora_request=chosen)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
+
+    expected, _ = run()
+    got, llm = run(speculative_config=spec)
+    assert got == expected
+    assert llm.engine.scheduler.drafts.stats.num_accepted_tokens > 0  # the base request's
+
+
 def test_a_pool_smaller_than_every_adapter_finishes_everything(engine_zoo, adapters):
     """Four adapters, room for about one beside the KV it needs: requests queue, idle adapters
     are evicted (LRU), and every request still finishes with its own adapter's output."""

@@ -4,6 +4,7 @@ draws against softmax(logits / temperature) by a chi-square test with a fixed se
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -118,6 +119,31 @@ def test_samples_follow_softmax_of_logits_over_temperature(temperature):
     probs = (logits.double() / temperature).softmax(dim=0).tolist()
     statistic, degrees_of_freedom = chi_square(counts.tolist(), probs)
     assert degrees_of_freedom == len(logits) - 1
+    assert statistic < chi_square_bound(degrees_of_freedom), (counts.tolist(), probs)
+
+
+@pytest.mark.parametrize(
+    ("draft", "top_k", "top_p", "min_p"),
+    [(0, 0, 1.0, 0.0), (0, 0, 1.0, 0.3), (3, 0, 1.0, 0.3), (0, 4, 0.9, 0.2), (2, 0, 0.8, 0.0)],
+)
+def test_a_verified_draft_leaves_the_filtered_distribution_unchanged(draft, top_k, top_p, min_p):
+    """Rejection sampling with a one-hot draft (keep it with its probability, else draw from the
+    rest): the token that comes out follows the filtered distribution from its definitions,
+    whatever the filters leave the row summing to (min_p drops mass without renormalising)."""
+    logits = [1.0, 0.9, 0.4, -0.3, -0.6, -1.0, -1.5]
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    drafted = replace(row(params, vocab=len(logits)), draft_token_id=draft)
+    sampler = Sampler(seed=3)
+    counts = torch.zeros(len(logits), dtype=torch.int64)
+    for _ in range(6):
+        chosen = sampler(torch.tensor(logits).repeat(1000, 1), [drafted] * 1000).token_ids
+        counts += torch.bincount(torch.tensor(chosen), minlength=len(logits))
+    probs = oracle_filtered(logits, 1.0, top_k, top_p, min_p)
+    kept = [i for i, p in enumerate(probs) if p > 0]
+    assert counts[[i for i in range(len(logits)) if i not in kept]].sum() == 0
+    statistic, degrees_of_freedom = chi_square(
+        [counts[i].item() for i in kept], [probs[i] for i in kept]
+    )
     assert statistic < chi_square_bound(degrees_of_freedom), (counts.tolist(), probs)
 
 

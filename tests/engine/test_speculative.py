@@ -105,6 +105,28 @@ def test_greedy_output_is_unchanged_for_every_weight_format(
             assert got == expected, f"{weights} {spec}: {case}"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_seed_gives_the_same_samples_with_speculation(engine_zoo, family: str) -> None:
+    """Seeded sampling (temperature, top_p, min_p; n = 2) in a crowd, in small chunks, under
+    preemption: the same tokens and logprobs with drafts as without. Every row draws as plain
+    decoding would and keeps its draft only where it drew it, so a seeded sample's generator
+    advances by one draw per token it emits, however many drafts were verified."""
+    model = str(engine_zoo.folder(family))
+    params = SamplingParams(
+        n=2, temperature=0.8, top_p=0.9, min_p=0.05, seed=11, max_tokens=16, ignore_eos=True,
+        logprobs=2,
+    )  # fmt: skip
+    expected = alone(model, params)
+    for spec in (NGRAM, draft_model(model)):
+        kept = 0
+        for case in ("batched", "chunks-of-16", "swap", "recompute"):
+            got, stats = spec_busy(model, params, spec, case)
+            assert got == expected, f"{family} {spec}: {case}"
+            kept += stats.num_accepted_tokens
+        if "model" in spec:
+            assert kept > 0, "the model drafting for itself has some of its drafts kept"
+
+
 # Every setting that changes a position's logits or stops a sample, each checked per
 # position of a run of drafts (the draft model drafts from raw logits, so these refuse some).
 PER_POSITION = {
@@ -214,6 +236,32 @@ def test_the_chi_square_test_sees_a_skewed_sampler() -> None:
     again = Counter(torch.multinomial(probs, 1200, True, generator=generator).tolist())
     assert chi_square_p_value(fair, skewed) < 1e-3
     assert chi_square_p_value(fair, again) > 1e-3
+
+
+def test_generated_tokens_count_what_outputs_got_when_a_stop_ends_a_run_of_drafts(
+    engine_zoo,
+) -> None:
+    """A stop token in the middle of a run of kept drafts (the model drafting for itself keeps
+    them all): the drafts after it are dropped from the output, and from the generated-token
+    count too, which equals the output's length as without speculation."""
+    model = str(engine_zoo.folder("llama"))
+    prompt = random_prompt(20, seed=5)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    [plain] = LLM(model, num_gpu_blocks=64).generate([{"prompt_token_ids": prompt}], free)
+    tokens = list(plain.outputs[0].token_ids)
+    stop_at = next(i for i in range(5, len(tokens)) if tokens[i] not in tokens[:i])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[tokens[stop_at]]
+    )
+    for speculation in ({}, {"speculative_config": draft_model(model, 5)}):
+        engine = Engine(EngineArgs(model=model, num_gpu_blocks=64, **speculation))
+        engine.add_request("a", prompt, params)
+        got: list[int] = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                got += output.outputs[0].token_ids
+        assert got == tokens[: stop_at + 1]
+        assert engine.stats.generation_tokens_total == stop_at + 1
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model"])

@@ -313,10 +313,10 @@ class Engine:
             if request.status is RequestStatus.FINISHED:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
-        self._sampled_last_step = result.num_sampled_tokens
-        if result.num_sampled_tokens:
-            self._generation_tokens_total += result.num_sampled_tokens
-            self._recent_tokens.append((now, result.num_sampled_tokens))
+        self._sampled_last_step = self.scheduler.last_step_tokens
+        if self._sampled_last_step:
+            self._generation_tokens_total += self._sampled_last_step
+            self._recent_tokens.append((now, self._sampled_last_step))
         return {request.request_id: request for request in touched}
 
     def _prompt_tokens(self, output: SchedulerOutput) -> int:

@@ -13,11 +13,14 @@ with probability `probs[i]`. A request with a seed draws its noise from its own 
 its tokens do not depend on what else is in the batch.
 
 A row may verify a speculative draft (`SamplingRow.draft_token_id`): its settings are those of
-the sample as if the drafts before it had been kept. A greedy row keeps its draft when the
-draft is its argmax. A sampling row keeps it with probability `probs[draft]` (the rejection
-rule min(1, p/q) with the one-hot q of a deterministic draft), else draws from `probs` with the
-draft removed (the normalised residual, max(p - q, 0)); so the tokens kept are distributed as
-plain sampling's. The row's token is the draft when kept, else its own draw.
+the sample as if the drafts before it had been kept. Every row draws its token as it would
+without drafts (greedy: the argmax; sampling: `argmax(probs / E)`) and keeps its draft when
+the two are the same token. For a deterministic draft (one-hot q, as both drafters propose)
+that is the standard rejection rule: the draft is kept with probability `p[draft]` = min(1,
+p/q), and a refused row's token is distributed as `p` without the draft, normalised (the
+residual max(p - q, 0)). Drawing it this way also spends a seeded sample's randomness as plain
+decoding does, one draw per token it emits (`_noise`), so a seed gives the same tokens with
+speculation as without.
 
 Rows share every tensor op, so no row's value may size one beyond what the logits hold: a
 top_k or a logprobs count above the vocabulary is clamped to it. Every other per-row value
@@ -219,45 +222,34 @@ def _choose(
         [-1 if row.draft_token_id is None else row.draft_token_id for row in rows],
         device=logits.device,
     )
-    kept = chosen == drafts  # greedy: the draft is the argmax
     sampled = [index for index, row in enumerate(rows) if not row.params.greedy]
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         subset = [rows[i] for i in sampled]
         temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
         probs = _filtered_probs(logits[index] / temperature[:, None], subset)
-        verifying = [i for i, row in enumerate(subset) if row.draft_token_id is not None]
-        if verifying:
-            kept[index] = _keep_drafts(probs, subset, verifying, generator)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        for position, row in enumerate(subset):
-            if row.generator is not None:
-                noise[position].exponential_(generator=row.generator)
-        # Exp(1) can draw an exact 0; 0 / 0 would be NaN, which argmax takes as the maximum.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        chosen[index] = (probs / noise).argmax(dim=-1)
-    chosen = torch.where(kept, drafts, chosen)
+        chosen[index] = (probs / _noise(probs, subset, generator)).argmax(dim=-1)
+    kept = chosen == drafts  # a draft is kept where the row drew it
     return chosen, kept.tolist()
 
 
-def _keep_drafts(
-    probs: Tensor, rows: Sequence[SamplingRow], verifying: list[int], generator: torch.Generator
-) -> Tensor:
-    """Per row of `probs`, whether its draft is kept: with probability `probs[draft]` (False
-    for rows without one). A row that does not keep its draft has it removed from `probs`, in
-    place, so the draw that follows picks from the normalised residual."""
-    kept = torch.zeros(len(rows), dtype=torch.bool, device=probs.device)
-    index = torch.tensor(verifying, device=probs.device)
-    drafts = torch.tensor([rows[i].draft_token_id for i in verifying], device=probs.device)
-    uniform = torch.rand(len(verifying), generator=generator, device=probs.device)
-    for position, row_index in enumerate(verifying):
-        row_generator = rows[row_index].generator
-        if row_generator is not None:
-            uniform[position] = torch.rand(1, generator=row_generator, device=probs.device)[0]
-    draft_probs = probs[index, drafts]
-    kept[index] = uniform < draft_probs
-    probs[index[~kept[index]], drafts[~kept[index]]] = 0.0
-    return kept
+def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:
+    """Exp(1) noise for each row of `probs`, a seeded sample's from its own generator, one draw
+    per token the sample emits: its rows after one whose draft it refuses (rows whose tokens
+    are never read) draw nothing from it, so the generator advances as in plain decoding."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    tiny = torch.finfo(noise.dtype).tiny
+    refused: set[int] = set()  # the generators of samples that refused a draft this step
+    for position, row in enumerate(rows):
+        if row.generator is None or id(row.generator) in refused:
+            continue
+        noise[position].exponential_(generator=row.generator)
+        if row.draft_token_id is not None:
+            drawn = (probs[position] / noise[position].clamp(min=tiny)).argmax()
+            if int(drawn) != row.draft_token_id:
+                refused.add(id(row.generator))
+    # Exp(1) can draw an exact 0; 0 / 0 would be NaN, which argmax takes as the maximum.
+    return noise.clamp_(min=tiny)
 
 
 def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -45,8 +45,3 @@ class ModelRunnerOutput:
     step_seconds: float | None = None
     # Beam search: per live beam that computed its next row, the extensions it proposes.
     beam_candidates: dict[SeqId, list[Candidate]] = field(default_factory=dict)
-
-    @property
-    def num_sampled_tokens(self) -> int:
-        """Tokens the step produced, over all samples (a beam's row gives its beams one)."""
-        return sum(len(tokens) for tokens in self.sampled.values()) + len(self.beam_candidates)

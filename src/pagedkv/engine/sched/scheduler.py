@@ -85,6 +85,8 @@ class Scheduler:
         self._dropped: list[SeqId] = []  # tables the runner must forget, sent with the next step
         # Moves of draft reservations made by `update`, run with the next step.
         self.drafts = DraftSlots(manager, self.watermark_blocks)
+        # Tokens the last step added to outputs: drafts past a stop are not among them.
+        self.last_step_tokens = 0
 
     # -- queues ----------------------------------------------------------------------------
 
@@ -193,10 +195,12 @@ class Scheduler:
         for request in touched.values():
             if not request.forked:  # all n samples drew from the prompt's logits
                 self._fork(request)
+        self.last_step_tokens = len(result.beam_candidates)  # a beam's row gives its beams one
         for seq_id, sampled in result.sampled.items():
             request = touched[seq_id[0]]
             seq = request.sequence(seq_id[1])
             num_kept = append_sampled(request, seq, sampled)
+            self.last_step_tokens += num_kept
             chunk = verified.get(seq_id)
             if chunk is None:
                 seq.acceptance.step_without_drafts()

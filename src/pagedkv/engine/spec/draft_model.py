@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.drafter import DraftRequest, SeqId
+from pagedkv.memory.adapters import AdapterChanges
 from pagedkv.model.config import ModelConfig
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.load import LoadedModel, load
@@ -40,7 +41,8 @@ class DraftModelDrafter:
 
     def fill(self, output: SchedulerOutput) -> SchedulerOutput:
         """`output` with every chunk's reserved draft slots holding the draft model's drafts,
-        after the draft model has computed the K/V of every chunk's tokens."""
+        after the draft model has computed the K/V of every chunk's tokens. A LoRA adapter of
+        the model is not one of the draft model's: it drafts with its own weights."""
         first = [
             replace(
                 chunk,
@@ -48,11 +50,12 @@ class DraftModelDrafter:
                 sample=bool(chunk.num_draft_tokens),
                 num_logits=int(bool(chunk.num_draft_tokens)),
                 num_draft_tokens=0,
+                lora_id=0,
             )
             for chunk in output.chunks
         ]
         drafting = [chunk for chunk in output.chunks if chunk.num_draft_tokens]
-        step = self.runner.execute(replace(output, chunks=first))
+        step = self.runner.execute(replace(output, chunks=first, adapters=AdapterChanges()))
         drafts: dict[SeqId, list[int]] = {chunk.seq_id: [] for chunk in drafting}
         rows = {chunk.seq_id: rows for chunk, rows in zip(first, step.rows, strict=True)}
         logits, passes = step.logits, [chunk for chunk in first if chunk.sample]
