@@ -386,6 +386,7 @@ def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_length": 4}, "'draft_length'"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "takes no model"),
         ('{"method": "ngram", ', "not valid JSON"),
         ([3], "must be a dict"),
     ],
@@ -396,10 +397,13 @@ def test_bad_speculative_configs_are_refused_at_start(config: Any, message: str)
 
 
 def test_vllm_spellings_and_defaults() -> None:
-    """vLLM's older `{"model": "ngram"}`, a JSON string as `--speculative-config` passes it,
-    and vLLM's defaults for the lookup sizes (one given stands for both; neither: 5)."""
+    """vLLM's older `{"model": "ngram"}` (and the method with the model vLLM fills in for it),
+    a JSON string as `--speculative-config` passes it, and vLLM's defaults for the lookup sizes
+    (one given stands for both; neither: 5)."""
     old = EngineArgs(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2})
     assert (old.speculative.method, old.speculative.prompt_lookup_min) == ("ngram", 5)
+    both = {"method": "ngram", "model": "ngram", "num_speculative_tokens": 2}
+    assert EngineArgs(speculative_config=both).speculative == old.speculative
     text = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     parsed = EngineArgs(speculative_config=text).speculative
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)

@@ -7,8 +7,9 @@ Two methods, as vLLM names them:
   accepts many of them.
 - "draft_model": a smaller model of the registry with the same vocabulary drafts greedily.
 
-`{"model": "ngram"}` is vLLM's older spelling of the first; a `model` without a `method` means a
-draft model. Every other key, and every other method (eagle, medusa, mtp...), is refused by name:
+`{"model": "ngram"}` is vLLM's older spelling of the first (and vLLM fills in that model for
+the method, so a config it wrote out names both); a `model` without a `method` means a draft
+model. Every other key, and every other method (eagle, medusa, mtp...), is refused by name:
 a setting that silently did nothing would be a wrong answer to whoever set it.
 """
 
@@ -59,7 +60,7 @@ class SpeculativeConfig:
                 f"{', '.join(_KEYS)})"
             )
         method, model = raw.get("method"), raw.get("model")
-        if method is None and model in ("ngram", "[ngram]"):
+        if method in (None, "ngram") and model in ("ngram", "[ngram]"):
             method, model = "ngram", None
         elif method is None and model is not None:
             method = "draft_model"
