@@ -178,3 +178,49 @@ def test_continue_final_message_and_a_given_template_render_as_transformers(fold
     )
     with pytest.raises(ValueError, match="continue_final_message .* add_generation_prompt"):
         tokenizer.apply_chat_template(partial, continue_final_message=True)
+
+
+def test_content_parts_render_as_vllm_joins_them(folder):
+    """A list of text parts renders as its texts joined by newlines and None as empty, as vLLM
+    renders them; any other part (an image) and any non-message are clear ValueErrors."""
+    tokenizer = Tokenizer.from_folder(folder)
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}],
+        }
+    ]
+    assert tokenizer.render_chat(parts) == tokenizer.render_chat(
+        [{"role": "user", "content": "hi\nthere"}]
+    )
+    assert tokenizer.render_chat([{"role": "user", "content": None}]) == tokenizer.render_chat(
+        [{"role": "user", "content": ""}]
+    )
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(ValueError, match="'image_url' is not supported"):
+        tokenizer.render_chat([{"role": "user", "content": [image]}])
+    with pytest.raises(ValueError, match="must be a dict with a 'role'"):
+        tokenizer.render_chat(["hello"])
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{{ messages + 1 }}", "{{ 1 / 0 }}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"],
+)
+def test_a_template_failing_in_any_way_is_a_chat_template_error(folder, template):
+    tokenizer = Tokenizer.from_folder(folder)
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        tokenizer.render_chat(CONVERSATION, chat_template=template)
+
+
+def test_template_kwargs_override_the_switches_as_in_vllm(folder, hf_tokenizer):
+    """vLLM lets chat_template_kwargs set add_generation_prompt; they may not set messages."""
+    tokenizer = Tokenizer.from_folder(folder)
+    overridden = tokenizer.render_chat(
+        CONVERSATION, template_kwargs={"add_generation_prompt": False}
+    )
+    assert overridden == hf_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=False
+    )
+    with pytest.raises(ChatTemplateError, match="may not set 'messages'"):
+        tokenizer.render_chat(CONVERSATION, template_kwargs={"messages": []})

@@ -172,15 +172,22 @@ class Tokenizer:
                 "this model has no chat template (none in tokenizer_config.json "
                 "or chat_template.jinja)"
             )
+        if template_kwargs and "messages" in template_kwargs:
+            raise ChatTemplateError("chat_template_kwargs may not set 'messages'")
+        # vLLM's order: the variables given override the switches and special tokens.
+        variables = {
+            **self.special_tokens,
+            "add_generation_prompt": add_generation_prompt,
+            **(template_kwargs or {}),
+        }
+        rendered = [_template_message(message) for message in messages]
         try:
-            text = template.render(
-                messages=[dict(message) for message in messages],
-                add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **(template_kwargs or {})},
-            )
-        except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"chat template failed: {error}") from error
-        return _cut_after_final_message(text, messages) if continue_final_message else text
+            text = template.render(messages=rendered, **variables)
+        except Exception as error:  # a template is a program: any error is the template's
+            raise ChatTemplateError(
+                f"chat template failed: {type(error).__name__}: {error}"
+            ) from error
+        return _cut_after_final_message(text, rendered) if continue_final_message else text
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -188,6 +195,37 @@ class Tokenizer:
         """Token ids of the rendered conversation; the template itself places any BOS."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+def _template_message(message: object) -> dict[str, Any]:
+    """A message as templates take it: its content one string, as vLLM renders it (None or
+    missing: empty; a list of text parts: their texts joined by newlines). A part that is not
+    text (an image, audio) is refused: the models here read text only."""
+    if not isinstance(message, Mapping) or "role" not in message:
+        raise ValueError(f"a chat message must be a dict with a 'role', got {message!r:.100}")
+    rendered = dict(message)
+    content = rendered.get("content")
+    if content is None:
+        rendered["content"] = ""
+    elif not isinstance(content, str):
+        if isinstance(content, Mapping) or not isinstance(content, Sequence):
+            raise ValueError(
+                "a message's content must be a string or a list of text parts, got "
+                f"{content!r:.100}"
+            )
+        rendered["content"] = "\n".join(_part_text(part) for part in content)
+    return rendered
+
+
+def _part_text(part: object) -> str:
+    """The text of one content part; any other part type is a ValueError naming it."""
+    if not isinstance(part, Mapping) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        raise ValueError(f"content part of type {kind!r} is not supported: the model reads text")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"a text part needs a string 'text', got {text!r:.100}")
+    return text
 
 
 def _compile(chat_template: str) -> jinja2.Template:

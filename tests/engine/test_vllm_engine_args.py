@@ -93,3 +93,18 @@ def test_max_logprobs_defaults_to_vllm_20_and_may_be_raised(engine_zoo):
     engine.add_request("r", [5, 6], SamplingParams(logprobs=30, max_tokens=1))
     [delta] = [d for ds in run_to_completion(engine) for d in ds]
     assert len(delta.outputs[0].logprobs[0]) >= 30  # the chosen token and the top 30
+
+
+def test_seed_and_device_are_checked_when_the_args_are_made():
+    """vLLM's V1 engine takes seed None as 0; a seed that is not an integer, or a device that
+    is not cpu, cuda or cuda:N (or a CUDA device this torch does not see), is a ValueError."""
+    assert EngineArgs(model="unused", seed=None).seed == 0
+    for seed in ("abc", 1.5, True):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            EngineArgs(model="unused", seed=seed)
+    for device in ("tpu", "meta", "cuda:x", 0):
+        with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+            EngineArgs(model="unused", device=device)
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last, on any machine
+    with pytest.raises(ValueError, match="sees no such CUDA device"):
+        EngineArgs(model="unused", device=missing)

@@ -196,8 +196,22 @@ def test_token_ids_beyond_the_vocabulary_are_refused_at_add_request(llm, fields,
         ({"allowed_token_ids": [-1]}, "allowed_token_ids must be >= 0, got -1"),
         ({"bad_words": "word"}, "bad_words must be a list of strings, got 'word'"),
         ({"bad_words": ["ok", " "]}, "bad_words must not be blank, got ' '"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids must be a list of token ids, got 5"),
     ],
 )
 def test_bad_values_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         greedy(**fields)
+
+
+def test_arguments_of_the_wrong_kind_are_named(llm):
+    """Sampling settings as a dict, or a chat that is not a list of messages: TypeErrors that
+    say what was expected, before any work."""
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate(PROMPT, {"temperature": 0.0}, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams, got dict"):
+        llm.generate([PROMPT], [{"temperature": 0.0}], use_tqdm=False)
+    for messages in ("hello", {"role": "user", "content": "hi"}, None):
+        with pytest.raises(TypeError, match="messages must be a list of"):
+            llm.chat(messages, use_tqdm=False)

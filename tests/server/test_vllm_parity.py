@@ -360,6 +360,26 @@ def test_chat_template_switches_render_as_transformers_renders(
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"chat_template": "{{ 1 / 0 }}"}, {"chat_template": "{{ messages + 1 }}"},
+     {"chat_template_kwargs": {"messages": []}}],
+)  # fmt: skip
+def test_a_template_that_fails_is_a_400_and_the_connection_lives_on(
+    server: RunningServer, extra
+) -> None:
+    """A template's own error (any Python error while it renders) is the request's fault: 400
+    with OpenAI's error body, and the same connection serves the next request."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "chat template failed" in message or "may not set 'messages'" in message
+        fine = {"messages": body["messages"], "max_tokens": 1}
+        assert http.post("/v1/chat/completions", json=fine).status_code == 200
+
+
 def test_version_is_served(server: RunningServer) -> None:
     from importlib.metadata import version
 

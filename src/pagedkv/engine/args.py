@@ -11,6 +11,7 @@ written into our name, which the engine reads.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -96,7 +97,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     dtype: str = "float32"
     device: str = "cpu"
-    seed: int = 0
+    seed: int | None = 0  # None: 0, as vLLM's V1 engine takes it
     gpu_memory_utilization: float = 0.9
     max_logprobs: int = 20
     quantization: str = "auto"
@@ -109,6 +110,11 @@ class EngineArgs:
     max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            self.seed = 0
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _check_device(self.device)
         if self.num_gpu_blocks_override is not None:
             self.num_gpu_blocks = self.num_gpu_blocks_override
         if self.swap_space is not None:
@@ -268,6 +274,18 @@ class EngineArgs:
 def _gib(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
         raise ValueError(f"{name} must be >= 0 (GiB), got {value!r}")
+
+
+def _check_device(device: object) -> None:
+    """`device` is 'cpu', 'cuda' or 'cuda:N', and a CUDA one is there; else a ValueError."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device.startswith("cuda"):
+        import torch  # only asked where a CUDA device is named
+
+        index = int(device.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine's torch sees no such CUDA device")
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -121,6 +121,11 @@ class LLM:
         (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
         `lora_request` is as `generate`'s.
         """
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise TypeError(
+                "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of "
+                f"such lists, got {type(messages).__name__}"
+            )
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
         texts = [
@@ -247,7 +252,18 @@ def _params_per_prompt(
         return [SamplingParams() for _ in range(num_prompts)]
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    return _one_per_prompt("sampling_params", sampling_params, num_prompts, "one SamplingParams")
+    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(
+        sampling_params, Sequence
+    ):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got "
+            f"{type(sampling_params).__name__}"
+        )
+    listed = _one_per_prompt("sampling_params", sampling_params, num_prompts, "one SamplingParams")
+    for params in listed:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    return listed
 
 
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:

@@ -11,6 +11,7 @@ later changes to the caller's object do not reach the queued request.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.structured.params import StructuredOutputsParams
@@ -54,7 +55,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_strings = _stop_strings(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = _id_list("stop_token_ids", self.stop_token_ids or [])
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
         _check_number("temperature", self.temperature, minimum=0.0)
         _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
@@ -83,7 +84,7 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), minimum=0)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _id_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
             for token_id in self.allowed_token_ids:
@@ -143,6 +144,14 @@ def _bad_words(bad_words: object) -> list[str] | None:
         if not word.strip():
             raise ValueError(f"bad_words must not be blank, got {word!r}")
     return list(bad_words)
+
+
+def _id_list(name: str, value: object) -> list[int]:
+    """`value` as a list of token ids, or a ValueError naming `name` (a bare id or a string is
+    not a list of them)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    return list(value)
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
