@@ -106,6 +106,20 @@ def test_include_stop_str_in_output_streams_the_same_text(llm, plain):
     assert text == plain.text[: plain.text.find(stop) + len(stop)]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_adds_its_text_only_with_include_stop_str_in_output(llm, plain, include):
+    """vLLM's detokenizer: a sample stopped by a stop token id (or EOS) leaves that token's text
+    out, unless include_stop_str_in_output; the text is then the decoded tokens either way."""
+    tokenizer = llm.get_tokenizer()
+    ids = plain.token_ids
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # its first time
+    params = greedy(stop_token_ids=[ids[at]], include_stop_str_in_output=include)
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert list(output.outputs[0].token_ids) == list(ids[: at + 1])
+    kept = ids[: at + 1] if include else ids[:at]
+    assert output.outputs[0].text == tokenizer.decode(kept)
+
+
 def prompt_ids(llm) -> list[int]:
     return llm.get_tokenizer().encode(PROMPT)
 

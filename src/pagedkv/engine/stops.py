@@ -2,7 +2,8 @@
 
 Checked after every sampled token, in vLLM's order: nothing stops a sample before
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
-ends it without adding that token's text; then a stop string found in the text ends it with
+ends it without adding that token's text (with `include_stop_str_in_output`, with it, as vLLM's
+detokenizer does); then a stop string found in the text ends it with
 the text cut just before the string, or just after it with `include_stop_str_in_output` (the
 search covers the tail where a string split across tokens can complete); then a structured
 output's grammar that is complete (it would allow only EOS: vLLM's finished FSM); then
@@ -27,11 +28,11 @@ def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
     """
     params = request.params
     may_stop = seq.num_output_tokens >= params.min_tokens
-    if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
-        _finish(seq, "stop", None)
-        return
-    if may_stop and token_id in params.stop_token_ids:
-        _finish(seq, "stop", token_id)
+    stop_id = may_stop and token_id in params.stop_token_ids
+    if stop_id or (may_stop and not params.ignore_eos and token_id in request.eos_token_ids):
+        if params.include_stop_str_in_output and seq.detokenizer is not None:
+            seq.text += seq.detokenizer.advance()
+        _finish(seq, "stop", token_id if stop_id else None)
         return
     previous_length = len(seq.text)
     if seq.detokenizer is not None:
