@@ -126,7 +126,9 @@ class StepExecutor:
         self, logits: torch.Tensor, beams: list[tuple[Request, tuple[str, int], int]]
     ) -> dict[tuple[str, int], list[Candidate]]:
         """Each beam's `2 * beam_width` most likely next tokens (its row's logprobs, after the
-        request's temperature when it sets one), each with its logprob entry."""
+        request's temperature when it sets one), each with its logprob entry (itself first, then
+        the others by rank). A beam's top tokens are decoded once for all its candidates: each
+        candidate decoding them again made beam_width^3 decodes a step."""
         candidates = {}
         for request, seq_id, row in beams:
             params = request.beam.params  # type: ignore[union-attr]
@@ -136,13 +138,10 @@ class StepExecutor:
             count = min(params.num_candidates, row_logits.shape[-1])
             top = token_logprobs(row_logits, row_logits.argmax(dim=-1), [count])[0]
             _, _, top_ids, top_values = top
+            ranked = logprob_entry(self.tokenizer, top_ids[0], top)  # the argmax ranks first
             candidates[seq_id] = [
-                Candidate(
-                    token_id,
-                    value,
-                    logprob_entry(self.tokenizer, token_id, (value, rank, top_ids, top_values)),
-                )
-                for rank, (token_id, value) in enumerate(zip(top_ids, top_values, strict=True), 1)
+                Candidate(token_id, value, {token_id: ranked[token_id], **ranked})
+                for token_id, value in zip(top_ids, top_values, strict=True)
             ]
         return candidates
 
