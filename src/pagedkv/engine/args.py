@@ -114,7 +114,6 @@ class EngineArgs:
             self.seed = 0
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        _check_device(self.device)
         if self.num_gpu_blocks_override is not None:
             self.num_gpu_blocks = self.num_gpu_blocks_override
         if self.swap_space is not None:
@@ -156,6 +155,7 @@ class EngineArgs:
                 f"{self.tensor_parallel_size} (each rank takes its LOCAL_RANK's GPU), "
                 f"got {self.device!r}"
             )
+        _check_device(self.device)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
