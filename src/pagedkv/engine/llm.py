@@ -121,7 +121,7 @@ class LLM:
         (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
         `lora_request` is as `generate`'s.
         """
-        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        if not _is_list(messages):
             raise TypeError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of "
                 f"such lists, got {type(messages).__name__}"
@@ -252,9 +252,7 @@ def _params_per_prompt(
         return [SamplingParams() for _ in range(num_prompts)]
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(
-        sampling_params, Sequence
-    ):
+    if not _is_list(sampling_params):
         raise TypeError(
             f"sampling_params must be a SamplingParams or a list of them, got "
             f"{type(sampling_params).__name__}"
@@ -264,6 +262,12 @@ def _params_per_prompt(
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
     return listed
+
+
+def _is_list(value: object) -> bool:
+    """Whether `value` is a list-like sequence: not a string, and not one dict standing where a
+    list of them belongs."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, Mapping))
 
 
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:

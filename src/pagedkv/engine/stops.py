@@ -3,11 +3,11 @@
 Checked after every sampled token, in vLLM's order: nothing stops a sample before
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
 ends it without adding that token's text (with `include_stop_str_in_output`, with it, as vLLM's
-detokenizer does); then a stop string found in the text ends it with
-the text cut just before the string, or just after it with `include_stop_str_in_output` (the
-search covers the tail where a string split across tokens can complete); then a structured
-output's grammar that is complete (it would allow only EOS: vLLM's finished FSM); then
-`max_tokens` (which the engine cut to the room the context leaves).
+detokenizer does); then a stop string found in the text ends it with the text cut just before
+the string, or just after it with `include_stop_str_in_output` (the search covers the tail
+where a string split across tokens can complete); then a structured output's grammar that is
+complete (it would allow only EOS: vLLM's finished FSM); then `max_tokens` (which the engine
+cut to the room the context leaves).
 While stop strings are set and excluded from the output, the last `len(longest) - 1`
 characters are held back from streaming, since they may still turn out to be the start of a
 stop string. (With the string included nothing is held back: all text up to its end is
