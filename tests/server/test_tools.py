@@ -55,7 +55,7 @@ def test_auto_reads_hermes_tool_calls_and_the_content_before_them():
         '\n<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}'
     )
     parsed = parse_output(request(), text)
-    assert parsed.content == "Let me add."
+    assert parsed.content == "Let me add.\n"  # as it came, vLLM's hermes parser's content
     assert calls(parsed) == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
     assert parse_output(request(), "no call here").content == "no call here"
     listed = '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 1}}]</tool_call>'
@@ -65,12 +65,33 @@ def test_auto_reads_hermes_tool_calls_and_the_content_before_them():
     assert not parse_output(request("none"), text).tool_calls
 
 
-def test_required_and_named_outputs_parse_and_cut_ones_stay_content():
+def test_required_and_named_outputs_parse_and_cut_required_ones_stay_content():
     required = '[{"name": "add", "parameters": {"a": 1, "b": 2}}]'
     assert calls(parse_output(request("required"), required)) == [("add", {"a": 1, "b": 2})]
+    assert parse_output(request("required"), required[:20]).content == required[:20]
     named = request({"type": "function", "function": {"name": "add"}})
     assert calls(parse_output(named, '{"a": 5, "b": 6}')) == [("add", {"a": 5, "b": 6})]
-    assert parse_output(named, '{"a": 5').content == '{"a": 5'
+    cut = parse_output(named, '{"a": 5')  # the named function's arguments, cut off (vLLM's)
+    assert cut.content is None
+    assert [(c.function.name, c.function.arguments) for c in cut.tool_calls] == [("add", '{"a": 5')]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed():
+    text = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    )
+    one = request("auto", parallel_tool_calls=False)
+    assert calls(parse_output(one, text)) == [("add", {"a": 1, "b": 2})]
+    assert len(parse_output(request("auto"), text).tool_calls) == 2
+    _, deltas = ToolCallStream(one).feed(text, True)
+    assert [(d.index, json.loads(d.function.arguments)) for d in deltas] == [(0, {"a": 1, "b": 2})]
+
+
+def test_arguments_keep_non_ascii_characters():
+    text = '<tool_call>{"name": "add", "arguments": {"city": "Z\\u00fcrich"}}</tool_call>'
+    [call] = parse_output(request(), text).tool_calls
+    assert call.function.arguments == '{"city": "Zürich"}'
 
 
 def test_streamed_auto_content_then_calls_add_up_to_the_whole_parse():

@@ -314,6 +314,35 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(client, model_name:
     assert counts == sorted(counts) and counts[-1] == 6
 
 
+def test_continuous_usage_stats_count_each_choice_and_need_include_usage(
+    client, model_name: str, hf_tokenizer
+) -> None:
+    """vLLM's: a chunk's usage is its own choice's (its prompt, its tokens so far), and only
+    with include_usage; the last chunk has the request's totals."""
+    prompts = [PROMPT, "A longer second prompt about paged memory"]
+    args = dict(
+        model=model_name, prompt=prompts, n=2, max_tokens=5, temperature=0.8, seed=3,
+        stream=True, extra_body={"return_token_ids": True, **IGNORE_EOS},
+    )  # fmt: skip
+    lengths = [len(hf_tokenizer(p)["input_ids"]) for p in prompts]
+    chunks = list(
+        client.completions.create(
+            **args, stream_options={"include_usage": True, "continuous_usage_stats": True}
+        )
+    )
+    seen = {index: 0 for index in range(4)}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        seen[choice.index] += len(choice.token_ids)
+        assert chunk.usage.prompt_tokens == lengths[choice.index // 2]
+        assert chunk.usage.completion_tokens == seen[choice.index]
+    assert seen == {index: 5 for index in range(4)}
+    assert chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == sum(lengths)
+    alone = client.completions.create(**args, stream_options={"continuous_usage_stats": True})
+    assert all(chunk.usage is None for chunk in alone)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     client, model_name: str, hf_tokenizer
 ) -> None:

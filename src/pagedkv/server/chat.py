@@ -3,7 +3,8 @@
 As for completions, every refusal happens before a stream starts. A streamed choice begins
 with a role-only delta and ends with a chunk carrying its finish reason, as OpenAI's does.
 With tools (`tools.py`), a choice whose output holds tool calls carries them in `tool_calls`
-(streamed as deltas) with finish_reason "tool_calls".
+(streamed as deltas), with finish_reason "tool_calls" under "auto" or "required" and "stop"
+under a named function, as OpenAI's and vLLM's say.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.responses import Response
 from pagedkv.model.errors import ChatTemplateError
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
+from pagedkv.server.formats import NamedToolChoice
 from pagedkv.server.generation import ChoiceDelta, Generation
 from pagedkv.server.protocol import ChatCompletionRequest
 from pagedkv.server.responses import (
@@ -30,6 +32,7 @@ from pagedkv.server.responses import (
     ChatLogprobs,
     TokenLogprob,
     TopLogprob,
+    Usage,
 )
 from pagedkv.server.serving import (
     ServingContext,
@@ -174,7 +177,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
                 choice.tool_stream = ToolCallStream(self.request)
             content, calls = choice.tool_stream.feed(output.text, finish_reason is not None)
             message = ChatDelta(content=content, tool_calls=calls or None)
-            finish_reason = _finish_reason(finish_reason, choice.tool_stream.called)
+            finish_reason = self._finish_reason(finish_reason, choice.tool_stream.called)
             if not (content or calls or finish_reason or self.request.logprobs):
                 return None  # text held back until it is known to be content or a call
         return ChatChunkChoice(
@@ -198,12 +201,18 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             return AssistantMessage(content=text), choice.finish_reason
         parsed = parse_output(self.request, text)
         message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
-        return message, _finish_reason(choice.finish_reason, bool(parsed.tool_calls))
+        return message, self._finish_reason(choice.finish_reason, bool(parsed.tool_calls))
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """ "tool_calls" for an output that ended by itself with calls it chose to make
+        ("auto" or "required"); a named function's call ends as any output does."""
+        named = isinstance(self.request.resolved_tool_choice, NamedToolChoice)
+        return "tool_calls" if called and reason == "stop" and not named else reason
 
     def _chunk(
         self,
         choices: list[ChatChunkChoice],
-        usage: bool = False,
+        usage: Usage | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> str:
         chunk = ChatCompletionChunk(
@@ -212,12 +221,12 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             model=self.generation.served_name(self.context.model_name),
             system_fingerprint=self.context.system_fingerprint,
             choices=choices,
-            usage=self.generation.usage() if usage else None,
+            usage=usage,
             prompt_token_ids=prompt_token_ids,
         )
         # Every choice says `finish_reason: null` and `logprobs: null` until it has them, as
         # OpenAI's chunks do; the usage appears only in the chunk that carries it.
-        return sse(chunk.model_dump_json(exclude=None if usage else {"usage"}))
+        return sse(chunk.model_dump_json(exclude=None if usage is not None else {"usage"}))
 
     def _response(self, choices: list[_Choice]) -> ChatCompletionResponse:
         return ChatCompletionResponse(
@@ -243,8 +252,3 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             prompt_logprobs=self._prompt_logprobs(0),
             prompt_token_ids=self.generation.prompts[0] if self.request.return_token_ids else None,
         )
-
-
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    """ "tool_calls" for an output that ended by itself with tool calls (vLLM's rule)."""
-    return "tool_calls" if called and reason == "stop" else reason

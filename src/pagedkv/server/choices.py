@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from pagedkv.server.errors import APIError
 from pagedkv.server.generation import ChoiceDelta, Generation
 from pagedkv.server.protocol import SamplingFields
-from pagedkv.server.responses import ErrorResponse, PromptLogprobs
+from pagedkv.server.responses import ErrorResponse, PromptLogprobs, Usage
 from pagedkv.server.serving import (
     CLIENT_CLOSED_REQUEST,
     SSE_DONE,
@@ -85,16 +85,19 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
             for event in self._opening():
                 yield event
             options = self.request.stream_options
-            every_chunk = options is not None and options.continuous_usage_stats
+            every_chunk = (
+                options is not None and options.include_usage and options.continuous_usage_stats
+            )
             async for delta in self.generation.deltas():
                 output = delta.output
                 if not (output.text or output.token_ids or output.finish_reason):
                     continue
                 choice = self._chunk_choice(delta, self._update(delta))
                 if choice is not None:
-                    yield self._chunk([choice], usage=every_chunk)
+                    usage = self._choice_usage(delta.index) if every_chunk else None
+                    yield self._chunk([choice], usage=usage)
             if options is not None and options.include_usage:
-                yield self._chunk([], usage=True)
+                yield self._chunk([], usage=self.generation.usage())
         except APIError as error:
             yield sse(ErrorResponse(error=error.info).model_dump_json())
         yield SSE_DONE
@@ -106,6 +109,14 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         choice = self.choices.setdefault(delta.index, self.choice_type(delta.index))
         choice.fold(delta.output)
         return self._logprobs(choice, delta.output)
+
+    def _choice_usage(self, index: int) -> Usage:
+        """vLLM's continuous usage: choice `index`'s own prompt and its tokens so far."""
+        prompt = len(self.generation.prompts[index // self.generation.n])
+        completion = len(self.choices[index].token_ids)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
     def _stream_token_ids(self, delta: ChoiceDelta) -> tuple[list[int] | None, list[int] | None]:
         """With return_token_ids: (the prompt's ids on the choice's first chunk, else None;
@@ -144,8 +155,8 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         """One choice's part of a stream chunk (None: this delta adds nothing to send yet)."""
 
     @abstractmethod
-    def _chunk(self, choices: list, usage: bool = False) -> str:
-        """One server-sent stream chunk holding `choices` (and the usage so far, if asked)."""
+    def _chunk(self, choices: list, usage: Usage | None = None) -> str:
+        """One server-sent stream chunk holding `choices` (and `usage`, if given)."""
 
     @abstractmethod
     def _response(self, choices: list[ChoiceT]) -> BaseModel:

@@ -20,7 +20,12 @@ from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
 from pagedkv.server.generation import ChoiceDelta, Generation
 from pagedkv.server.protocol import CompletionRequest
-from pagedkv.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse
+from pagedkv.server.responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
 from pagedkv.server.serving import (
     ServingContext,
     new_id,
@@ -281,7 +286,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             token_ids=token_ids,
         )
 
-    def _chunk(self, choices: list[CompletionChoice], usage: bool = False) -> str:
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse(self._object(choices, usage).model_dump_json())
 
     def _response(self, choices: list[_Choice]) -> CompletionResponse:
@@ -300,7 +305,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
                 )
                 for index, choice in enumerate(self._best(choices))
             ],
-            usage=True,
+            usage=self.generation.usage(),
         )
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
@@ -321,14 +326,16 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             best += ranked[:n]
         return best
 
-    def _object(self, choices: list[CompletionChoice], usage: bool = False) -> CompletionResponse:
+    def _object(
+        self, choices: list[CompletionChoice], usage: Usage | None = None
+    ) -> CompletionResponse:
         return CompletionResponse(
             id=self.generation.request_id,
             created=self.created,
             model=self.generation.served_name(self.context.model_name),
             system_fingerprint=self.context.system_fingerprint,
             choices=choices,
-            usage=self.generation.usage() if usage else None,
+            usage=usage,
         )
 
     def _echo(self, index: int) -> str:

@@ -94,7 +94,8 @@ def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
 
 class StreamOptions(RequestModel):
     """`stream_options`: whether the last chunk before [DONE] carries the usage, and (vLLM's
-    `continuous_usage_stats`) whether every chunk carries the usage so far."""
+    `continuous_usage_stats`, with include_usage) whether every chunk carries its choice's usage
+    so far: its own prompt's tokens and its tokens, as vLLM counts them."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False

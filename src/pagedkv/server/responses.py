@@ -45,12 +45,13 @@ class PromptTokensDetails(BaseModel):
 
 
 class Usage(BaseModel):
-    """Token counts of a whole request (all prompts, all choices)."""
+    """Token counts of a whole request (all prompts, all choices), or of one streamed choice
+    so far (vLLM's `continuous_usage_stats`, without details)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -12,8 +12,10 @@ user turn in `<tool_response>` tags (Qwen's own template renders them so).
 Choices follow vLLM: "required" holds the output to a JSON array of `{"name", "parameters"}`
 objects (one of the tools each), a named function to that function's arguments, "auto"
 leaves the output free and reads Hermes `<tool_call>` blocks from it (vLLM's hermes parser),
-"none" reads nothing. A cut-off output (finish_reason "length") that does not parse is
-returned as content.
+"none" reads nothing. A named function's output is its call's arguments, cut off or not (as
+vLLM returns it); a cut-off "required" or "auto" output that does not parse is returned as
+content. With `parallel_tool_calls` false only the first call is returned (vLLM's rule), and
+arguments are JSON with non-ASCII characters as they are.
 """
 
 from __future__ import annotations
@@ -213,26 +215,26 @@ def parse_output(request: ChatCompletionRequest, text: str) -> ParsedMessage:
     """The content and tool calls of a whole output, under the request's tool choice."""
     choice = request.resolved_tool_choice
     if isinstance(choice, NamedToolChoice):
-        if not _is_json(text):
-            return ParsedMessage(text)
         return ParsedMessage(None, [_call(choice.function.name, text)])
     if choice == "required":
         try:
             calls = json.loads(text)
-            return ParsedMessage(
-                None, [_call(c["name"], json.dumps(c["parameters"])) for c in calls]
-            )
+            parsed = ParsedMessage(None, [_call(c["name"], _json(c["parameters"])) for c in calls])
         except (ValueError, TypeError, KeyError):
             return ParsedMessage(text)
-    if choice == "auto":
-        return _parse_hermes(text)
-    return ParsedMessage(text)
+    elif choice == "auto":
+        parsed = _parse_hermes(text)
+    else:
+        return ParsedMessage(text)
+    if request.parallel_tool_calls is False:
+        parsed.tool_calls = parsed.tool_calls[:1]
+    return parsed
 
 
 def _parse_hermes(text: str) -> ParsedMessage:
     """Hermes `<tool_call>` blocks (the last may lack its closing tag), each one call or a
-    list of calls (SmolLM2's own format); text before the first is content. Blocks that are
-    not JSON calls leave the whole text as content."""
+    list of calls (SmolLM2's own format); text before the first is content, as it came.
+    Blocks that are not JSON calls leave the whole text as content."""
     start = text.find(CALL_START)
     if start == -1:
         return ParsedMessage(text)
@@ -242,19 +244,15 @@ def _parse_hermes(text: str) -> ParsedMessage:
             block = json.loads(body)
             for call in block if isinstance(block, list) else [block]:
                 arguments = call.get("arguments", call.get("parameters", {}))
-                calls.append(_call(call["name"], json.dumps(arguments)))
+                calls.append(_call(call["name"], _json(arguments)))
         except (ValueError, TypeError, KeyError, AttributeError):
             return ParsedMessage(text)
-    content = text[:start].strip()
-    return ParsedMessage(content or None, calls)
+    return ParsedMessage(text[:start] or None, calls)
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+def _json(arguments: Any) -> str:
+    """Arguments as a call carries them: JSON, non-ASCII characters kept (vLLM's parsers)."""
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def _call(name: str, arguments: str) -> ToolCall:
