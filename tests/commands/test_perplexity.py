@@ -74,6 +74,17 @@ def test_text_shorter_than_a_window_is_an_error(zoo, tmp_path, capsys) -> None:
     assert "fewer than one window of n_ctx 64" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--n-ctx", "--max-windows"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_window_counts_below_one_are_refused_when_parsed(tmp_path, capsys, flag, value) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("Paged attention.")
+    with pytest.raises(SystemExit) as exit:
+        main(["perplexity", str(text), flag, value])
+    assert exit.value.code == 2
+    assert f"argument {flag}: must be a positive integer, got {value}" in capsys.readouterr().err
+
+
 def test_command_scores_through_an_fp8_cache(zoo, tmp_path, capsys) -> None:
     """`--kv-cache-dtype fp8` scores through fp8 blocks: the function's fp8 figure, not
     auto's (the two differ on a tiny model: its logits move with its rounded K/V)."""

@@ -101,7 +101,7 @@ def test_invalid_sampling_values_name_the_parameter(field, value, message):
     [
         ("block_size", 0, "block_size must be a positive integer"),
         ("max_num_seqs", -1, "max_num_seqs must be a positive integer"),
-        ("swap_space_gb", -1, "swap_space_gb must be >= 0"),
+        ("swap_space_gb", -1, "swap_space_gb must be a finite number >= 0"),
         ("preemption_mode", "drop", "preemption_mode must be one of"),
         ("dtype", "int8", "dtype must be one of"),
         ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in"),

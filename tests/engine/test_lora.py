@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.engine import LoRARejected, LoRARequest, SamplingParams
+from pagedkv.engine import BeamSearchParams, LoRARejected, LoRARequest, SamplingParams
 from pagedkv.kvmath.lora import plan_lora
 from pagedkv.kvmath.spec import KVSpec
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
+from tests.engine.test_beam_search import MIN_MARGIN, assert_same_beams, reference_beam_search
 from tests.model.tiny_models import random_prompt
 
 peft = pytest.importorskip("peft")
@@ -185,6 +186,53 @@ def test_prefix_cache_is_keyed_by_adapter(engine_zoo, adapters):
                 if delta.finished:
                     cached.append(delta.num_cached_tokens)
     assert cached == [0, 0, 48, 0]
+
+
+def test_no_cache_salt_reaches_another_adapters_blocks(engine_zoo, adapters):
+    """A salt chosen to look like an adapter's key (the salt and id once joined as text) finds
+    none of that adapter's blocks, and the base model's answer is its own."""
+    engine = make_engine(engine_zoo, "llama", enable_lora=True)
+    prompt = random_prompt(64, seed=9)
+    lora = LoRARequest("all", 1, str(adapters[("llama", "all")]))
+    runs = [
+        ("adapter", None, lora),
+        ("salted-base", "\x00lora:1", None),
+        ("salted-adapter", "x", lora),
+        ("joined-salt", "x\x00lora:1", None),
+        ("json-salt", "[null, 1]", None),
+        ("base", None, None),
+    ]
+    cached, tokens = {}, {}
+    for request_id, salt, adapter in runs:
+        engine.add_request(request_id, prompt, GREEDY, lora_request=adapter, cache_salt=salt)
+        for deltas in run_to_completion(engine):
+            for delta in deltas:
+                tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+                if delta.finished:
+                    cached[delta.request_id] = delta.num_cached_tokens
+    assert cached == {name: 0 for name, _, _ in runs}
+    assert tokens["salted-base"] == tokens["joined-salt"] == tokens["json-salt"] == tokens["base"]
+
+
+def test_llm_beam_search_takes_the_adapter_where_vllm_does(engine_zoo, adapters):
+    """`LLM.beam_search(prompts, params, lora_request)`: the beams of the merged model."""
+    folder = adapters[("llama", "all")]
+    model = engine_zoo.hf("llama").__class__.from_pretrained(
+        engine_zoo.folder("llama"), dtype=torch.float32
+    )
+    merged = peft.PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
+
+    def next_logprobs(tokens) -> torch.Tensor:
+        with torch.no_grad():
+            return merged(torch.tensor([list(tokens)])).logits[0, -1].double().log_softmax(-1)
+
+    params = BeamSearchParams(beam_width=2, max_tokens=8)
+    prompt = random_prompt(19, seed=4)
+    expected, margin = reference_beam_search(next_logprobs, prompt, params)
+    assert margin > MIN_MARGIN, f"case hinges on a near-tie ({margin:.2e}): choose another"
+    llm = make_llm(engine_zoo, "llama", enable_lora=True)
+    [output] = llm.beam_search([prompt], params, LoRARequest("all", 1, str(folder)))
+    assert_same_beams(output.sequences, prompt, expected)
 
 
 def test_bad_adapters_are_clear_errors_and_touch_nothing(engine_zoo, adapters, tmp_path):

@@ -146,6 +146,22 @@ def test_cache_salt_keeps_prefix_blocks_apart(engine_zoo):
     assert cached == {"a": 0, "b": 0, "c": 64}
 
 
+def test_llm_reads_a_prompt_dicts_cache_salt(engine_zoo):
+    """vLLM's `{"prompt_token_ids": ..., "cache_salt": ...}`: the salt keeps blocks apart."""
+    llm = make_llm(engine_zoo, "llama")
+    prompt = random_prompt(70, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    cached = [
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, params, use_tqdm=False)[
+            0
+        ].num_cached_tokens
+        for salt in ("tenant-1", "tenant-2", "tenant-1", None)
+    ]
+    assert cached == [0, 0, 64, 0]
+    with pytest.raises(ValueError, match="cache_salt is str '', expected a non-empty str"):
+        llm.generate({"prompt": "hi", "cache_salt": ""}, params, use_tqdm=False)
+
+
 def test_kv_snapshot_names_every_holder_of_every_block(engine_zoo):
     engine = make_engine(engine_zoo, "llama")
     prompt = random_prompt(40, seed=8)  # two full blocks and a partial third

@@ -95,6 +95,39 @@ def test_max_logprobs_defaults_to_vllm_20_and_may_be_raised(engine_zoo):
     assert len(delta.outputs[0].logprobs[0]) >= 30  # the chosen token and the top 30
 
 
+def test_max_logprobs_minus_one_lifts_the_cap_as_vllms(engine_zoo):
+    engine = make_engine(engine_zoo, "llama", max_logprobs=-1)
+    vocab_size = engine.config.vocab_size
+    engine.add_request("r", [5, 6], SamplingParams(logprobs=vocab_size, max_tokens=1))
+    [delta] = [d for ds in run_to_completion(engine) for d in ds]
+    assert len(delta.outputs[0].logprobs[0]) == vocab_size  # every token, the chosen among them
+    with pytest.raises(ValueError, match="max_logprobs must be a positive integer"):
+        EngineArgs(model="unused", max_logprobs=-2)
+
+
+def test_default_dtype_is_auto_as_vllms():
+    assert EngineArgs().dtype == "auto"
+    assert EngineArgs(device="cpu").resolved_dtype == "float32"
+
+
+@pytest.mark.parametrize("size", [float("inf"), float("nan"), -1.0])
+def test_swap_sizes_must_be_finite_gib(size):
+    for name in ("swap_space", "swap_space_gb", "kv_offloading_size"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+            EngineArgs(model="unused", **{name: size})
+
+
+def test_swap_space_beyond_the_hosts_memory_is_refused_before_allocating(engine_zoo):
+    """vLLM's rule: CPU pools above 70% of the host's physical memory are an error."""
+    import os
+
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    with pytest.raises(ValueError, match="more than 70% of this host's"):
+        make_engine(
+            engine_zoo, "llama", swap_space=host_gib * 0.5, kv_offloading_size=host_gib * 0.25
+        )
+
+
 def test_seed_and_device_are_checked_when_the_args_are_made():
     """vLLM's V1 engine takes seed None as 0; a seed that is not an integer, or a device that
     is not cpu, cuda or cuda:N (or a CUDA device this torch does not see), is a ValueError."""

@@ -203,6 +203,7 @@ def test_plan_command_tables_show_pool_terms_and_comparison(capsys):
         (["--model", "llama-9b", "--pool-gb", "1"], "neither a preset"),
         (["--model", "llama-3-70b", "--gpu", "l4"], "no room for KV cache"),
         (["--model", "llama-3-8b", "--gpu", "v100"], "unknown GPU"),
+        (["--model", "llama-3-8b", "--pool-gb", "20", "--max-loras", "3"], "needs --lora-rank"),
     ],
 )
 def test_plan_command_bad_input_is_a_one_line_error(capsys, argv, message):

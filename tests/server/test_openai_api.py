@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -186,6 +187,31 @@ def test_repeated_prompt_reports_cached_prompt_tokens(client, model_name: str) -
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 64
     assert second.usage.prompt_tokens == 70
+
+
+def test_cache_salt_shares_prompt_blocks_only_under_the_same_salt(client, model_name) -> None:
+    """vLLM's `cache_salt`, on both endpoints; an empty one is a 400."""
+    prompt = random_prompt(70, seed=17)
+
+    def cached(salt: str) -> int:
+        completion = client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=2, extra_body={"cache_salt": salt}
+        )
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached("a"), cached("b"), cached("a")] == [0, 0, 64]
+    messages = [{"role": "user", "content": "A question worth caching, " * 12}]
+    chats = [
+        client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=2, extra_body={"cache_salt": salt}
+        ).usage.prompt_tokens_details.cached_tokens
+        for salt in ("c", "d", "c")
+    ]
+    assert chats[0] == chats[1] == 0 and chats[2] > 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(
+            model=model_name, prompt="hi", max_tokens=2, extra_body={"cache_salt": ""}
+        )
 
 
 def test_completion_logprobs(client, model_name: str) -> None:

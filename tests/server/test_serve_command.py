@@ -29,6 +29,21 @@ def test_serve_help_lists_engine_and_server_options(capsys) -> None:
         assert option in help_text
 
 
+def test_a_bad_model_or_engine_flag_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    missing = str(tmp_path / "nowhere")
+    cases = [
+        (["serve", "--model", missing], "is not a model folder"),
+        (["serve", "--num-gpu-blocks", "0"], "num_gpu_blocks must be a positive integer"),
+        (["serve", "--speculative-config", "{bad"], "speculative_config is not valid JSON"),
+        (["bench", "--model", missing], "is not a model folder"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pagedkv {argv[0]}: ") and message in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

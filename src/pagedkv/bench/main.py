@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from pagedkv.bench.results import EngineFigures, RunResult
 from pagedkv.bench.systems import SYSTEM_TITLES, SYSTEMS, BenchConfig, Systems
 from pagedkv.bench.workloads import WORKLOADS, make_workload
 from pagedkv.engine import EngineArgs
+from pagedkv.model.errors import ModelError
 from pagedkv.worker.threads import physical_cores
 
 
@@ -110,35 +112,11 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not systems:
         print(f"pagedkv bench: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}")
         return 2
-    model, folder, label = _models(args.model, args.seed)
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
-    workloads = []
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    for name in names:
-        spec = WORKLOADS[name]
-        if args.num_prompts:
-            spec = replace(spec, num_prompts=args.num_prompts)
-        if args.prompt_len:
-            spec = replace(spec, prompt_len=tuple(sorted(args.prompt_len)))
-        if args.output_len:
-            spec = replace(spec, output_len=tuple(sorted(args.output_len)))
-        workloads.append(make_workload(name, spec, vocab_size, args.workload_seed))
-    args.model = model
-    engine_args = EngineArgs.from_cli_args(args)
-    if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
-        engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
-    kv_tokens = engine_args.num_gpu_blocks * engine_args.block_size
-    config = BenchConfig(
-        engine_args=engine_args,
-        hf_folder=str(folder),
-        model_label=label,
-        workloads=workloads,
-        kv_tokens=kv_tokens if engine_args.num_gpu_blocks else args.kv_tokens,
-        rounds=args.rounds,
-        systems=systems,
-        cb_page_size=args.cb_page_size or engine_args.block_size,
-        seed=args.seed,
-    )
+    try:
+        config = _config(args, systems)
+    except (ValueError, ModelError, OSError) as error:  # a bad flag or model: one line
+        print(f"pagedkv bench: {error}", file=sys.stderr)
+        return 2
     report = run_benchmark(config)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=_json_default))
@@ -159,6 +137,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine_bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
+    """The benchmark's model, workloads and engine from the flags; a ValueError, ModelError
+    or OSError names a bad one."""
+    model, folder, label = _models(args.model, args.seed)
+    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    workloads = []
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    for name in names:
+        spec = WORKLOADS[name]
+        if args.num_prompts:
+            spec = replace(spec, num_prompts=args.num_prompts)
+        if args.prompt_len:
+            spec = replace(spec, prompt_len=tuple(sorted(args.prompt_len)))
+        if args.output_len:
+            spec = replace(spec, output_len=tuple(sorted(args.output_len)))
+        workloads.append(make_workload(name, spec, vocab_size, args.workload_seed))
+    args.model = model
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
+        engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
+    kv_tokens = engine_args.num_gpu_blocks * engine_args.block_size
+    return BenchConfig(
+        engine_args=engine_args,
+        hf_folder=str(folder),
+        model_label=label,
+        workloads=workloads,
+        kv_tokens=kv_tokens if engine_args.num_gpu_blocks else args.kv_tokens,
+        rounds=args.rounds,
+        systems=systems,
+        cb_page_size=args.cb_page_size or engine_args.block_size,
+        seed=args.seed,
+    )
 
 
 def _models(model: str, seed: int) -> tuple[str, Path, str]:

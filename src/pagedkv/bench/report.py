@@ -29,7 +29,7 @@ def header(config: BenchConfig, num_parameters: int) -> str:
     args = config.engine_args
     lines = [
         f"pagedkv bench: {config.model_label} ({num_parameters / 1e6:.1f}M parameters), "
-        f"{args.dtype}, {args.device}, torch threads {torch.get_num_threads()}",
+        f"{args.resolved_dtype}, {args.device}, torch threads {torch.get_num_threads()}",
         f"KV budget: {config.kv_tokens} tokens for every system (pagedkv: "
         f"{config.kv_tokens // args.block_size} blocks x {args.block_size}; transformers CB: "
         f"{config.kv_tokens // config.cb_page_size} pages x {config.cb_page_size}); "

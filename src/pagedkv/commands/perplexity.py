@@ -28,12 +28,15 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The text file, window size and model flags."""
+    from pagedkv.commands.arguments import positive_int
     from pagedkv.engine.args import EngineArgs
 
     parser.add_argument("file", type=Path, help="UTF-8 text file to score")
-    parser.add_argument("--n-ctx", type=int, default=512, help="tokens per window (default 512)")
     parser.add_argument(
-        "--max-windows", type=int, default=None, help="score only the first N windows"
+        "--n-ctx", type=positive_int, default=512, help="tokens per window (default 512)"
+    )
+    parser.add_argument(
+        "--max-windows", type=positive_int, default=None, help="score only the first N windows"
     )
     EngineArgs.add_cli_args(parser)
 

@@ -108,8 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-loras",
         type=positive_int,
-        default=1,
-        help="with --lora-rank: adapters resident at once (default: %(default)s)",
+        help="with --lora-rank: adapters resident at once (default: 1)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -152,13 +151,15 @@ def run(args: argparse.Namespace) -> int:
 def _lora(args: argparse.Namespace, model: Model, spec: KVSpec) -> LoRAPlan | None:
     """The adapters' share of the pool with --lora-rank, else None."""
     if args.lora_rank is None:
+        if args.max_loras is not None:
+            raise ConfigError("--max-loras needs --lora-rank (the adapters' rank)")
         return None
     if args.tensor_parallel_size > 1:
         raise ConfigError("--lora-rank: LoRA is not supported with tensor parallelism")
     config = model.config or {}
     if not spec.num_kv_heads or not {"hidden_size", "intermediate_size"} <= set(config):
         raise ConfigError(f"--lora-rank needs a Llama-style model config; {model.name} is not")
-    return plan_lora(config, spec, args.lora_rank, args.max_loras, args.block_size)
+    return plan_lora(config, spec, args.lora_rank, args.max_loras or 1, args.block_size)
 
 
 def _ranks(model: Model, tensor_parallel_size: int) -> dict[str, int]:

@@ -120,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from pagedkv.engine import Engine, EngineArgs
+    from pagedkv.model.errors import ModelError
     from pagedkv.server import build_app, build_server
     from pagedkv.server.errors import APIError
 
@@ -128,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
     if args.lora_modules and not args.enable_lora:
         print("pagedkv serve: error: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
-    engine = Engine(EngineArgs.from_cli_args(args))
+    try:
+        engine = Engine(EngineArgs.from_cli_args(args))
+    except (ValueError, ModelError, OSError) as error:  # a bad flag or model: one line
+        print(f"pagedkv serve: error: {error}", file=sys.stderr)
+        return 2
     try:
         app = build_app(engine, server_config(args))
     except APIError as error:  # a --lora-modules adapter that cannot be served

@@ -20,6 +20,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineStats",
+    "InvalidCacheSalt",
     "InvalidPriority",
     "InvalidStructuredOutput",
     "InvalidTokenId",

@@ -11,6 +11,7 @@ written into our name, which the engine reads.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -56,7 +57,7 @@ _HELP = {
     "device": "cpu or cuda",
     "seed": "seed of the sampler for requests without their own seed",
     "gpu_memory_utilization": "share of device memory the engine may use (weights + KV)",
-    "max_logprobs": "most logprobs one request may ask for per token",
+    "max_logprobs": "most logprobs one request may ask for per token (-1: no cap)",
     "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
     "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
     "threads": "CPU threads for the model (default: this machine's physical cores)",
@@ -95,7 +96,7 @@ class EngineArgs:
     max_model_len: int | None = None
     preemption_mode: str | None = None
     scheduling_policy: str = "fcfs"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int | None = 0  # None: 0, as vLLM's V1 engine takes it
     gpu_memory_utilization: float = 0.9
@@ -123,12 +124,13 @@ class EngineArgs:
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
-            "max_logprobs",
             "tensor_parallel_size",
             "max_loras",
             "max_lora_rank",
         ):
             _positive_int(name, getattr(self, name))
+        if self.max_logprobs != -1:  # vLLM's -1: no cap
+            _positive_int("max_logprobs", self.max_logprobs)
         for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
@@ -272,8 +274,10 @@ class EngineArgs:
 
 
 def _gib(name: str, value: object) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise ValueError(f"{name} must be >= 0 (GiB), got {value!r}")
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number >= 0 (GiB), got {value!r}")
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0 (GiB), got {value!r}")
 
 
 def _check_device(device: object) -> None:

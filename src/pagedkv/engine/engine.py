@@ -29,7 +29,7 @@ from pagedkv.engine.admission import (
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams, BeamState
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.errors import DuplicateRequest, InvalidPriority, StepFailed
+from pagedkv.engine.errors import DuplicateRequest, InvalidCacheSalt, InvalidPriority, StepFailed
 from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.invariance import invariance_line
 from pagedkv.engine.lora import LoRACatalog, LoRARequest, lora_cache_salt
@@ -146,7 +146,7 @@ class Engine:
             num_gpu_blocks=self.manager.num_gpu_blocks,
             block_size=self.manager.block_size,
             max_samples=min(args.max_num_seqs, args.max_num_batched_tokens),
-            max_logprobs=args.max_logprobs,
+            max_logprobs=self.config.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
         )
         self._requests: dict[str, Request] = {}
         # Aborted requests whose final delta the next step reports, by id.
@@ -165,7 +165,10 @@ class Engine:
             file=sys.stderr,
         )
         print(cache.describe(self.max_model_len), file=sys.stderr)
-        print(invariance_line(self.device, args.tensor_parallel_size, args.dtype), file=sys.stderr)
+        print(
+            invariance_line(self.device, args.tensor_parallel_size, args.resolved_dtype),
+            file=sys.stderr,
+        )
         if speculative is not None:
             print(f"speculative decoding: {speculative.describe()}", file=sys.stderr)
         phases = {**loaded.seconds, "KV pool": pool_seconds}
@@ -212,6 +215,8 @@ class Engine:
         self._aborted.pop(request_id, None)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidPriority(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidCacheSalt(cache_salt)
         lora_id, lora_blocks = self.loras.resolve(lora_request)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)

@@ -75,6 +75,7 @@ class TooManyLogprobs(RequestRejected):
             f"{name} is {logprobs}, but the engine allows at most {max_logprobs} "
             "(max_logprobs; raise it when starting the engine)"
         )
+        self.name = name  # the SamplingParams field: logprobs or prompt_logprobs
 
 
 class DuplicateRequest(RequestRejected):
@@ -89,6 +90,15 @@ class InvalidPriority(RequestRejected):
 
     def __init__(self, priority: object) -> None:
         super().__init__(f"priority is {type(priority).__name__} {priority!r}, expected an int")
+
+
+class InvalidCacheSalt(RequestRejected):
+    """A request's cache_salt is not a non-empty string (vLLM's rule)."""
+
+    def __init__(self, cache_salt: object) -> None:
+        super().__init__(
+            f"cache_salt is {type(cache_salt).__name__} {cache_salt!r}, expected a non-empty str"
+        )
 
 
 class PriorityNotSupported(RequestRejected):

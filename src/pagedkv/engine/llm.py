@@ -53,19 +53,21 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt: a string, token ids, a `{"prompt": ...}` or
-        `{"prompt_token_ids": [...]}` dict, or a list of them; anything else is a TypeError.
+        `{"prompt_token_ids": [...]}` dict (with an optional `"cache_salt"`: prefix-cache
+        blocks are shared only between prompts with the same salt), or a list of them;
+        anything else is a TypeError.
 
         `priority` gives one priority per prompt, as vLLM's does; it needs the engine's
         `scheduling_policy="priority"` (lower runs first). `lora_request` is one LoRA adapter
         for every prompt, or one (or None) per prompt; it needs `enable_lora=True`.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list, salts = _as_prompts(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
         loras = _lora_per_prompt(lora_request, len(prompt_list))
         options = [
-            {"params": each, "priority": rank, "lora_request": lora}
-            for each, rank, lora in zip(params, priorities, loras, strict=True)
+            {"params": each, "priority": rank, "lora_request": lora, "cache_salt": salt}
+            for each, rank, lora, salt in zip(params, priorities, loras, salts, strict=True)
         ]
         return self._run(prompt_list, options, use_tqdm)
 
@@ -73,17 +75,24 @@ class LLM:
         self,
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search over each prompt (the rule: `beam_search.py`), its beams sharing
         their blocks; per prompt, the `beam_width` best beams, best first. Each beam's tokens
-        start with the prompt's and keep a final EOS; its text decodes them all."""
+        start with the prompt's and keep a final EOS; its text decodes them all. Prompts and
+        `lora_request` are as `generate`'s (vLLM's order of arguments)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list, salts = _as_prompts(prompts)
+        loras = _lora_per_prompt(lora_request, len(prompt_list))
         # The EOS stays in the tokens, as vLLM's `LLM.beam_search` keeps it.
         whole = replace(params, include_stop_str_in_output=True)
-        outputs = self._run(prompt_list, [{"beam_search": whole}] * len(prompt_list), use_tqdm)
+        options = [
+            {"beam_search": whole, "lora_request": lora, "cache_salt": salt}
+            for lora, salt in zip(loras, salts, strict=True)
+        ]
+        outputs = self._run(prompt_list, options, use_tqdm)
         tokenizer = self.engine.tokenizer
         return [
             BeamSearchOutput(
@@ -202,18 +211,21 @@ class LLM:
         self.engine.step()
 
 
-def _as_prompt_list(
+def _as_prompts(
     prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
-) -> list[Prompt]:
-    """The prompts as text or token ids; a TypeError names the first that is neither."""
+) -> tuple[list[Prompt], list[str | None]]:
+    """The prompts as text or token ids, and each one's cache salt (a prompt dict's
+    `"cache_salt"`, else None); a TypeError names the first prompt that is neither."""
     if isinstance(prompts, str | Mapping):
-        return [_as_prompt(prompts)]
-    if not _is_sequence(prompts):
+        items = [prompts]
+    elif not _is_sequence(prompts):
         raise _not_a_prompt(prompts)
-    items = list(prompts)  # type: ignore[arg-type]
-    if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
-        return [items]  # one prompt given as token ids
-    return [_as_prompt(item) for item in items]
+    else:
+        items = list(prompts)  # type: ignore[arg-type]
+        if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+            items = [items]  # one prompt given as token ids
+    salts = [item.get("cache_salt") if isinstance(item, Mapping) else None for item in items]
+    return [_as_prompt(item) for item in items], salts
 
 
 def _as_prompt(prompt: object) -> Prompt:

@@ -14,6 +14,7 @@ adapters never share KV blocks, whatever the prompt.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pagedkv.engine.args import EngineArgs
@@ -116,8 +117,10 @@ class LoRACatalog:
 
 
 def lora_cache_salt(cache_salt: str | None, lora_id: int) -> str | None:
-    """The prefix-cache salt of a request with adapter `lora_id` (0: none): its own salt with
-    the adapter's id, so KV computed through one adapter never serves another."""
-    if not lora_id:
-        return cache_salt
-    return f"{cache_salt or ''}\x00lora:{lora_id}"
+    """The prefix-cache salt of a request with adapter `lora_id` (0: none): its own salt and
+    the adapter's id, encoded as a pair so that no salt a caller chooses can name another
+    pair's (KV computed through one adapter never serves another, or the base model); None,
+    the shared root, for a request with neither."""
+    if cache_salt is None and not lora_id:
+        return None
+    return json.dumps([cache_salt, lora_id])

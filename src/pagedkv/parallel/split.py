@@ -32,8 +32,8 @@ def split_even(num_units: int, rank: int, size: int, what: str) -> Split:
     (`what`: "heads of q_proj")."""
     if num_units % size:
         raise NotDivisible(
-            f"{num_units} {what} are not divisible by tensor_parallel_size ({size}) (vLLM "
-            "likewise requires num_attention_heads % tensor_parallel_size == 0)"
+            f"{num_units} {what} are not divisible by tensor_parallel_size ({size}): each rank "
+            "takes an equal share, as vLLM's tensor parallelism requires"
         )
     per_rank = num_units // size
     return Split(rank * per_rank, per_rank, per_rank)

@@ -68,7 +68,7 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("cmpl"), best_of, lora)
-    await generation.start(prompts, params, request.priority, beams)
+    await generation.start(prompts, params, request.priority, beams, request.cache_salt)
     completion = _Completion(context, request, generation)
     if request.echo:  # a token-id prompt echoes as vLLM's `tokenizer.decode(ids)`: specials too
         completion.echoed = [

@@ -82,6 +82,7 @@ class _Add:
     done: asyncio.Future
     beam_search: BeamSearchParams | None = None
     lora_request: LoRARequest | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -163,6 +164,7 @@ class EngineLoop:
         arrival_time: float | None = None,
         beam_search: BeamSearchParams | None = None,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request whose RequestOutputs (or an EngineFailed) will be put on `outputs`
         (a beam search with `beam_search`: then `params` counts only in the metrics).
@@ -194,6 +196,7 @@ class EngineLoop:
                 done,
                 beam_search,
                 lora_request,
+                cache_salt,
             )
         )
         try:
@@ -340,6 +343,7 @@ class EngineLoop:
                 arrival_time=command.arrival_time,
                 beam_search=command.beam_search,
                 lora_request=command.lora_request,
+                cache_salt=command.cache_salt,
             )
         except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
             _resolve(command.route.loop, command.done, error=error)

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.errors import PromptTooLong, RequestRejected
+from pagedkv.engine.errors import PromptTooLong, RequestRejected, TooManyLogprobs
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.responses import PromptTokensDetails, Usage
@@ -83,9 +83,11 @@ class Generation:
         params: SamplingParams,
         priority: int = 0,
         beam_search: BeamSearchParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Submit every prompt (as a beam search with `beam_search`); refusals become 4xx/503
-        and abort the prompts already queued.
+        """Submit every prompt (as a beam search with `beam_search`; prefix-cache blocks
+        shared only under the same `cache_salt`); refusals become 4xx/503 and abort the
+        prompts already queued.
 
         More prompts than may ever wait at once is a 400: a 503 would have the client retry
         a request that can never be admitted.
@@ -115,6 +117,7 @@ class Generation:
                     self.arrival_time,
                     beam_search,
                     self.lora_request,
+                    cache_salt,
                 )
                 self.prompt_tokens += len(prompt)
         except BaseException as error:
@@ -133,7 +136,8 @@ class Generation:
                 raise shutting_down(str(error)) from error
             if isinstance(error, RequestRejected):
                 code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
-                raise APIError(400, str(error), code=code) from error
+                param = error.name if isinstance(error, TooManyLogprobs) else None
+                raise APIError(400, str(error), param=param, code=code) from error
             raise
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:

@@ -37,7 +37,6 @@ from pagedkv.server.formats import (
 
 MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
 MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one completions request
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -73,7 +72,6 @@ IGNORED_FIELDS = frozenset(
         "request_id",  # vLLM: the id in logs (the response's id is the server's)
         "guided_decoding_backend",  # vLLM: which grammar library (llguidance here)
         "kv_transfer_params",  # vLLM: disaggregated prefill
-        "cache_salt",  # vLLM: prefix-cache isolation (pagedkv salts per request already)
         "parallel_tool_calls",  # on completions: no tools there
     }
 )
@@ -125,6 +123,8 @@ class SamplingFields(RequestModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None  # vLLM's
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    # vLLM's: prefix-cache blocks are shared only between requests with the same salt.
+    cache_salt: str | None = Field(None, min_length=1)
     # OpenAI's: token id (as a string) -> bias added to its logit, -100 to 100.
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions, passed to SamplingParams as they are.
@@ -132,7 +132,7 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     # vLLM's: each prompt token's logprob and its top k (in the response's prompt_logprobs).
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0)
     # vLLM's older names of structured outputs (one of them, or structured_outputs).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -183,7 +183,7 @@ class CompletionRequest(SamplingFields):
     prompt: Any
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples per prompt; the best n return
@@ -262,7 +262,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     store: bool | None = None  # OpenAI's: nothing is stored here; accepted for compatibility
     tools: list[Tool] | None = None
     # Default: "auto" with tools, "none" without (OpenAI's).

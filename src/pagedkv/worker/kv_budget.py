@@ -32,10 +32,15 @@ from pagedkv.worker.kv_request import PoolRequest
 
 CPU_KV_CACHE_BYTES = 4 << 30
 GIB = 1 << 30
+HOST_POOL_SHARE = 0.7  # vLLM refuses a swap space above 70% of the host's memory
 
 
 class KVCacheTooSmallForModel(ValueError):
     """The memory left for the KV pool holds no block at all."""
+
+
+class HostPoolTooLarge(ValueError):
+    """The swap space and host tier ask for more of the host's memory than it can spare."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ def kv_budget(
     per_block = spec.bytes_per_block(block_size) + draft_per_block
     num_cpu_blocks = int(request.swap_space_gb * GIB) // per_block
     num_offload_blocks = int(request.kv_offloading_size * GIB) // per_block
+    _check_host_pool((num_cpu_blocks + num_offload_blocks) * per_block)
 
     def config(num_gpu_blocks: int) -> KVCacheConfig:
         return KVCacheConfig(
@@ -192,6 +198,21 @@ def _profile_activations(
     return peak
 
 
+def _check_host_pool(num_bytes: int) -> None:
+    """Refuse CPU pools (swap space and host tier together) above `HOST_POOL_SHARE` of the
+    host's physical memory, before anything is allocated: a clear error, not an allocator's."""
+    total = _physical_host_memory()
+    if num_bytes > HOST_POOL_SHARE * total:
+        raise HostPoolTooLarge(
+            f"swap_space_gb and kv_offloading_size ask for {num_bytes / GIB:.2f} GiB of host "
+            f"memory, more than {HOST_POOL_SHARE:.0%} of this host's {total / GIB:.2f} GiB"
+        )
+
+
+def _physical_host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _available_host_memory() -> int:
     """MemAvailable from /proc/meminfo, else physical memory (POSIX systems without it)."""
     try:
@@ -201,4 +222,4 @@ def _available_host_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return _physical_host_memory()

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from pagedkv.model.errors import MalformedModelFile
+from pagedkv.model.errors import MalformedModelFile, ModelFileMissing
+from pagedkv.weights.gguf.file import GGUFFile
 from pagedkv.weights.gguf.reader import read_gguf
 
 TENSOR_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q6_K)
@@ -102,3 +103,10 @@ def test_a_broken_file_names_its_problem(gguf_file, damage, message):
     gguf_file.write_bytes(damage(gguf_file.read_bytes()))
     with pytest.raises(MalformedModelFile, match=message):
         read_gguf(gguf_file)
+
+
+def test_a_folder_or_a_missing_path_is_named_as_such(tmp_path):
+    with pytest.raises(MalformedModelFile, match="is a folder, not a GGUF file"):
+        GGUFFile(tmp_path)
+    with pytest.raises(ModelFileMissing, match=r"nowhere\.gguf: missing \(the GGUF file\)"):
+        GGUFFile(tmp_path / "nowhere.gguf")

@@ -23,6 +23,8 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise MalformedModelFile(self.path, "is a folder, not a GGUF file")
         if not self.path.is_file():
             raise ModelFileMissing(self.path, "the GGUF file")
         contents = read_gguf(self.path)
