@@ -93,11 +93,7 @@ class Systems:
         )
 
     def _fresh_engine(self) -> None:
-        """A new engine, warmed up: its prefix cache holds nothing of an earlier round.
-
-        (The scheduler does not pass `cache_salt` to the memory manager yet, so a salt per
-        round would not keep a second round from hitting the first round's blocks.)
-        """
+        """A new engine, warmed up: its prefix cache holds nothing of an earlier round."""
         if self.engine is not None:
             self.engine.shutdown()  # its tensor-parallel workers, if any, before new ones start
         self.engine = None
