@@ -5,6 +5,7 @@ alone (unconstrained neighbours, preemption) giving the same tokens."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 
@@ -213,25 +214,160 @@ def test_objects_hold_to_their_declared_properties(llm):
 
 
 def test_closed_objects_closes_declared_objects_only():
-    """Every object with `properties` and no word on other keys is closed, wherever it sits;
-    objects that allow other keys, and bare objects, are left as they are; the input is not
-    changed."""
+    """Every object with `properties` and no word on other keys is closed, wherever a schema
+    sits; objects that allow other keys, require undeclared ones, and bare objects are left as
+    they are, and so is data (`const`, `enum`, `default`); the input is not changed."""
     declared = {"type": "object", "properties": {"a": {"type": "integer"}}}
     allowing = {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}
     patterned = {"type": "object", "properties": {}, "patternProperties": {"^x": {}}}
+    undeclared = {"type": "object", "properties": {}, "required": ["b"]}
+    data = {"const": {"properties": {"a": 1}}, "default": {"properties": {}}}
     schema = {
         "type": "object",
-        "properties": {"one": declared, "many": {"type": "array", "items": declared}},
+        "properties": {
+            "one": declared,
+            "many": {"type": "array", "items": declared},
+            "either": {"anyOf": [declared, {"type": "object"}]},
+            "data": data,
+            "undeclared": undeclared,
+        },
         "$defs": {"d": declared, "open": allowing, "pattern": patterned},
-        "anyOf": [declared, {"type": "object"}],
     }
     closed = compiler_grammar.closed_objects(schema)
     shut = dict(declared, additionalProperties=False)
     assert closed == {
         "type": "object",
-        "properties": {"one": shut, "many": {"type": "array", "items": shut}},
+        "properties": {
+            "one": shut,
+            "many": {"type": "array", "items": shut},
+            "either": {"anyOf": [shut, {"type": "object"}]},
+            "data": data,
+            "undeclared": undeclared,
+        },
         "$defs": {"d": shut, "open": allowing, "pattern": patterned},
-        "anyOf": [shut, {"type": "object"}],
         "additionalProperties": False,
     }
     assert "additionalProperties" not in declared and "additionalProperties" not in schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        (
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+                ]
+            },
+            {"a": 1, "b": 2},
+        ),
+        (
+            {
+                "$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                "$ref": "#/$defs/base",
+                "properties": {"b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+            {"a": 1, "b": 2},
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"kind": {"enum": ["x", "y"]}},
+                "required": ["kind"],
+                "anyOf": [
+                    {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                    {"properties": {"y": {"type": "string"}}, "required": ["y"]},
+                ],
+            },
+            {"kind": "x", "x": 3},
+        ),
+    ],
+    ids=["allOf", "ref-beside-properties", "anyOf-beside-properties"],
+)
+def test_objects_put_together_from_parts_stay_open_and_compile(llm, schema, value):
+    """Closing one part of such a schema would refuse the others' keys (every value would be
+    invalid, or the grammar unsatisfiable): it is left as JSON Schema says, and its outputs
+    validate."""
+    jsonschema.validate(value, schema)  # the schema is satisfiable
+    assert compiler_grammar.closed_objects(schema) == schema
+    outputs = llm.generate([[5, 6, 7]], constrained(3, n=4, json=schema), use_tqdm=False)
+    for sample in outputs[0].outputs:
+        if sample.finish_reason == "stop":
+            jsonschema.validate(json.loads(sample.text), schema)
+
+
+@pytest.mark.parametrize("keyword", [{"uniqueItems": True}, {"contains": {"const": 1}}])
+def test_a_keyword_llguidance_cannot_hold_to_is_refused_naming_it(engine_zoo, keyword):
+    """vLLM refuses them too: ignored, they would let finished outputs break the schema."""
+    engine = make_engine(engine_zoo)
+    schema = {"type": "array", "items": {"type": "integer"}, **keyword}
+    with pytest.raises(InvalidStructuredOutput, match=next(iter(keyword))):
+        engine.add_request("r", [5, 6], constrained(1, json=schema))
+
+
+def test_a_schema_nested_past_the_stack_is_a_clear_error(engine_zoo):
+    depth = 2000
+    text = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    engine = make_engine(engine_zoo)
+    for given in (text, schema):
+        with pytest.raises(InvalidStructuredOutput, match="nested too deeply"):
+            engine.add_request("r", [5, 6], constrained(1, json=given))
+
+
+@pytest.mark.parametrize(
+    "others",
+    [{"allowed_token_ids": [50, 51]}, {"bad_words": ["yes", "no"]}],
+    ids=["allowed-ids", "bad-words"],
+)
+def test_constraints_that_exclude_each_other_end_the_sample_as_abort(llm, others):
+    """Nothing the choice allows may be sampled: the sample ends with finish_reason "abort"
+    and no text outside the constraint, never as a successful "stop"."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, seed=1, max_tokens=8, structured_outputs=choice, **others
+        )
+        [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        sample = output.outputs[0]
+        assert sample.finish_reason == "abort"
+        assert any(c.startswith(sample.text) for c in choice.choice)  # a prefix, at most
+
+
+def test_a_complete_grammar_ends_the_sample_before_min_tokens(llm):
+    """Once the grammar allows only EOS, min_tokens (which masks EOS) would leave nothing to
+    sample: the constraint wins and the sample stops whole."""
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=2,
+        min_tokens=12,
+        structured_outputs=StructuredOutputsParams(json={"type": "boolean"}),
+    )
+    [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    for sample in output.outputs:
+        assert sample.finish_reason == "stop" and sample.text in ("true", "false")
+        assert len(sample.token_ids) < 12  # no filler sampled from an all-masked row
+
+
+def test_logprobs_are_over_what_the_grammar_allows(llm):
+    """vLLM's: under a grammar the returned logprobs are the model's, renormalised over the
+    tokens the grammar allows at each position; the others are -inf."""
+    choices = ["yes", "no", "maybe"]
+    params = SamplingParams(
+        temperature=1.0,
+        seed=4,
+        logprobs=20,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )
+    [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    sample = output.outputs[0]
+    assert sample.text in choices
+    for token_id, position in zip(sample.token_ids, sample.logprobs, strict=True):
+        finite = [entry.logprob for entry in position.values() if entry.logprob > float("-inf")]
+        assert position[token_id].logprob > float("-inf")
+        assert sum(math.exp(value) for value in finite) == pytest.approx(1.0, abs=1e-5)

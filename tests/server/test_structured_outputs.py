@@ -5,6 +5,7 @@ model: whatever the model would say, every output must parse and validate (`json
 from __future__ import annotations
 
 import json
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
@@ -290,3 +291,22 @@ def test_bad_constraints_are_400s_and_leave_nothing(server, client, model_name, 
         assert raised.value.param == param
     wait_until(lambda: all_blocks_free(server))
     assert server.app.state.engine_loop.engine.stats.num_waiting == 0
+
+
+def test_logprobs_under_a_constraint_are_json_numbers(client, model_name):
+    """Tokens the grammar forbids have logprob -inf, which JSON cannot carry: they come back
+    as vLLM's -9999.0, and the allowed ones renormalised over what the grammar allows."""
+    response = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=20,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    choice = response.choices[0]
+    assert choice.message.content in ("yes", "no")
+    for entry in choice.logprobs.content:
+        values = [top.logprob for top in entry.top_logprobs]
+        assert -9999.0 in values and min(values) == -9999.0
+        assert sum(math.exp(v) for v in values if v > -9999.0) == pytest.approx(1.0, abs=1e-4)

@@ -3,11 +3,22 @@ OpenAI's field names and nulls (vLLM's `return_token_ids` fields only when asked
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    Field,
+    PlainSerializer,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from pagedkv.server.formats import ToolCall, ToolCallDelta
+
+MIN_LOGPROB = -9999.0
+# A logprob as JSON carries it: JSON has no -inf (a token a grammar forbids has it), so it is
+# written as vLLM writes it, -9999.0.
+Logprob = Annotated[float, PlainSerializer(lambda value: max(value, MIN_LOGPROB))]
 
 
 class WithTokenIds(BaseModel):
@@ -58,15 +69,15 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions logprobs: parallel lists, one entry per generated token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class PromptLogprob(BaseModel):
     """One token's entry in vLLM's `prompt_logprobs` (keyed by token id, as a string)."""
 
-    logprob: float
+    logprob: Logprob
     rank: int
     decoded_token: str
 
@@ -106,7 +117,7 @@ class TopLogprob(BaseModel):
     """One alternative token and its log probability."""
 
     token: str
-    logprob: float
+    logprob: Logprob
     bytes: list[int]
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from pagedkv.engine.structured.grammar import grammar_spec, vocabulary
+from pagedkv.engine.errors import InvalidStructuredOutput
+from pagedkv.engine.structured.grammar import TOO_DEEP, grammar_spec, vocabulary
 from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.engine.structured.state import GrammarState
 
@@ -64,7 +65,10 @@ class GrammarCompiler:
     def submit(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Check `params` now (InvalidStructuredOutput) and compile it on the worker thread,
         unless it is cached."""
-        key = params.key()
+        try:
+            key = params.key()
+        except RecursionError as error:  # a schema nested past Python's stack
+            raise InvalidStructuredOutput(params.kind, TOO_DEEP) from error
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)

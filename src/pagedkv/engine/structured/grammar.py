@@ -27,35 +27,101 @@ if TYPE_CHECKING:
 # What json_object=True means: any JSON object (vLLM's and OpenAI's "json_object").
 ANY_OBJECT = '{"type": "object"}'
 # JSON is written as `json.dumps` writes it (", " and ": ", no other whitespace): free
-# whitespace (vLLM's default) lets a small model spend its max_tokens on blank lines. Keywords
-# llguidance does not implement are ignored rather than refused (`lenient`), as a schema from
-# a client library often carries some ("format" values, "uniqueItems").
+# whitespace (vLLM's default) lets a small model spend its max_tokens on blank lines. A keyword
+# llguidance does not implement ("uniqueItems", "contains", an unknown "format") is refused
+# naming it, as vLLM refuses it: ignored, it would let outputs break the schema.
 JSON_OPTIONS = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
-    "lenient": True,
+    "lenient": False,
 }
+# Where a JSON Schema holds schemas (everything else, "const", "enum", "default" included, is
+# data): keywords holding a map of schemas, a list of them, or one (a list in older drafts).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+)
+TOO_DEEP = "nested too deeply"
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_KEYS_OF_OBJECTS = ("properties", "dependentSchemas", *_OPEN_KEYS)
 
 
 def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that declares
-    `properties` and says nothing of other keys (no `additionalProperties`,
-    `patternProperties` or `unevaluatedProperties`).
+    `properties`, requires none but those, and says nothing of other keys (no
+    `additionalProperties`, `patternProperties` or `unevaluatedProperties`).
 
     JSON Schema lets such an object carry any other key, so a small model can go on adding
     keys until max_tokens cuts the JSON off. vLLM's default grammar engine (xgrammar, strict
     mode) and OpenAI's strict structured outputs hold objects to their declared properties;
     so do we. A schema that wants other keys says so, and `{"type": "object"}` with no
-    properties (json_object's) stays any object.
+    properties (json_object's) stays any object. A schema whose objects are put together
+    from parts (`allOf`, a `$ref` beside other keywords, `anyOf`/`oneOf` beside
+    `properties`) is left as it is: closing one part would refuse the keys of the others.
     """
-    if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
+    return schema if _composes_objects(schema) else _closed(schema)
+
+
+def _subschemas(schema: dict[str, Any]) -> list[Any]:
+    """The schemas directly inside `schema`, by its schema-holding keywords."""
+    inside: list[Any] = []
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            inside += schema[key].values()
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONES):
+        value = schema.get(key)
+        inside += value if isinstance(value, list) else [value]
+    return [each for each in inside if isinstance(each, dict)]
+
+
+def _composes_objects(schema: Any) -> bool:
+    """Whether, anywhere, an object's keys come from more than one schema (see above)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        beside_ref = "$ref" in node and any(key in node for key in (*_KEYS_OF_OBJECTS, "required"))
+        branches = "properties" in node and ("anyOf" in node or "oneOf" in node)
+        if "allOf" in node or beside_ref or branches:
+            return True
+        stack += _subschemas(node)
+    return False
+
+
+def _closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
-    closed = {key: closed_objects(value) for key, value in schema.items()}
-    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys):
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: _closed(value) for name, value in schema[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONES):
+        value = schema.get(key)
+        if isinstance(value, list):
+            closed[key] = [_closed(item) for item in value]
+        elif isinstance(value, dict):
+            closed[key] = _closed(value)
+    properties = schema.get("properties")
+    required = schema.get("required", [])
+    if (
+        isinstance(properties, dict)
+        and not any(key in schema for key in _OPEN_KEYS)
+        and isinstance(required, list)
+        and set(required) <= set(properties)
+    ):
         closed["additionalProperties"] = False
     return closed
 
@@ -81,6 +147,8 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             spec = llguidance.grammar_from(kind, getattr(params, kind))
     except ValueError as error:
         raise InvalidStructuredOutput(kind, str(error)) from error
+    except RecursionError as error:  # a schema nested past Python's stack
+        raise InvalidStructuredOutput(kind, TOO_DEEP) from error
     error = llguidance.LLMatcher.validate_grammar(spec)
     if error:
         raise InvalidStructuredOutput(kind, error)

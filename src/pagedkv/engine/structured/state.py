@@ -35,7 +35,8 @@ class GrammarState:
         return self._matcher
 
     def accept(self, token_id: int) -> None:
-        """Advance over a sampled token (masked sampling only picks tokens the grammar allows)."""
+        """Advance over a sampled token. Masked sampling picks only tokens the grammar allows,
+        unless the request's other constraints masked those too (then the grammar `failed`)."""
         self.matcher.consume_token(token_id)
 
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
@@ -55,3 +56,9 @@ class GrammarState:
     def finished(self) -> bool:
         """True when the grammar allows nothing more (complete, or failed): the sample ends."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    @property
+    def failed(self) -> bool:
+        """True once a token the grammar refuses was taken (nothing it allows was left: e.g.
+        allowed_token_ids or bad_words excluding all of it), or llguidance itself failed."""
+        return self.matcher.is_error()
