@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts
-from pagedkv.engine.sampler import Sampler, SamplingRow, _filtered_probs
+from pagedkv.engine.sampler import Sampler, SamplingRow, _filtered_probs, token_logprobs
 from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
 
@@ -33,11 +33,10 @@ def row(
 def oracle_filtered(
     logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float
 ):
-    """The kept distribution, from the definitions: top_k, then top_p (smallest set reaching p,
-    the token that crosses p included), then min_p of the largest probability."""
+    """The kept distribution, from the definitions in vLLM's order: min_p of the largest
+    probability, then top_k of what is left, then top_p (the smallest set of the most likely
+    reaching p: a token goes once the ones above it reach p)."""
     scaled = [value / temperature for value in logits]
-    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
-    kept = set(order[:top_k] if top_k > 0 else order)
 
     def softmax(indices):
         top = max(scaled[i] for i in indices)
@@ -45,20 +44,20 @@ def oracle_filtered(
         total = sum(weights.values())
         return {i: w / total for i, w in weights.items()}
 
-    probs = softmax(kept)
-    if top_p < 1.0:
-        mass, nucleus = 0.0, set()
-        for i in sorted(kept, key=lambda i: -probs[i]):
-            if mass > top_p:
-                break
-            nucleus.add(i)
-            mass += probs[i]
-        probs = softmax(nucleus)
+    probs = softmax(range(len(scaled)))
     if min_p > 0.0:
         floor = min_p * max(probs.values())
-        probs = {i: p for i, p in probs.items() if p >= floor}
-        total = sum(probs.values())
-        probs = {i: p / total for i, p in probs.items()}
+        probs = softmax([i for i, p in probs.items() if p >= floor])
+    order = sorted(probs, key=lambda i: -scaled[i])
+    probs = softmax(order[:top_k] if top_k > 0 else order)
+    if top_p < 1.0:
+        mass, nucleus = 0.0, []
+        for i in sorted(probs, key=lambda i: -probs[i]):
+            if mass >= top_p:
+                break
+            nucleus.append(i)
+            mass += probs[i]
+        probs = softmax(nucleus)
     return [probs.get(i, 0.0) for i in range(len(logits))]
 
 
@@ -75,10 +74,21 @@ def oracle_filtered(
 def test_filtered_distribution_matches_the_definitions(logits, temperature, top_k, top_p, min_p):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     tensor = torch.tensor([logits], dtype=torch.float64) / temperature
-    probs = _filtered_probs(tensor, [row(params)])[0]
-    probs = (probs / probs.sum()).tolist()
+    probs = _filtered_probs(tensor, [row(params)])[0].tolist()
     want = oracle_filtered(logits, temperature, top_k, top_p, min_p)
     assert probs == pytest.approx(want, abs=1e-9)
+
+
+def test_a_rows_filters_do_not_depend_on_the_other_rows():
+    """A row without top_p keeps its whole distribution beside rows with top_p (float32
+    cumulative sums overshoot 1.0 over a large vocabulary), bit for bit as alone."""
+    logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(5)) * 4
+    plain = row(SamplingParams(temperature=1.0), vocab=50_000)
+    filtered = row(SamplingParams(temperature=1.0, top_p=0.7, top_k=50, min_p=0.01), vocab=50_000)
+    alone = _filtered_probs(logits[:1], [plain])
+    batched = _filtered_probs(logits, [plain, filtered, filtered])
+    assert torch.equal(batched[0], alone[0])
+    assert torch.equal(alone[0], logits[0].softmax(dim=-1))
 
 
 def chi_square_bound(degrees_of_freedom: int) -> float:
@@ -128,8 +138,7 @@ def test_samples_follow_softmax_of_logits_over_temperature(temperature):
 )
 def test_a_verified_draft_leaves_the_filtered_distribution_unchanged(draft, top_k, top_p, min_p):
     """Rejection sampling with a one-hot draft (keep it with its probability, else draw from the
-    rest): the token that comes out follows the filtered distribution from its definitions,
-    whatever the filters leave the row summing to (min_p drops mass without renormalising)."""
+    rest): the token that comes out follows the filtered distribution from its definitions."""
     logits = [1.0, 0.9, 0.4, -0.3, -0.6, -1.0, -1.5]
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
     drafted = replace(row(params, vocab=len(logits)), draft_token_id=draft)
@@ -219,3 +228,18 @@ def test_logprobs_are_the_models_log_softmax_with_ranks():
     assert out.token_ids == [1] and rank == 1
     assert chosen == pytest.approx(log_probs[1])
     assert top_ids == [1, 2] and top_values == pytest.approx([log_probs[1], log_probs[2]])
+
+
+def test_a_tied_token_ranks_below_its_ties_as_vllm_counts():
+    """vLLM's rank: how many tokens have a logprob at least the chosen one's."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
+    [(_, rank, _, _)] = token_logprobs(logits, torch.tensor([1]), [0])
+    assert rank == 4
+    [(_, top_rank, _, _)] = token_logprobs(logits, torch.tensor([0]), [0])
+    assert top_rank == 1
+
+
+def test_vllms_seed_and_temperature_conventions():
+    assert SamplingParams(seed=-1).seed is None  # no seed
+    assert SamplingParams(temperature=1e-4).temperature == 0.01  # raised, not greedy
+    assert not SamplingParams(temperature=1e-4).greedy and SamplingParams(temperature=0).greedy

@@ -10,17 +10,22 @@ their outputs when run alone.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from pagedkv.engine import SamplingParams
+from pagedkv.engine import LLM, SamplingParams
 from tests.engine.conftest import make_llm
+from tests.model.tiny_models import write_tokenizer_files
 
 MAX_TOKENS = 12
 PROMPT = "Paged attention stores keys"
 
 
 def greedy(**fields) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+    return SamplingParams(
+        **{"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **fields}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +122,8 @@ def test_a_stop_token_adds_its_text_only_with_include_stop_str_in_output(llm, pl
     [output] = llm.generate(PROMPT, params, use_tqdm=False)
     assert list(output.outputs[0].token_ids) == list(ids[: at + 1])
     kept = ids[: at + 1] if include else ids[:at]
-    assert output.outputs[0].text == tokenizer.decode(kept)
+    # (less a last character the kept tokens leave incomplete, which vLLM never emits)
+    assert output.outputs[0].text == tokenizer.decode(kept).rstrip("\ufffd")
 
 
 def prompt_ids(llm) -> list[int]:
@@ -229,3 +235,62 @@ def test_arguments_of_the_wrong_kind_are_named(llm):
     for messages in ("hello", {"role": "user", "content": "hi"}, None):
         with pytest.raises(TypeError, match="messages must be a list of"):
             llm.chat(messages, use_tqdm=False)
+
+
+def test_a_stop_string_counts_only_past_min_tokens(llm):
+    """vLLM's detokenizer: a stop string must end in the text of a token past the first
+    min_tokens; ending in the min_tokens-th token's text, it does not stop the sample."""
+    tokenizer = llm.get_tokenizer()
+    [long] = llm.generate(PROMPT, greedy(max_tokens=64), use_tqdm=False)
+    ids = list(long.outputs[0].token_ids)
+
+    def piece(at: int) -> str:  # the text token `at` adds
+        return tokenizer.decode(ids[: at + 1])[len(tokenizer.decode(ids[:at])) :]
+
+    at = next(
+        at
+        for at in range(2, len(ids) - 1)
+        if piece(at).strip()
+        and "\ufffd" not in piece(at)  # whole characters, after a prefix that stays as it is
+        and tokenizer.decode(ids[: at + 1]).startswith(tokenizer.decode(ids[:at]))
+        and tokenizer.decode(ids).find(piece(at)) == len(tokenizer.decode(ids[:at]))
+    )
+    stop = piece(at)
+    [past_min] = llm.generate(
+        PROMPT, greedy(stop=[stop], min_tokens=at, max_tokens=64), use_tqdm=False
+    )
+    assert past_min.outputs[0].finish_reason == "stop"
+    assert len(past_min.outputs[0].token_ids) == at + 1
+    [at_min] = llm.generate(
+        PROMPT, greedy(stop=[stop], min_tokens=at + 1, max_tokens=64), use_tqdm=False
+    )
+    assert len(at_min.outputs[0].token_ids) > at + 1  # token at + 1's text did not stop it
+
+
+def test_min_tokens_bans_eos_under_ignore_eos_too(llm):
+    """vLLM's min_tokens masks every EOS id, ignore_eos or not: with EOS pushed far above
+    everything, the first min_tokens tokens are still not EOS (and later ones are)."""
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, min_tokens=4, logit_bias={eos: 100.0}
+    )
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    tokens = list(output.outputs[0].token_ids)
+    assert eos not in tokens[:4] and tokens[4:] == [eos, eos]
+
+
+def test_an_eos_id_other_than_the_tokenizers_reports_itself(engine_zoo, llm, plain, tmp_path):
+    """generation_config's extra EOS ids are vLLM's stop_token_ids: the stop_reason is the id;
+    the tokenizer's own EOS gives None."""
+    folder = tmp_path / "llama"
+    shutil.copytree(engine_zoo.folder("llama"), folder)
+    other = plain.token_ids[3]
+    write_tokenizer_files(folder, eos_token_id=[2, other])
+    two_eos = LLM(str(folder), num_gpu_blocks=128, swap_space_gb=0.01, max_model_len=1024)
+    [output] = two_eos.generate(PROMPT, SamplingParams(temperature=0.0), use_tqdm=False)
+    sample = output.outputs[0]
+    assert sample.finish_reason == "stop" and sample.stop_reason == other
+    assert list(sample.token_ids) == list(plain.token_ids[: plain.token_ids.index(other) + 1])
+    biased = SamplingParams(temperature=0.0, logit_bias={2: 100.0})
+    [own] = two_eos.generate(PROMPT, biased, use_tqdm=False)
+    assert list(own.outputs[0].token_ids) == [2] and own.outputs[0].stop_reason is None

@@ -341,7 +341,7 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes(client, model_name: str) ->
     token_bytes = [bytes(entry.bytes) for entry in entries]
     assert any(b"\xef\xbf\xbd" not in b and _partial(b) for b in token_bytes)  # the hard case
     joined = b"".join(token_bytes).decode("utf-8", errors="replace")
-    assert joined == chat.choices[0].message.content
+    assert joined.rstrip("\ufffd") == chat.choices[0].message.content  # less a cut character
     for entry in entries:
         for alt in entry.top_logprobs:
             assert bytes(alt.bytes).decode("utf-8", errors="replace") == alt.token or _partial(

@@ -265,7 +265,8 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(
     choice = client.completions.create(**args).choices[0]
     assert choice.prompt_token_ids == expected_prompt
     assert len(choice.token_ids) == 6
-    assert hf_tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    text = hf_tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+    assert text.rstrip("\ufffd") == choice.text  # less a last character left incomplete
     chunks = list(client.completions.create(**args, stream=True))
     # Fields vLLM sends only where they are set (the openai client keeps them as extras).
     prompts = [

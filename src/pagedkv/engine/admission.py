@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from pagedkv.engine.errors import (
     EmptyPrompt,
+    InvalidCacheSalt,
+    InvalidPriority,
     InvalidTokenId,
     PromptTooLong,
     RequestTooLarge,
@@ -70,6 +72,14 @@ def truncate(token_ids: list[int], params: SamplingParams, max_model_len: int) -
     if keep == -1:
         keep = max_model_len - 1
     return token_ids[-keep:]
+
+
+def check_keys(priority: object, cache_salt: object) -> None:
+    """A request's priority is an int, and its cache_salt None or a non-empty str."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidPriority(priority)
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidCacheSalt(cache_salt)
 
 
 def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) -> int:

@@ -51,11 +51,12 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
-        """Text held back so far (an incomplete character decodes as U+FFFD)."""
+        """Text held back so far, less a character its tokens left incomplete (vLLM's
+        detokenizers never emit it; decoded, it would be U+FFFD)."""
         prefix_text, new_text = self._decode_window()
         self._prefix_offset = self._read_offset
         self._read_offset = self._num_fed
-        return new_text[len(prefix_text) :]
+        return new_text[len(prefix_text) :].rstrip("\ufffd")
 
     def _decode_window(self) -> tuple[str, str]:
         decode = self._tokenizer.decode

@@ -21,6 +21,7 @@ import torch
 from pagedkv.engine.admission import (
     Limits,
     bad_words_token_ids,
+    check_keys,
     check_request,
     max_model_len,
     tokenize,
@@ -29,7 +30,7 @@ from pagedkv.engine.admission import (
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams, BeamState
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.engine.errors import DuplicateRequest, InvalidCacheSalt, InvalidPriority, StepFailed
+from pagedkv.engine.errors import DuplicateRequest, StepFailed
 from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.invariance import invariance_line
 from pagedkv.engine.lora import LoRACatalog, LoRARequest, lora_cache_salt
@@ -96,11 +97,8 @@ class Engine:
                 quantization=args.quantization,
             )
         # One KV cache config, handed whole to the cache tensors and to the manager.
-        cache = self.ranks.kv_budget(
-            args.pool_request(self.max_model_len),
-            loaded.model,
-            None if draft is None else draft.model,
-        )
+        draft_net = None if draft is None else draft.model
+        cache = self.ranks.kv_budget(args.pool_request(self.max_model_len), loaded.model, draft_net)
         self.kv_cache = kv_pool(loaded.model, cache)
         # What blocks store (auto resolved: float32, bfloat16, fp8_e4m3...) and their bytes.
         self.kv_cache_dtype = cache.kv_dtype_name
@@ -165,10 +163,8 @@ class Engine:
             file=sys.stderr,
         )
         print(cache.describe(self.max_model_len), file=sys.stderr)
-        print(
-            invariance_line(self.device, args.tensor_parallel_size, args.resolved_dtype),
-            file=sys.stderr,
-        )
+        invariance = invariance_line(self.device, args.tensor_parallel_size, args.resolved_dtype)
+        print(invariance, file=sys.stderr)
         if speculative is not None:
             print(f"speculative decoding: {speculative.describe()}", file=sys.stderr)
         phases = {**loaded.seconds, "KV pool": pool_seconds}
@@ -192,7 +188,8 @@ class Engine:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
 
         `arrival_time` (time.monotonic, default: now) is when the request reached the caller,
-        e.g. the HTTP server, so its latencies include the caller's own queueing.
+        e.g. the HTTP server, so its latencies include the caller's own queueing. Prefix-cache
+        blocks are shared only between requests with the same `cache_salt` (and adapter).
 
         `priority` orders requests under `scheduling_policy="priority"` (lower runs first);
         under "fcfs" it must be 0. The request keeps a checked copy of `params` as they are now
@@ -213,10 +210,7 @@ class Engine:
         # Reusing the id of an aborted request whose abort is not yet reported: the caller
         # has moved on, and reporting it now would end the new request under the same id.
         self._aborted.pop(request_id, None)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidPriority(priority)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidCacheSalt(cache_salt)
+        check_keys(priority, cache_salt)
         lora_id, lora_blocks = self.loras.resolve(lora_request)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
@@ -241,6 +235,7 @@ class Engine:
             bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
             grammar=grammar,
             eos_token_ids=self._eos_token_ids,
+            eos_token_id=self.tokenizer.eos_token_id,
             lora_id=lora_id,
             lora_blocks=lora_blocks,
         )

@@ -10,15 +10,18 @@ later changes to the caller's object do not reach the queued request.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.structured.params import StructuredOutputsParams
 
-# Temperatures below this are treated as greedy: dividing logits by a near-zero number
-# overflows to inf and turns sampling into NaNs.
-GREEDY_TEMPERATURE = 1e-5
+logger = logging.getLogger(__name__)
+
+# A temperature above 0 is raised to at least this, as vLLM raises it: dividing logits by a
+# near-zero number overflows to inf and turns sampling into NaNs.
+MIN_TEMPERATURE = 1e-2
 MAX_N = 1024
 
 
@@ -58,6 +61,14 @@ class SamplingParams:
         self.stop_token_ids = _id_list("stop_token_ids", self.stop_token_ids or [])
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
         _check_number("temperature", self.temperature, minimum=0.0)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s, where logits / temperature overflow: raised to it "
+                "(vLLM's rule)",
+                self.temperature,
+                MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
         _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
         if self.top_p <= 0.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -77,6 +88,8 @@ class SamplingParams:
             )
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
+        if self.seed == -1:  # vLLM's: no seed
+            self.seed = None
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
         for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs caps them
@@ -109,7 +122,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when the most likely token is always taken (temperature 0)."""
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.temperature == 0.0
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

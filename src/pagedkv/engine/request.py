@@ -119,8 +119,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Samples 1..n-1 until the prompt is computed; then forked from sample 0 and emptied.
     forks: list[Sequence] = field(default_factory=list)
-    # The tokenizer's end-of-sequence ids (a sample stops on one unless params.ignore_eos).
+    # The model's end-of-sequence ids (a sample stops on one unless params.ignore_eos), and
+    # the tokenizer's own among them: stopping on another (generation_config's) reports it as
+    # the stop_reason, as vLLM's stop_token_ids do.
     eos_token_ids: frozenset[int] = frozenset()
+    eos_token_id: int | None = None
     # params.bad_words as token sequences (tokenized once, when the request is added).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # With params.prompt_logprobs: one entry per prompt token scored so far (the first is

@@ -6,7 +6,7 @@ settings, never over the vocabulary. The order is vLLM's: the structured-output 
 bad word's last token masked where the output ends with the rest of it), logit_bias (added),
 penalties (repetition on prompt and output, presence and frequency on output), min_tokens
 (stop tokens masked), then greedy rows take the argmax while the others are scaled by
-temperature and filtered by top_k, top_p and min_p before sampling.
+temperature and filtered by min_p, top_k and top_p before sampling.
 
 Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which picks token `i`
 with probability `probs[i]`. A request with a seed draws its noise from its own generator, so
@@ -52,7 +52,7 @@ class SamplingRow:
 
     params: SamplingParams
     num_output_tokens: int
-    stop_token_ids: Sequence[int]  # eos ids (unless ignore_eos) + stop_token_ids
+    stop_token_ids: Sequence[int]  # stop_token_ids + eos ids: what min_tokens masks
     generator: torch.Generator | None
     counts: TokenCounts | None = None  # kept when the params use penalties
     output_tail: Sequence[int] = ()  # the last output tokens, as many as bad words need
@@ -69,9 +69,9 @@ def sampling_row(
 ) -> SamplingRow:
     """The row of one sample about to draw a token; with speculative decoding, the row after
     the drafts `kept` (as if the sample had sampled them), verifying `draft_token_id`."""
+    # What min_tokens bans: every stop id and EOS id, even under ignore_eos (vLLM's rule).
     stop_ids = list(request.params.stop_token_ids or [])
-    if not request.params.ignore_eos:
-        stop_ids += [t for t in sorted(request.eos_token_ids) if t not in stop_ids]
+    stop_ids += [t for t in sorted(request.eos_token_ids) if t not in stop_ids]
     num_output = seq.num_output_tokens + len(kept)
     # Bad words compare only the output's last tokens, as many as the longest word's prefix.
     tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, num_output)
@@ -114,10 +114,12 @@ class Sampler:
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of float32 `logits [len(rows), vocab]`."""
+        constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
+        if constrained:  # logprobs are over what the grammar allows, as vLLM's
+            logits = logits.clone()
+            apply_grammar_masks(logits, constrained, [rows[i].grammar for i in constrained])
         raw_logits = logits
         logits = logits.clone()
-        constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
-        apply_grammar_masks(logits, constrained, [rows[i].grammar for i in constrained])
         _apply_allowed_token_ids(logits, rows)
         _apply_bad_words(logits, rows)
         _apply_logit_bias(logits, rows)
@@ -253,13 +255,24 @@ def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generato
 
 
 def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Probabilities after top_k, top_p and min_p, each applied only where it is set."""
+    """Probabilities after min_p, top_k and top_p (vLLM's order), each applied only to the
+    rows that set it: a row's filter never depends on what else is in the batch.
+
+    min_p drops tokens below `min_p` times the most likely one's probability; top_k keeps the
+    k most likely of the rest; top_p, over what is left renormalised, drops every token whose
+    more likely tokens already reach p (vLLM's `cumsum ascending <= 1 - p`)."""
     vocab = logits.shape[-1]
+    device = logits.device
+    min_p = [row.params.min_p for row in rows]
+    if max(min_p) > 0.0:
+        probs = logits.softmax(dim=-1)
+        floor = torch.tensor(min_p, device=device)[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     # A top_k beyond the vocabulary keeps every token (vLLM accepts any value); clamping it
     # keeps one request's value from failing the shared `topk` of the whole step.
     top_k = [min(row.params.top_k, vocab) if row.params.top_k > 0 else vocab for row in rows]
     if min(top_k) < vocab:
-        k = torch.tensor(top_k, device=logits.device)
+        k = torch.tensor(top_k, device=device)
         kth = logits.topk(max(top_k), dim=-1).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top_p = [row.params.top_p for row in rows]
@@ -267,20 +280,17 @@ def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = mass_before > torch.tensor(top_p, device=logits.device)[:, None]
+        p = torch.tensor(top_p, device=device)[:, None]
+        drop = (mass_before >= p) & (p < 1.0)  # a row without top_p keeps even rounding's tail
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    min_p = [row.params.min_p for row in rows]
-    if max(min_p) > 0.0:
-        floor = torch.tensor(min_p, device=logits.device)[:, None] * probs.amax(-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
+    return logits.softmax(dim=-1)
 
 
 def _logprobs(
     logits: Tensor, chosen: Tensor, rows: Sequence[SamplingRow]
 ) -> list[tuple[float, int, list[int], list[float]] | None]:
-    """Logprobs of the model's own distribution (before penalties and temperature), as vLLM."""
+    """Logprobs of the model's own distribution (before penalties and temperature; under a
+    grammar, over the tokens it allows), as vLLM's."""
     wanted = [index for index, row in enumerate(rows) if row.params.logprobs is not None]
     result: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(rows)
     if not wanted:
@@ -301,7 +311,7 @@ def token_logprobs(
     clamped to it). Used for sampled tokens and, with the prompt's tokens, prompt logprobs."""
     logprobs = logits.log_softmax(dim=-1)
     chosen_logprobs = logprobs.gather(1, chosen[:, None])
-    ranks = ((logprobs > chosen_logprobs).sum(dim=-1) + 1).tolist()
+    ranks = (logprobs >= chosen_logprobs).sum(dim=-1).tolist()  # vLLM's: ties rank above
     counts = [min(count, logits.shape[-1]) for count in counts]
     max_k = max(counts, default=0)
     top = logprobs.topk(max_k, dim=-1) if max_k else None

@@ -2,12 +2,15 @@
 
 Checked after every sampled token, in vLLM's order: nothing stops a sample before
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
-ends it without adding that token's text (with `include_stop_str_in_output`, with it, as vLLM's
+ends it (its stop_reason the id, but None for the tokenizer's own EOS) without adding that
+token's text (with `include_stop_str_in_output`, with it, as vLLM's
 detokenizer does); then a stop string found in the text ends it with the text cut just before
 the string, or just after it with `include_stop_str_in_output` (the search covers the tail
 where a string split across tokens can complete); then a structured output's grammar that is
-complete (it would allow only EOS: vLLM's finished FSM); then `max_tokens` (which the engine
-cut to the room the context leaves).
+complete (it would allow only EOS: vLLM's finished FSM; before min_tokens too, since nothing
+else could be sampled); then `max_tokens` (which the engine cut to the room the context
+leaves). A token the grammar refuses (the request's other constraints masked everything it
+allows) ends the sample first, with finish_reason "abort" and without its text.
 While stop strings are set and excluded from the output, the last `len(longest) - 1`
 characters are held back from streaming, since they may still turn out to be the start of a
 stop string. (With the string included nothing is held back: all text up to its end is
@@ -16,9 +19,13 @@ output, and it completes in the newest token's text, past everything already han
 
 from __future__ import annotations
 
+import logging
+
 from pagedkv.engine.outputs import CompletionOutput
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.sched.output import SampledToken
+
+logger = logging.getLogger(__name__)
 
 
 def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
@@ -27,24 +34,40 @@ def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
     A sequence without a detokenizer (the simulator's) makes no text, so no stop string ends it.
     """
     params = request.params
+    if seq.grammar is not None and seq.grammar.failed:
+        # Nothing the grammar allows was left to sample (or llguidance failed): the token is
+        # outside the constraint, so the sample ends there, not as a success.
+        logger.warning(
+            "request %s: no token its structured output allows could be sampled (the "
+            "constraints exclude each other); the sample ends with finish_reason 'abort'",
+            request.request_id,
+        )
+        _finish(seq, "abort", None)
+        return
     may_stop = seq.num_output_tokens >= params.min_tokens
     stop_id = may_stop and token_id in params.stop_token_ids
     if stop_id or (may_stop and not params.ignore_eos and token_id in request.eos_token_ids):
         if params.include_stop_str_in_output and seq.detokenizer is not None:
             seq.text += seq.detokenizer.advance()
-        _finish(seq, "stop", token_id if stop_id else None)
+        # An end-of-sequence id other than the tokenizer's own reports itself (vLLM's rule).
+        other_eos = request.eos_token_id not in (None, token_id)
+        _finish(seq, "stop", token_id if stop_id or other_eos else None)
         return
     previous_length = len(seq.text)
     if seq.detokenizer is not None:
         seq.text += seq.detokenizer.advance()
-    if may_stop and params.stop_strings and len(seq.text) > previous_length:
+    # vLLM's: a stop string must end in the text of a token past the first min_tokens.
+    past_min = seq.num_output_tokens > params.min_tokens
+    if past_min and params.stop_strings and len(seq.text) > previous_length:
         _find_stop_string(
             seq, params.stop_strings, previous_length, params.include_stop_str_in_output
         )
         if seq.finished:
             return
-    if may_stop and seq.grammar is not None and seq.grammar.finished:
-        _finish(seq, "stop", None)  # the grammar is complete: it would allow only EOS now
+    if seq.grammar is not None and seq.grammar.finished:
+        # The grammar is complete: it would allow only EOS now, which min_tokens would mask,
+        # leaving nothing to sample; the constraint wins over min_tokens.
+        _finish(seq, "stop", None)
         return
     if seq.num_output_tokens >= request.max_tokens:
         _finish(seq, "length", None)
@@ -129,7 +152,8 @@ def _find_stop_string(
 
 
 def _finish(seq: Sequence, reason: str, stop_reason: int | None) -> None:
-    """End the sample; text held back for an incomplete character is added as it decodes."""
+    """End the sample; text held back for an incomplete character is added, less that
+    character."""
     if seq.detokenizer is not None:
         seq.text += seq.detokenizer.flush()
     seq.finish_reason = reason  # type: ignore[assignment]
