@@ -307,6 +307,12 @@ def test_a_keyword_llguidance_cannot_hold_to_is_refused_naming_it(engine_zoo, ke
         engine.add_request("r", [5, 6], constrained(1, json=schema))
 
 
+def test_a_required_list_of_non_names_is_a_clear_error(engine_zoo):
+    schema = {"type": "object", "properties": {"a": {}}, "required": [["a"]]}
+    with pytest.raises(InvalidStructuredOutput, match="required"):
+        make_engine(engine_zoo).add_request("r", [5, 6], constrained(1, json=schema))
+
+
 def test_a_schema_nested_past_the_stack_is_a_clear_error(engine_zoo):
     depth = 2000
     text = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth

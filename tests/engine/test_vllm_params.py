@@ -265,6 +265,10 @@ def test_a_stop_string_counts_only_past_min_tokens(llm):
         PROMPT, greedy(stop=[stop], min_tokens=at + 1, max_tokens=64), use_tqdm=False
     )
     assert len(at_min.outputs[0].token_ids) > at + 1  # token at + 1's text did not stop it
+    # Nor may a longer stop string's wider search reach back to that occurrence later.
+    longer = greedy(stop=[stop, "\x00" * 16], min_tokens=at + 1, max_tokens=64)
+    [with_longer] = llm.generate(PROMPT, longer, use_tqdm=False)
+    assert with_longer.outputs[0].token_ids == at_min.outputs[0].token_ids
 
 
 def test_min_tokens_bans_eos_under_ignore_eos_too(llm):

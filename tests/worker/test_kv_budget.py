@@ -96,3 +96,19 @@ def test_an_engine_sized_by_bytes_holds_that_many_blocks(zoo, per_block):
     assert engine.kv_cache.cache.nbytes == 40 * per_block
     with pytest.raises(KVCacheTooSmallForModel, match="holds no block"):
         Engine(replace(args, kv_cache_memory=per_block - 1))
+
+
+@pytest.mark.parametrize("host_ranks", [1, 2])
+def test_cpu_pools_above_70_percent_of_the_host_are_refused_counting_every_rank(
+    zoo, monkeypatch, host_ranks
+):
+    """vLLM's rule (swap space times the ranks on the node): 0.4 GiB a rank fits a 1 GiB host
+    alone (0.4 <= 0.7) but not twice (0.8 > 0.7)."""
+    monkeypatch.setattr(kv_budget_module, "_physical_host_memory", lambda: GIB)
+    request = replace(DEFAULTS, num_gpu_blocks=4, swap_space_gb=0.3, kv_offloading_size=0.1)
+    request = replace(request, host_ranks=host_ranks)
+    if host_ranks == 1:
+        assert kv_budget(request, zoo.ours("llama")).num_cpu_blocks > 0
+        return
+    with pytest.raises(ValueError, match=r"on each of 2 ranks, more than 70% of this host's 1\.00"):
+        kv_budget(request, zoo.ours("llama"))

@@ -223,6 +223,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offloading_size=self.kv_offloading_size,
+            host_ranks=self.tensor_parallel_size,
         )
 
     def load_spec(self) -> LoadSpec:

@@ -137,12 +137,11 @@ def _find_stop_string(
     seq: Sequence, stop_strings: tuple[str, ...], previous_length: int, include: bool
 ) -> None:
     """Cut the text before (or after, to `include` it) the earliest stop string that ends in
-    the new text."""
-    longest = max(len(s) for s in stop_strings)
-    search_from = max(0, previous_length - longest + 1)
+    the new text (each searched from where it could first end there, as vLLM's: an
+    occurrence that ended in older text, inside min_tokens, does not count)."""
     best: tuple[int, str] | None = None
     for stop in stop_strings:
-        position = seq.text.find(stop, search_from)
+        position = seq.text.find(stop, max(0, previous_length - len(stop) + 1))
         if position != -1 and (best is None or position < best[0]):
             best = (position, stop)
     if best is not None:

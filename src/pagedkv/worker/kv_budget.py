@@ -99,7 +99,7 @@ def kv_budget(
     per_block = spec.bytes_per_block(block_size) + draft_per_block
     num_cpu_blocks = int(request.swap_space_gb * GIB) // per_block
     num_offload_blocks = int(request.kv_offloading_size * GIB) // per_block
-    _check_host_pool((num_cpu_blocks + num_offload_blocks) * per_block)
+    _check_host_pool((num_cpu_blocks + num_offload_blocks) * per_block, request.host_ranks)
 
     def config(num_gpu_blocks: int) -> KVCacheConfig:
         return KVCacheConfig(
@@ -198,14 +198,16 @@ def _profile_activations(
     return peak
 
 
-def _check_host_pool(num_bytes: int) -> None:
-    """Refuse CPU pools (swap space and host tier together) above `HOST_POOL_SHARE` of the
-    host's physical memory, before anything is allocated: a clear error, not an allocator's."""
+def _check_host_pool(num_bytes: int, ranks: int) -> None:
+    """Refuse CPU pools (swap space and host tier together, once per rank on this host) above
+    `HOST_POOL_SHARE` of the host's physical memory, before anything is allocated: a clear
+    error, not an allocator's."""
     total = _physical_host_memory()
-    if num_bytes > HOST_POOL_SHARE * total:
+    if num_bytes * ranks > HOST_POOL_SHARE * total:
+        each = f" on each of {ranks} ranks" if ranks > 1 else ""
         raise HostPoolTooLarge(
             f"swap_space_gb and kv_offloading_size ask for {num_bytes / GIB:.2f} GiB of host "
-            f"memory, more than {HOST_POOL_SHARE:.0%} of this host's {total / GIB:.2f} GiB"
+            f"memory{each}, more than {HOST_POOL_SHARE:.0%} of this host's {total / GIB:.2f} GiB"
         )
 
 

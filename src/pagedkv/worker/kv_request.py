@@ -26,3 +26,5 @@ class PoolRequest:
     max_model_len: int
     kv_cache_dtype: str = "auto"
     kv_offloading_size: float = 0.0
+    # Processes on this host that each allocate these CPU pools (the tensor-parallel ranks).
+    host_ranks: int = 1

@@ -120,7 +120,7 @@ def _closed(schema: Any) -> Any:
         isinstance(properties, dict)
         and not any(key in schema for key in _OPEN_KEYS)
         and isinstance(required, list)
-        and set(required) <= set(properties)
+        and all(isinstance(name, str) and name in properties for name in required)
     ):
         closed["additionalProperties"] = False
     return closed
