@@ -342,6 +342,16 @@ def test_continuous_usage_stats_count_each_choice_and_need_include_usage(
     assert chunks[-1].usage.prompt_tokens == sum(lengths)
     alone = client.completions.create(**args, stream_options={"continuous_usage_stats": True})
     assert all(chunk.usage is None for chunk in alone)
+    chat = list(
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=3,
+            stream=True, extra_body=IGNORE_EOS,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    assert all(chunk.usage is not None for chunk in chat)
+    opening = [chunk for chunk in chat if chunk.choices and chunk.choices[0].delta.role]
+    assert len(opening) == 2 and all(chunk.usage.completion_tokens == 0 for chunk in opening)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(

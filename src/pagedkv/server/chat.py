@@ -124,7 +124,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
     def _opening(self) -> list[str]:
         """A role-only delta per choice, as OpenAI's streams begin (with `echo`, the last
         message's content in it); with return_token_ids the first also carries the prompt's
-        token ids, as vLLM's does."""
+        token ids, and with continuous usage each its usage (no tokens yet), as vLLM's do."""
         prompt_ids = self.generation.prompts[0] if self.request.return_token_ids else None
         return [
             self._chunk(
@@ -133,6 +133,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
                         index=index, delta=ChatDelta(role="assistant", content=self.echoed)
                     )
                 ],
+                usage=self._choice_usage(index) if self._usage_in_every_chunk else None,
                 prompt_token_ids=prompt_ids if index == 0 else None,
             )
             for index in range(self.request.n)

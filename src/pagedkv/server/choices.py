@@ -85,16 +85,13 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
             for event in self._opening():
                 yield event
             options = self.request.stream_options
-            every_chunk = (
-                options is not None and options.include_usage and options.continuous_usage_stats
-            )
             async for delta in self.generation.deltas():
                 output = delta.output
                 if not (output.text or output.token_ids or output.finish_reason):
                     continue
                 choice = self._chunk_choice(delta, self._update(delta))
                 if choice is not None:
-                    usage = self._choice_usage(delta.index) if every_chunk else None
+                    usage = self._choice_usage(delta.index) if self._usage_in_every_chunk else None
                     yield self._chunk([choice], usage=usage)
             if options is not None and options.include_usage:
                 yield self._chunk([], usage=self.generation.usage())
@@ -110,10 +107,16 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         choice.fold(delta.output)
         return self._logprobs(choice, delta.output)
 
+    @property
+    def _usage_in_every_chunk(self) -> bool:
+        """vLLM's `continuous_usage_stats` (with include_usage): each chunk has its usage."""
+        options = self.request.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
+
     def _choice_usage(self, index: int) -> Usage:
         """vLLM's continuous usage: choice `index`'s own prompt and its tokens so far."""
         prompt = len(self.generation.prompts[index // self.generation.n])
-        completion = len(self.choices[index].token_ids)
+        completion = len(self.choices[index].token_ids) if index in self.choices else 0
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
