@@ -235,6 +235,51 @@ def test_llm_beam_search_takes_the_adapter_where_vllm_does(engine_zoo, adapters)
     assert_same_beams(output.sequences, prompt, expected)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("policy", "mode"), [("fcfs", "recompute"), ("priority", "swap")])
+def test_a_waiting_request_pins_no_adapter(engine_zoo, adapters, policy, mode):
+    """Two adapters cannot both stay resident beside one request at full length, though each
+    request fits beside its own: a preempted or not-yet-fitting request must let go of its
+    adapter, or the request ahead of it can never make room and nothing runs again (the
+    engine stalled before). Every request finishes, each with its adapter's greedy tokens."""
+    loras = [
+        LoRARequest(kind, index, str(adapters[("llama", kind)]))
+        for index, kind in enumerate(["all", "attention"], 1)
+    ]
+    probe = make_engine(engine_zoo, "llama", enable_lora=True)
+    small = min(probe.loras.resolve(lora)[1] for lora in loras)
+    large = max(probe.loras.resolve(lora)[1] for lora in loras)
+    spare = 3
+    needed = spare + 1 + small // 2  # blocks of one request at full length
+    engine = make_engine(
+        engine_zoo,
+        "llama",
+        enable_lora=True,
+        max_loras=2,
+        num_gpu_blocks=small + large + spare,
+        block_size=16,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        scheduling_policy=policy,
+    )
+    prompts = [random_prompt(20, seed=index) for index in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=needed * 16 - 20, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, params, lora_request=loras[index % 2])
+    tokens: dict[str, list[int]] = {}
+    for _ in range(20 * params.max_tokens):
+        if not engine.has_unfinished():
+            break
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+        engine.manager.check_invariants()
+    assert not engine.has_unfinished(), "the engine stalled"
+    for index, prompt in enumerate(prompts):
+        assert len(tokens[str(index)]) == params.max_tokens
+        folder = Path(loras[index % 2].lora_path)
+        assert_greedy(engine_zoo, "llama", folder, prompt, tokens[str(index)][:8])
+
+
 def test_bad_adapters_are_clear_errors_and_touch_nothing(engine_zoo, adapters, tmp_path):
     engine = make_engine(engine_zoo, "llama", enable_lora=True, max_lora_rank=8)
     engine.add_request("running", random_prompt(10, seed=1), GREEDY)

@@ -107,9 +107,7 @@ class Scheduler:
                 queue.remove(request)
         for seq in request.sequences:
             self.free_sequence(seq)
-        if request.holds_adapter and self.adapters is not None:
-            self.adapters.release(request.lora_id)
-            request.holds_adapter = False
+        self._release_adapter(request)
         request.status = RequestStatus.FINISHED
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -263,8 +261,12 @@ class Scheduler:
         step.output.chunks.extend(chunks)
 
     def _try_resume(self, request: Request, step: _Step) -> bool:
-        """Swap a request back in if its blocks and this step's tokens fit; schedule it."""
+        """Swap a request back in if its adapter, its blocks and this step's tokens fit;
+        schedule it."""
+        if not self._hold_adapter(request):
+            return False
         if not self._fits(request, step):
+            self._release_adapter(request)  # only a running request pins its adapter
             return False
         for seq in request.live_sequences:
             step.output.plan.extend(self.manager.swap_in(seq.seq_id))
@@ -274,12 +276,10 @@ class Scheduler:
     def _try_admit(self, request: Request, step: _Step) -> bool:
         """Allocate a waiting request's blocks (and load its adapter) if they fit with the
         watermark; schedule it."""
-        if request.lora_id and not request.holds_adapter:
-            assert self.adapters is not None, "the engine adds LoRA requests with adapters on"
-            if self.adapters.acquire(request.lora_id, request.lora_blocks) is None:
-                return False
-            request.holds_adapter = True
+        if not self._hold_adapter(request):
+            return False
         if not self._fits(request, step):
+            self._release_adapter(request)  # only a running request pins its adapter
             return False
         allocations: list[Allocation] = []
         for seq in request.live_sequences:
@@ -297,6 +297,7 @@ class Scheduler:
                 for done, made in zip(request.live_sequences, allocations, strict=False):
                     step.output.plan.extend(made.plan)
                     self.free_sequence(done)
+                self._release_adapter(request)
                 return False
             seq.num_computed = allocation.num_cached
             allocations.append(allocation)
@@ -379,11 +380,32 @@ class Scheduler:
             lora_id=request.lora_id,
         )
 
+    def _hold_adapter(self, request: Request) -> bool:
+        """Take a reference on the request's adapter (loading it if it is not resident);
+        False if the pool has no room for it now. Only running requests hold one: a waiting
+        or swapped request that pinned an adapter could keep the request ahead of it from
+        ever loading its own."""
+        if request.lora_id and not request.holds_adapter:
+            assert self.adapters is not None, "the engine adds LoRA requests with adapters on"
+            if self.adapters.acquire(request.lora_id, request.lora_blocks) is None:
+                return False
+            request.holds_adapter = True
+        return True
+
+    def _release_adapter(self, request: Request) -> None:
+        """Drop the request's reference on its adapter: it stays resident, idle, until the
+        pool needs its blocks."""
+        if request.holds_adapter and self.adapters is not None:
+            self.adapters.release(request.lora_id)
+            request.holds_adapter = False
+
     def _preempt(self, request: Request, step: _Step) -> None:
-        """Move the request's blocks to the CPU pool, or free them to be recomputed."""
+        """Move the request's blocks to the CPU pool, or free them to be recomputed; either
+        way it lets go of its adapter (it takes it again when it runs)."""
         seqs = request.live_sequences
         self.running.remove(request)
         self._unschedule(request, step)
+        self._release_adapter(request)
         for seq in seqs:  # its drafts are dropped: their slots go back before anything moves
             self.drafts.forget(seq, give_back=True)
         cpu_needed = sum(len(self.manager.block_table(seq.seq_id)) for seq in seqs)
