@@ -84,6 +84,12 @@ BAD_CHATS = [
         "logprobs",
         id="top-logprobs-alone",
     ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
+        "top_logprobs",
+        "at most 20",
+        id="top-logprobs-50",
+    ),
 ]
 
 

@@ -75,7 +75,12 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
-    await generation.start([prompt], params, request.priority, cache_salt=request.cache_salt)
+    try:
+        await generation.start([prompt], params, request.priority, cache_salt=request.cache_salt)
+    except APIError as error:
+        if error.info.param == "logprobs":  # chat asks its count as top_logprobs
+            error.info.param = "top_logprobs"
+        raise
     completion = _ChatCompletion(context, request, generation)
     last = request.messages[-1]
     if request.echo and last.role == "assistant":  # vLLM's: only a message of the reply's role
