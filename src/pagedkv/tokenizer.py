@@ -208,7 +208,7 @@ def _template_message(message: object) -> dict[str, Any]:
     if content is None:
         rendered["content"] = ""
     elif not isinstance(content, str):
-        if isinstance(content, Mapping) or not isinstance(content, Sequence):
+        if not isinstance(content, Sequence):  # (a dict is not one)
             raise ValueError(
                 "a message's content must be a string or a list of text parts, got "
                 f"{content!r:.100}"

@@ -130,7 +130,7 @@ class LLM:
         (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
         `lora_request` is as `generate`'s.
         """
-        if not _is_list(messages):
+        if not _is_sequence(messages):
             raise TypeError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of "
                 f"such lists, got {type(messages).__name__}"
@@ -246,7 +246,8 @@ def _as_prompt(prompt: object) -> Prompt:
 
 
 def _is_sequence(value: object) -> bool:
-    """A list or tuple of token ids; text and bytes are sequences too, but not of ids."""
+    """A list or tuple (of token ids, prompts, messages or params): text and bytes are
+    sequences too, but not of those; a dict is none."""
     return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 
 
@@ -264,7 +265,7 @@ def _params_per_prompt(
         return [SamplingParams() for _ in range(num_prompts)]
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    if not _is_list(sampling_params):
+    if not _is_sequence(sampling_params):
         raise TypeError(
             f"sampling_params must be a SamplingParams or a list of them, got "
             f"{type(sampling_params).__name__}"
@@ -274,12 +275,6 @@ def _params_per_prompt(
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
     return listed
-
-
-def _is_list(value: object) -> bool:
-    """Whether `value` is a list-like sequence: not a string, and not one dict standing where a
-    list of them belongs."""
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, Mapping))
 
 
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:

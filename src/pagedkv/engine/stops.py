@@ -3,10 +3,10 @@
 Checked after every sampled token, in vLLM's order: nothing stops a sample before
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
 ends it (its stop_reason the id, but None for the tokenizer's own EOS) without adding that
-token's text (with `include_stop_str_in_output`, with it, as vLLM's
-detokenizer does); then a stop string found in the text ends it with the text cut just before
-the string, or just after it with `include_stop_str_in_output` (the search covers the tail
-where a string split across tokens can complete); then a structured output's grammar that is
+token's text (with `include_stop_str_in_output`, with it, as vLLM's detokenizer does); then a
+stop string found in the text ends it with the text cut just before the string, or just after
+it with `include_stop_str_in_output` (the search covers the tail where a string split across
+tokens can complete); then a structured output's grammar that is
 complete (it would allow only EOS: vLLM's finished FSM; before min_tokens too, since nothing
 else could be sampled); then `max_tokens` (which the engine cut to the room the context
 leaves). A token the grammar refuses (the request's other constraints masked everything it
