@@ -41,8 +41,8 @@ LAYOUTS = [
     for with_mins in (False, True)
     for half in (False, True)
 ]
-# Batch sizes: 0, every remainder of the kernel's 4-row tiles, and past its tile of rows that
-# share the cache (clamp(16384 / cols, 4, 64) rows).
+# Batch sizes: 0, every remainder of the kernel's 4-row tiles (8-row on AVX-512), and past its
+# tile of rows that share the cache (clamp(16384 / cols, 4, 64) rows).
 BATCHES = [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 33, 70, 200]
 
 
@@ -226,9 +226,12 @@ def check_product(batch: int, rows: int, cols: int, layout, with_bias: bool, see
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_every_batch_size_and_layout(kernels, layout, with_bias):
     """Every layout, with and without bias, at every batch size of BATCHES: every tile
-    remainder (rows 7: a partial group of 8 columns; batches 1-8: row tiles of 1-4)."""
+    remainder (batches 1-9: row tiles of 1-8). Rows 7 x cols 96: a partial group of 8 columns,
+    tail groups only; rows 17 x cols 320: two whole groups of 8 columns (the paired columns and
+    the 8-column tail path of AVX-512 builds) and one more, a whole block of 8 groups and tails."""
     for batch in BATCHES:
-        check_product(batch, rows=7, cols=96, layout=layout, with_bias=with_bias, seed=batch)
+        for rows, cols in ((7, 96), (17, 320)):
+            check_product(batch, rows, cols, layout=layout, with_bias=with_bias, seed=batch)
 
 
 @settings(deadline=None, max_examples=40, derandomize=True)
