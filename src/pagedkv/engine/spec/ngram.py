@@ -6,8 +6,11 @@ that occurs earlier in the sequence wins; of its occurrences, the first; the dra
 to `k` tokens that followed it. Input-grounded text (a quoted or corrected passage) repeats the
 prompt's own runs of tokens, which is why this costs no model and is often right.
 
-Each search is one vectorised comparison of every window of the sequence with its suffix
-(numpy over the record's own buffer, no copy): microseconds for thousands of tokens.
+Every step of every drafting sample searches its whole sequence, so the search reads it once:
+the earlier positions holding the last token are the only places an n-gram can end, and each
+is extended backwards while it goes on matching, the few that still do at a time (numpy over
+the record's own buffer, no copy). Comparing every window for every n instead read the
+sequence up to 9 times: 0.5 ms a sample at 8k tokens, 2 ms at 32k, each step.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(token_ids: array, min_n: int, max_n: int, k: int) -> list[int]:
@@ -23,11 +25,17 @@ def propose_ngram(token_ids: array, min_n: int, max_n: int, k: int) -> list[int]
     `min_n..max_n` tokens occurs earlier in it."""
     tokens = np.frombuffer(token_ids, dtype=np.int64)
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows that end before the last token: each has at least one token after it.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        matches = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if len(matches):
-            start = int(matches[0]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    longest = min(max_n, length - 1)  # an earlier occurrence ends before the last token
+    if longest < min_n:
+        return []
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])  # where a match can end
+    matched = np.ones(len(ends), dtype=np.int64)  # each end's match length so far
+    for back in range(1, longest):
+        going = np.flatnonzero((matched == back) & (ends >= back))
+        if not len(going):
+            break
+        matched[going] += tokens[ends[going] - back] == tokens[length - 1 - back]
+    if not len(ends) or matched.max() < min_n:
+        return []
+    end = int(ends[np.argmax(matched == matched.max())])  # the first of the longest
+    return tokens[end + 1 : end + 1 + k].tolist()
