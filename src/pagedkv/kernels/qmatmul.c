@@ -552,67 +552,55 @@ INLINE __m256i tail_dots8(const TailColumns *t, const int8_t *a, int bits) {
 #define PAIRED_COLUMNS 0
 #endif
 
-/* block_lanes with its row count, layout and scale width as constants, one copy per case. */
+/* CALL(R, H, BITS, G) with the row count `rows`, the scale width `half` and the layout (`bits`,
+ * `g`) as constants, one copy per case, then return. */
+#define LAYOUT(CALL, R, H)                                                                     \
+    if (bits == 4)                                                                             \
+        CALL(R, H, 4, 32)                                                                      \
+    else if (g == 32)                                                                          \
+        CALL(R, H, 8, 32)                                                                      \
+    else                                                                                       \
+        CALL(R, H, 8, 16)
+#define CASE(CALL, R)                                                                          \
+    if (rows == R) {                                                                           \
+        if (half) {                                                                            \
+            LAYOUT(CALL, R, 1)                                                                 \
+        } else {                                                                               \
+            LAYOUT(CALL, R, 0)                                                                 \
+        }                                                                                      \
+        return;                                                                                \
+    }
+#if ROWS == 8
+#define SPECIALISED(CALL)                                                                      \
+    CASE(CALL, 4) CASE(CALL, 1) CASE(CALL, 2) CASE(CALL, 3)                                    \
+    CASE(CALL, 8) CASE(CALL, 5) CASE(CALL, 6) CASE(CALL, 7)
+#else
+#define SPECIALISED(CALL) CASE(CALL, 4) CASE(CALL, 1) CASE(CALL, 2) CASE(CALL, 3)
+#endif
+
+/* block_lanes, specialised. */
 static void block_lanes_any(const uint8_t *w, const void *ws, const void *wmin, int half,
                             const int8_t *a, const float *xs, const float *xsum,
                             const int32_t *xisum, int bits, int64_t g, int64_t k, int64_t blocks,
                             int has_mins, int rows, float lanes[ROWS][8]) {
-#define LAYOUT(R, H)                                                                          \
-    if (bits == 4)                                                                            \
-        block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, 4, 32, k, blocks, has_mins, R, lanes); \
-    else if (g == 32)                                                                         \
-        block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, 8, 32, k, blocks, has_mins, R, lanes); \
-    else                                                                                      \
-        block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, 8, 16, k, blocks, has_mins, R, lanes);
-#define CASE(R)                                                                               \
-    if (rows == R) {                                                                          \
-        if (half) {                                                                           \
-            LAYOUT(R, 1)                                                                      \
-        } else {                                                                              \
-            LAYOUT(R, 0)                                                                      \
-        }                                                                                     \
-        return;                                                                               \
-    }
-    CASE(4) CASE(1) CASE(2) CASE(3)
-#if ROWS == 8
-    CASE(8) CASE(5) CASE(6) CASE(7)
-#endif
-#undef CASE
-#undef LAYOUT
+#define CALL(R, H, BITS, G)                                                                    \
+    block_lanes(w, ws, wmin, H, a, xs, xsum, xisum, BITS, G, k, blocks, has_mins, R, lanes);
+    SPECIALISED(CALL)
+#undef CALL
 }
 
 #if PAIRED_COLUMNS
-/* block_lanes_pair with its row count, layout and scale width as constants. */
+/* block_lanes_pair, specialised. */
 static void block_lanes_pair_any(const uint8_t *w, const void *ws, const void *wmin, int half,
                                  const int8_t *a, const float *xs, const float *xsum,
                                  const int32_t *xisum, int bits, int64_t g, int64_t k,
                                  int64_t blocks, int has_mins, int rows, float lanes0[ROWS][8],
                                  float lanes1[ROWS][8]) {
-#define LAYOUT(R, H)                                                                           \
-    if (bits == 4)                                                                             \
-        block_lanes_pair(w, ws, wmin, H, a, xs, xsum, xisum, 4, 32, k, blocks, has_mins, R,   \
-                         lanes0, lanes1);                                                      \
-    else if (g == 32)                                                                          \
-        block_lanes_pair(w, ws, wmin, H, a, xs, xsum, xisum, 8, 32, k, blocks, has_mins, R,   \
-                         lanes0, lanes1);                                                      \
-    else                                                                                       \
-        block_lanes_pair(w, ws, wmin, H, a, xs, xsum, xisum, 8, 16, k, blocks, has_mins, R,   \
-                         lanes0, lanes1);
-#define CASE(R)                                                                                \
-    if (rows == R) {                                                                           \
-        if (half) {                                                                            \
-            LAYOUT(R, 1)                                                                       \
-        } else {                                                                               \
-            LAYOUT(R, 0)                                                                       \
-        }                                                                                      \
-        return;                                                                                \
-    }
-    CASE(4) CASE(1) CASE(2) CASE(3)
-#if ROWS == 8
-    CASE(8) CASE(5) CASE(6) CASE(7)
-#endif
-#undef CASE
-#undef LAYOUT
+#define CALL(R, H, BITS, G)                                                                    \
+    block_lanes_pair(w, ws, wmin, H, a, xs, xsum, xisum, BITS, G, k, blocks, has_mins, R,     \
+                     lanes0, lanes1);
+    SPECIALISED(CALL)
+#undef CALL
 }
 #endif
 
