@@ -23,7 +23,7 @@ from pagedkv.bench.results import EngineFigures, RunResult
 from pagedkv.bench.systems import SYSTEM_TITLES, SYSTEMS, BenchConfig, Systems
 from pagedkv.bench.workloads import WORKLOADS, make_workload
 from pagedkv.engine import EngineArgs
-from pagedkv.model.errors import ModelError
+from pagedkv.engine.errors import STARTUP_ERRORS
 from pagedkv.worker.threads import physical_cores
 
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = _config(args, systems)
-    except (ValueError, ModelError, OSError) as error:  # a bad flag or model: one line
+    except STARTUP_ERRORS as error:  # a bad flag or model: one line
         print(f"pagedkv bench: {error}", file=sys.stderr)
         return 2
     report = run_benchmark(config)
@@ -140,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
-    """The benchmark's model, workloads and engine from the flags; a ValueError, ModelError
-    or OSError names a bad one."""
+    """The benchmark's model, workloads and engine from the flags; one of STARTUP_ERRORS
+    names a bad one."""
     model, folder, label = _models(args.model, args.seed)
     vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
     workloads = []

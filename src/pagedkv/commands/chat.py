@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, then answer each line read until the input ends."""
     from pagedkv.commands.sampling_args import sampling_params_from_args
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.model.errors import ModelError
+    from pagedkv.engine.errors import STARTUP_ERRORS
 
     try:
         params = sampling_params_from_args(args)
         engine = Engine(EngineArgs.from_cli_args(args))
-    except (ValueError, ModelError, OSError) as error:
+    except STARTUP_ERRORS as error:
         print(f"pagedkv chat: {error}", file=sys.stderr)
         return 2
     if engine.tokenizer.chat_template is None:

@@ -46,13 +46,13 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv.commands.serving_demo import run_serving_demo
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.model.errors import ModelError
+    from pagedkv.engine.errors import STARTUP_ERRORS
 
     console = Console()
     try:
         console.print(f"Loading {args.model} ...")
         engine = Engine(EngineArgs.from_cli_args(args))
         return run_serving_demo(engine, args.max_tokens, args.temperature, console)
-    except (ValueError, ModelError, OSError) as error:
+    except STARTUP_ERRORS as error:
         print(f"pagedkv demo: {error}", file=sys.stderr)
         return 2

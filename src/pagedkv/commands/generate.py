@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, stream the completion, report speed on stderr."""
     from pagedkv.commands.sampling_args import sampling_params_from_args
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.model.errors import ModelError
+    from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
 
     engine = loaded = None
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 engine_args.num_gpu_blocks = blocks_for_request(engine_args, prompt, params, loaded)
             engine = Engine(engine_args, loaded=loaded)
         engine.add_request("cli", prompt, params)
-    except (ValueError, ModelError, OSError) as error:
+    except STARTUP_ERRORS as error:
         if engine is not None:
             engine.shutdown()
         print(f"pagedkv generate: {error}", file=sys.stderr)

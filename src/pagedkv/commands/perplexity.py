@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pagedkv.engine.args import EngineArgs
-    from pagedkv.model.errors import ModelError
+    from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
     from pagedkv.worker.threads import physical_cores
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             quantization=engine_args.quantization,
             progress=lambda line: print(line, file=sys.stderr),
         )
-    except (ValueError, ModelError, OSError) as error:
+    except STARTUP_ERRORS as error:
         print(f"pagedkv perplexity: {error}", file=sys.stderr)
         return 2
     try:

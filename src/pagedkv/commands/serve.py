@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.model.errors import ModelError
+    from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.server import build_app, build_server
     from pagedkv.server.errors import APIError
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = Engine(EngineArgs.from_cli_args(args))
-    except (ValueError, ModelError, OSError) as error:  # a bad flag or model: one line
+    except STARTUP_ERRORS as error:
         print(f"pagedkv serve: error: {error}", file=sys.stderr)
         return 2
     try:

@@ -2,9 +2,16 @@
 
 All derive from `RequestRejected`, a `ValueError`, so a server maps every one to HTTP 400.
 A rejected request is never queued: the other requests are unaffected.
+
+`STARTUP_ERRORS` are what building an engine raises for a bad flag, model name or file; each
+command prints one as a single line.
 """
 
 from __future__ import annotations
+
+from pagedkv.model.errors import ModelError
+
+STARTUP_ERRORS = (ValueError, ModelError, OSError)
 
 
 class RequestRejected(ValueError):
