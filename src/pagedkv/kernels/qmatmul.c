@@ -267,6 +267,19 @@ INLINE __m256 scales8_strided(const void *p, int64_t at, int64_t stride, int hal
                          scale_at(p, at + stride, half), scale_at(p, at, half));
 }
 
+/* Ask for a column's weight bytes PREFETCH_VALUES past whole block `b`, and every 64 bytes of
+ * its scales (and mins) PREFETCH_SCALES past the block's: see PREFETCH_VALUES. */
+INLINE void prefetch_block(const uint8_t *w, const void *ws, const void *wmin, int has_mins,
+                           int64_t b, int64_t block_bytes, int64_t scale_bytes) {
+    for (int64_t at = 0; at < block_bytes; at += 64)
+        _mm_prefetch((const char *)w + b * block_bytes + PREFETCH_VALUES + at, _MM_HINT_T0);
+    if (8 * b * scale_bytes % 64 == 0) {
+        _mm_prefetch((const char *)ws + 8 * b * scale_bytes + PREFETCH_SCALES, _MM_HINT_T0);
+        if (has_mins)
+            _mm_prefetch((const char *)wmin + 8 * b * scale_bytes + PREFETCH_SCALES, _MM_HINT_T0);
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* A whole block's weights as its integer products take them, two 32-byte vectors to a 64-byte
  * one (vector t holds vectors 2t and 2t + 1 of the 256-bit form): 4 bits, nibbles (values
@@ -368,14 +381,7 @@ INLINE void block_lanes(const uint8_t *w, const void *ws, const void *wmin, int 
     int64_t scale_bytes = half ? 2 : 4;
     for (int64_t b = 0; b < blocks; b++) {
         Unpacked wv;
-        for (int64_t at = 0; at < block_bytes; at += 64)
-            _mm_prefetch((const char *)w + b * block_bytes + PREFETCH_VALUES + at, _MM_HINT_T0);
-        if (8 * b * scale_bytes % 64 == 0) {
-            _mm_prefetch((const char *)ws + 8 * b * scale_bytes + PREFETCH_SCALES, _MM_HINT_T0);
-            if (has_mins)
-                _mm_prefetch((const char *)wmin + 8 * b * scale_bytes + PREFETCH_SCALES,
-                             _MM_HINT_T0);
-        }
+        prefetch_block(w, ws, wmin, has_mins, b, block_bytes, scale_bytes);
         unpack_block(w + b * block_bytes, bits, g, &wv);
         __m256 scale = scales8(ws, 8 * b, half);
         __m256 wm = has_mins ? scales8(wmin, 8 * b, half) : _mm256_setzero_ps();
@@ -435,19 +441,8 @@ INLINE void block_lanes_pair(const uint8_t *w, const void *ws, const void *wmin,
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         Unpacked wv0, wv1;
-        for (int64_t at = 0; at < block_bytes; at += 64) {
-            _mm_prefetch((const char *)w + b * block_bytes + PREFETCH_VALUES + at, _MM_HINT_T0);
-            _mm_prefetch((const char *)w1 + b * block_bytes + PREFETCH_VALUES + at, _MM_HINT_T0);
-        }
-        if (8 * b * scale_bytes % 64 == 0) {
-            _mm_prefetch((const char *)ws + 8 * b * scale_bytes + PREFETCH_SCALES, _MM_HINT_T0);
-            _mm_prefetch(ws1 + 8 * b * scale_bytes + PREFETCH_SCALES, _MM_HINT_T0);
-            if (has_mins) {
-                _mm_prefetch((const char *)wmin + 8 * b * scale_bytes + PREFETCH_SCALES,
-                             _MM_HINT_T0);
-                _mm_prefetch(wmin1 + 8 * b * scale_bytes + PREFETCH_SCALES, _MM_HINT_T0);
-            }
-        }
+        prefetch_block(w, ws, wmin, has_mins, b, block_bytes, scale_bytes);
+        prefetch_block(w1, ws1, wmin1, has_mins, b, block_bytes, scale_bytes);
         unpack_block(w + b * block_bytes, bits, g, &wv0);
         unpack_block(w1 + b * block_bytes, bits, g, &wv1);
         __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(scales8(ws, 8 * b, half)),
