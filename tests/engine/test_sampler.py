@@ -243,3 +243,30 @@ def test_vllms_seed_and_temperature_conventions():
     assert SamplingParams(seed=-1).seed is None  # no seed
     assert SamplingParams(temperature=1e-4).temperature == 0.01  # raised, not greedy
     assert not SamplingParams(temperature=1e-4).greedy and SamplingParams(temperature=0).greedy
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(-3, 3), min_size=300, max_size=300), st.integers(0, 305)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_top_logprobs_list_ties_by_token_id_whatever_the_other_rows_ask(rows):
+    """Logits of a few levels, so most values tie: each row's top entries are its largest
+    log-softmax values, equal values by token id (a plain-Python sort of the row, the oracle),
+    the same alone as beside rows asking for more or fewer."""
+    logits = torch.tensor([values for values, _ in rows], dtype=torch.float32) / 4
+    counts = [count for _, count in rows]
+    chosen = torch.zeros(len(rows), dtype=torch.long)
+    entries = token_logprobs(logits, chosen, counts)
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    for index, (values, count) in enumerate(rows):
+        expected = log_softmax[index].tolist()
+        ranked = sorted(range(len(values)), key=lambda token_id: (-expected[token_id], token_id))
+        _, _, top_ids, top_values = entries[index]
+        assert top_ids == ranked[:count]
+        assert top_values == [expected[token_id] for token_id in ranked[:count]]
+        alone = token_logprobs(logits[index : index + 1], chosen[:1], [count])
+        assert alone[0][2:] == (top_ids, top_values)

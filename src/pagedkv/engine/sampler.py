@@ -308,18 +308,47 @@ def token_logprobs(
 ) -> list[tuple[float, int, list[int], list[float]]]:
     """Per row: the chosen token's logprob and rank (1: the most likely), and the row's
     `counts[i]` most likely tokens with their logprobs (a count above the vocabulary is
-    clamped to it). Used for sampled tokens and, with the prompt's tokens, prompt logprobs."""
+    clamped to it; `most_likely`). Used for sampled tokens and, with the prompt's tokens,
+    prompt logprobs."""
     logprobs = logits.log_softmax(dim=-1)
     chosen_logprobs = logprobs.gather(1, chosen[:, None])
     ranks = (logprobs >= chosen_logprobs).sum(dim=-1).tolist()  # vLLM's: ties rank above
     counts = [min(count, logits.shape[-1]) for count in counts]
-    max_k = max(counts, default=0)
-    top = logprobs.topk(max_k, dim=-1) if max_k else None
-    top_ids = top.indices.tolist() if top is not None else [[] for _ in counts]
-    top_values = top.values.tolist() if top is not None else [[] for _ in counts]
+    top_ids, top_values = most_likely(logprobs, counts)
     return [
         (chosen_logprob, rank, ids[:k], values[:k])
         for chosen_logprob, rank, ids, values, k in zip(
             chosen_logprobs[:, 0].tolist(), ranks, top_ids, top_values, counts, strict=True
         )
     ]
+
+
+def most_likely(
+    logprobs: Tensor, counts: Sequence[int]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Per row, its `counts[i]` (at most the vocabulary) largest values and their token ids,
+    largest first, equal values by token id (the lower first).
+
+    `topk` alone leaves the order of equal values, and which of them make the cut, to its
+    algorithm, which depends on k and on the rows beside: a row's entries would change with
+    what the rest of its step asks for (float16 and bfloat16 models tie often). So the order
+    is fixed here: topk's k-th value bounds each row, and only a row with more tokens at or
+    above it than it asks for (a tie across the cut) lists them all to choose from.
+    """
+    max_k = max(counts, default=0)
+    if not max_k:
+        return [[] for _ in counts], [[] for _ in counts]
+    top = logprobs.topk(max_k, dim=-1)
+    cut = top.values.gather(1, torch.tensor([max(count, 1) - 1 for count in counts])[:, None])
+    at_or_above = (logprobs >= cut).sum(dim=-1).tolist()
+    all_ids, all_values = top.indices.tolist(), top.values.tolist()
+    result_ids, result_values = [], []
+    for row, count in enumerate(counts):
+        ids, values = all_ids[row][:count], all_values[row][:count]
+        if count and at_or_above[row] > count:
+            ids = (logprobs[row] >= cut[row]).nonzero()[:, 0].tolist()
+            values = logprobs[row, ids].tolist()
+        ranked = sorted(zip(values, ids, strict=True), key=lambda entry: (-entry[0], entry[1]))
+        result_ids.append([token_id for _, token_id in ranked[:count]])
+        result_values.append([value for value, _ in ranked[:count]])
+    return result_ids, result_values
