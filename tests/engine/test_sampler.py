@@ -11,9 +11,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.engine.outputs import RequestMetrics
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.penalties import TokenCounts
-from pagedkv.engine.sampler import Sampler, SamplingRow, _filtered_probs, token_logprobs
+from pagedkv.engine.request import Request, Sequence
+from pagedkv.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    _filtered_probs,
+    sampling_row,
+    token_logprobs,
+)
+from pagedkv.memory.tokens import SequenceTokens
 from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
 
@@ -270,3 +279,35 @@ def test_top_logprobs_list_ties_by_token_id_whatever_the_other_rows_ask(rows):
         assert top_values == [expected[token_id] for token_id in ranked[:count]]
         alone = token_logprobs(logits[index : index + 1], chosen[:1], [count])
         assert alone[0][2:] == (top_ids, top_values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    output=st.lists(st.integers(10, 19), max_size=6),
+    kept=st.lists(st.integers(20, 29), max_size=6),
+    word_lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+)
+def test_bad_words_see_the_output_and_the_drafts_kept_before_a_row(
+    prompt, output, kept, word_lengths
+):
+    """A row verifying a draft compares bad words with the sample's output followed by the
+    drafts before it: the last (longest word - 1) of those tokens, however short the prompt
+    (never a prompt token: the oracle builds the list and cuts it)."""
+    tokens = SequenceTokens(("r", 0), prompt)
+    tokens.extend(output)
+    seq = Sequence(("r", 0), 0, tokens, len(prompt))
+    request = Request(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=prompt,
+        params=SamplingParams(temperature=0.0, bad_words=["x"]),
+        max_tokens=16,
+        sequences=[seq],
+        metrics=RequestMetrics(arrival_time=0.0),
+        bad_words_token_ids=[[30] * length for length in word_lengths],
+    )
+    seen = [*output, *kept]
+    tail = max(word_lengths) - 1
+    expected = seen[max(0, len(seen) - tail) :] if tail else []
+    assert list(sampling_row(request, seq, kept).output_tail) == expected

@@ -76,8 +76,9 @@ def sampling_row(
     # Bad words compare only the output's last tokens, as many as the longest word's prefix.
     tail = min(max(map(len, request.bad_words_token_ids), default=1) - 1, num_output)
     output_tail: Sequence[int] = ()
-    if tail:
-        output_tail = [*seq.token_ids[len(seq.token_ids) - tail :], *kept][-tail:]
+    if tail:  # what the drafts kept leave to come from the sample's own output
+        from_output = max(0, tail - len(kept))
+        output_tail = [*seq.token_ids[len(seq.token_ids) - from_output :], *kept][-tail:]
     counts, grammar = seq.counts, seq.grammar
     if kept:
         counts = None if counts is None else counts.with_tokens(kept)
