@@ -9,7 +9,9 @@ first on the path:
 - `pagedkv bench --workload all --systems pagedkv` (tokens/s per workload);
 - `bench/peers.py --systems pagedkv` (batch tokens/s, batch-1 decode tokens/s);
 - prefill: prompts of `--prefill-len` tokens, one new token each, no prefix cache, one at a
-  time (prompt tokens / seconds).
+  time (prompt tokens / seconds);
+- sampling: 32 prompts at once, 96 new tokens each, greedy, at temperature 0.8, and at 0.8
+  with top_p 0.95 (generated tokens / seconds): what the sampler adds to a batch's step.
 
 Run: `git worktree add /tmp/before <commit>` then
 `python bench/before_after.py --before /tmp/before` (the built-in model, 2 rounds).
@@ -41,6 +43,21 @@ for prompt in prompts[1:]:
     llm.generate([prompt], params, use_tqdm=False)
 print(length * count / (time.perf_counter() - started))
 """
+
+SAMPLING = """
+import sys, time
+from pagedkv import LLM, SamplingParams
+llm = LLM(sys.argv[1], enable_prefix_caching=False, num_gpu_blocks=2048)
+prompts = [f"Write a short story about robot number {i}, who learns to paint." for i in range(32)]
+for temperature, top_p in ((0.0, 1.0), (0.8, 1.0), (0.8, 0.95)):
+    params = SamplingParams(max_tokens=96, ignore_eos=True, temperature=temperature, top_p=top_p)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    print(sum(len(output.outputs[0].token_ids) for output in outputs) / seconds)
+"""
+SAMPLED = ("greedy", "temperature 0.8", "temperature 0.8 top_p 0.95")
 
 
 def run(tree: Path, command: list[str]) -> str:
@@ -99,6 +116,9 @@ def figures(tree: Path, model: str, prefill_len: int) -> dict[str, float]:
         out["peers batch-1 request tok/s"] = peers["batch1_request_tokens_per_s"]["median"]
     prefill = run(tree, [sys.executable, "-c", PREFILL, str(prefill_len), "4"])
     out[f"prefill {prefill_len} tok/s"] = float(prefill.strip().splitlines()[-1])
+    sampled = run(tree, [sys.executable, "-c", SAMPLING, model]).strip().splitlines()[-3:]
+    for name, figure in zip(SAMPLED, sampled, strict=True):
+        out[f"32 seqs {name} tok/s"] = float(figure)
     return out
 
 
@@ -117,11 +137,11 @@ def main() -> None:
         for label in order:
             results[label].append(figures(trees[label], args.model, args.prefill_len))
             print(f"  round {round_index + 1} {label}: {results[label][-1]}", flush=True)
-    print(f"\n{'figure':32} {'before':>10} {'after':>10} {'after/before':>13}")
+    print(f"\n{'figure':42} {'before':>10} {'after':>10} {'after/before':>13}")
     for name in results["after"][0]:
         before = statistics.median(r[name] for r in results["before"])
         after = statistics.median(r[name] for r in results["after"])
-        print(f"{name:32} {before:10.1f} {after:10.1f} {after / before:12.2f}x")
+        print(f"{name:42} {before:10.1f} {after:10.1f} {after / before:12.2f}x")
     print(f"load average (1 min) after: {os.getloadavg()[0]:.2f}")
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine.outputs import RequestMetrics
@@ -19,6 +19,7 @@ from pagedkv.engine.sampler import (
     Sampler,
     SamplingRow,
     _filtered_probs,
+    _nucleus,
     sampling_row,
     token_logprobs,
 )
@@ -279,6 +280,53 @@ def test_top_logprobs_list_ties_by_token_id_whatever_the_other_rows_ask(rows):
         assert top_values == [expected[token_id] for token_id in ranked[:count]]
         alone = token_logprobs(logits[index : index + 1], chosen[:1], [count])
         assert alone[0][2:] == (top_ids, top_values)
+
+
+def oracle_nucleus(probs: list[float], top_p: float) -> set[int]:
+    """top_p's tokens from the definition: by probability, equal ones by token id, each kept
+    while those before it hold less than p (summed in float64)."""
+    mass, kept = 0.0, set()
+    for token_id in sorted(range(len(probs)), key=lambda token_id: (-probs[token_id], token_id)):
+        if mass >= top_p:
+            break
+        assume(abs(mass - top_p) > 1e-5)  # a sum at p itself would hinge on rounding
+        kept.add(token_id)
+        mass += probs[token_id]
+    return kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 2**31 - 1),  # which token gets which level
+            st.integers(1, 6),  # levels: few, so that most probabilities tie
+            st.sampled_from([0.0, 0.3, 2.0, 9.0]),  # logit gap between levels
+            st.sampled_from([0.05, 0.3, 0.55, 0.8, 0.97]),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_top_p_keeps_the_nucleus_by_probability_then_token_id(rows):
+    """Over 1,500 tokens (more than the candidates top_p looks among first), with levels from
+    flat to one far above the rest: the kept tokens are the definition's, each row's the same
+    alone as beside the others."""
+    vocab = 1500
+    logits = torch.stack(
+        [
+            torch.randint(levels, (vocab,), generator=torch.Generator().manual_seed(seed)) * gap
+            for seed, levels, gap, _ in rows
+        ]
+    ).float()
+    top_p = torch.tensor([p for *_, p in rows])
+    kept = _nucleus(logits, top_p)
+    for index, (*_, p) in enumerate(rows):
+        probs = logits[index : index + 1].softmax(dim=-1)[0].tolist()
+        assert set(kept[index].nonzero()[:, 0].tolist()) == oracle_nucleus(probs, p)
+        assert torch.equal(
+            _nucleus(logits[index : index + 1], top_p[index : index + 1])[0], kept[index]
+        )
 
 
 @settings(max_examples=300, deadline=None)
