@@ -95,9 +95,12 @@ def test_a_rows_filters_do_not_depend_on_the_other_rows():
     logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(5)) * 4
     plain = row(SamplingParams(temperature=1.0), vocab=50_000)
     filtered = row(SamplingParams(temperature=1.0, top_p=0.7, top_k=50, min_p=0.01), vocab=50_000)
+    given = logits.clone()
     alone = _filtered_probs(logits[:1], [plain])
     batched = _filtered_probs(logits, [plain, filtered, filtered])
-    assert torch.equal(batched[0], alone[0])
+    nucleus_only = _filtered_probs(logits, [plain, row(SamplingParams(top_p=0.5)), plain])
+    assert torch.equal(logits, given)  # filtered into new tensors, the caller's left as it was
+    assert torch.equal(batched[0], alone[0]) and torch.equal(nucleus_only[0], alone[0])
     assert torch.equal(alone[0], logits[0].softmax(dim=-1))
 
 
@@ -258,15 +261,21 @@ def test_vllms_seed_and_temperature_conventions():
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.lists(st.integers(-3, 3), min_size=300, max_size=300), st.integers(0, 305)),
+        st.tuples(
+            st.lists(
+                st.sampled_from([-3, -2, -1, 0, 1, 2, 3, -math.inf]), min_size=300, max_size=300
+            ).filter(lambda values: max(values) > -math.inf),
+            st.integers(0, 305),
+        ),
         min_size=1,
         max_size=6,
     )
 )
 def test_top_logprobs_list_ties_by_token_id_whatever_the_other_rows_ask(rows):
-    """Logits of a few levels, so most values tie: each row's top entries are its largest
-    log-softmax values, equal values by token id (a plain-Python sort of the row, the oracle),
-    the same alone as beside rows asking for more or fewer."""
+    """Logits of a few levels, so most values tie, and masked tokens (-inf, as a grammar or
+    allowed_token_ids leaves them, often more than a row asks for): each row's top entries
+    are its largest log-softmax values, equal values by token id (a plain-Python sort of the
+    row, the oracle), the same alone as beside rows asking for more or fewer."""
     logits = torch.tensor([values for values, _ in rows], dtype=torch.float32) / 4
     counts = [count for _, count in rows]
     chosen = torch.zeros(len(rows), dtype=torch.long)
@@ -359,3 +368,18 @@ def test_bad_words_see_the_output_and_the_drafts_kept_before_a_row(
     tail = max(word_lengths) - 1
     expected = seen[max(0, len(seen) - tail) :] if tail else []
     assert list(sampling_row(request, seq, kept).output_tail) == expected
+
+
+@pytest.mark.slow
+def test_tokens_far_below_the_top_are_drawn_at_their_probability():
+    """One token of probability ~0.99 and 2^20 tokens of 1e-8 each (1% together): 2,000
+    draws take about 20 of them (Poisson; 8-36 holds with probability 0.999). A token of p
+    wins only when its Exp(1) noise is below about p, so noise on a coarse grid near 0
+    (-log U with U on float32's 2^-24 steps) draws them almost never (~0.3 of 2,000)."""
+    tail = 2**20
+    logits = torch.full((25, tail + 1), math.log(1e-8))
+    logits[:, 0] = math.log(1 - tail * 1e-8)
+    sampler = Sampler(seed=3)
+    rows = [row(SamplingParams(temperature=1.0), vocab=tail + 1)] * 25
+    drawn = sum(token_id != 0 for _ in range(80) for token_id in sampler(logits, rows).token_ids)
+    assert 8 <= drawn <= 36

@@ -247,11 +247,13 @@ def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generato
     per token the sample emits: its rows after one whose draft it refuses (rows whose tokens
     are never read) draw nothing from it, so the generator advances as in plain decoding.
 
-    Drawn as -log(U), U uniform on [2^-24, 1): torch's `exponential_` draws the same
-    distribution about 5x slower on the CPU (25 against 5 ms for 32 rows of a 49,152-token
-    vocabulary; a greedy step of 32 sequences takes ~45). U never reaches 0, so E is at most
-    16.6 (a draw of exponential_ is beyond that once in 2^24), and never 1, so E is never 0
-    (0 / 0 would be NaN, which argmax takes as the maximum)."""
+    Drawn as -log(U), U uniform on [2^-53, 1) in float64: torch's `exponential_` draws the same
+    distribution about 4x slower on the CPU (25 against 7 ms for 32 rows of a 49,152-token
+    vocabulary; a greedy step of 32 sequences takes ~45). Float64 because a token of
+    probability p wins only when its E is below about p: U on float32's 2^-24 grid near 1 would
+    make E's smallest values 6e-8 apart, and tokens below ~1e-7 would almost never be drawn.
+    E lies in [1.1e-16, 36.7]: never 0 (0 / 0 would be NaN, which argmax takes as the
+    maximum)."""
     noise = _exponential(torch.empty_like(probs), generator)
     refused: set[int] = set()  # the generators of samples that refused a draft this step
     for position, row in enumerate(rows):
@@ -266,7 +268,8 @@ def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generato
 
 def _exponential(out: Tensor, generator: torch.Generator) -> Tensor:
     """`out` filled with Exp(1) draws from `generator` (see `_noise`)."""
-    return out.uniform_(2.0**-24, 1.0, generator=generator).log_().neg_()
+    uniform = torch.empty(out.shape, dtype=torch.float64, device=out.device)
+    return out.copy_(uniform.uniform_(2.0**-53, 1.0, generator=generator).log_().neg_())
 
 
 def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
@@ -294,7 +297,8 @@ def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     if nucleus:  # a row without top_p keeps even rounding's tail
         index = torch.tensor(nucleus, device=device)
         top_p = torch.tensor([rows[i].params.top_p for i in nucleus], device=device)
-        logits[index] = logits[index].masked_fill(~_nucleus(logits[index], top_p), float("-inf"))
+        rows_kept = logits[index].masked_fill(~_nucleus(logits[index], top_p), float("-inf"))
+        logits = logits.index_put((index,), rows_kept)
     return logits.softmax(dim=-1)
 
 
@@ -375,23 +379,27 @@ def most_likely(
     `topk` alone leaves the order of equal values, and which of them make the cut, to its
     algorithm, which depends on k and on the rows beside: a row's entries would change with
     what the rest of its step asks for (float16 and bfloat16 models tie often). So the order
-    is fixed here: topk's k-th value bounds each row, and only a row with more tokens at or
-    above it than it asks for (a tie across the cut) lists them all to choose from.
+    is fixed here: topk's k-th value bounds each row, and a row with more tokens at or above it
+    than it asks for (a tie across the cut; every masked token, where fewer are allowed than
+    asked) takes the lowest ids of the tokens at it.
     """
     max_k = max(counts, default=0)
     if not max_k:
         return [[] for _ in counts], [[] for _ in counts]
     top = logprobs.topk(max_k, dim=-1)
-    cut = top.values.gather(1, torch.tensor([max(count, 1) - 1 for count in counts])[:, None])
+    last = torch.tensor([max(count, 1) - 1 for count in counts], device=logprobs.device)
+    cut = top.values.gather(1, last[:, None])
     at_or_above = (logprobs >= cut).sum(dim=-1).tolist()
     all_ids, all_values = top.indices.tolist(), top.values.tolist()
+    cuts = cut[:, 0].tolist()
     result_ids, result_values = [], []
     for row, count in enumerate(counts):
-        ids, values = all_ids[row][:count], all_values[row][:count]
-        if count and at_or_above[row] > count:
-            ids = (logprobs[row] >= cut[row]).nonzero()[:, 0].tolist()
-            values = logprobs[row, ids].tolist()
-        ranked = sorted(zip(values, ids, strict=True), key=lambda entry: (-entry[0], entry[1]))
-        result_ids.append([token_id for _, token_id in ranked[:count]])
-        result_values.append([value for value, _ in ranked[:count]])
+        entries = list(zip(all_values[row][:count], all_ids[row][:count], strict=True))
+        if count and at_or_above[row] > count:  # the cut splits a tie: the lowest ids of it
+            entries = [(value, token_id) for value, token_id in entries if value > cuts[row]]
+            tied = (logprobs[row] == cut[row]).nonzero()[: count - len(entries), 0].tolist()
+            entries += [(cuts[row], token_id) for token_id in tied]
+        entries.sort(key=lambda entry: (-entry[0], entry[1]))
+        result_ids.append([token_id for _, token_id in entries])
+        result_values.append([value for value, _ in entries])
     return result_ids, result_values
