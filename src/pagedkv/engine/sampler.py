@@ -362,12 +362,7 @@ def token_logprobs(
     ranks = (logprobs >= chosen_logprobs).sum(dim=-1).tolist()  # vLLM's: ties rank above
     counts = [min(count, logits.shape[-1]) for count in counts]
     top_ids, top_values = most_likely(logprobs, counts)
-    return [
-        (chosen_logprob, rank, ids[:k], values[:k])
-        for chosen_logprob, rank, ids, values, k in zip(
-            chosen_logprobs[:, 0].tolist(), ranks, top_ids, top_values, counts, strict=True
-        )
-    ]
+    return list(zip(chosen_logprobs[:, 0].tolist(), ranks, top_ids, top_values, strict=True))
 
 
 def most_likely(
