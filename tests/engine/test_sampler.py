@@ -95,11 +95,11 @@ def test_a_rows_filters_do_not_depend_on_the_other_rows():
     logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(5)) * 4
     plain = row(SamplingParams(temperature=1.0), vocab=50_000)
     filtered = row(SamplingParams(temperature=1.0, top_p=0.7, top_k=50, min_p=0.01), vocab=50_000)
-    given = logits.clone()
+    as_given = logits.clone()
     alone = _filtered_probs(logits[:1], [plain])
     batched = _filtered_probs(logits, [plain, filtered, filtered])
     nucleus_only = _filtered_probs(logits, [plain, row(SamplingParams(top_p=0.5)), plain])
-    assert torch.equal(logits, given)  # filtered into new tensors, the caller's left as it was
+    assert torch.equal(logits, as_given)  # filtered into new tensors, the caller's left as it was
     assert torch.equal(batched[0], alone[0]) and torch.equal(nucleus_only[0], alone[0])
     assert torch.equal(alone[0], logits[0].softmax(dim=-1))
 

@@ -297,8 +297,9 @@ def _filtered_probs(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     if nucleus:  # a row without top_p keeps even rounding's tail
         index = torch.tensor(nucleus, device=device)
         top_p = torch.tensor([rows[i].params.top_p for i in nucleus], device=device)
-        rows_kept = logits[index].masked_fill(~_nucleus(logits[index], top_p), float("-inf"))
-        logits = logits.index_put((index,), rows_kept)
+        selected = logits[index]
+        kept = selected.masked_fill(~_nucleus(selected, top_p), float("-inf"))
+        logits = logits.index_put((index,), kept)
     return logits.softmax(dim=-1)
 
 
