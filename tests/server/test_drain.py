@@ -96,7 +96,9 @@ def test_a_signal_drains_pagedkv_serve_which_exits_0(tiny_model: Path, sig: int)
     try:
         wait_until(lambda: answers_health(url, server))
         body = BODY | {"max_tokens": 900, "stream": True}
-        with httpx2.stream("POST", f"{url}/v1/completions", json=body) as stream:
+        with httpx2.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S
+        ) as stream:
             lines = (line for line in stream.iter_lines() if line.startswith("data: "))
             next(lines)  # generating: 899 tokens to go
             server.send_signal(sig)

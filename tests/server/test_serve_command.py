@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx2
 
 from pagedkv.cli import main
+from tests.server.conftest import HANG_GUARD_S
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -57,9 +58,13 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
     try:
         _wait_for_health(url, server)
         body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
-        assert httpx2.post(f"{url}/v1/completions", json=body).status_code == 401
+        refused = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
+        assert refused.status_code == 401
         response = httpx2.post(
-            f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer from-env"}
+            f"{url}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer from-env"},
+            timeout=HANG_GUARD_S,
         )
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 3
@@ -67,6 +72,7 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
             f"{url}/v1/completions",
             json={**body, "frobnicate": 1},
             headers={"Authorization": "Bearer from-env"},
+            timeout=HANG_GUARD_S,
         )
         assert unknown.status_code == 400
         assert unknown.json()["error"]["param"] == "frobnicate"

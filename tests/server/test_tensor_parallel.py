@@ -67,22 +67,34 @@ def test_serve_with_two_ranks_streams_the_one_rank_text_and_fails_health_when_a_
         assert stats["kv_bytes_per_block"] * 2 == single.engine.kv_bytes_per_block
         (worker,) = [pid for pid in children(server.pid) if b"spawn_main" in _cmdline(pid)]
         body = {"prompt": PROMPT, "max_tokens": 900, "stream": True, "ignore_eos": True}
-        with httpx2.stream("POST", f"{url}/v1/completions", json=body) as stream:
+        # A loaded machine may take seconds to notice the death; a hang is the collective
+        # timeout (120 s), which this guard still turns into a failure.
+        with httpx2.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S
+        ) as stream:
             lines = (line for line in stream.iter_lines() if line.startswith("data: "))
             next(lines)  # generating: the worker dies mid-request
             os.kill(worker, signal.SIGKILL)
             events = [line.removeprefix("data: ") for line in lines]
         assert "tensor-parallel rank 1 failed" in json.loads(events[-2])["error"]["message"]
-        wait_until(lambda: httpx2.get(f"{url}/health").status_code == 503, interval=0.2)
-        assert "tensor-parallel rank 1 failed" in httpx2.get(f"{url}/health").text
-        refused = httpx2.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        wait_until(lambda: _get(f"{url}/health").status_code == 503, interval=0.2)
+        assert "tensor-parallel rank 1 failed" in _get(f"{url}/health").text
+        refused = httpx2.post(
+            f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=HANG_GUARD_S
+        )
         assert refused.status_code == 503 and "rank 1" in refused.text
         server.send_signal(signal.SIGTERM)
         output = server.communicate(timeout=HANG_GUARD_S)[0].decode()
     finally:
         if server.poll() is None:
             server.kill()
+            print(server.communicate()[0].decode())  # shown with the failure, for diagnosis
     assert server.returncode == 0, output
+
+
+def _get(url: str) -> httpx2.Response:
+    """A GET that waits out a loaded machine (httpx's default read timeout is 5 s)."""
+    return httpx2.get(url, timeout=HANG_GUARD_S)
 
 
 def _cmdline(pid: int) -> bytes:
