@@ -311,22 +311,29 @@ def _nucleus(logits: Tensor, top_p: Tensor) -> Tensor:
     step for them (their 1,024 largest, 6 ms). A trained model's nucleus is mostly far smaller:
     the row's NUCLEUS_CANDIDATES most likely tokens (topk, then put in that order) decide it
     whenever their last is outside it and no token left out ties with its last member; only
-    the other rows are sorted whole. Both ways sum the same probabilities in the same order,
-    so a row's nucleus does not depend on which way, or on the rows beside it.
+    the other rows are sorted whole, and so is at once a row too flat for its candidates to
+    reach p (their sum is at most their count times its largest probability: random models,
+    high temperatures). Both ways sum the same probabilities in the same order, so a row's
+    nucleus does not depend on which way, or on the rows beside it.
     """
     probs = logits.softmax(dim=-1)
     p = top_p[:, None]
     kept = torch.zeros_like(probs, dtype=torch.bool)
-    values, ids = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
-    # In token id order first, so that the stable sort by probability leaves ties by id.
-    ids, by_id = ids.sort(dim=-1)
-    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, order)
-    inside = values.cumsum(dim=-1) - values < p
-    last = (inside.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-    decided = ~inside[:, -1] & (values.gather(1, last)[:, 0] > values[:, -1])
-    kept.scatter_(1, ids, inside & decided[:, None])
-    whole = (~decided).nonzero()[:, 0]
+    count = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    hopeful = probs.amax(dim=-1) * count >= top_p
+    whole = (~hopeful).nonzero()[:, 0]
+    if hopeful.any():
+        rows = hopeful.nonzero()[:, 0]
+        values, ids = (probs if len(whole) == 0 else probs[rows]).topk(count, dim=-1)
+        # In token id order first, so that the stable sort by probability leaves ties by id.
+        ids, by_id = ids.sort(dim=-1)
+        values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+        inside = values.cumsum(dim=-1) - values < p[rows]
+        last = (inside.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+        decided = ~inside[:, -1] & (values.gather(1, last)[:, 0] > values[:, -1])
+        kept[rows[:, None], ids] = inside  # an undecided row's is rewritten whole below
+        whole = torch.cat([whole, rows[~decided]])
     if len(whole):
         values, order = probs[whole].sort(dim=-1, descending=True, stable=True)
         inside = values.cumsum(dim=-1) - values < p[whole]
