@@ -5,6 +5,7 @@ alone (unconstrained neighbours, preemption) giving the same tokens."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import threading
@@ -330,18 +331,34 @@ def test_a_schema_nested_past_the_stack_is_a_clear_error(engine_zoo):
     [{"allowed_token_ids": [50, 51]}, {"bad_words": ["yes", "no"]}],
     ids=["allowed-ids", "bad-words"],
 )
-def test_constraints_that_exclude_each_other_end_the_sample_as_abort(llm, others):
+def test_constraints_that_exclude_each_other_end_the_sample_as_abort(llm, others, caplog):
     """Nothing the choice allows may be sampled: the sample ends with finish_reason "abort"
-    and no text outside the constraint, never as a successful "stop"."""
+    and no text outside the constraint, never as a successful "stop"; the log gives
+    llguidance's reason."""
     choice = StructuredOutputsParams(choice=["yes", "no"])
     for temperature in (0.0, 1.0):
         params = SamplingParams(
             temperature=temperature, seed=1, max_tokens=8, structured_outputs=choice, **others
         )
-        [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        with caplog.at_level(logging.WARNING, logger="pagedkv.engine.stops"):
+            [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
         sample = output.outputs[0]
         assert sample.finish_reason == "abort"
         assert any(c.startswith(sample.text) for c in choice.choice)  # a prefix, at most
+        assert "doesn't satisfy the grammar" in caplog.text
+
+
+def test_a_grammar_past_llguidances_row_limit_ends_the_sample_as_abort_naming_it(llm, caplog):
+    """A choice among 3,000 strings passes llguidance's 2,000 items in a parser row once its
+    first token is taken: the sample ends with "abort" (no text past the constraint) and the
+    log names the limit, not constraints that exclude each other."""
+    choice = StructuredOutputsParams(choice=[f"w{index}" for index in range(3000)])
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.engine.stops"):
+        [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "abort"
+    assert any(c.startswith(output.outputs[0].text) for c in choice.choice)
+    assert "max is 2000" in caplog.text
 
 
 def test_a_complete_grammar_ends_the_sample_before_min_tokens(llm):

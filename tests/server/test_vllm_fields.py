@@ -214,6 +214,19 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_first(
     assert streamed_tokens == logprobs.tokens
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_logprobs_cannot_stream(server, model_name: str, path: str) -> None:
+    """As vLLM: a stream has no place for them, so the request is a 400 naming the field."""
+    body = {"model": model_name, "max_tokens": 2, "prompt_logprobs": 1, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    response = post(server, path, body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_prompt_logprobs_is_vllms_extra_field(
     server, model_name: str, tiny_model, endpoint

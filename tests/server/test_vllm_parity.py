@@ -91,6 +91,49 @@ def test_echo_of_token_ids_decodes_them_with_their_special_tokens(
     assert "".join(chunk.choices[0].text for chunk in streamed) == choice.text
 
 
+@pytest.mark.parametrize(
+    ("prompt", "extra"),
+    [
+        (PROMPT, {"skip_special_tokens": False}),  # the BOS the tokenizer adds is not in it
+        ("</s> " + PROMPT + " <s>", {}),  # special tokens typed in the text are
+        ("</s> " + PROMPT, {"skip_special_tokens": False}),
+        (PROMPT, {"truncate_prompt_tokens": 5}),  # cut: the echo is the prompt that ran
+        ([1, 5, 2, 17, 40, 9, 11], {"truncate_prompt_tokens": 4}),
+    ],
+    ids=["bos", "typed-specials", "typed-specials-shown", "cut-text", "cut-ids"],
+)
+def test_echo_with_logprobs_puts_each_token_where_the_text_holds_it(
+    server: RunningServer, hf_tokenizer, prompt, extra
+) -> None:
+    """Every echoed prompt token's logprob entry is the text at its offset
+    (`text[offset:][:len(token)]`), and the echo is the prompt that ran: the text as given,
+    or once cut, its ids decoded as vLLM decodes a token-id prompt (special tokens too),
+    streamed or not. (Generated tokens are left out: a sample that ends inside a character
+    keeps its last bytes out of the text, as vLLM's, while their entries name them.)"""
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0.0}
+    body |= {"return_token_ids": True, **IGNORE_EOS, **extra}
+    [choice] = post(server, "/v1/completions", body).json()["choices"]
+    ran = choice["prompt_token_ids"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ran) + 3
+    prompt_entries = zip(logprobs["tokens"], logprobs["text_offset"][: len(ran)], strict=False)
+    for token, offset in prompt_entries:
+        assert choice["text"][offset : offset + len(token)] == token
+    if "truncate_prompt_tokens" in extra:
+        given = prompt if isinstance(prompt, list) else hf_tokenizer(prompt)["input_ids"]
+        assert ran == given[-extra["truncate_prompt_tokens"] :]
+        assert choice["text"].startswith(hf_tokenizer.decode(ran))
+    else:
+        assert choice["text"].startswith(prompt)
+    with server.http() as http:
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in http.post("/v1/completions", json=body | {"stream": True}).iter_lines()
+            if line.startswith("data: {")
+        ]
+    assert "".join(event["choices"][0]["text"] for event in events) == choice["text"]
+
+
 @pytest.mark.parametrize("seed", [2**63, 2**64 - 1, -(2**63) - 1])
 def test_a_seed_outside_int64_is_refused(server: RunningServer, seed: int) -> None:
     for path, body in (
@@ -313,6 +356,16 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(client, model_name:
     assert all(chunk.usage is not None for chunk in chunks)
     counts = [chunk.usage.completion_tokens for chunk in chunks]
     assert counts == sorted(counts) and counts[-1] == 6
+    echoed = list(
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=2, stream=True, echo=True, n=2,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=IGNORE_EOS,
+        )
+    )  # fmt: skip
+    assert all(chunk.usage is not None for chunk in echoed)
+    opening = [chunk for chunk in echoed if chunk.choices and chunk.choices[0].text == PROMPT]
+    assert len(opening) == 2 and all(chunk.usage.completion_tokens == 0 for chunk in opening)
 
 
 def test_continuous_usage_stats_count_each_choice_and_need_include_usage(

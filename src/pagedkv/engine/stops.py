@@ -38,9 +38,11 @@ def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
         # Nothing the grammar allows was left to sample (or llguidance failed): the token is
         # outside the constraint, so the sample ends there, not as a success.
         logger.warning(
-            "request %s: no token its structured output allows could be sampled (the "
-            "constraints exclude each other); the sample ends with finish_reason 'abort'",
+            "request %s: its structured output failed (%s): the request's other constraints "
+            "left no token it allows, or the grammar passed llguidance's limits; the sample "
+            "ends with finish_reason 'abort'",
             request.request_id,
+            seq.grammar.error,
         )
         _finish(seq, "abort", None)
         return

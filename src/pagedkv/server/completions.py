@@ -70,13 +70,32 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     generation = Generation(context.engine_loop, new_id("cmpl"), best_of, lora)
     await generation.start(prompts, params, request.priority, beams, request.cache_salt)
     completion = _Completion(context, request, generation)
-    if request.echo:  # a token-id prompt echoes as vLLM's `tokenizer.decode(ids)`: specials too
+    if request.echo:
+        completion.echoed_ids = await asyncio.to_thread(_echoed_as_ids, context, request, prompts)
         completion.echoed = [
-            p if isinstance(p, str) else context.tokenizer.decode(p, skip_special_tokens=False)
-            for p in request.prompts()
+            context.tokenizer.decode(ran, skip_special_tokens=False) if as_ids else given
+            for given, ran, as_ids in zip(
+                request.prompts(), prompts, completion.echoed_ids, strict=True
+            )
         ]
-        completion.echoed_ids = [not isinstance(p, str) for p in request.prompts()]
     return await completion.respond(raw)
+
+
+def _echoed_as_ids(
+    context: ServingContext, request: CompletionRequest, prompts: list[list[int]]
+) -> list[bool]:
+    """Per prompt, whether its echo is the ids that ran decoded (vLLM's `tokenizer.decode(ids)`,
+    special tokens too): a token-id prompt's, and a text prompt's that truncate_prompt_tokens
+    cut; the echo of any other text prompt is the text as given."""
+    return [
+        not isinstance(given, str)
+        or (
+            request.truncate_prompt_tokens is not None
+            and len(ran)
+            < len(context.tokenizer.encode(given, add_special_tokens=request.add_special_tokens))
+        )
+        for given, ran in zip(request.prompts(), prompts, strict=True)
+    ]
 
 
 def _check_unsupported(request: CompletionRequest) -> None:
@@ -188,7 +207,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
 
     choice_type = _Choice
     echoed: list[str] | None = None  # with `echo`: each prompt's text, prepended to its choices
-    echoed_ids: list[bool] | None = None  # per prompt: given as token ids (echoed with specials)
+    echoed_ids: list[bool] | None = None  # per prompt: echoed as its ids decoded (specials too)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -217,16 +236,19 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
         return prompt
 
     def _opening(self) -> list[str]:
-        """With `echo`, each choice's stream starts with its prompt's text (with logprobs too,
-        it comes with the choice's first tokens instead)."""
+        """With `echo`, each choice's stream starts with a chunk of its prompt's text (and
+        with continuous usage, its usage: no tokens yet); with logprobs too, the text comes
+        with the choice's first tokens instead."""
         if self.echoed is None or self._echo_logprobs:
             return []
         n = self.request.n
-        choices = [
-            CompletionChoice(index=index, text=self.echoed[index // n])
+        return [
+            self._chunk(
+                [CompletionChoice(index=index, text=self.echoed[index // n])],
+                usage=self._choice_usage(index) if self._usage_in_every_chunk else None,
+            )
             for index in range(len(self.echoed) * n)
         ]
-        return [self._chunk(choices)]
 
     def _logprobs(self, choice: _Choice, output: CompletionOutput) -> CompletionLogprobs | None:
         if self.request.logprobs is None:
@@ -238,17 +260,16 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
     ) -> CompletionLogprobs:
         """Positions in the legacy shape, also added to `choice`. Each position's own token is
         its first entry, and in its `top_logprobs` whatever k (vLLM's and OpenAI's k or k + 1
-        entries); a prompt's first token (None) has no logprob, only its text. An echoed
-        token-id `prompt` counts its special tokens' text, as its echo shows them."""
+        entries); a prompt's first token (None) has no logprob, only its text. Offsets count
+        a token's characters where the text holds it (`_shows`)."""
         k = self.request.logprobs or 0
         prompt_index = choice.index // self.generation.n
-        # A text prompt echoes as given: its special tokens (the BOS) add no text there.
-        specials = prompt and self.echoed_ids is not None and self.echoed_ids[prompt_index]
         logprobs = CompletionLogprobs()
         for position in positions:
             if position is None:  # the prompt's first token: nothing predicts it
                 token_id = self.prompt_ids[prompt_index][0]
-                text = self.context.tokenizer.decode([token_id], skip_special_tokens=not specials)
+                shown = self._shows(choice, token_id, prompt)
+                text = self.context.tokenizer.decode([token_id], skip_special_tokens=not shown)
                 chosen_logprob, top = None, None
             else:
                 token_id, chosen = next(iter(position.items()))
@@ -260,7 +281,10 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             logprobs.token_logprobs.append(chosen_logprob)
             logprobs.top_logprobs.append(top)
             logprobs.text_offset.append(choice.characters_begun())
-            choice.text_offset += len(choice.utf8.decode(self._text_bytes(token_id, specials)))
+            added = (
+                self.context.token_bytes(token_id) if self._shows(choice, token_id, prompt) else b""
+            )
+            choice.text_offset += len(choice.utf8.decode(added))
         if choice.logprobs is None:
             choice.logprobs = CompletionLogprobs()
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -341,11 +365,18 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
     def _echo(self, index: int) -> str:
         return "" if self.echoed is None else self.echoed[index // self.request.n]
 
-    def _text_bytes(self, token_id: int, specials: bool = False) -> bytes:
-        """The bytes a token adds to the choice's text: none for a special token skipped
-        (`skip_special_tokens`, unless `specials` says the text shows them)."""
-        token_bytes = self.context.token_bytes
-        skipped = not specials and self.request.skip_special_tokens
-        if skipped and token_id in token_bytes.special_ids:
-            return b""
-        return token_bytes(token_id)
+    def _shows(self, choice: _Choice, token_id: int, prompt: bool) -> bool:
+        """Whether the choice's text holds this token's text at the current offset. Only a
+        special token may be left out: from the output under `skip_special_tokens`; from an
+        echoed text prompt where the text as given does not hold it (the BOS the tokenizer
+        added); an echo of ids shows them all."""
+        if token_id not in self.context.token_bytes.special_ids:
+            return True
+        if not prompt:
+            return not self.request.skip_special_tokens
+        assert self.echoed is not None and self.echoed_ids is not None
+        prompt_index = choice.index // self.generation.n
+        special = self.context.token_bytes(token_id).decode("utf-8", "replace")
+        return self.echoed_ids[prompt_index] or self.echoed[prompt_index].startswith(
+            special, choice.text_offset
+        )

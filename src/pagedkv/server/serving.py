@@ -78,6 +78,10 @@ class ServingContext:
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options needs stream=true", param="stream_options")
+        if request.prompt_logprobs is not None and request.stream:  # vLLM refuses it too
+            raise APIError(
+                400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
+            )
         return request
 
     def check_model(self, requested: str | None) -> LoRARequest | None:

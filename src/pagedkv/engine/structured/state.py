@@ -62,3 +62,10 @@ class GrammarState:
         """True once a token the grammar refuses was taken (nothing it allows was left: e.g.
         allowed_token_ids or bad_words excluding all of it), or llguidance itself failed."""
         return self.matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        """Once `failed`, llguidance's reason (its first line): the token it refused, or a
+        limit the grammar passed (e.g. more than 2,000 items in one parser row: a choice of
+        thousands of strings, an object with thousands of properties)."""
+        return (self.matcher.get_error() or "").split("\n", 1)[0]
