@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine import TruncationTooLong
 from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
 
@@ -40,3 +41,15 @@ def test_minus_one_keeps_what_the_context_holds(engine_zoo) -> None:
 def test_a_bad_value_names_the_parameter(bad) -> None:
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_keeping_more_than_the_context_holds_is_refused_naming_both(engine_zoo) -> None:
+    """As vLLM: a truncation past max_model_len could never run; keeping exactly
+    max_model_len is allowed (and then refused as a prompt leaving no room only if it is
+    that long)."""
+    llm = make_llm(engine_zoo, "llama", max_model_len=32)
+    refused = r"truncate_prompt_tokens is 33.*max_model_len \(32\)"
+    with pytest.raises(TruncationTooLong, match=refused):
+        llm.generate([PROMPT[:5]], greedy(truncate_prompt_tokens=33))
+    [output] = llm.generate([PROMPT[:5]], greedy(truncate_prompt_tokens=32))
+    assert output.prompt_token_ids == PROMPT[:5]

@@ -420,6 +420,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
     assert cut.choices[0].text == client.completions.create(prompt=ids[-5:], **args).choices[0].text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_past_max_model_len_is_a_400(server: RunningServer, path) -> None:
+    """As vLLM: a 400 naming the field and the model's length, never a 500."""
+    too_many = server.app.state.engine_loop.engine.max_model_len + 1
+    body = {"max_tokens": 2, "truncate_prompt_tokens": too_many}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    response = post(server, path, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "truncate_prompt_tokens" and "max_model_len" in error["message"]
+
+
 def test_chat_template_switches_render_as_transformers_renders(
     client, model_name: str, hf_tokenizer
 ) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "TokenOutOfVocabulary",
     "TooManyLogprobs",
     "TooManySamples",
+    "TruncationTooLong",
 ]
 
 

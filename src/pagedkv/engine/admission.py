@@ -22,6 +22,7 @@ from pagedkv.engine.errors import (
     TokenOutOfVocabulary,
     TooManyLogprobs,
     TooManySamples,
+    TruncationTooLong,
 )
 from pagedkv.engine.params import SamplingParams
 from pagedkv.tokenizer import Tokenizer
@@ -69,6 +70,8 @@ def truncate(token_ids: list[int], params: SamplingParams, max_model_len: int) -
     keep = params.truncate_prompt_tokens
     if keep is None:
         return token_ids
+    if keep > max_model_len:
+        raise TruncationTooLong(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - 1
     return token_ids[-keep:]

@@ -54,6 +54,17 @@ class PromptTooLong(RequestRejected):
         self.max_model_len = max_model_len
 
 
+class TruncationTooLong(RequestRejected):
+    """truncate_prompt_tokens keeps more tokens than the model's context holds (vLLM refuses
+    it too: the prompt it keeps could never run)."""
+
+    def __init__(self, keep: int, max_model_len: int) -> None:
+        super().__init__(
+            f"truncate_prompt_tokens is {keep}, greater than max_model_len ({max_model_len}): "
+            "choose a smaller truncation size (or -1, as many as the context holds)"
+        )
+
+
 class RequestTooLarge(RequestRejected):
     """The request needs more KV blocks than the whole pool holds, so it could never run."""
 

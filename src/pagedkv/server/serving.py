@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedkv.engine import SamplingParams, StructuredOutputsParams
+from pagedkv.engine import SamplingParams, StructuredOutputsParams, TruncationTooLong
 from pagedkv.engine.admission import truncate
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server.adapters import ServedAdapters
@@ -108,7 +108,10 @@ def prompt_ids(
     if request.truncate_prompt_tokens is None:
         return ids
     keep = SamplingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
-    return [truncate(prompt, keep, context.max_model_len) for prompt in ids]
+    try:
+        return [truncate(prompt, keep, context.max_model_len) for prompt in ids]
+    except TruncationTooLong as error:
+        raise APIError(400, str(error), param="truncate_prompt_tokens") from error
 
 
 def token_text(request: SamplingFields, token_id: int, text: str) -> str:
