@@ -429,6 +429,22 @@ def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: 
         Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(other))))
 
 
+def test_a_draft_model_with_a_shorter_context_is_refused(engine_zoo, tmp_path: Path) -> None:
+    """A draft that cannot read every position a sequence reaches (max_model_len) is refused
+    when the engine starts, naming both lengths; a max_model_len within its context runs."""
+    target = engine_zoo.folder("llama")
+    short = tmp_path / "short-context"
+    shutil.copytree(target, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"allows 64 positions.*max_model_len 1024"):
+        Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(short))))
+    drafted = draft_model(str(short))
+    fits = Engine(EngineArgs(model=str(target), max_model_len=64, speculative_config=drafted))
+    assert fits.max_model_len == 64
+
+
 def test_draft_model_blocks_cost_both_models_bytes(engine_zoo) -> None:
     """The pool counts each block at the model's K/V bytes plus the draft's, so the same memory
     holds fewer blocks, and the start-up line says the draft's share."""

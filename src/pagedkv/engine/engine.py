@@ -92,6 +92,7 @@ class Engine:
                 speculative,
                 loaded.config,
                 loaded.tokenizer,
+                max_model_len=self.max_model_len,
                 dtype=args.resolved_dtype,
                 device=args.device,
                 quantization=args.quantization,

@@ -105,14 +105,23 @@ def load_draft_model(
     target: ModelConfig,
     tokenizer: Tokenizer,
     *,
+    max_model_len: int,
     dtype: str,
     device: str,
     quantization: str,
 ) -> LoadedModel:
     """The draft model `config` names, loaded as the model is; raise ValueError when its
-    vocabulary is not the model's (its token ids would mean other tokens)."""
+    vocabulary is not the model's (its token ids would mean other tokens) or its context is
+    shorter than max_model_len (it reads every position a sequence reaches)."""
     assert config.model is not None
     draft = load(config.model, dtype=dtype, device=device, quantization=quantization)
+    context = draft.config.max_position_embeddings
+    if context < max_model_len:
+        raise ValueError(
+            f"speculative_config model {config.model!r} allows {context} positions "
+            f"(max_position_embeddings), fewer than max_model_len {max_model_len}: lower "
+            "max_model_len or pick a draft with a longer context"
+        )
     sizes = (draft.config.vocab_size, draft.tokenizer.vocab_size)
     if sizes != (target.vocab_size, tokenizer.vocab_size) or any(
         draft.tokenizer.encode(text) != tokenizer.encode(text) for text in _PROBES
