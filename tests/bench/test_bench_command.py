@@ -169,3 +169,27 @@ def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path
     assert figures.spec_drafts == after.num_drafts - before.num_drafts > 0
     assert figures.spec_draft_tokens == after.num_draft_tokens - before.num_draft_tokens
     assert figures.spec_accepted_tokens == after.num_accepted_tokens - before.num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--kv-cache-memory", "10000000"], "--kv-cache-memory"),
+        (["--max-model-len", "100000"], "max_model_len 100000"),
+        (["--prompt-len", "2000", "2000"], "prompt has 2000 tokens"),
+        (["--json", "/no/such/dir/figures.json"], "/no/such/dir/figures.json"),
+        (["--systems", "bogus"], "bogus"),
+    ],
+    ids=["kv-cache-memory", "max-model-len", "prompt-too-long", "json-dir", "systems"],
+)
+def test_bad_input_is_one_line_naming_it_before_or_instead_of_a_run(
+    tiny_folder: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    base = ["bench", "--model", str(tiny_folder), "--systems", "pagedkv", "--rounds", "1"]
+    base += ["--workload", "uniform", "--num-prompts", "2", "--output-len", "4", "4"]
+    base += ["--threads", "1"]
+    assert main(base + flags) == 2
+    captured = capsys.readouterr()
+    line = captured.err.strip().splitlines()[-1]  # after the engine's start-up lines, if any
+    assert line.startswith("pagedkv bench: ") and named in line
+    assert "tok/s" not in captured.out  # nothing was measured

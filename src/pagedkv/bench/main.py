@@ -110,14 +110,20 @@ def run(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        print(f"pagedkv bench: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}")
+        print(
+            f"pagedkv bench: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json and not args.json.resolve().parent.is_dir():  # found out before the run
+        print(f"pagedkv bench: --json {args.json}: no such directory", file=sys.stderr)
         return 2
     try:
         config = _config(args, systems)
-    except STARTUP_ERRORS as error:  # a bad flag or model: one line
+        report = run_benchmark(config)
+    except STARTUP_ERRORS as error:  # a bad flag, model or workload (a prompt too long): one line
         print(f"pagedkv bench: {error}", file=sys.stderr)
         return 2
-    report = run_benchmark(config)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=_json_default))
     wrong = [
@@ -143,7 +149,11 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
     """The benchmark's model, workloads and engine from the flags; one of STARTUP_ERRORS
     names a bad one."""
     model, folder, label = _models(args.model, args.seed)
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    config_file = folder / "config.json"
+    try:
+        vocab_size = json.loads(config_file.read_text())["vocab_size"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{config_file}: no vocab_size in valid JSON ({error})") from error
     workloads = []
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     for name in names:
@@ -157,15 +167,19 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
         workloads.append(make_workload(name, spec, vocab_size, args.workload_seed))
     args.model = model
     engine_args = EngineArgs.from_cli_args(args)
-    if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
+    if engine_args.kv_cache_memory is not None:
+        raise ValueError(
+            "--kv-cache-memory: the benchmark gives every system one KV budget in tokens; "
+            "size it with --kv-tokens or --num-gpu-blocks"
+        )
+    if engine_args.num_gpu_blocks is None:
         engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
-    kv_tokens = engine_args.num_gpu_blocks * engine_args.block_size
     return BenchConfig(
         engine_args=engine_args,
         hf_folder=str(folder),
         model_label=label,
         workloads=workloads,
-        kv_tokens=kv_tokens if engine_args.num_gpu_blocks else args.kv_tokens,
+        kv_tokens=engine_args.num_gpu_blocks * engine_args.block_size,
         rounds=args.rounds,
         systems=systems,
         cb_page_size=args.cb_page_size or engine_args.block_size,
