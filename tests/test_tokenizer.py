@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedkv.model.errors import ChatTemplateError, MalformedModelFile, ModelFileMissing
-from pagedkv.tokenizer import Tokenizer
+from pagedkv.tokenizer import InvalidText, Tokenizer
 from tests.model.tiny_models import write_tokenizer_files
 
 TEXTS = [
@@ -224,3 +226,22 @@ def test_template_kwargs_override_the_switches_as_in_vllm(folder, hf_tokenizer):
     )
     with pytest.raises(ChatTemplateError, match="may not set 'messages'"):
         tokenizer.render_chat(CONVERSATION, template_kwargs={"messages": []})
+
+
+# The folder is only read: sharing it between examples is safe.
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.binary(max_size=24) | st.text(max_size=12).map(str.encode))
+def test_bytes_that_are_not_utf8_are_refused_naming_the_first_bad_byte(folder, data):
+    """Text as Python keeps bytes from argv or stdin (surrogateescape): UTF-8 bytes encode as
+    their text does; others raise InvalidText naming the first byte Python's decoder refuses."""
+    tokenizer = Tokenizer.from_folder(folder)
+    text = data.decode("utf-8", "surrogateescape")
+    try:
+        expected = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        with pytest.raises(InvalidText, match=f"byte 0x{data[error.start]:02x} at character"):
+            tokenizer.encode(text)
+    else:
+        assert tokenizer.encode(text) == tokenizer.encode(expected)

@@ -101,8 +101,13 @@ class Tokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies tokenizer.json's template (BOS)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; `add_special_tokens` applies tokenizer.json's template (BOS).
+        Text no UTF-8 spells is an `InvalidText` naming where."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_utf8(text)
+            raise
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`."""
@@ -195,6 +200,23 @@ class Tokenizer:
         """Token ids of the rendered conversation; the template itself places any BOS."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+class InvalidText(ValueError):
+    """Text holding a lone surrogate, which no UTF-8 bytes spell: how Python keeps bytes that
+    were not UTF-8 (in argv, stdin, or a JSON escape such as \\udcff). The tokenizer reads
+    only real text."""
+
+
+def _check_utf8(text: str) -> None:
+    """Raise `InvalidText` naming the first character UTF-8 cannot spell, if any."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        where = f"{what} at character {error.start}"
+        raise InvalidText(f"the text is not valid UTF-8: {where}") from None
 
 
 def _template_message(message: object) -> dict[str, Any]:

@@ -261,6 +261,20 @@ def test_bad_flags_are_named_and_exit_2(zoo, tmp_path, capsys) -> None:
         assert message in capsys.readouterr().err
 
 
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(zoo) -> None:
+    """A line of bytes that are not UTF-8 gets one line naming the byte; the next line is
+    answered."""
+    command = chat_command(zoo.folder("llama"), "--max-tokens", "2", *ENGINE_FLAGS)
+    done = subprocess.run(
+        command, input=b"bad \xff bytes\nHello\n", capture_output=True, env=_child_env(),
+        timeout=TIMEOUT_S,
+    )  # fmt: skip
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert "pagedkv chat: the text is not valid UTF-8: byte 0xff" in err
+    assert len(FOOTER.findall(err)) == 1  # the second line was answered
+
+
 def test_a_model_without_a_chat_template_is_refused(zoo, tmp_path, capsys) -> None:
     folder = tmp_path / "no_template"
     shutil.copytree(zoo.folder("llama"), folder)

@@ -92,6 +92,14 @@ def test_speculative_decoding_from_the_command_line_prints_the_same_completion(
     assert "method 'medusa' is not supported" in capsys.readouterr().err
 
 
+def test_a_prompt_that_is_not_utf8_exits_2_naming_the_byte(zoo, capsys):
+    """argv holds bytes that were not UTF-8 as surrogates (Python's surrogateescape)."""
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--max-tokens", "2"]
+    for flag in ("--prompt", "--chat"):
+        assert main([*argv, flag, "bad \udcff bytes"]) == 2
+        assert "not valid UTF-8: byte 0xff" in capsys.readouterr().err.splitlines()[-1]
+
+
 def test_a_bad_sampling_value_exits_2_naming_it(zoo, capsys):
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
     assert main([*argv, "--top-p", "1.5"]) == 2

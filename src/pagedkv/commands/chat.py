@@ -182,13 +182,14 @@ class Chat:
         """Send the conversation with `text` added; stream the answer and keep both."""
         from pagedkv.engine import RequestRejected
         from pagedkv.model.errors import ChatTemplateError
+        from pagedkv.tokenizer import InvalidText
 
         user = {"role": "user", "content": text}
         messages = [*self.system_messages(), *self.messages, user]
         try:
             prompt_ids = conversation_prompt_ids(self.engine.tokenizer, messages, self.history_ids)
             answer = self.stream(prompt_ids)
-        except (RequestRejected, ChatTemplateError) as error:
+        except (RequestRejected, ChatTemplateError, InvalidText) as error:
             self.note(f"pagedkv chat: {error}; /reset starts a new conversation")
             return
         self.messages += [user, {"role": "assistant", "content": answer.text}]
