@@ -48,3 +48,13 @@ def test_serving_demo_answers_every_request_and_frees_every_block(capsys, tmp_pa
         assert figure in out
     assert "slab allocator, same pool" in out
     assert "every block is free again, invariants hold" in out
+
+
+def test_the_serving_demo_sizes_its_pool_from_kv_cache_memory_when_given(capsys, tmp_path) -> None:
+    """Its small default pool applies only when neither size is given."""
+    from tests.model.tiny_models import build_model_folder
+
+    folder = build_model_folder("llama", tmp_path / "llama")
+    argv = ["demo", "--model", str(folder), "--max-tokens", "4", "--kv-cache-memory", "800000"]
+    assert main(argv) == 0
+    assert "every block is free again, invariants hold" in capsys.readouterr().out

@@ -100,6 +100,12 @@ def test_a_prompt_that_is_not_utf8_exits_2_naming_the_byte(zoo, capsys):
         assert "not valid UTF-8: byte 0xff" in capsys.readouterr().err.splitlines()[-1]
 
 
+def test_a_system_message_without_a_chat_message_is_refused(zoo, capsys):
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    assert main([*argv, "--system", "Be brief."]) == 2
+    assert "pagedkv generate: --system needs --chat" in capsys.readouterr().err
+
+
 def test_a_bad_sampling_value_exits_2_naming_it(zoo, capsys):
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
     assert main([*argv, "--top-p", "1.5"]) == 2

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx2
+import pytest
 
 from pagedkv.cli import main
 from tests.server.conftest import HANG_GUARD_S
@@ -43,6 +44,14 @@ def test_a_bad_model_or_engine_flag_is_one_line_and_exit_2(tmp_path: Path, capsy
         err = capsys.readouterr().err
         assert err.startswith(f"pagedkv {argv[0]}: ") and message in err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_port_outside_0_to_65535_is_refused_before_the_model_loads(capsys) -> None:
+    for bad in ("65536", "-1"):
+        with pytest.raises(SystemExit) as exit:
+            main(["serve", "--model", "unused", "--port", bad])
+        assert exit.value.code == 2
+        assert f"--port: must be a port from 0 to 65535, got {bad}" in capsys.readouterr().err
 
 
 def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> None:

@@ -18,6 +18,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = _number(text, int)

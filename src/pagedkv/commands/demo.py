@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="for the requests with two samples; the others are greedy (default: %(default)s)",
     )
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(num_gpu_blocks=DEMO_NUM_GPU_BLOCKS, swap_space_gb=DEMO_SWAP_SPACE_GB)
+    parser.set_defaults(swap_space_gb=DEMO_SWAP_SPACE_GB)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         console.print(f"Loading {args.model} ...")
-        engine = Engine(EngineArgs.from_cli_args(args))
+        engine_args = EngineArgs.from_cli_args(args)
+        if engine_args.num_gpu_blocks is None and engine_args.kv_cache_memory is None:
+            engine_args.num_gpu_blocks = DEMO_NUM_GPU_BLOCKS  # a small pool, to show paging
+        engine = Engine(engine_args)
         return run_serving_demo(engine, args.max_tokens, args.temperature, console)
     except STARTUP_ERRORS as error:
         print(f"pagedkv demo: {error}", file=sys.stderr)

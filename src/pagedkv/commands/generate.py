@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--chat", help="a user message, answered with the model's chat template")
-    parser.add_argument("--system", default=None, help="system message for --chat")
+    parser.add_argument("--system", default=None, help="system message for --chat (only)")
     add_sampling_args(parser, max_tokens=256)
     EngineArgs.add_cli_args(parser)
 
@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
 
+    if args.system is not None and args.chat is None:
+        message = "--system needs --chat (a --prompt has no messages)"
+        print(f"pagedkv generate: {message}", file=sys.stderr)
+        return 2
     engine = loaded = None
     try:
         params = sampling_params_from_args(args)

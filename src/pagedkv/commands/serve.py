@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from pagedkv.commands.arguments import non_negative_float, positive_float, positive_int
+from pagedkv.commands.arguments import non_negative_float, port, positive_float, positive_int
 
 if TYPE_CHECKING:
     from pagedkv.server import ServerConfig
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
-    server.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    server.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     server.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
