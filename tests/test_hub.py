@@ -159,3 +159,7 @@ def test_convert_command(tiny_gguf, tmp_path, capsys):
     assert (tmp_path / "out" / "config.json").is_file()
     assert main(["convert", str(source), str(tmp_path / "out")]) == 1
     assert "already exists and is not empty" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert main(["convert", str(source), str(tmp_path / "a_file" / "out")]) == 1  # not a folder
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("pagedkv convert: ") and "a_file" in line

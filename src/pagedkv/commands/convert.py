@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         if not source.exists() and args.source in BUILTIN_MODELS:
             source = pull(args.source)
         folder = convert_gguf(source, args.folder)
-    except (ModelError, HubError) as error:
+    except (ModelError, HubError, OSError) as error:  # OSError: a target it cannot write
         print(f"pagedkv convert: {error}", file=sys.stderr)
         return 1
     print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
