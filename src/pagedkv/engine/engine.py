@@ -83,8 +83,7 @@ class Engine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.config = loaded.config
-        context = loaded.config.max_position_embeddings
-        self.max_model_len = max_model_len(args.max_model_len, context)
+        self.max_model_len = max_model_len(args.max_model_len, self.config.max_position_embeddings)
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.method == "draft_model":
