@@ -127,6 +127,14 @@ def all_blocks_free(server: RunningServer) -> bool:
     return all(block["ref_count"] == 0 for block in snapshot["gpu"] + snapshot["cpu"])
 
 
+def one_prompt_body(path: str, **fields: Any) -> dict[str, Any]:
+    """A request to /v1/completions or /v1/chat/completions with one short prompt or user
+    message, and `fields`."""
+    if path == "/v1/completions":
+        return {"prompt": "Paged attention stores", **fields}
+    return {"messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
 def wait_until(condition: Any, timeout: float = HANG_GUARD_S, interval: float = 0.02) -> None:
     """Poll `condition()` until it holds; fail after `timeout` seconds (a guard against hangs,
     never a measure of speed)."""

@@ -15,7 +15,7 @@ import pytest
 
 from pagedkv.server import ServerConfig
 from tests.model.tiny_models import SPECIAL_TOKENS, train_tokenizer
-from tests.server.conftest import RunningServer
+from tests.server.conftest import RunningServer, one_prompt_body
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -217,11 +217,7 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_first(
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_prompt_logprobs_cannot_stream(server, model_name: str, path: str) -> None:
     """As vLLM: a stream has no place for them, so the request is a 400 naming the field."""
-    body = {"model": model_name, "max_tokens": 2, "prompt_logprobs": 1, "stream": True}
-    if path == "/v1/completions":
-        body["prompt"] = PROMPT
-    else:
-        body["messages"] = [{"role": "user", "content": "Hi"}]
+    body = one_prompt_body(path, model=model_name, max_tokens=2, prompt_logprobs=1, stream=True)
     response = post(server, path, body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt_logprobs"

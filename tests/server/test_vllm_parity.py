@@ -19,7 +19,7 @@ from pagedkv.engine import BeamSearchParams
 from pagedkv.server import ServerConfig
 from tests.engine.test_beam_search import MIN_MARGIN, reference_beam_search, without_eos
 from tests.model.tiny_models import random_prompt
-from tests.server.conftest import RunningServer
+from tests.server.conftest import RunningServer, one_prompt_body
 from tests.server.test_metrics import scrape
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
@@ -424,11 +424,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
 def test_truncate_prompt_tokens_past_max_model_len_is_a_400(server: RunningServer, path) -> None:
     """As vLLM: a 400 naming the field and the model's length, never a 500."""
     too_many = server.app.state.engine_loop.engine.max_model_len + 1
-    body = {"max_tokens": 2, "truncate_prompt_tokens": too_many}
-    if path == "/v1/completions":
-        body["prompt"] = PROMPT
-    else:
-        body["messages"] = [{"role": "user", "content": "Hi"}]
+    body = one_prompt_body(path, max_tokens=2, truncate_prompt_tokens=too_many)
     response = post(server, path, body)
     assert response.status_code == 400
     error = response.json()["error"]

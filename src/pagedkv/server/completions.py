@@ -28,8 +28,9 @@ from pagedkv.server.responses import (
 )
 from pagedkv.server.serving import (
     ServingContext,
+    cut_prompts,
+    encode_prompts,
     new_id,
-    prompt_ids,
     sampling_params,
     sse,
     token_text,
@@ -46,13 +47,10 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     """Validate, submit, then stream or collect the completion."""
     request = context.parse(await raw.body(), CompletionRequest)
     _check_unsupported(request)
-    prompts = await asyncio.to_thread(
-        prompt_ids,
-        context,
-        request.prompts(),
-        request,
-        add_special_tokens=request.add_special_tokens,
+    encoded = await asyncio.to_thread(
+        encode_prompts, context, request.prompts(), add_special_tokens=request.add_special_tokens
     )
+    prompts = cut_prompts(context, request, encoded)
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
@@ -71,31 +69,19 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     await generation.start(prompts, params, request.priority, beams, request.cache_salt)
     completion = _Completion(context, request, generation)
     if request.echo:
-        completion.echoed_ids = await asyncio.to_thread(_echoed_as_ids, context, request, prompts)
+        # The prompt that ran: a token-id prompt, or a text prompt truncate_prompt_tokens cut,
+        # echoes as its ids decoded (vLLM's `tokenizer.decode(ids)`, special tokens too); any
+        # other text prompt as given.
+        given = request.prompts()
+        completion.echoed_ids = [
+            not isinstance(text, str) or len(ran) < len(whole)
+            for text, ran, whole in zip(given, prompts, encoded, strict=True)
+        ]
         completion.echoed = [
-            context.tokenizer.decode(ran, skip_special_tokens=False) if as_ids else given
-            for given, ran, as_ids in zip(
-                request.prompts(), prompts, completion.echoed_ids, strict=True
-            )
+            context.tokenizer.decode(ran, skip_special_tokens=False) if as_ids else text
+            for text, ran, as_ids in zip(given, prompts, completion.echoed_ids, strict=True)
         ]
     return await completion.respond(raw)
-
-
-def _echoed_as_ids(
-    context: ServingContext, request: CompletionRequest, prompts: list[list[int]]
-) -> list[bool]:
-    """Per prompt, whether its echo is the ids that ran decoded (vLLM's `tokenizer.decode(ids)`,
-    special tokens too): a token-id prompt's, and a text prompt's that truncate_prompt_tokens
-    cut; the echo of any other text prompt is the text as given."""
-    return [
-        not isinstance(given, str)
-        or (
-            request.truncate_prompt_tokens is not None
-            and len(ran)
-            < len(context.tokenizer.encode(given, add_special_tokens=request.add_special_tokens))
-        )
-        for given, ran in zip(request.prompts(), prompts, strict=True)
-    ]
 
 
 def _check_unsupported(request: CompletionRequest) -> None:
@@ -273,6 +259,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
                 chosen_logprob, top = None, None
             else:
                 token_id, chosen = next(iter(position.items()))
+                shown = self._shows(choice, token_id, prompt)
                 text = token_text(self.request, token_id, chosen.decoded_token)
                 chosen_logprob, top = chosen.logprob, {text: chosen.logprob}
                 for alt_id, alt in top_logprobs(position, k):  # most likely first: shared text
@@ -281,9 +268,7 @@ class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs
             logprobs.token_logprobs.append(chosen_logprob)
             logprobs.top_logprobs.append(top)
             logprobs.text_offset.append(choice.characters_begun())
-            added = (
-                self.context.token_bytes(token_id) if self._shows(choice, token_id, prompt) else b""
-            )
+            added = self.context.token_bytes(token_id) if shown else b""
             choice.text_offset += len(choice.utf8.decode(added))
         if choice.logprobs is None:
             choice.logprobs = CompletionLogprobs()

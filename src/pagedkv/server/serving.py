@@ -104,7 +104,20 @@ def prompt_ids(
     """Token ids of each prompt (text tokenized with `encode`'s options), cut to the request's
     `truncate_prompt_tokens` as the engine would cut them (so limits and usage count what runs).
     Meant for a worker thread: tokenizing a long prompt should not hold the event loop."""
-    ids = [context.tokenizer.encode(p, **encode) if isinstance(p, str) else p for p in prompts]
+    return cut_prompts(context, request, encode_prompts(context, prompts, **encode))
+
+
+def encode_prompts(
+    context: ServingContext, prompts: list[str | list[int]], **encode
+) -> list[list[int]]:
+    """Token ids of each prompt, text tokenized with `encode`'s options (a worker's job)."""
+    return [context.tokenizer.encode(p, **encode) if isinstance(p, str) else p for p in prompts]
+
+
+def cut_prompts(
+    context: ServingContext, request: SamplingFields, ids: list[list[int]]
+) -> list[list[int]]:
+    """`ids` cut to the request's `truncate_prompt_tokens` as the engine would cut them."""
     if request.truncate_prompt_tokens is None:
         return ids
     keep = SamplingParams(truncate_prompt_tokens=request.truncate_prompt_tokens)
