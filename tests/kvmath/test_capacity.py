@@ -232,7 +232,7 @@ def test_plan_command_pool_smaller_than_a_block_is_a_one_line_error(capsys):
 
 
 def test_plan_command_says_when_one_slab_does_not_fit(capsys):
-    argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "1", "--avg-tokens", "1000"]
+    argv = ["plan", "--model", "llama-3.1-8b", "--pool-gb", "1", "--avg-tokens", "1000"]
     assert main([*argv, "--max-model-len", "100000"]) == 0
     assert "a slab of 100,000 tokens does not fit the pool" in capsys.readouterr().out
 
@@ -282,3 +282,46 @@ def test_plan_imports_nothing_heavy():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize("preset", ["llama-3-8b", "qwen2.5-0.5b"])
+def test_plan_command_refuses_a_max_model_len_beyond_the_models_context(capsys, preset):
+    context = MODEL_PRESETS[preset].config["max_position_embeddings"]
+    argv = ["plan", "--model", preset, "--pool-gb", "10", "--avg-tokens", "100"]
+    assert main([*argv, "--max-model-len", str(context)]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--max-model-len", str(context + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"pagedkv plan: error: --max-model-len {context + 1:,} is beyond the model's context "
+        f"length {context:,} (max_position_embeddings)\n"
+    )
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_plan_command_sizes_a_gguf_file_as_the_folder_it_was_written_from(
+    zoo, tiny_gguf, capsys, name
+):
+    import gguf
+
+    path = tiny_gguf(name)
+    argv = ["plan", "--kv-dtype", "fp16", "--gpu", "l4", "--json", "--model"]
+    assert main([*argv, str(zoo.folder(name))]) == 0
+    from_folder = json.loads(capsys.readouterr().out)
+    assert main([*argv, str(path)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert from_file["model"] == path.stem
+    assert from_file["spec"] == from_folder["spec"]
+    assert from_file["rows"] == from_folder["rows"]
+    # The weights are the file's tensor bytes as stored (gguf's own reader counts them).
+    stored = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
+    assert from_file["pool"]["weight_bytes"] == stored
+
+
+def test_plan_command_names_a_malformed_gguf_file(tmp_path, capsys):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(b"GGUF" + bytes(8))
+    assert main(["plan", "--model", str(path), "--pool-gb", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedkv plan: error: {path}")
+    assert len(err.splitlines()) == 1

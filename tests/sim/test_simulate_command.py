@@ -168,7 +168,7 @@ def test_a_plot_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, caps
     ]
     + [
         (option, value)
-        for option in ("--block-size", "--num-requests", "--n", "--max-running", "--batch-sizes")
+        for option in ("--block-size", "--num-requests", "--n", "--max-num-seqs", "--batch-sizes")
         for value in ("inf", "nan", "-1", "0")
     ]
     + [(option, value) for option in ("--seed", "--system-prompt") for value in ("inf", "-1")]
@@ -193,3 +193,31 @@ def test_simulation_never_imports_torch_and_plots_only_on_request():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_trace_max_model_len_beyond_the_models_context_is_refused(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 30, "output_len": 4}\n' * 3)
+    argv = ["simulate", "--trace", str(trace), "--model", "llama-3-8b", "--pool-gb", "2"]
+    assert main([*argv, "--max-model-len", "8192", "--batch-sizes", "3", "--json"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--max-model-len", "8193"]) == 2
+    assert capsys.readouterr().err == (
+        "pagedkv simulate: error: --max-model-len 8,193 is beyond the model's context length "
+        "8,192 (max_position_embeddings)\n"
+    )
+
+
+def test_a_gguf_model_simulates_as_the_folder_it_was_written_from(zoo, tiny_gguf, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"prompt_len": 40, "output_len": 8, "prefix_id": "a", "prefix_len": 32}\n' * 6
+    )
+    argv = ["simulate", "--trace", str(trace), "--pool-gb", "0.001", "--batch-sizes", "3", "--json"]
+    runs = []
+    for model in (zoo.folder("llama"), tiny_gguf("llama")):
+        assert main([*argv, "--kv-dtype", "fp16", "--model", str(model)]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["schemes"] == runs[1]["schemes"]
+    assert runs[0]["batch_sweep"] == runs[1]["batch_sweep"]
+    assert runs[0]["num_blocks"] == runs[1]["num_blocks"] > 0

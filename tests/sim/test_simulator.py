@@ -165,9 +165,9 @@ def test_arrivals_wait_for_their_step_and_queueing_is_measured():
     assert result.queue_delays == [0, 1]
 
 
-def test_max_running_caps_concurrency():
+def test_max_num_seqs_caps_concurrency():
     requests = [WorkloadRequest(req, 0, 2, 2, 2) for req in range(6)]
-    result = simulate(requests, make_scheme("paged", 64, 4, max_model_len=8), max_running=2)
+    result = simulate(requests, make_scheme("paged", 64, 4, max_model_len=8), max_num_seqs=2)
     assert max(result.timeline.running) == 2
     assert result.finished == 6
 
@@ -234,7 +234,7 @@ def test_an_allocator_that_leaks_is_reported_not_waited_on_forever():
 def test_a_request_with_more_samples_than_a_step_runs_is_refused_up_front():
     with pytest.raises(SimulationError, match="n=3 samples, but one step runs at most 2"):
         simulate(
-            [WorkloadRequest(0, 0, 4, 4, 4, n=3)], make_scheme("paged", 64, 4, 8), max_running=2
+            [WorkloadRequest(0, 0, 4, 4, 4, n=3)], make_scheme("paged", 64, 4, 8), max_num_seqs=2
         )
 
 
@@ -326,13 +326,13 @@ def _streams(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(stream=_streams(), max_running=st.integers(3, 8))
-def test_random_streams_finish_free_everything_and_hold_what_arithmetic_says(stream, max_running):
+@given(stream=_streams(), max_num_seqs=st.integers(3, 8))
+def test_random_streams_finish_free_everything_and_hold_what_arithmetic_says(stream, max_num_seqs):
     requests, block_size, num_blocks = stream
     max_model_len = 40
     for name in SCHEME_LABELS:
         scheme = make_scheme(name, num_blocks, block_size, max_model_len)
-        result = simulate(requests, scheme, max_running=max_running)
+        result = simulate(requests, scheme, max_num_seqs=max_num_seqs)
         assert result.finished == len(requests) == len(result.queue_delays)
         assert all(delay >= 0 for delay in result.queue_delays)
         assert all(

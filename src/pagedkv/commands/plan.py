@@ -20,10 +20,11 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
+from pagedkv.commands.planning_model import resolve_planning_model
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
 from pagedkv.kvmath.lora import LoRAPlan, plan_lora
 from pagedkv.kvmath.parallel import per_rank_spec
-from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset, resolve_model
+from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset
 from pagedkv.kvmath.spec import (
     DTYPE_BYTES,
     GB,
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, or a model folder",
+        help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, a model folder or a .gguf file",
     )
     kv_dtype = parser.add_mutually_exclusive_group()
     kv_dtype.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
@@ -116,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
-        model = resolve_model(args.model, _kv_dtype(args))
+        model = resolve_planning_model(args.model, _kv_dtype(args))
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         pool = _pool(args, model)
         lora = _lora(args, model, spec)

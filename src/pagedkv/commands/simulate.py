@@ -21,7 +21,8 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
-from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
+from pagedkv.commands.planning_model import resolve_planning_model
+from pagedkv.kvmath.presets import MODEL_PRESETS, Model
 from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
 from pagedkv.sim.render import (
     Comparison,
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help=f"preset ({', '.join(MODEL_PRESETS)}), config.json or model folder; "
+        help=f"preset ({', '.join(MODEL_PRESETS)}), config.json, model folder or .gguf file; "
         "default gpt-tutorial for the tutorial workload, llama-3.1-8b otherwise",
     )
     parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
@@ -99,7 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=positive_int, help="context for --trace (default: the model's)"
     )
     parser.add_argument(
-        "--max-running", type=positive_int, default=256, help="requests running at most"
+        "--max-num-seqs",
+        type=positive_int,
+        default=256,
+        help="sequences a step runs at most, as the engine's (default 256)",
     )
     parser.add_argument(
         "--batch-sizes",
@@ -130,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                     num_blocks=num_blocks,
                     block_size=args.block_size,
                     max_model_len=max_model_len,
-                    max_running=args.max_running,
+                    max_num_seqs=args.max_num_seqs,
                 )
                 for name in SCHEME_LABELS
             ]
@@ -160,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 num_blocks=num_blocks,
                 block_size=args.block_size,
                 max_model_len=max_model_len,
-                max_running=args.max_running,
+                max_num_seqs=args.max_num_seqs,
             )
     except (ConfigError, WorkloadError, SimulationError) as exc:
         print(f"pagedkv simulate: error: {exc}", file=sys.stderr)
@@ -189,9 +193,9 @@ def run(args: argparse.Namespace) -> int:
 def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int]:
     """The model, the request stream and the context it is served with."""
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
-    model = resolve_model(args.model or default_model or "llama-3.1-8b", args.kv_dtype)
+    model = resolve_planning_model(args.model or default_model or "llama-3.1-8b", args.kv_dtype)
     if args.trace:
-        max_model_len = args.max_model_len or model.spec.max_model_len
+        max_model_len = model.spec.served_context(args.max_model_len)
         if max_model_len is None:
             raise ConfigError(f"{model.name} names no context; give --max-model-len")
         requests = load_trace(args.trace, max_model_len, seed=args.seed, rate=args.rate)

@@ -129,8 +129,8 @@ def plan_capacity(
 ) -> CapacityPlan:
     """Per-length concurrency in `pool`, and slab-versus-paged when `avg_tokens` is given.
 
-    `max_model_len` defaults to the model's context; the slab side of the comparison reserves
-    that many tokens (or the sliding window, if smaller) per request.
+    `max_model_len` defaults to the model's context (a longer one is refused); the slab side of
+    the comparison reserves that many tokens (or the sliding window, if smaller) per request.
     """
     bytes_per_block = spec.bytes_per_block(block_size)
     pool_blocks = blocks_in_pool(spec, pool.pool_bytes, block_size)
@@ -141,7 +141,7 @@ def plan_capacity(
         )
     pool_tokens = pool.pool_bytes // spec.bytes_per_token
     rows = [_length_row(spec, length, block_size, pool_blocks) for length in lengths]
-    context = max_model_len or spec.max_model_len
+    context = spec.served_context(max_model_len)
     comparison = None
     if avg_tokens is not None:
         if context is None:

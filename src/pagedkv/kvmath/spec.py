@@ -95,6 +95,20 @@ class KVSpec:
         if self.max_model_len is not None:
             _require_positive("max_model_len", self.max_model_len)
 
+    def served_context(self, max_model_len: int | None) -> int | None:
+        """The context a server of this model runs with: `max_model_len` when given, else the
+        model's. Longer than the model's is refused, as the engine refuses it (positions past
+        the trained context have no meaning, so a plan for them would size a server that
+        cannot start)."""
+        if max_model_len is None:
+            return self.max_model_len
+        if self.max_model_len is not None and max_model_len > self.max_model_len:
+            raise ConfigError(
+                f"--max-model-len {max_model_len:,} is beyond the model's context length "
+                f"{self.max_model_len:,} (max_position_embeddings)"
+            )
+        return max_model_len
+
     @property
     def is_mla(self) -> bool:
         """Whether the model caches a compressed latent (MLA) instead of per-head K and V."""

@@ -74,7 +74,7 @@ def run_scheme(
     num_blocks: int,
     block_size: int,
     max_model_len: int,
-    max_running: int,
+    max_num_seqs: int,
     snapshot_step: int | None = None,
 ) -> SimResult:
     """Simulate one scheme under a bar of its own, removed when the scheme is done."""
@@ -83,7 +83,7 @@ def run_scheme(
     result = simulate(
         requests,
         make_scheme(name, num_blocks, block_size, max_model_len),
-        max_running=max_running,
+        max_num_seqs=max_num_seqs,
         snapshot_step=snapshot_step,
         on_step=lambda tokens: progress.advance(task, tokens),
     )
@@ -126,7 +126,7 @@ def write_plots(
     num_blocks: int,
     block_size: int,
     max_model_len: int,
-    max_running: int,
+    max_num_seqs: int,
 ) -> list[Path]:
     """Write the three figures; the memory maps rerun (a) and (d) to catch one common step.
 
@@ -145,7 +145,7 @@ def write_plots(
                 num_blocks=num_blocks,
                 block_size=block_size,
                 max_model_len=max_model_len,
-                max_running=max_running,
+                max_num_seqs=max_num_seqs,
                 snapshot_step=step,
             ).memory_map
             for name in ("slab-max", "paged-shared")

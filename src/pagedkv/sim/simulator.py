@@ -95,21 +95,21 @@ def simulate(
     requests: list[WorkloadRequest],
     scheme: Scheme,
     *,
-    max_running: int = 256,
+    max_num_seqs: int = 256,
     snapshot_step: int | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> SimResult:
     """Serve `requests` with `scheme` until all finish.
 
-    `max_running` caps the sequences of a step (the engine's `max_num_seqs`: a request of
-    n samples counts n). `snapshot_step` captures the memory map at that step; `on_step` is
+    `max_num_seqs` caps the sequences of a step, as the engine's does (a request of n samples
+    counts n). `snapshot_step` captures the memory map at that step; `on_step` is
     called after each step with the number of tokens generated in it (for progress bars).
     """
     for request in requests:
-        _check_servable(request, scheme, max_running)
+        _check_servable(request, scheme, max_num_seqs)
     scheduler = Scheduler(
         scheme.memory,
-        SchedulerConfig(max_num_seqs=max_running, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS),
     )
     model = _MadeUpModel(scheme)
     pending = deque(sorted(requests, key=lambda request: request.arrival_step))
@@ -244,7 +244,7 @@ def _sequence(request_id: str, index: int, prompt: list[int]) -> Sequence:
     )
 
 
-def _check_servable(request: WorkloadRequest, scheme: Scheme, max_running: int) -> None:
+def _check_servable(request: WorkloadRequest, scheme: Scheme, max_num_seqs: int) -> None:
     """Refuse up front what could never run, as the engine's `add_request` does."""
     if scheme.capacity_needed(request) > scheme.pool_tokens:
         raise SimulationError(
@@ -252,9 +252,9 @@ def _check_servable(request: WorkloadRequest, scheme: Scheme, max_running: int) 
             f"{scheme.capacity_needed(request):,} token slots alone, the pool has "
             f"{scheme.pool_tokens:,}"
         )
-    max_samples = min(max_running, MAX_NUM_BATCHED_TOKENS)
+    max_samples = min(max_num_seqs, MAX_NUM_BATCHED_TOKENS)
     if request.n > max_samples:
         raise SimulationError(
             f"request {request.req_id} has n={request.n} samples, but one step runs at most "
-            f"{max_samples} sequences (max_running / the step's token budget)"
+            f"{max_samples} sequences (max_num_seqs / the step's token budget)"
         )

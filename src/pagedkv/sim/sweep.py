@@ -53,7 +53,7 @@ def utilisation_by_batch_size(
         num_blocks = _pool_blocks(num_samples * max_model_len, block_size)
         for name in schemes:
             scheme = make_scheme(name, num_blocks, block_size, max_model_len)
-            summary = summarize(simulate(batch, scheme, max_running=num_samples, on_step=on_step))
+            summary = summarize(simulate(batch, scheme, max_num_seqs=num_samples, on_step=on_step))
             points.append(
                 SweepPoint(
                     batch_size,

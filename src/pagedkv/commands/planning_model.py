@@ -1,0 +1,51 @@
+"""`--model` of `pagedkv plan` and `pagedkv simulate`: what kvmath resolves, and GGUF files.
+
+kvmath sizes a model from a preset, a config.json or a model folder, with no torch. A GGUF file
+(what `pagedkv serve --model FILE.gguf` loads) holds its config as metadata instead; the
+engine's own GGUF reader turns it into the config.json a converted copy would carry, so the
+plan sizes exactly the model the engine would serve. Only this path imports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedkv.kvmath.presets import Model, resolve_model
+from pagedkv.kvmath.spec import ConfigError, KVSpec
+
+GGUF_MAGIC = b"GGUF"
+
+
+def resolve_planning_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
+    """The model `--model` names; a GGUF file's weights are its tensor bytes as stored."""
+    path = Path(name_or_path)
+    if not _is_gguf(path):
+        return resolve_model(name_or_path, kv_dtype)
+    from pagedkv.model.errors import ModelError
+    from pagedkv.weights.gguf.config import config_dict
+    from pagedkv.weights.gguf.file import GGUFFile
+
+    try:
+        file = GGUFFile(path)
+        config = config_dict(file)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from exc
+    weight_bytes = sum(tensor.data.nbytes for tensor in file.tensors.values())
+    return Model(
+        name=path.stem,
+        spec=KVSpec.from_hf_config(config, kv_dtype, source=path),
+        weight_bytes=weight_bytes,
+        weight_source=f"{len(file.tensors)} tensors in {path.name}, as stored",
+        config=config,
+    )
+
+
+def _is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts as every GGUF file does."""
+    if not path.is_file():
+        return False
+    try:
+        with path.open("rb") as handle:
+            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
