@@ -8,14 +8,17 @@ through its paged cache, asking logits only of the scored positions.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+from dataclasses import fields
 
 import pytest
 import torch
 
 from pagedkv.cli import main
-from pagedkv.commands.perplexity import perplexity
+from pagedkv.commands.perplexity import ENGINE_FIELDS, add_arguments, perplexity
+from pagedkv.engine.args import EngineArgs
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.load import load
 
@@ -58,7 +61,8 @@ def test_command_prints_the_figure(zoo, tmp_path, capsys) -> None:
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     folder = zoo.folder("llama")
-    assert main(["perplexity", str(text), "--model", str(folder), "--n-ctx", "32"]) == 0
+    args = ["perplexity", str(text), "--model", str(folder), "--n-ctx", "32", "--threads", "1"]
+    assert main([*args, "--block-size", "4", "--max-num-batched-tokens", "7"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     figure = float(re.search(r"perplexity ([\d.]+) over (\d+) tokens", line)[1])
     tokenizer = load(folder).tokenizer
@@ -103,3 +107,74 @@ def test_command_scores_through_an_fp8_cache(zoo, tmp_path, capsys) -> None:
     }
     assert figure == pytest.approx(scores["fp8"].perplexity, rel=1e-4)
     assert scores["fp8"].perplexity != pytest.approx(scores["auto"].perplexity, rel=1e-4)
+
+
+def off_default_argvs() -> list[list[str]]:
+    """For each engine flag perplexity does not use (every `EngineArgs` field outside
+    `ENGINE_FIELDS`, so a field added later is covered), the flag set to a value other than
+    its default, the flag first as typed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    unused = {field.name for field in fields(EngineArgs)} - ENGINE_FIELDS
+    argvs = []
+    for action in parser._actions:
+        if action.dest not in unused:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the other one
+            argvs.append([action.option_strings[1 if action.default else 0]])
+        elif action.choices:
+            other = next(choice for choice in action.choices if choice != action.default)
+            argvs.append([action.option_strings[0], other])
+        else:  # an int, float or string flag, none of which defaults to 3
+            argvs.append([action.option_strings[0], "3"])
+    assert len(argvs) == len(unused)
+    return argvs
+
+
+@pytest.mark.parametrize("argv", off_default_argvs(), ids=lambda argv: argv[0])
+def test_an_engine_flag_it_does_not_use_is_refused_by_name(tmp_path, capsys, argv) -> None:
+    """Refused before the model loads: the model named does not exist."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    code = main(["perplexity", str(text), "--model", str(tmp_path / "absent"), *argv])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedkv perplexity: {argv[0]} does not apply to perplexity (")
+    assert err.count("\n") == 1
+
+
+def test_several_unused_flags_are_named_in_one_line(tmp_path, capsys) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    argv = ["--seed", "7", "--tensor-parallel-size", "2", "--no-enable-prefix-caching"]
+    assert main(["perplexity", str(text), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "pagedkv perplexity: --no-enable-prefix-caching, --seed, --tensor-parallel-size do not "
+        "apply to perplexity ("
+    )
+    assert err.count("\n") == 1
+
+
+def test_unused_flags_typed_at_their_defaults_pass(tmp_path, capsys) -> None:
+    """They change nothing, so the start-up goes on to the next error: the absent model."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    argv = ["--seed", "0", "--tensor-parallel-size", "1", "--enable-prefix-caching"]
+    argv += ["--no-enable-lora", "--swap-space-gb", "1", "--model", str(tmp_path / "absent")]
+    assert main(["perplexity", str(text), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "does not apply" not in err
+    assert "absent' is not a model folder" in err
+
+
+def test_help_lists_only_the_engine_flags_it_uses(capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["perplexity", "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    for field in fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        listed = re.search(rf"{flag}(?![\w-])", out) is not None
+        assert listed == (field.name in ENGINE_FIELDS), flag
+    assert "do not apply to perplexity and are refused" in " ".join(out.split())

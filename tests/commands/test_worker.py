@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import transformers
 
 from pagedkv.cli import main
@@ -53,3 +54,52 @@ def test_worker_outside_a_group_is_a_one_line_error(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert main(["worker"]) == 2
     assert "rank 0 runs the engine" in capsys.readouterr().err
+
+
+# One variable malformed at a time, over a good environment; each error names it and its value.
+BAD_ENVIRONMENTS = [
+    ("MASTER_PORT", "abc"),
+    ("MASTER_PORT", "70000"),
+    ("MASTER_PORT", "0"),
+    ("WORLD_SIZE", "two"),
+    ("WORLD_SIZE", "0"),
+    ("RANK", "x"),
+    ("RANK", "2"),
+    ("RANK", "-1"),
+    ("LOCAL_RANK", "gpu0"),
+    ("LOCAL_RANK", "-1"),
+]
+
+
+def set_environment(monkeypatch, rank: str, name: str, value: str) -> None:
+    environment = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "2"}
+    environment.update(RANK=rank, LOCAL_RANK="0")
+    environment[name] = value
+    for key, text in environment.items():
+        monkeypatch.setenv(key, text)
+
+
+def refuse_to_start(*args, **kwargs):
+    raise AssertionError("the malformed environment got as far as the group's store")
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_ENVIRONMENTS)
+def test_worker_names_a_malformed_variable(monkeypatch, capsys, name, value):
+    set_environment(monkeypatch, "1", name, value)
+    monkeypatch.setattr("pagedkv.worker.parallel.worker.run_worker", refuse_to_start)
+    assert main(["worker"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedkv worker: {name}='{value}' in the environment is not ")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_ENVIRONMENTS)
+def test_rank_0_engine_names_a_malformed_variable(monkeypatch, capsys, name, value):
+    """The engine reads the environment before it loads anything: no model is needed."""
+    set_environment(monkeypatch, "0", name, value)
+    monkeypatch.setattr("pagedkv.worker.parallel.ranks.Link", refuse_to_start)
+    argv = ["generate", "--model", "absent", "--prompt", PROMPT, "--tensor-parallel-size", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedkv generate: {name}='{value}' in the environment is not ")
+    assert err.count("\n") == 1

@@ -9,6 +9,11 @@ windows go through the same paged KV cache and attention as serving, in pieces o
 
 Prints the perplexity, tokens scored and tokens/s: run it once per `--quantization` to
 measure what quantised weights cost in accuracy, or per `--kv-cache-dtype` for an fp8 cache.
+
+Of the engine's flags it acts on those in `ENGINE_FIELDS`; any other set off its default is
+refused before the model loads, since a pool size, a scheduler, sampling, LoRA or tensor
+parallelism have nothing to act on here and a flag silently ignored reads as one that acted.
+The rule is by exclusion, so a flag added to `EngineArgs` later is refused until used here.
 """
 
 from __future__ import annotations
@@ -18,16 +23,32 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+# The `EngineArgs` fields `run` reads: the model as loaded, the threads, and the cache and
+# pieces each window runs through.
+ENGINE_FIELDS = frozenset(
+    {
+        "model",
+        "dtype",
+        "device",
+        "quantization",
+        "threads",
+        "block_size",
+        "max_num_batched_tokens",
+        "kv_cache_dtype",
+    }
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The text file, window size and model flags."""
+    """The text file, window size and the engine flags perplexity acts on (the others are
+    parsed, to be refused by name, but left out of --help)."""
     from pagedkv.commands.arguments import positive_int
     from pagedkv.engine.args import EngineArgs
 
@@ -39,6 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-windows", type=positive_int, default=None, help="score only the first N windows"
     )
     EngineArgs.add_cli_args(parser)
+    refusable = {field.name for field in fields(EngineArgs)} - ENGINE_FIELDS
+    for action in parser._actions:
+        if action.dest in refusable:
+            action.help = argparse.SUPPRESS
+        elif action.dest == "max_num_batched_tokens":  # the engine's text speaks of steps
+            action.help = "tokens per forward pass: a window runs in pieces of this many"
+            action.help += " (default: %(default)s)"
+    parser.epilog = (
+        "The engine's other flags (KV pool size, scheduling, context length: --n-ctx sets the "
+        "window, sampling, speculative decoding, LoRA, tensor parallelism) do not apply to "
+        "perplexity and are refused."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +83,18 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.weights.load import load
     from pagedkv.worker.threads import physical_cores
 
+    refused = refused_flags(args)
+    if refused:
+        used = ", ".join(_flag(f.name) for f in fields(EngineArgs) if f.name in ENGINE_FIELDS)
+        print(
+            f"pagedkv perplexity: {', '.join(refused)} "
+            f"{'does' if len(refused) == 1 else 'do'} not apply to perplexity (it runs the "
+            "base model in this one process on one window of --n-ctx tokens at a time, each "
+            "through a KV cache sized for it, and samples nothing); the engine flags it uses "
+            f"are {used}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine_args = EngineArgs.from_cli_args(args)
         text = args.file.read_text(encoding="utf-8")
@@ -87,6 +132,24 @@ def run(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads"
     )
     return 0
+
+
+def refused_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags outside `ENGINE_FIELDS` that the command line set off their defaults,
+    as typed (a switched-off boolean as `--no-...`). The parsed values are compared, not an
+    `EngineArgs`, whose aliases (`--swap-space`) also change the field they alias."""
+    from pagedkv.engine.args import EngineArgs
+
+    return [
+        _flag(field.name, negated=getattr(args, field.name) is False)
+        for field in fields(EngineArgs)
+        if field.name not in ENGINE_FIELDS and getattr(args, field.name) != field.default
+    ]
+
+
+def _flag(name: str, *, negated: bool = False) -> str:
+    """An `EngineArgs` field's flag, as `EngineArgs.add_cli_args` spells it."""
+    return ("--no-" if negated else "--") + name.replace("_", "-")
 
 
 @dataclass(frozen=True)

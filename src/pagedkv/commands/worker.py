@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Join the group and run every step rank 0 sends; exit 2 on a bad environment."""
+    """Join the group and run every step rank 0 sends; exit 2 on a bad environment (a variable
+    missing or malformed, named in one line)."""
     from pagedkv.worker.parallel.link import TorchrunEnv
     from pagedkv.worker.parallel.worker import run_worker
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         env = TorchrunEnv.from_environ()
         if env is None:
             raise ValueError("WORLD_SIZE is not set: run under torchrun or set the environment")
-        if not 0 < env.rank < env.world_size:
+        if env.rank == 0:  # from_environ has checked RANK < WORLD_SIZE
             raise ValueError(
                 f"RANK={env.rank}: a worker is rank 1 .. {env.world_size - 1} of WORLD_SIZE="
                 f"{env.world_size} (rank 0 runs the engine)"

@@ -12,6 +12,7 @@ it exits on one.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -41,7 +42,9 @@ class TorchrunEnv:
 
     @classmethod
     def from_environ(cls) -> TorchrunEnv | None:
-        """The environment's description, or None when `WORLD_SIZE` is not set."""
+        """The environment's description, or None when `WORLD_SIZE` is not set; a variable
+        missing or out of its range is a ValueError naming it and its value, since both the
+        worker and rank 0's engine print it as their one-line start-up error."""
         if "WORLD_SIZE" not in os.environ:
             return None
         missing = [
@@ -49,14 +52,29 @@ class TorchrunEnv:
         ]
         if missing:
             raise ValueError(f"WORLD_SIZE is set but {', '.join(missing)} is not")
+        world_size = _environ_int("WORLD_SIZE", 1, math.inf, "a positive integer")
+        last = world_size - 1
         return cls(
             master_addr=os.environ["MASTER_ADDR"],
-            master_port=int(os.environ["MASTER_PORT"]),
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            master_port=_environ_int("MASTER_PORT", 1, 65535, "a port number (1 .. 65535)"),
+            rank=_environ_int("RANK", 0, last, f"a rank 0 .. {last} of WORLD_SIZE={world_size}"),
+            world_size=world_size,
+            local_rank=_environ_int("LOCAL_RANK", 0, math.inf, "a GPU index (an integer >= 0)"),
             agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
+
+
+def _environ_int(name: str, low: int, high: float, what: str) -> int:
+    """The integer in environment variable `name` (LOCAL_RANK defaults to 0), if within
+    `low` .. `high`; else a ValueError saying it is not `what`."""
+    text = os.environ.get(name, "0")
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ValueError(f"{name}={text!r} in the environment is not {what}")
+    return value
 
 
 def heartbeat_key(rank: int) -> str:
