@@ -113,6 +113,47 @@ def test_a_signal_drains_pagedkv_serve_which_exits_0(tiny_model: Path, sig: int)
     assert "ending the requests still running" in output
 
 
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_the_drain_and_the_server_still_stops_cleanly(
+    tiny_model: Path,
+) -> None:
+    """Ctrl-C drains for --shutdown-timeout; a second one ends the running requests now, and
+    the stop after it is the normal one: the app's lifespan shutdown runs (skipping it left
+    the lifespan task to be cancelled at exit, which logged a CancelledError traceback)."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
+    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
+    command += ["--shutdown-timeout", str(HANG_GUARD_S)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: answers_health(url, server))
+        body = BODY | {"max_tokens": 900, "stream": True, "ignore_eos": True}
+        with httpx2.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S
+        ) as stream:
+            events = (line for line in stream.iter_lines() if line.startswith("data: "))
+            next(events)
+            server.send_signal(signal.SIGINT)
+            wait_until(lambda: any("refusing new requests" in line for line in lines))
+            server.send_signal(signal.SIGINT)
+            last = [line.removeprefix("data: ") for line in events]
+        server.wait(timeout=HANG_GUARD_S)
+        reader.join(HANG_GUARD_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    output = "".join(lines)
+    assert json.loads(last[-2])["error"]["code"] == "shutting_down"
+    assert server.returncode == 0, output
+    assert "ending the requests still running" in output
+    assert "Application shutdown complete" in output
+    assert "Traceback" not in output and "CancelledError" not in output, output
+
+
 class Call(threading.Thread):
     """One HTTP request made in the background; `join()` returns it once answered."""
 

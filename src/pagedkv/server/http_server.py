@@ -62,8 +62,14 @@ class DrainingServer(uvicorn.Server):
         self.grace_s = grace_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Drain (still listening, so new requests are told 503), then stop as uvicorn does."""
+        """Drain (still listening, so new requests are told 503), then stop as uvicorn does.
+
+        A second Ctrl-C during the drain ends the running requests (uvicorn reads it as force
+        exit); once they are ended it has done its work, so the stop that follows is uvicorn's
+        normal one, the app's lifespan shutdown included: skipped, the lifespan task was
+        cancelled at exit and logged a CancelledError traceback. A further Ctrl-C forces."""
         await self.drain.run(self.grace_s, cut_short=lambda: self.force_exit)
+        self.force_exit = False
         await super().shutdown(sockets)
 
     @contextlib.contextmanager
