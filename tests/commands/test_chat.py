@@ -31,6 +31,7 @@ import pagedkv
 from pagedkv.cli import main
 from pagedkv.commands import chat
 from pagedkv.commands.sampling_args import sampling_params_from_args
+from pagedkv.engine import SamplingParams
 from pagedkv.tokenizer import Tokenizer
 
 BLOCK_SIZE = 16
@@ -197,6 +198,37 @@ def test_a_prompt_keeps_the_previous_ids_as_far_as_the_template_keeps_the_answer
     assert _common_prefix(ids, tokenizer.encode(rendered, False)) < len(prompt) + len(spelt)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_the_whole_conversation(
+    zoo, oracle
+) -> None:
+    """Each turn's prompt is cut to the conversation's last N tokens, so the system message
+    and the first turn drop out of view while the chat goes on (no PromptTooLong)."""
+    keep = 40
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "Hello world!"}
+    question = {"role": "user", "content": "What is paged attention?"}
+    p1 = oracle.prompt([system, user])
+    a1, a1_text = oracle.answer(p1[-keep:])
+    p2 = oracle.prompt([system, user, {"role": "assistant", "content": a1_text}, question])
+    a2, a2_text = oracle.answer(p2[-keep:])
+    assert len(p1) > keep and oracle.answer(p1)[1] != a1_text  # the cut shows
+
+    flags = ["--max-tokens", str(MAX_TOKENS), "--truncate-prompt-tokens", str(keep)]
+    command = chat_command(zoo.folder("llama"), *flags, "--system", "Be brief.", *ENGINE_FLAGS)
+    script = "Hello world!\nWhat is paged attention?\n"
+    done = subprocess.run(
+        command, input=script.encode(), capture_output=True, env=_child_env(), timeout=TIMEOUT_S
+    )
+    out, err = done.stdout.decode(), done.stderr.decode()
+
+    assert done.returncode == 0, err
+    assert out == f"{a1_text}\n{a2_text}\n"
+    assert [(prompt, tokens) for _, prompt, tokens, _, _ in footers(err)] == [
+        (str(keep), str(len(a1))),
+        (str(keep), str(len(a2))),
+    ]
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_an_answer_frees_its_blocks_and_the_chat_goes_on(long_context_model) -> None:
     flags = ["--max-tokens", "16000", "--ignore-eos", "--num-gpu-blocks", "1100"]
@@ -249,11 +281,17 @@ def test_bad_flags_are_named_and_exit_2(zoo, tmp_path, capsys) -> None:
     model = ["chat", "--model", str(zoo.folder("llama"))]
     assert main([*model, "--top-p", "1.5"]) == 2
     assert "pagedkv chat: top_p must be in [0.0, 1.0], got 1.5" in capsys.readouterr().err
+    for keep, message in (
+        ("0", "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+        ("2000", "truncate_prompt_tokens is 2000, greater than max_model_len (1024)"),
+    ):
+        assert main([*model, "--truncate-prompt-tokens", keep, *ENGINE_FLAGS]) == 2
+        assert capsys.readouterr().err.splitlines()[-1].startswith(f"pagedkv chat: {message}")
     assert main(["chat", "--model", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("pagedkv chat: ")
     for flags, message in (
         (["--max-tokens", "0"], "--max-tokens: must be a positive integer, got 0"),
-        (["--n", "2"], "ambiguous option: --n could match --num-gpu-blocks"),  # no --n
+        (["--n", "2"], "ambiguous option: --n could match --no-skip-special-tokens"),  # no --n
     ):
         with pytest.raises(SystemExit) as exit:
             main([*model, *flags])
@@ -299,7 +337,7 @@ def test_a_chat_is_one_greedy_answer_per_turn_by_default() -> None:
     parser = argparse.ArgumentParser()
     chat.add_arguments(parser)
     params = sampling_params_from_args(parser.parse_args([]))
-    assert (params.n, params.temperature, params.max_tokens) == (1, 0.0, 512)
+    assert params == SamplingParams(n=1, temperature=0.0, max_tokens=512)  # API defaults else
 
 
 # -- helpers -------------------------------------------------------------------------------

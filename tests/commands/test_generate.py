@@ -10,6 +10,7 @@ import argparse
 import re
 
 import pytest
+import torch
 import transformers
 
 from pagedkv.cli import main
@@ -27,12 +28,15 @@ def hf_tokenizer(zoo):
     return transformers.AutoTokenizer.from_pretrained(zoo.folder("llama"))
 
 
-def greedy_text(zoo, hf_tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+def greedy_text(
+    zoo, hf_tokenizer, prompt_ids: list[int], max_tokens: int, skip_special_tokens: bool = True
+) -> tuple[str, str]:
     """transformers' greedy completion of `prompt_ids` as text (less a last character the ids
     leave incomplete, which vLLM's detokenizers never emit), and its finish reason."""
     new_ids = zoo.hf_greedy("llama", tuple(prompt_ids), max_tokens)
     finish = "stop" if new_ids[-1] == EOS else "length"
-    return hf_tokenizer.decode(new_ids, skip_special_tokens=True).rstrip("\ufffd"), finish
+    text = hf_tokenizer.decode(new_ids, skip_special_tokens=skip_special_tokens)
+    return text.rstrip("\ufffd"), finish
 
 
 def test_generate_prints_the_greedy_completion_of_a_prompt(zoo, hf_tokenizer, capsys):
@@ -106,12 +110,6 @@ def test_a_system_message_without_a_chat_message_is_refused(zoo, capsys):
     assert "pagedkv generate: --system needs --chat" in capsys.readouterr().err
 
 
-def test_a_bad_sampling_value_exits_2_naming_it(zoo, capsys):
-    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
-    assert main([*argv, "--top-p", "1.5"]) == 2
-    assert "pagedkv generate: top_p must be in [0.0, 1.0], got 1.5" in capsys.readouterr().err
-
-
 def test_every_sampling_flag_reaches_its_sampling_parameter():
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)
@@ -120,6 +118,8 @@ def test_every_sampling_flag_reaches_its_sampling_parameter():
         + ["--min-p", "0.05", "--repetition-penalty", "1.2", "--presence-penalty", "0.3"]
         + ["--frequency-penalty", "-0.4", "--max-tokens", "11", "--min-tokens", "2"]
         + ["--stop", "ab", "--stop", "c", "--stop-token-ids", "5", "6", "--ignore-eos"]
+        + ["--no-skip-special-tokens", "--include-stop-str-in-output", "--bad-words", "x"]
+        + ["--bad-words", "y z", "--truncate-prompt-tokens", "5"]
     )
     assert sampling_params_from_args(args) == SamplingParams(
         n=3,
@@ -135,9 +135,115 @@ def test_every_sampling_flag_reaches_its_sampling_parameter():
         stop=["ab", "c"],
         stop_token_ids=[5, 6],
         ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        bad_words=["x", "y z"],
+        truncate_prompt_tokens=5,
     )
     defaults = sampling_params_from_args(parser.parse_args(["--prompt", "x"]))
     assert defaults == SamplingParams(temperature=0.0, max_tokens=256)  # greedy by default
+    # -1 (all the context holds) reaches SamplingParams as a value, not as a flag.
+    flags = ["--prompt", "x", "--skip-special-tokens", "--truncate-prompt-tokens", "-1"]
+    assert sampling_params_from_args(parser.parse_args(flags)) == SamplingParams(
+        temperature=0.0, max_tokens=256, skip_special_tokens=True, truncate_prompt_tokens=-1
+    )
+
+
+def test_no_skip_special_tokens_prints_the_special_tokens_generated(zoo, hf_tokenizer, capsys):
+    """The greedy completion of PROMPT generates BOS (`<s>`) mid-text."""
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    argv += ["--max-tokens", "24", *ENGINE_FLAGS]
+    for flags, skip in (([], True), (["--no-skip-special-tokens"], False)):
+        assert main([*argv, *flags]) == 0
+        text, _ = greedy_text(zoo, hf_tokenizer, prompt_ids, 24, skip_special_tokens=skip)
+        assert capsys.readouterr().out == text + "\n"
+    with_special, _ = greedy_text(zoo, hf_tokenizer, prompt_ids, 24, skip_special_tokens=False)
+    assert with_special != greedy_text(zoo, hf_tokenizer, prompt_ids, 24)[0]  # one to show
+
+
+def test_bad_words_are_never_completed(zoo, hf_tokenizer, capsys):
+    """Two words of the greedy completion, banned: transformers' greedy `generate` with the
+    same words' ids as `bad_words_ids` (each alone and after a space, vLLM's rule) is the
+    oracle, and the banned ids occur in the completion without the flag only."""
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
+    plain = zoo.hf_greedy("llama", tuple(prompt_ids), 16)
+    pieces = [hf_tokenizer.decode([token]).strip() for token in plain]
+    words = [piece for piece in pieces if piece.isalpha()][:2]
+    banned = [
+        hf_tokenizer(spelling, add_special_tokens=False)["input_ids"]
+        for word in words
+        for spelling in (word, " " + word)
+    ]
+    with torch.no_grad():
+        out = zoo.hf("llama").generate(
+            torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False, bad_words_ids=banned
+        )
+    constrained = out[0, len(prompt_ids) :].tolist()
+    assert len(words) == 2 and any(_contains(plain, ids) for ids in banned)
+    assert not any(_contains(constrained, ids) for ids in banned)
+
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    argv += ["--max-tokens", "16", *ENGINE_FLAGS]
+    assert main([*argv, "--bad-words", words[0], "--bad-words", words[1]]) == 0
+    expected = hf_tokenizer.decode(constrained, skip_special_tokens=True).rstrip("\ufffd")
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def _contains(token_ids: list[int], word: list[int]) -> bool:
+    return any(token_ids[start : start + len(word)] == word for start in range(len(token_ids)))
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(zoo, hf_tokenizer, capsys):
+    """The stop string is the first two letters in a row of the plain greedy completion: the
+    output ends just before it, or with it under the flag."""
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
+    text, _ = greedy_text(zoo, hf_tokenizer, prompt_ids, 16)
+    stop = re.search(r"[A-Za-z]{2}", text)
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    argv += ["--max-tokens", "16", "--stop", stop[0], *ENGINE_FLAGS]
+    for flags, end in (([], stop.start()), (["--include-stop-str-in-output"], stop.end())):
+        assert main([*argv, *flags]) == 0
+        out, err = capsys.readouterr()
+        assert out == text[:end] + "\n"
+        assert "finish: stop]" in err
+
+
+def test_truncate_prompt_tokens_completes_the_prompts_last_tokens(zoo, hf_tokenizer, capsys):
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
+    text, _ = greedy_text(zoo, hf_tokenizer, prompt_ids[-10:], 12)
+    assert text != greedy_text(zoo, hf_tokenizer, prompt_ids, 12)[0]  # the cut shows
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
+    argv += ["--max-tokens", "12", "--truncate-prompt-tokens", "10", *ENGINE_FLAGS]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--top-p", "1.5"], "top_p must be in [0.0, 1.0], got 1.5"),
+        (
+            ["--truncate-prompt-tokens", "0"],
+            "truncate_prompt_tokens must be an integer >= 1 or -1, got 0",
+        ),
+        (
+            ["--truncate-prompt-tokens", "-2"],
+            "truncate_prompt_tokens must be an integer >= 1 or -1, got -2",
+        ),
+        (
+            ["--truncate-prompt-tokens", "2000"],
+            "truncate_prompt_tokens is 2000, greater than max_model_len (1024)",
+        ),
+        (["--bad-words", " "], "bad_words must not be blank, got ' '"),
+    ],
+)
+def test_a_bad_sampling_value_is_one_line_naming_it_and_exit_2(zoo, capsys, flags, message):
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT, *ENGINE_FLAGS]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"pagedkv generate: {message}")
+    assert "Traceback" not in err
 
 
 def _pool_blocks(stderr: str) -> int:

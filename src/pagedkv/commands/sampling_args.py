@@ -1,6 +1,7 @@
 """Sampling flags shared by `pagedkv generate` and `pagedkv chat`: one per SamplingParams field.
 
-The flags mirror the Python names (`max_tokens` -> `--max-tokens`); values are checked by
+The flags mirror the Python names (`max_tokens` -> `--max-tokens`; a field that defaults to
+True is turned off by its `--no-` form, `--no-skip-special-tokens`); values are checked by
 `SamplingParams` itself, so the command line and the API reject the same things. There is no
 per-request `--seed`: a command runs one engine, whose own `--seed` already fixes sampling.
 """
@@ -42,6 +43,35 @@ def add_sampling_args(
         "--stop-token-ids", type=non_negative_int, nargs="+", default=None, metavar="ID"
     )
     group.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-text")
+    group.add_argument(
+        "--skip-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="leave special tokens such as <s> out of the text (default: %(default)s)",
+    )
+    group.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="end the text with the stop string (or stop token's text) that ended it",
+    )
+    group.add_argument(
+        "--bad-words",
+        action="append",
+        default=None,
+        metavar="WORD",
+        help="a word whose tokens are never completed (repeatable)",
+    )
+    # Any integer: SamplingParams refuses 0 and below -1, so `-1` (vLLM's "all that fits")
+    # passes, which positive_int would refuse.
+    group.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep only the prompt's last N tokens (-1: as many as the context holds with "
+        "room for one more); in chat, the last N of the whole conversation, so its oldest "
+        "turns and the system message drop out of view once it is longer",
+    )
 
 
 def sampling_params_from_args(args: argparse.Namespace):
@@ -62,4 +92,8 @@ def sampling_params_from_args(args: argparse.Namespace):
         stop=args.stop,
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
+        skip_special_tokens=args.skip_special_tokens,
+        include_stop_str_in_output=args.include_stop_str_in_output,
+        bad_words=args.bad_words,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
     )
