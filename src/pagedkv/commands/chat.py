@@ -68,14 +68,14 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, then answer each line read until the input ends."""
     from pagedkv.commands.sampling_args import sampling_params_from_args
     from pagedkv.engine import Engine, EngineArgs
-    from pagedkv.engine.admission import truncate
+    from pagedkv.engine.admission import check_truncation
     from pagedkv.engine.errors import STARTUP_ERRORS
 
     try:
         params = sampling_params_from_args(args)
         engine = Engine(EngineArgs.from_cli_args(args))
         # A --truncate-prompt-tokens past the context would refuse every turn: refuse it now.
-        truncate([], params, engine.max_model_len)
+        check_truncation(params, engine.max_model_len)
     except STARTUP_ERRORS as error:
         print(f"pagedkv chat: {error}", file=sys.stderr)
         return 2

@@ -78,14 +78,14 @@ def run(args: argparse.Namespace) -> int:
     """Score the file and print perplexity, tokens scored and speed."""
     import torch
 
-    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.args import EngineArgs, cli_flag
     from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
     from pagedkv.worker.threads import physical_cores
 
     refused = refused_flags(args)
     if refused:
-        used = ", ".join(_flag(f.name) for f in fields(EngineArgs) if f.name in ENGINE_FIELDS)
+        used = ", ".join(cli_flag(f.name) for f in fields(EngineArgs) if f.name in ENGINE_FIELDS)
         print(
             f"pagedkv perplexity: {', '.join(refused)} "
             f"{'does' if len(refused) == 1 else 'do'} not apply to perplexity (it runs the "
@@ -138,18 +138,13 @@ def refused_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags outside `ENGINE_FIELDS` that the command line set off their defaults,
     as typed (a switched-off boolean as `--no-...`). The parsed values are compared, not an
     `EngineArgs`, whose aliases (`--swap-space`) also change the field they alias."""
-    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.args import EngineArgs, cli_flag
 
     return [
-        _flag(field.name, negated=getattr(args, field.name) is False)
+        cli_flag(field.name, negated=getattr(args, field.name) is False)
         for field in fields(EngineArgs)
         if field.name not in ENGINE_FIELDS and getattr(args, field.name) != field.default
     ]
-
-
-def _flag(name: str, *, negated: bool = False) -> str:
-    """An `EngineArgs` field's flag, as `EngineArgs.add_cli_args` spells it."""
-    return ("--no-" if negated else "--") + name.replace("_", "-")
 
 
 @dataclass(frozen=True)

@@ -67,14 +67,20 @@ def tokenize(
 def truncate(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
     """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1 keeps
     as many as the context holds with room for one new token."""
+    check_truncation(params, max_model_len)
     keep = params.truncate_prompt_tokens
     if keep is None:
         return token_ids
-    if keep > max_model_len:
-        raise TruncationTooLong(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - 1
     return token_ids[-keep:]
+
+
+def check_truncation(params: SamplingParams, max_model_len: int) -> None:
+    """A `truncate_prompt_tokens` past the context is refused, as vLLM refuses it."""
+    keep = params.truncate_prompt_tokens
+    if keep is not None and keep > max_model_len:
+        raise TruncationTooLong(keep, max_model_len)
 
 
 def check_keys(priority: object, cache_salt: object) -> None:

@@ -241,7 +241,7 @@ class EngineArgs:
         """Add one `--flag` per field, with the field's default and type."""
         group = parser.add_argument_group("engine")
         for field in fields(cls):
-            flag = "--" + field.name.replace("_", "-")
+            flag = cli_flag(field.name)
             default = field.default
             if field.name in ("enable_prefix_caching", "enable_lora"):
                 group.add_argument(
@@ -272,6 +272,12 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The engine settings among parsed arguments (other arguments are ignored)."""
         return cls(**{field.name: getattr(args, field.name) for field in fields(cls)})
+
+
+def cli_flag(field_name: str, *, negated: bool = False) -> str:
+    """The command-line flag of an EngineArgs field as `add_cli_args` spells it; `negated`,
+    the `--no-` form its on/off fields also take."""
+    return ("--no-" if negated else "--") + field_name.replace("_", "-")
 
 
 def _gib(name: str, value: object) -> None:
