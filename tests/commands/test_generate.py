@@ -264,6 +264,12 @@ def test_without_a_pool_size_the_pool_holds_what_the_request_can_need(
     assert re.search(r"loaded in [\d.]+ s: kernels [\d.]+ s, weights [\d.]+ s, KV pool", err)
 
 
+def test_the_pool_holds_the_prompt_as_truncation_leaves_it(zoo, capsys):
+    argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT * 8]
+    assert main([*argv, "--max-tokens", "6", "--truncate-prompt-tokens", "10"]) == 0
+    assert _pool_blocks(capsys.readouterr().err) == -(-(10 + 6) // 16) + 1
+
+
 def test_a_given_pool_size_is_kept(zoo, capsys):
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
     assert main([*argv, "--max-tokens", "4", *ENGINE_FLAGS]) == 0
