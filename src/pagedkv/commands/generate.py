@@ -119,14 +119,14 @@ def blocks_for_request(
     params: SamplingParams,
     loaded: LoadedModel,
 ) -> int:
-    """KV blocks that one request's samples can fill: each sample's prompt (as
-    `truncate_prompt_tokens` leaves it) and output, up to the model length, plus one block each
-    for the slot the scheduler reserves ahead."""
-    from pagedkv.engine.admission import truncate
+    """KV blocks that one request's samples can fill: each sample's prompt (as admission
+    tokenizes and truncates it) and output, up to the model length, plus one block each for the
+    slot the scheduler reserves ahead."""
+    from pagedkv.engine.admission import max_model_len, tokenize, truncate
 
-    max_model_len = engine_args.max_model_len or loaded.config.max_position_embeddings
-    token_ids = loaded.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-    prompt_len = len(truncate(token_ids, params, max_model_len))
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
-    tokens = min(prompt_len + max_tokens, max_model_len)
+    context = max_model_len(engine_args.max_model_len, loaded.config.max_position_embeddings)
+    _, token_ids = tokenize(loaded.tokenizer, prompt, loaded.config.vocab_size)
+    prompt_len = len(truncate(token_ids, params, context))
+    max_tokens = params.max_tokens if params.max_tokens is not None else context
+    tokens = min(prompt_len + max_tokens, context)
     return params.n * (-(-tokens // engine_args.block_size) + 1)
