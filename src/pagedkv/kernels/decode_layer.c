@@ -34,6 +34,7 @@ typedef struct {
     int64_t out_features;
     int64_t in_features;
     const float *bias; /* NULL when none */
+    int64_t panels;    /* 1: values, scales and mins in the panel layout (qmatmul.c) */
 } QuantizedWeight;
 
 /* An fp8 cache's format (pagedkv.attention.fp8) and scales, as native.Fp8CacheArgs. */
@@ -51,6 +52,9 @@ typedef struct {
 int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     const void *scales, const void *mins, int half, int has_mins, int bits,
                     int64_t g, int64_t n, const float *bias, float *y);
+int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *values,
+                           const void *scales, const void *mins, int half, int has_mins, int bits,
+                           int64_t n, const float *bias, float *y);
 int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                       int cache_dtype, const float *fp8_table, float k_scale, float v_scale,
                       const int32_t *block_tables, int64_t table_stride,
@@ -89,6 +93,10 @@ static int add_lora(LayerLoRA lora, int which, const float *x, int64_t k, const 
 }
 
 static int project(const float *x, int64_t m, const QuantizedWeight *w, float *y) {
+    if (w->panels)
+        return pagedkv_qmatmul_panels(x, m, w->in_features, w->values, w->scales, w->mins,
+                                      (int)w->half_scales, (int)w->has_mins, (int)w->bits,
+                                      w->out_features, w->bias, y);
     return pagedkv_qmatmul(x, m, w->in_features, w->values, w->scales, w->mins,
                            (int)w->half_scales, (int)w->has_mins, (int)w->bits, w->group_size,
                            w->out_features, w->bias, y);

@@ -58,6 +58,12 @@ _QMATMUL_ARGS = (
     + [ctypes.c_int64, ctypes.c_int64]  # g, n
     + [ctypes.c_void_p, ctypes.c_void_p]  # bias, y
 )
+_QMATMUL_PANELS_ARGS = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
+    + [ctypes.c_void_p] * 3  # values, scales, mins (panel layout)
+    + [ctypes.c_int, ctypes.c_int, ctypes.c_int]  # half, has_mins, bits
+    + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]  # n, bias, y
+)
 _DEQUANTIZE_ARGS = (
     [ctypes.c_void_p] * 3  # values, scales, mins
     + [ctypes.c_int, ctypes.c_int]  # half, bits
@@ -115,6 +121,7 @@ class QuantizedWeightArgs(ctypes.Structure):
         ("out_features", ctypes.c_int64),
         ("in_features", ctypes.c_int64),
         ("bias", ctypes.c_void_p),
+        ("panels", ctypes.c_int64),  # 1: values, scales and mins in the panel layout
     ]
 
 
@@ -198,6 +205,7 @@ class Kernels:
     """The library's entry points, typed for ctypes."""
 
     qmatmul: ctypes._CFuncPtr  # quantised weights: int8 dot products, any row count
+    qmatmul_panels: ctypes._CFuncPtr  # the same for weights in the panel layout
     dequantize: ctypes._CFuncPtr  # a quantised weight to float32
     fmatmul: ctypes._CFuncPtr  # float32/bfloat16/float16 weights
     attention: ctypes._CFuncPtr  # every query row over its sequence's paged keys
@@ -211,6 +219,11 @@ class Kernels:
     lora_add: ctypes._CFuncPtr  # a mixed batch's LoRA products, added to a projection's output
     vector_path: str  # the instructions this build computes with (VECTOR_PATHS)
 
+    @property
+    def panels(self) -> bool:
+        """Whether this build multiplies weights in the panel layout (AVX-512 VNNI)."""
+        return self.vector_path == VECTOR_PATHS[2]
+
 
 @functools.cache
 def kernels() -> Kernels | None:
@@ -221,6 +234,8 @@ def kernels() -> Kernels | None:
         return None
     library.pagedkv_qmatmul.argtypes = _QMATMUL_ARGS
     library.pagedkv_qmatmul.restype = ctypes.c_int
+    library.pagedkv_qmatmul_panels.argtypes = _QMATMUL_PANELS_ARGS
+    library.pagedkv_qmatmul_panels.restype = ctypes.c_int
     library.pagedkv_dequantize.argtypes = _DEQUANTIZE_ARGS
     library.pagedkv_dequantize.restype = None
     library.pagedkv_fmatmul.argtypes = _FMATMUL_ARGS
@@ -247,6 +262,7 @@ def kernels() -> Kernels | None:
     library.pagedkv_lora_add.restype = ctypes.c_int
     return Kernels(
         library.pagedkv_qmatmul,
+        library.pagedkv_qmatmul_panels,
         library.pagedkv_dequantize,
         library.pagedkv_fmatmul,
         library.pagedkv_attention,

@@ -22,6 +22,9 @@
  * The activations are quantised into the same order. Groups past the last whole block keep
  * ggml's order (a 4-bit group's byte b holds value b in its low nibble, b + 16 in its high one).
  *
+ * On AVX-512 VNNI builds a layer's weights come in the panel layout instead (quant/panels.py,
+ * pagedkv_qmatmul_panels below): the same products and floats, fewer instructions.
+ *
  * Threads split output columns (8 at a time) inside tiles of rows sized to stay in cache;
  * the library shares PyTorch's OpenMP pool, so torch.set_num_threads governs it too.
  *
@@ -61,13 +64,13 @@ static inline int64_t act_vector(int bits, int64_t u) {
     return bits == 8 ? u : 4 * ((u % 4) / 2) + 2 * (u / 4) + u % 2;
 }
 
-/* int8 activations of one row [k] in kernel order, with per-group scale, float sum and
- * integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree; a value's
+/* int8 activations of one row [k] in kernel order (in natural order when `natural`, as the
+ * panel layout takes them), with per-group scale, float sum and integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree; a value's
  * int8 is nearbyint(value x 127 / amax). The AVX2 path takes the same 8 lanes and rounds the
  * same way (to nearest, ties to even), so both give the same bytes and floats. */
-static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int8_t *xq, float *xs,
-                         float *xsum, int32_t *xisum) {
-    int64_t groups = k / g, blocked = groups / 8 * 8;
+static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int natural, int8_t *xq,
+                         float *xs, float *xsum, int32_t *xisum) {
+    int64_t groups = k / g, blocked = natural ? 0 : groups / 8 * 8;
     int32_t units[64]; /* one group's int8 values (g <= 64), as int32 */
     for (int64_t group = 0; group < groups; group++) {
         const float *v = x + group * g;
@@ -707,8 +710,8 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
         {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++)
-                quantize_row(x + r * k, k, g, bits, xq + r * k, xs + r * groups, xsum + r * groups,
-                             xisum + r * groups);
+                quantize_row(x + r * k, k, g, bits, 0, xq + r * k, xs + r * groups,
+                             xsum + r * groups, xisum + r * groups);
             for (int64_t r0 = 0; r0 < m; r0 += tile) {
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
@@ -750,6 +753,187 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
     free(xsum);
     free(xisum);
     return failed ? -1 : 0;
+}
+
+/* The panel layout (quant/panels.py), read on AVX-512 VNNI builds: the weight's columns in
+ * panels of 16, each panel's groups of 32 one after another, a group as the 16 columns' values
+ * side by side (row q of a group: values 4q .. 4q + 3 of each column, 4 bytes a column, so one
+ * 64-byte vector of weights meets one broadcast 4-byte unit of a row's activations in vpdpbusd).
+ * 4 bits: byte b of a group's 256 holds its byte b in the low nibble and byte 256 + b in the
+ * high one; 8 bits: 512 bytes, each value + 128 (unsigned, as vpdpbusd takes it; the product is
+ * corrected by 128 x the activations' integer sum, as in kernel order). Groups come in the
+ * order the float part visits them: lane j of each whole block first for j = 0..7 (group j,
+ * 8 + j, 16 + j, ...), then the tail groups. Scales and mins are column-major, [groups][n]
+ * (quant/formats.py keeps them as a transposed view, so they are still [n, groups] to Python):
+ * a panel's 16 of one group are one load.
+ *
+ * Why: a row's every 16 columns are one stream of bytes and one vector of scales, with no tail
+ * groups done apart and no lanes to add across, so the same products take fewer instructions
+ * than kernel order (one thread, a 3072 x 576 matmul: 1.7x at one row, 1.5x at 6). The float
+ * arithmetic is kernel order's, lane for lane: lane j accumulates group 8b + j over whole blocks
+ * b, `fma(dot, scale x x_scale, acc)` then `fma(min, x_sum, acc)`; the 8 lanes are added by
+ * simd.h's tree; the tail groups follow in order; then the bias. So both layouts give the same
+ * bits, and a build without AVX-512 VNNI (kernel order) the same as one with it (panels). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PANELS 1
+enum { PANEL_COLUMNS = 16, PANEL_ROWS = 8, PREFETCH_GROUPS = 8 };
+
+/* The group visited `v`-th in a panel of `groups` groups. */
+INLINE int64_t panel_group(int64_t v, int64_t groups) {
+    int64_t blocks = groups / 8;
+    return v < blocks * 8 ? (v % blocks) * 8 + v / blocks : v;
+}
+
+/* 16 columns' scales or mins of one group from column-major ones (`at` the first), float16
+ * when `half`, as float32 lanes (exact); lanes past `inside` zero. */
+INLINE __m512 scales16(const void *p, int64_t at, int half, __mmask16 inside) {
+    if (!half) return _mm512_maskz_loadu_ps(inside, (const float *)p + at);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(inside, (const uint16_t *)p + at));
+}
+
+/* `rows` rows (natural-order activations `a`, `k` bytes apart) by one panel: y's columns col0 ..
+ * col0 + 15 (those below n). */
+INLINE void panel_rows(const uint8_t *w, const void *ps, const void *pm, int half, int has_mins,
+                       int bits, int64_t groups, int64_t k, const int8_t *a, const float *xs,
+                       const float *xsum, const int32_t *xisum, int rows, const float *bias,
+                       int64_t col0, int64_t n, float *y) {
+    int64_t blocks = groups / 8, group_bytes = bits == 4 ? 256 : 512;
+    int64_t cols = n - col0 < PANEL_COLUMNS ? n - col0 : PANEL_COLUMNS;
+    __mmask16 inside = (__mmask16)((1u << cols) - 1);
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 acc[PANEL_ROWS], lanes[8][PANEL_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < groups; v++) {
+        int64_t group = panel_group(v, groups);
+        const uint8_t *src = w + v * group_bytes;
+        for (int64_t at = 0; at < group_bytes; at += 64)
+            _mm_prefetch((const char *)src + PREFETCH_VALUES + at, _MM_HINT_T0);
+        if (v + PREFETCH_GROUPS < groups) { /* a column of scales is no stream the core foresees */
+            int64_t ahead = panel_group(v + PREFETCH_GROUPS, groups) * n + col0;
+            _mm_prefetch((const char *)ps + ahead * (half ? 2 : 4), _MM_HINT_T0);
+            if (has_mins) _mm_prefetch((const char *)pm + ahead * (half ? 2 : 4), _MM_HINT_T0);
+        }
+        __m512i wv[8];
+        if (bits == 4) {
+            for (int q = 0; q < 4; q++) {
+                __m512i p = _mm512_loadu_si512((const void *)(src + 64 * q));
+                wv[q] = _mm512_and_si512(p, mask);
+                wv[q + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+            }
+        } else {
+            for (int q = 0; q < 8; q++) wv[q] = _mm512_loadu_si512((const void *)(src + 64 * q));
+        }
+        if (v < blocks * 8 && v % blocks == 0)
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        __m512 scale = scales16(ps, group * n + col0, half, inside);
+        __m512 wm = has_mins ? scales16(pm, group * n + col0, half, inside) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int8_t *unit = a + r * k + group * 32;
+            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+            for (int q = 0; q < 8; q += 2) {
+                int32_t u0, u1;
+                memcpy(&u0, unit + 4 * q, 4);
+                memcpy(&u1, unit + 4 * q + 4, 4);
+                d0 = _mm512_dpbusd_epi32(d0, wv[q], _mm512_set1_epi32(u0));
+                d1 = _mm512_dpbusd_epi32(d1, wv[q + 1], _mm512_set1_epi32(u1));
+            }
+            __m512i dots = _mm512_add_epi32(d0, d1);
+            int64_t at = r * groups + group;
+            if (bits == 8) /* (w + 128) x summed, less 128 * sum(x) */
+                dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(xisum[at] * 128));
+            __m512 both = _mm512_mul_ps(scale, _mm512_set1_ps(xs[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), both, acc[r]);
+            if (has_mins) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[at]), acc[r]);
+        }
+        if (v < blocks * 8 && v % blocks == blocks - 1) { /* lane j's last block */
+            int64_t j = v / blocks;
+            for (int r = 0; r < rows; r++) lanes[j][r] = acc[r];
+            if (j == 7) /* simd.h's tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
+                for (int r = 0; r < rows; r++)
+                    acc[r] = _mm512_add_ps(
+                        _mm512_add_ps(_mm512_add_ps(lanes[0][r], lanes[4][r]),
+                                      _mm512_add_ps(lanes[2][r], lanes[6][r])),
+                        _mm512_add_ps(_mm512_add_ps(lanes[1][r], lanes[5][r]),
+                                      _mm512_add_ps(lanes[3][r], lanes[7][r])));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 total = acc[r];
+        if (bias != NULL) total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(inside, bias + col0));
+        _mm512_mask_storeu_ps(y + r * n + col0, inside, total);
+    }
+}
+
+/* panel_rows with the row count and width as constants, one copy per case. */
+static void panel_rows_any(const uint8_t *w, const void *ps, const void *pm, int half,
+                           int has_mins, int bits, int64_t groups, int64_t k, const int8_t *a,
+                           const float *xs, const float *xsum, const int32_t *xisum, int rows,
+                           const float *bias, int64_t col0, int64_t n, float *y) {
+#define PANEL_CASE(R)                                                                          \
+    case R:                                                                                    \
+        if (bits == 4)                                                                         \
+            panel_rows(w, ps, pm, half, has_mins, 4, groups, k, a, xs, xsum, xisum, R, bias,   \
+                       col0, n, y);                                                            \
+        else                                                                                   \
+            panel_rows(w, ps, pm, half, has_mins, 8, groups, k, a, xs, xsum, xisum, R, bias,   \
+                       col0, n, y);                                                            \
+        return;
+    switch (rows) {
+        PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4)
+        PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
+    }
+#undef PANEL_CASE
+}
+#endif
+
+/* y [m, n] = x [m, k] W^T (+ bias), W in the panel layout (above): `values` the panels' bytes,
+ * `scales` and `mins` column-major [groups][n] (float16 when `half`), groups of 32, 4 or 8
+ * bits. Returns 0; -1 when scratch memory cannot be allocated; -2 on a build without AVX-512
+ * VNNI, which never lays a weight out in panels. */
+int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *values,
+                           const void *scales, const void *mins, int half, int has_mins, int bits,
+                           int64_t n, const float *bias, float *y) {
+#ifdef PANELS
+    int64_t groups = k / 32, panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    int64_t panel_bytes = groups * (bits == 4 ? 256 : 512);
+    int8_t *xq = malloc((size_t)(m * k));
+    float *xs = malloc(sizeof(float) * (size_t)(m * groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
+    int32_t *xisum = malloc(sizeof(int32_t) * (size_t)(m * groups));
+    int failed = xq == NULL || xs == NULL || xsum == NULL || xisum == NULL;
+    int64_t tile = TILE_BYTES / k;
+    tile = tile < PANEL_ROWS ? PANEL_ROWS : (tile > 64 ? 64 : tile);
+    if (!failed) {
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++)
+                quantize_row(x + r * k, k, 32, bits, 1, xq + r * k, xs + r * groups,
+                             xsum + r * groups, xisum + r * groups);
+            for (int64_t r0 = 0; r0 < m; r0 += tile) {
+                int64_t r1 = r0 + tile < m ? r0 + tile : m;
+#pragma omp for schedule(static) nowait
+                for (int64_t p = 0; p < panels; p++)
+                    for (int64_t rr = r0; rr < r1; rr += PANEL_ROWS) {
+                        int rows = r1 - rr < PANEL_ROWS ? (int)(r1 - rr) : PANEL_ROWS;
+                        panel_rows_any(values + p * panel_bytes, scales, mins, half, has_mins,
+                                       bits, groups, k, xq + rr * k, xs + rr * groups,
+                                       xsum + rr * groups, xisum + rr * groups, rows, bias,
+                                       p * PANEL_COLUMNS, n, y + rr * n);
+                    }
+            }
+        }
+    }
+    free(xq);
+    free(xs);
+    free(xsum);
+    free(xisum);
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)m, (void)k, (void)values, (void)scales, (void)mins, (void)half;
+    (void)has_mins, (void)bits, (void)n, (void)bias, (void)y;
+    return -2;
+#endif
 }
 
 /* out [n, k] float32 = the weight dequantised from kernel order: scale * q + min per group,

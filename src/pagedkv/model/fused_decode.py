@@ -185,4 +185,5 @@ def _projection(linear: Linear) -> native.QuantizedWeightArgs | None:
         rows,
         cols,
         None if bias is None else bias.data_ptr(),
+        int(qweight.layout == "panels"),
     )

@@ -26,6 +26,11 @@ of a row, 4-byte unit `u` of group `j` moves to unit `u * 8 + j`, so one 32-byte
 unit of each of 8 groups and `kernels/qmatmul.c` sums 8 groups' integer products in 8 lanes.
 Groups past a row's last whole block keep ggml's order. `from_ggml` builds one from ggml-order
 bytes and `ggml_values` gives them back; both are permutations of bytes, so nothing is lost.
+
+`in_panels()` gives the same weight in the panel layout (`quant/panels.py`), which the kernels
+of AVX-512 VNNI machines read faster; `layout` says which one `values` holds. Scales and mins
+are `[rows, groups]` either way, stored column-major in the panel layout (a transposed view:
+the kernel finds 16 rows' scales of a group side by side).
 """
 
 from __future__ import annotations
@@ -36,28 +41,42 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from pagedkv.quant import panels
+
 GROUP_SIZES = {4: (32,), 8: (16, 32)}
 SCALE_DTYPES = (torch.float32, torch.float16)
+LAYOUTS = ("kernel", "panels")
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A quantised `[rows, cols]` weight; see the module docstring for the layout."""
 
-    values: Tensor  # kernel order; bits 4: uint8 [rows, cols // 2]; bits 8: int8 [rows, cols]
+    values: Tensor  # kernel order: bits 4 uint8 [rows, cols // 2], bits 8 int8 [rows, cols]
     scales: Tensor  # float32 or float16 [rows, cols // group_size]
     mins: Tensor  # as scales (the same dtype)
     bits: int
     group_size: int
+    layout: str = "kernel"  # or "panels": values uint8 [panels, groups * bytes per group]
 
     def __post_init__(self) -> None:
-        # The kernels read the fields as packed row-major arrays.
-        for name in ("values", "scales", "mins"):
-            object.__setattr__(self, name, getattr(self, name).contiguous())
+        # The kernels read the fields as packed arrays: row-major, but scales and mins
+        # column-major in the panel layout (a transposed view, still [rows, groups] here).
+        object.__setattr__(self, "values", self.values.contiguous())
+        for name in ("scales", "mins"):
+            tensor = getattr(self, name)
+            packed = tensor.t().contiguous().t() if self.layout == "panels" else tensor.contiguous()
+            object.__setattr__(self, name, packed)
         if self.bits not in GROUP_SIZES or self.group_size not in GROUP_SIZES[self.bits]:
             raise ValueError(f"no {self.bits}-bit layout with groups of {self.group_size}")
         rows, cols = self.shape
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
         expected = (torch.uint8, cols // 2) if self.bits == 4 else (torch.int8, cols)
+        if self.layout == "panels":
+            if self.group_size != panels.GROUP:
+                raise ValueError(f"the panel layout has groups of {panels.GROUP} only")
+            expected = (torch.uint8, cols * self.bits // 8 * panels.PANEL_ROWS)
         if (self.values.dtype, self.values.shape[1]) != expected:
             raise ValueError(
                 f"{self.bits}-bit values must be {expected[0]} with {expected[1]} columns, "
@@ -83,7 +102,18 @@ class QuantizedTensor:
 
     def ggml_values(self) -> Tensor:
         """`values` in ggml's byte order."""
+        if self.layout == "panels":
+            return _ggml_bytes(self.integers(), self.bits)
         return _to_kernel_order(self.values, self.bits, self.group_size, inverse=True)
+
+    def in_panels(self) -> QuantizedTensor:
+        """The same weight in the panel layout (groups of 32 only)."""
+        if self.layout == "panels":
+            return self
+        values = panels.to_panels(self.integers(), self.bits)
+        return QuantizedTensor(
+            values, self.scales, self.mins, self.bits, self.group_size, layout="panels"
+        )
 
     @cached_property
     def shape(self) -> tuple[int, int]:
@@ -126,6 +156,8 @@ class QuantizedTensor:
 
     def integers(self) -> Tensor:
         """The values `q` as int16 `[rows, cols]`, unpacked."""
+        if self.layout == "panels":
+            return panels.from_panels(self.values, self.bits, *self.shape)
         values = self.ggml_values()
         if self.bits == 8:
             return values.to(torch.int16)
@@ -141,7 +173,15 @@ class QuantizedTensor:
         return dense.view(rows, cols).to(dtype)
 
     def rows(self, index: Tensor) -> QuantizedTensor:
-        """The rows `index` (a 1-d int64 tensor), still quantised."""
+        """The rows `index` (a 1-d int64 tensor), still quantised (in kernel order)."""
+        if self.layout == "panels":
+            return QuantizedTensor.from_ggml(
+                self.ggml_values()[index],
+                self.scales[index],
+                self.mins[index],
+                self.bits,
+                self.group_size,
+            )
         return QuantizedTensor(
             self.values[index], self.scales[index], self.mins[index], self.bits, self.group_size
         )
@@ -155,6 +195,16 @@ def narrowed(scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     if torch.isfinite(half).all() and torch.equal(half.to(both.dtype), both):
         return scales.to(torch.float16), mins.to(torch.float16)
     return scales, mins
+
+
+def _ggml_bytes(integers: Tensor, bits: int) -> Tensor:
+    """ggml-order bytes of values `q` `[rows, cols]`: 8 bits, as int8; 4 bits, byte j of a
+    group holding value j in its low nibble and value j + 16 in its high one."""
+    if bits == 8:
+        return integers.to(torch.int8)
+    rows, cols = integers.shape
+    grouped = integers.view(rows, cols // 32, 2, 16).to(torch.uint8)
+    return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(rows, cols // 2)
 
 
 def _to_kernel_order(values: Tensor, bits: int, group_size: int, inverse: bool = False) -> Tensor:

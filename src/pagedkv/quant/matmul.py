@@ -5,7 +5,8 @@ many other rows share its step (prompt chunks, decode batches, a prefix-cache hi
 a prompt's last few tokens alone). On the CPU with the C kernels built (`native.py`):
 - quantised weights: the activations are quantised to int8 per group and multiplied by the
   weight's own bytes in integer dot products, for decode steps (4-8x fewer bytes read than
-  float32 weights) and prompt chunks alike (`kernels/qmatmul.c`, tiled for many rows);
+  float32 weights) and prompt chunks alike (`kernels/qmatmul.c`, tiled for many rows; a
+  layer's weights in the panel layout where the kernels use AVX-512 VNNI, `kernel_layout`);
 - float32, bfloat16 and float16 weights: `kernels/fmatmul.c`, with a fixed order of sums over
   the input features, where BLAS changes its blocking with the row count.
 Activations are float32 inside; a 16-bit model's come back rounded to its dtype. Elsewhere (a
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedkv.kernels import native
+from pagedkv.quant import panels
 from pagedkv.quant.formats import QuantizedTensor
 
 # What fmatmul.c reads for each weight dtype.
@@ -34,21 +36,12 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
     flat, bias = _float32_rows(x, cols), _float32_bias(bias)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
     values, scales, mins, half, has_mins = weight.pointers
-    status = kernels.qmatmul(
-        flat.data_ptr(),
-        flat.shape[0],
-        cols,
-        values,
-        scales,
-        mins,
-        half,
-        has_mins,
-        weight.bits,
-        weight.group_size,
-        rows,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-    )
+    head = (flat.data_ptr(), flat.shape[0], cols, values, scales, mins, half, has_mins)
+    tail = (rows, None if bias is None else bias.data_ptr(), out.data_ptr())
+    if weight.layout == "panels":
+        status = kernels.qmatmul_panels(*head, weight.bits, *tail)
+    else:
+        status = kernels.qmatmul(*head, weight.bits, weight.group_size, *tail)
     if status != 0:
         raise MemoryError(f"quantised matmul of {tuple(flat.shape)} by {weight.shape}: no memory")
     return _shaped(out, x)
@@ -77,9 +70,20 @@ def float_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _shaped(out, x)
 
 
+def kernel_layout(weight: QuantizedTensor) -> QuantizedTensor:
+    """The weight in the layout this machine's kernels multiply fastest: the panel layout
+    where they are built for AVX-512 VNNI (groups of 32, whole panels of rows, so no byte is
+    added), else as it is. Both give the same bits, so the choice changes the speed only."""
+    kernels = native.kernels() if weight.kernel_ready else None
+    rows, _ = weight.shape
+    if kernels is None or not kernels.panels or weight.group_size != panels.GROUP:
+        return weight
+    return weight.in_panels() if rows % panels.PANEL_ROWS == 0 else weight
+
+
 def dequantize(weight: QuantizedTensor) -> Tensor:
     """The weight as a new float32 tensor, by the C kernel where it runs."""
-    kernels = native.kernels() if weight.kernel_ready else None
+    kernels = native.kernels() if weight.kernel_ready and weight.layout == "kernel" else None
     if kernels is None:
         return weight.dequantize()
     rows, cols = weight.shape

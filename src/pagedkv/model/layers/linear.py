@@ -36,7 +36,13 @@ from pagedkv.parallel.collectives import all_reduce, gather_last_dim
 from pagedkv.parallel.group import building_group
 from pagedkv.parallel.split import Split, split_even, split_or_replicate, split_padded
 from pagedkv.quant.formats import QuantizedTensor
-from pagedkv.quant.matmul import as_dense, dequantize, float_linear, quantized_linear
+from pagedkv.quant.matmul import (
+    as_dense,
+    dequantize,
+    float_linear,
+    kernel_layout,
+    quantized_linear,
+)
 from pagedkv.quant.quantize import GROUP_SIZE, common_layout, to_scheme
 
 
@@ -227,7 +233,9 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(dense, requires_grad=False)
             self.method = DENSE
             return
-        self.qweight = common_layout([to_scheme(part, self.scheme) for part in parts])
+        self.qweight = kernel_layout(
+            common_layout([to_scheme(part, self.scheme) for part in parts])
+        )
         self.method = QUANTIZED
 
 
