@@ -2,7 +2,7 @@
 products, bit for bit, as kernel order.
 
 The byte oracle walks the layout's definition value by value (row, group, value -> panel, byte,
-nibble), independently of the permutations `quant/panels.py` computes it with. The products
+nibble), independently of the unit moves `quant/panels.py` computes it with. The products
 are compared with the kernel-order kernel's (tests/quant/test_qmatmul.py checks that one).
 """
 

@@ -110,7 +110,7 @@ class QuantizedTensor:
         """The same weight in the panel layout (groups of 32 only)."""
         if self.layout == "panels":
             return self
-        values = panels.to_panels(self.integers(), self.bits)
+        values = panels.to_panels(self.values, self.bits)
         return QuantizedTensor(
             values, self.scales, self.mins, self.bits, self.group_size, layout="panels"
         )

@@ -38,22 +38,31 @@ def visit_order(groups: int) -> Tensor:
     return torch.cat((order, torch.arange(blocks * 8, groups)))
 
 
-def to_panels(integers: Tensor, bits: int) -> Tensor:
-    """Panel bytes `[panels, groups * bytes_per_group]` (uint8) of a weight's values `q`
-    (`integers`: `[rows, cols]`, 0..15 for 4 bits, -128..127 for 8 bits)."""
-    rows, cols = integers.shape
-    groups, padded = cols // GROUP, panel_count(rows) * PANEL_ROWS
-    q = torch.zeros(padded, cols, dtype=torch.int16)
-    q[:rows] = integers
+def to_panels(values: Tensor, bits: int) -> Tensor:
+    """Panel bytes `[panels, groups * bytes_per_group]` (uint8) of kernel-order `values`
+    (`formats.py`). A panel row is a 4-byte unit of a group (values 4q .. 4q + 3; with 4 bits,
+    and 16 + 4q .. in the high nibbles), exactly the units kernel order keeps, so this moves
+    whole units: no value is unpacked."""
+    rows, row_bytes = values.shape
+    units = bits  # 4-byte units per group of 32: 16 bytes (4 bits) or 32 (8 bits)
+    groups = row_bytes // (4 * units)
+    unit_values = values.contiguous().view(torch.int32)
+    order = _unit_positions(groups, units)[visit_order(groups)].reshape(-1)
+    padded = torch.zeros(panel_count(rows) * PANEL_ROWS, groups * units, dtype=torch.int32)
+    padded[:rows] = unit_values[:, order]
     if bits == 8:
-        q[:rows] += 128
-    # [panel, row c, group, unit q, e] -> [panel, group, unit q, row c, e]
-    tiles = q.view(-1, PANEL_ROWS, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)
-    tiles = tiles[:, visit_order(groups)].reshape(-1, groups, PANEL_ROWS * GROUP).to(torch.uint8)
-    if bits == 4:
-        half = PANEL_ROWS * GROUP // 2
-        tiles = tiles[..., :half] | (tiles[..., half:] << 4)
-    return tiles.reshape(tiles.shape[0], -1).contiguous()
+        padded[:rows] ^= 0x80808080 - (1 << 32)  # each byte + 128 (mod 256), as int32 bits
+    # [panel, row c, visited group, unit q] -> [panel, visited group, unit q, row c]
+    tiles = padded.view(-1, PANEL_ROWS, groups, units).permute(0, 2, 3, 1).contiguous()
+    return tiles.view(torch.uint8).view(tiles.shape[0], -1)
+
+
+def _unit_positions(groups: int, units: int) -> Tensor:
+    """`[groups, units]`: where unit u of group g sits among a kernel-order row's 4-byte
+    units (in a whole block of 8 groups, unit u of group j at u * 8 + j; after, in order)."""
+    g, u = torch.arange(groups)[:, None], torch.arange(units)[None, :]
+    blocked = (g // 8) * 8 * units + u * 8 + g % 8
+    return torch.where(g < groups // 8 * 8, blocked, g * units + u)
 
 
 def from_panels(panels: Tensor, bits: int, rows: int, cols: int) -> Tensor:
