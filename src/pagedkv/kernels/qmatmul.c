@@ -65,9 +65,10 @@ static inline int64_t act_vector(int bits, int64_t u) {
 }
 
 /* int8 activations of one row [k] in kernel order (in natural order when `natural`, as the
- * panel layout takes them), with per-group scale, float sum and integer sum. The float sum takes 8 lanes (value i in lane i % 8) and the tree; a value's
- * int8 is nearbyint(value x 127 / amax). The AVX2 path takes the same 8 lanes and rounds the
- * same way (to nearest, ties to even), so both give the same bytes and floats. */
+ * panel layout takes them), with per-group scale, float sum and integer sum. The float sum
+ * takes 8 lanes (value i in lane i % 8) and the tree; a value's int8 is nearbyint(value x 127 /
+ * amax). The AVX2 path takes the same 8 lanes and rounds the same way (to nearest, ties to
+ * even), so both give the same bytes and floats. */
 static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int natural, int8_t *xq,
                          float *xs, float *xsum, int32_t *xisum) {
     int64_t groups = k / g, blocked = natural ? 0 : groups / 8 * 8;
@@ -769,14 +770,16 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
  *
  * Why: a row's every 16 columns are one stream of bytes and one vector of scales, with no tail
  * groups done apart and no lanes to add across, so the same products take fewer instructions
- * than kernel order (one thread, a 3072 x 576 matmul: 1.7x at one row, 1.5x at 6). The float
+ * than kernel order (two threads, a 3072 x 576 matmul: 1.7x at one row, 1.5x at 6). The float
  * arithmetic is kernel order's, lane for lane: lane j accumulates group 8b + j over whole blocks
  * b, `fma(dot, scale x x_scale, acc)` then `fma(min, x_sum, acc)`; the 8 lanes are added by
  * simd.h's tree; the tail groups follow in order; then the bias. So both layouts give the same
  * bits, and a build without AVX-512 VNNI (kernel order) the same as one with it (panels). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PANELS 1
-enum { PANEL_COLUMNS = 16, PANEL_ROWS = 8, PREFETCH_GROUPS = 8 };
+/* Columns of a panel; rows of activations one pass over a panel takes (their accumulators
+ * stay in registers); groups ahead whose scales are asked for. */
+enum { PANEL_COLUMNS = 16, PASS_ROWS = 8, PREFETCH_GROUPS = 8 };
 
 /* The group visited `v`-th in a panel of `groups` groups. */
 INLINE int64_t panel_group(int64_t v, int64_t groups) {
@@ -801,7 +804,7 @@ INLINE void panel_rows(const uint8_t *w, const void *ps, const void *pm, int hal
     int64_t cols = n - col0 < PANEL_COLUMNS ? n - col0 : PANEL_COLUMNS;
     __mmask16 inside = (__mmask16)((1u << cols) - 1);
     const __m512i mask = _mm512_set1_epi8(0x0F);
-    __m512 acc[PANEL_ROWS], lanes[8][PANEL_ROWS];
+    __m512 acc[PASS_ROWS], lanes[8][PASS_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t v = 0; v < groups; v++) {
         int64_t group = panel_group(v, groups);
@@ -902,7 +905,7 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
     int32_t *xisum = malloc(sizeof(int32_t) * (size_t)(m * groups));
     int failed = xq == NULL || xs == NULL || xsum == NULL || xisum == NULL;
     int64_t tile = TILE_BYTES / k;
-    tile = tile < PANEL_ROWS ? PANEL_ROWS : (tile > 64 ? 64 : tile);
+    tile = tile < PASS_ROWS ? PASS_ROWS : (tile > 64 ? 64 : tile);
     if (!failed) {
 #pragma omp parallel
         {
@@ -914,8 +917,8 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
                 for (int64_t p = 0; p < panels; p++)
-                    for (int64_t rr = r0; rr < r1; rr += PANEL_ROWS) {
-                        int rows = r1 - rr < PANEL_ROWS ? (int)(r1 - rr) : PANEL_ROWS;
+                    for (int64_t rr = r0; rr < r1; rr += PASS_ROWS) {
+                        int rows = r1 - rr < PASS_ROWS ? (int)(r1 - rr) : PASS_ROWS;
                         panel_rows_any(values + p * panel_bytes, scales, mins, half, has_mins,
                                        bits, groups, k, xq + rr * k, xs + rr * groups,
                                        xsum + rr * groups, xisum + rr * groups, rows, bias,
