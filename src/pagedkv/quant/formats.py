@@ -102,9 +102,13 @@ class QuantizedTensor:
 
     def ggml_values(self) -> Tensor:
         """`values` in ggml's byte order."""
+        return _to_kernel_order(self.kernel_values(), self.bits, self.group_size, inverse=True)
+
+    def kernel_values(self) -> Tensor:
+        """`values` in kernel order, whatever the layout."""
         if self.layout == "panels":
-            return _ggml_bytes(self.integers(), self.bits)
-        return _to_kernel_order(self.values, self.bits, self.group_size, inverse=True)
+            return panels.from_panels(self.values, self.bits, *self.shape)
+        return self.values
 
     def in_panels(self) -> QuantizedTensor:
         """The same weight in the panel layout (groups of 32 only)."""
@@ -156,8 +160,6 @@ class QuantizedTensor:
 
     def integers(self) -> Tensor:
         """The values `q` as int16 `[rows, cols]`, unpacked."""
-        if self.layout == "panels":
-            return panels.from_panels(self.values, self.bits, *self.shape)
         values = self.ggml_values()
         if self.bits == 8:
             return values.to(torch.int16)
@@ -174,16 +176,12 @@ class QuantizedTensor:
 
     def rows(self, index: Tensor) -> QuantizedTensor:
         """The rows `index` (a 1-d int64 tensor), still quantised (in kernel order)."""
-        if self.layout == "panels":
-            return QuantizedTensor.from_ggml(
-                self.ggml_values()[index],
-                self.scales[index],
-                self.mins[index],
-                self.bits,
-                self.group_size,
-            )
         return QuantizedTensor(
-            self.values[index], self.scales[index], self.mins[index], self.bits, self.group_size
+            self.kernel_values()[index],
+            self.scales[index],
+            self.mins[index],
+            self.bits,
+            self.group_size,
         )
 
 
@@ -195,16 +193,6 @@ def narrowed(scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     if torch.isfinite(half).all() and torch.equal(half.to(both.dtype), both):
         return scales.to(torch.float16), mins.to(torch.float16)
     return scales, mins
-
-
-def _ggml_bytes(integers: Tensor, bits: int) -> Tensor:
-    """ggml-order bytes of values `q` `[rows, cols]`: 8 bits, as int8; 4 bits, byte j of a
-    group holding value j in its low nibble and value j + 16 in its high one."""
-    if bits == 8:
-        return integers.to(torch.int8)
-    rows, cols = integers.shape
-    grouped = integers.view(rows, cols // 32, 2, 16).to(torch.uint8)
-    return (grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(rows, cols // 2)
 
 
 def _to_kernel_order(values: Tensor, bits: int, group_size: int, inverse: bool = False) -> Tensor:

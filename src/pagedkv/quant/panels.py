@@ -24,6 +24,7 @@ from torch import Tensor
 
 PANEL_ROWS = 16
 GROUP = 32  # values per group: the one group size the panel layout has
+_PLUS_128 = 0x80808080 - (1 << 32)  # XOR adds 128 to each byte (mod 256), as int32 bits
 
 
 def panel_count(rows: int) -> int:
@@ -51,7 +52,7 @@ def to_panels(values: Tensor, bits: int) -> Tensor:
     padded = torch.zeros(panel_count(rows) * PANEL_ROWS, groups * units, dtype=torch.int32)
     padded[:rows] = unit_values[:, order]
     if bits == 8:
-        padded[:rows] ^= 0x80808080 - (1 << 32)  # each byte + 128 (mod 256), as int32 bits
+        padded[:rows] ^= _PLUS_128
     # [panel, row c, visited group, unit q] -> [panel, visited group, unit q, row c]
     tiles = padded.view(-1, PANEL_ROWS, groups, units).permute(0, 2, 3, 1).contiguous()
     return tiles.view(torch.uint8).view(tiles.shape[0], -1)
@@ -66,11 +67,12 @@ def _unit_positions(groups: int, units: int) -> Tensor:
 
 
 def from_panels(panels: Tensor, bits: int, rows: int, cols: int) -> Tensor:
-    """The values `q` `[rows, cols]` (int16) of panel bytes: `to_panels` undone."""
-    groups = cols // GROUP
-    tiles = panels.view(panels.shape[0], groups, -1).to(torch.int16)
-    tiles = torch.cat((tiles & 0x0F, tiles >> 4), dim=-1) if bits == 4 else tiles - 128
-    unvisited = torch.empty_like(tiles)
-    unvisited[:, visit_order(groups)] = tiles
-    q = unvisited.view(-1, groups, GROUP // 4, PANEL_ROWS, 4).permute(0, 3, 1, 2, 4)
-    return q.reshape(-1, cols)[:rows]
+    """The kernel-order values `[rows, row_bytes]` of panel bytes: `to_panels` undone."""
+    units, groups = bits, cols // GROUP
+    tiles = panels.contiguous().view(torch.int32).view(-1, groups, units, PANEL_ROWS)
+    visited = tiles.permute(0, 3, 1, 2).reshape(-1, groups * units)[:rows]
+    if bits == 8:
+        visited = visited ^ _PLUS_128
+    unit_values = torch.empty_like(visited)
+    unit_values[:, _unit_positions(groups, units)[visit_order(groups)].reshape(-1)] = visited
+    return unit_values.view(torch.uint8 if bits == 4 else torch.int8)
