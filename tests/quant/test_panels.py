@@ -69,7 +69,7 @@ def test_bytes_follow_the_definition(bits: int, rows: int, cols: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("half", [True, False])
-@pytest.mark.parametrize(("rows", "cols"), [(1, 32), (17, 64), (40, 288), (33, 1536)])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 32), (16, 256), (17, 64), (40, 288), (33, 1536)])
 def test_the_same_weight_comes_back(bits: int, half: bool, rows: int, cols: int) -> None:
     weight = random_weight(rows, cols, bits, half, mins=bits == 4, seed=3)
     paneled = weight.in_panels()

@@ -73,6 +73,6 @@ def from_panels(panels: Tensor, bits: int, rows: int, cols: int) -> Tensor:
     visited = tiles.permute(0, 3, 1, 2).reshape(-1, groups * units)[:rows]
     if bits == 8:
         visited = visited ^ _PLUS_128
-    unit_values = torch.empty_like(visited)
+    unit_values = torch.empty(visited.shape, dtype=torch.int32)
     unit_values[:, _unit_positions(groups, units)[visit_order(groups)].reshape(-1)] = visited
     return unit_values.view(torch.uint8 if bits == 4 else torch.int8)
