@@ -123,6 +123,42 @@ static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int nat
     }
 }
 
+/* One call's activations, quantised per row by quantize_row: int8 values [m][k], and per row
+ * and group the scale, float sum and integer sum [m][groups]. */
+typedef struct {
+    int8_t *q;
+    float *scale, *sum;
+    int32_t *isum;
+} Activations;
+
+/* Room for m rows of k values in groups of g; 0, or -1 when memory runs out. Freed by
+ * activations_free either way. */
+static int activations_alloc(Activations *a, int64_t m, int64_t k, int64_t g) {
+    a->q = malloc((size_t)(m * k));
+    a->scale = malloc(sizeof(float) * (size_t)(m * (k / g)));
+    a->sum = malloc(sizeof(float) * (size_t)(m * (k / g)));
+    a->isum = malloc(sizeof(int32_t) * (size_t)(m * (k / g)));
+    return a->q == NULL || a->scale == NULL || a->sum == NULL || a->isum == NULL ? -1 : 0;
+}
+
+static void activations_free(Activations *a) {
+    free(a->q);
+    free(a->scale);
+    free(a->sum);
+    free(a->isum);
+}
+
+/* quantize_row for each of x's m rows, the rows shared among the threads of the enclosing
+ * parallel region. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t g, int bits, int natural,
+                          const Activations *a) {
+    int64_t groups = k / g;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * k, k, g, bits, natural, a->q + r * k, a->scale + r * groups,
+                     a->sum + r * groups, a->isum + r * groups);
+}
+
 /* Value i of group j (0..7) of a whole block, from its kernel-order bytes. */
 static inline int32_t block_value(const uint8_t *block, int bits, int64_t j, int64_t i) {
     if (bits == 8) return (int8_t)block[(i / 4) * 32 + j * 4 + i % 4];
@@ -698,21 +734,15 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                     int64_t g, int64_t n, const float *bias, float *y) {
     int64_t scale_bytes = half ? 2 : 4;
     int64_t groups = k / g, blocks = groups / 8, row_bytes = k * bits / 8;
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xs = malloc(sizeof(float) * (size_t)(m * groups));
-    float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
-    int32_t *xisum = malloc(sizeof(int32_t) * (size_t)(m * groups));
-    int failed = xq == NULL || xs == NULL || xsum == NULL || xisum == NULL;
+    Activations a;
+    int failed = activations_alloc(&a, m, k, g) != 0;
     int64_t tile = TILE_BYTES / k;
     tile = tile < 4 ? 4 : (tile > 64 ? 64 : tile);
     int64_t col_groups = (n + 7) / 8;
     if (!failed) {
 #pragma omp parallel
         {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++)
-                quantize_row(x + r * k, k, g, bits, 0, xq + r * k, xs + r * groups,
-                             xsum + r * groups, xisum + r * groups);
+            quantize_rows(x, m, k, g, bits, 0, &a);
             for (int64_t r0 = 0; r0 < m; r0 += tile) {
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
@@ -728,9 +758,10 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                             block_lanes_pair_any(
                                 values + col * row_bytes,
                                 (const char *)scales + col * groups * scale_bytes,
-                                (const char *)mins + col * groups * scale_bytes, half, xq + rr * k,
-                                xs + rr * groups, xsum + rr * groups, xisum + rr * groups, bits, g,
-                                k, blocks, has_mins, rows, lanes[c], lanes[c + 1]);
+                                (const char *)mins + col * groups * scale_bytes, half,
+                                a.q + rr * k, a.scale + rr * groups, a.sum + rr * groups,
+                                a.isum + rr * groups, bits, g, k, blocks, has_mins, rows, lanes[c],
+                                lanes[c + 1]);
                         }
 #endif
                         for (; c < cols; c++) {
@@ -738,21 +769,18 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
                             block_lanes_any(values + col * row_bytes,
                                             (const char *)scales + col * groups * scale_bytes,
                                             (const char *)mins + col * groups * scale_bytes, half,
-                                            xq + rr * k, xs + rr * groups, xsum + rr * groups,
-                                            xisum + rr * groups, bits, g, k, blocks, has_mins,
-                                            rows, lanes[c]);
+                                            a.q + rr * k, a.scale + rr * groups,
+                                            a.sum + rr * groups, a.isum + rr * groups, bits, g, k,
+                                            blocks, has_mins, rows, lanes[c]);
                         }
                         finish_rows(lanes, rows, rr, col0, cols, values, scales, mins, half,
-                                    has_mins, bits, g, k, n, xq, xs, xsum, xisum, bias, y);
+                                    has_mins, bits, g, k, n, a.q, a.scale, a.sum, a.isum, bias, y);
                     }
                 }
             }
         }
     }
-    free(xq);
-    free(xs);
-    free(xsum);
-    free(xisum);
+    activations_free(&a);
     return failed ? -1 : 0;
 }
 
@@ -899,20 +927,14 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
 #ifdef PANELS
     int64_t groups = k / 32, panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     int64_t panel_bytes = groups * (bits == 4 ? 256 : 512);
-    int8_t *xq = malloc((size_t)(m * k));
-    float *xs = malloc(sizeof(float) * (size_t)(m * groups));
-    float *xsum = malloc(sizeof(float) * (size_t)(m * groups));
-    int32_t *xisum = malloc(sizeof(int32_t) * (size_t)(m * groups));
-    int failed = xq == NULL || xs == NULL || xsum == NULL || xisum == NULL;
+    Activations a;
+    int failed = activations_alloc(&a, m, k, 32) != 0;
     int64_t tile = TILE_BYTES / k;
     tile = tile < PASS_ROWS ? PASS_ROWS : (tile > 64 ? 64 : tile);
     if (!failed) {
 #pragma omp parallel
         {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++)
-                quantize_row(x + r * k, k, 32, bits, 1, xq + r * k, xs + r * groups,
-                             xsum + r * groups, xisum + r * groups);
+            quantize_rows(x, m, k, 32, bits, 1, &a);
             for (int64_t r0 = 0; r0 < m; r0 += tile) {
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
@@ -920,17 +942,14 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
                     for (int64_t rr = r0; rr < r1; rr += PASS_ROWS) {
                         int rows = r1 - rr < PASS_ROWS ? (int)(r1 - rr) : PASS_ROWS;
                         panel_rows_any(values + p * panel_bytes, scales, mins, half, has_mins,
-                                       bits, groups, k, xq + rr * k, xs + rr * groups,
-                                       xsum + rr * groups, xisum + rr * groups, rows, bias,
+                                       bits, groups, k, a.q + rr * k, a.scale + rr * groups,
+                                       a.sum + rr * groups, a.isum + rr * groups, rows, bias,
                                        p * PANEL_COLUMNS, n, y + rr * n);
                     }
             }
         }
     }
-    free(xq);
-    free(xs);
-    free(xsum);
-    free(xisum);
+    activations_free(&a);
     return failed ? -1 : 0;
 #else
     (void)x, (void)m, (void)k, (void)values, (void)scales, (void)mins, (void)half;
