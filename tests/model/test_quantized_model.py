@@ -34,6 +34,7 @@ from pagedkv.model.layers import linear as linear_module
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import DENSE, QUANTIZED, Linear
 from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.matmul import kernel_layout
 from pagedkv.quant.quantize import quantize_int4
 from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
 from pagedkv.weights.hf_folder import load_model
@@ -406,6 +407,25 @@ def test_linear_with_columns_not_in_groups_of_32_stays_dense():
     rows = torch.randn(10, 48)
     table.load(rows)
     assert table.qweight is None and torch.equal(table.weight, rows)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_tied_table_in_the_kernels_layout_gives_the_same_rows_and_logits(scheme):
+    """A table that is also the LM head is kept in `kernel_layout`'s layout (panels on
+    AVX-512 VNNI builds); its lookups and logits have the bits of the same table kept as
+    quantised, looked up and multiplied in kernel order."""
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randn(64, 96, generator=generator)
+    tied, plain = Embedding(64, 96, reads_logits=True), Embedding(64, 96)
+    for table in (tied, plain):
+        table.quantize(scheme)
+        table.load(rows)
+    assert plain.qweight.layout == "kernel"
+    assert tied.qweight.layout == kernel_layout(plain.qweight).layout
+    tokens = torch.tensor([[63, 0, 17], [16, 15, 63]])
+    assert torch.equal(tied(tokens), plain(tokens))
+    hidden = torch.randn(7, 96, generator=generator)
+    assert torch.equal(tied.logits(hidden), plain.logits(hidden))
 
 
 def test_fused_projection_under_auto_mixes_file_blocks_and_floats():

@@ -166,7 +166,9 @@ class DecoderModel(nn.Module):
         self.config = config
         backend = attention_backend or select_backend(torch.get_default_device())
         self.attention_backend = backend
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, reads_logits=config.tie_word_embeddings
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(
                 self.attention_class(config, index, backend), self.mlp_class(config), config

@@ -176,8 +176,12 @@ class QuantizedTensor:
 
     def rows(self, index: Tensor) -> QuantizedTensor:
         """The rows `index` (a 1-d int64 tensor), still quantised (in kernel order)."""
+        if self.layout == "panels":
+            values = panels.rows_from_panels(self.values, self.bits, self.shape[1], index)
+        else:
+            values = self.values[index]
         return QuantizedTensor(
-            self.kernel_values()[index],
+            values,
             self.scales[index],
             self.mins[index],
             self.bits,

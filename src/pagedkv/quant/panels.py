@@ -19,6 +19,8 @@ layouts give the same bits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -48,7 +50,7 @@ def to_panels(values: Tensor, bits: int) -> Tensor:
     units = bits  # 4-byte units per group of 32: 16 bytes (4 bits) or 32 (8 bits)
     groups = row_bytes // (4 * units)
     unit_values = values.contiguous().view(torch.int32)
-    order = _unit_positions(groups, units)[visit_order(groups)].reshape(-1)
+    order = _visited_positions(groups, units)
     padded = torch.zeros(panel_count(rows) * PANEL_ROWS, groups * units, dtype=torch.int32)
     padded[:rows] = unit_values[:, order]
     if bits == 8:
@@ -56,6 +58,13 @@ def to_panels(values: Tensor, bits: int) -> Tensor:
     # [panel, row c, visited group, unit q] -> [panel, visited group, unit q, row c]
     tiles = padded.view(-1, PANEL_ROWS, groups, units).permute(0, 2, 3, 1).contiguous()
     return tiles.view(torch.uint8).view(tiles.shape[0], -1)
+
+
+@functools.cache
+def _visited_positions(groups: int, units: int) -> Tensor:
+    """Where each unit of a row in visit order goes in kernel order (`[groups * units]`);
+    kept, as lookups of single rows would otherwise spend most of their time building it."""
+    return _unit_positions(groups, units)[visit_order(groups)].reshape(-1)
 
 
 def _unit_positions(groups: int, units: int) -> Tensor:
@@ -71,8 +80,36 @@ def from_panels(panels: Tensor, bits: int, rows: int, cols: int) -> Tensor:
     units, groups = bits, cols // GROUP
     tiles = panels.contiguous().view(torch.int32).view(-1, groups, units, PANEL_ROWS)
     visited = tiles.permute(0, 3, 1, 2).reshape(-1, groups * units)[:rows]
+    return _kernel_order(visited, bits, groups)
+
+
+def rows_from_panels(panels: Tensor, bits: int, cols: int, index: Tensor) -> Tensor:
+    """The kernel-order values `[len(index), row_bytes]` of rows `index` (a 1-d int64 tensor)
+    alone: each row's units gathered out of its panel in one indexing, so that a lookup (an
+    embedding table's tokens) reads its rows' bytes, not the whole weight's."""
+    units, groups = bits, cols // GROUP
+    flat = panels.contiguous().view(torch.int32).view(-1)
+    first = (index // PANEL_ROWS) * (groups * units * PANEL_ROWS) + index % PANEL_ROWS
+    picked = flat[first[:, None] + _unit_offsets(groups, units)]
+    if bits == 8:
+        picked ^= _PLUS_128
+    return picked.view(torch.uint8 if bits == 4 else torch.int8)
+
+
+@functools.cache
+def _unit_offsets(groups: int, units: int) -> Tensor:
+    """Where each unit of a kernel-order row sits in its panel, from the row's first unit
+    (int32 units; `[groups * units]`)."""
+    visited = torch.empty(groups * units, dtype=torch.int64)
+    visited[_visited_positions(groups, units)] = torch.arange(groups * units)
+    return visited * PANEL_ROWS
+
+
+def _kernel_order(visited: Tensor, bits: int, groups: int) -> Tensor:
+    """Rows of units in visit order (int32 `[rows, groups * units]`, 8-bit values + 128) as
+    kernel-order values."""
     if bits == 8:
         visited = visited ^ _PLUS_128
     unit_values = torch.empty(visited.shape, dtype=torch.int32)
-    unit_values[:, _unit_positions(groups, units)[visit_order(groups)].reshape(-1)] = visited
+    unit_values[:, _visited_positions(groups, bits)] = visited
     return unit_values.view(torch.uint8 if bits == 4 else torch.int8)
