@@ -63,3 +63,19 @@ def test_replay_bound_counts_the_steps_and_rows_of_the_lookups_drafts() -> None:
     assert abs(bound.every_draft - plain / every) < 1e-12
     assert abs(bound.oracle - plain / oracle) < 1e-12
     assert bound.free_rows == 8 / 4
+
+
+def test_a_llama_cpp_worker_that_dies_leaves_ours_reported(tmp_path, capsys) -> None:
+    """llama.cpp runs last: if its worker dies, the run still reports pagedkv's figures (no
+    llama.cpp figures) and says why, instead of losing them to a traceback."""
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\nkill -s SEGV $$\n")
+    crashing.chmod(0o755)
+    args = spec_bench.parse_args(["--llama-python", str(crashing), "--rounds", "1"])
+
+    class Eos:
+        eos_token_ids = {2}
+
+    figures = spec_bench.llama_figures(args, tmp_path / "model.gguf", {"a": [[1, 5, 7]]}, Eos, 1)
+    assert figures is None
+    assert "llama.cpp: failed (llama.cpp worker exited with status -11" in capsys.readouterr().out
