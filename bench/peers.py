@@ -233,7 +233,10 @@ class LlamaCppPeer:
                 "uses CPU instructions this machine lacks (rebuild it here, e.g. "
                 'CMAKE_ARGS="-DGGML_NATIVE=ON"); ' + INSTALL_HINT
             )
-        return f"llama.cpp worker exited with status {code}: {tail or '(no output)'}"
+        output = tail or "(no output)"
+        if code == -signal.SIGSEGV:  # seen here from a native build's AMX matmul in a VM
+            return f"llama.cpp worker died of a segmentation fault: {output}; {INSTALL_HINT}"
+        return f"llama.cpp worker exited with status {code}: {output}"
 
 
 class TransformersPeer:

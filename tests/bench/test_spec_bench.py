@@ -78,4 +78,6 @@ def test_a_llama_cpp_worker_that_dies_leaves_ours_reported(tmp_path, capsys) -> 
 
     figures = spec_bench.llama_figures(args, tmp_path / "model.gguf", {"a": [[1, 5, 7]]}, Eos, 1)
     assert figures is None
-    assert "llama.cpp: failed (llama.cpp worker exited with status -11" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "llama.cpp: failed (llama.cpp worker died of a segmentation fault" in out
+    assert "DGGML_NATIVE=OFF" in out  # the rebuild that avoids the crash seen on this machine
