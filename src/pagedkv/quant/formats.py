@@ -181,11 +181,7 @@ class QuantizedTensor:
         else:
             values = self.values[index]
         return QuantizedTensor(
-            values,
-            self.scales[index],
-            self.mins[index],
-            self.bits,
-            self.group_size,
+            values, self.scales[index], self.mins[index], self.bits, self.group_size
         )
 
 

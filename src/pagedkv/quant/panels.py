@@ -62,8 +62,8 @@ def to_panels(values: Tensor, bits: int) -> Tensor:
 
 @functools.cache
 def _visited_positions(groups: int, units: int) -> Tensor:
-    """Where each unit of a row in visit order goes in kernel order (`[groups * units]`);
-    kept, as lookups of single rows would otherwise spend most of their time building it."""
+    """Where each unit of a row in visit order goes in kernel order (`[groups * units]`),
+    built once per shape."""
     return _unit_positions(groups, units)[visit_order(groups)].reshape(-1)
 
 
@@ -80,7 +80,11 @@ def from_panels(panels: Tensor, bits: int, rows: int, cols: int) -> Tensor:
     units, groups = bits, cols // GROUP
     tiles = panels.contiguous().view(torch.int32).view(-1, groups, units, PANEL_ROWS)
     visited = tiles.permute(0, 3, 1, 2).reshape(-1, groups * units)[:rows]
-    return _kernel_order(visited, bits, groups)
+    if bits == 8:
+        visited = visited ^ _PLUS_128
+    unit_values = torch.empty(visited.shape, dtype=torch.int32)
+    unit_values[:, _visited_positions(groups, units)] = visited
+    return unit_values.view(torch.uint8 if bits == 4 else torch.int8)
 
 
 def rows_from_panels(panels: Tensor, bits: int, cols: int, index: Tensor) -> Tensor:
@@ -103,13 +107,3 @@ def _unit_offsets(groups: int, units: int) -> Tensor:
     visited = torch.empty(groups * units, dtype=torch.int64)
     visited[_visited_positions(groups, units)] = torch.arange(groups * units)
     return visited * PANEL_ROWS
-
-
-def _kernel_order(visited: Tensor, bits: int, groups: int) -> Tensor:
-    """Rows of units in visit order (int32 `[rows, groups * units]`, 8-bit values + 128) as
-    kernel-order values."""
-    if bits == 8:
-        visited = visited ^ _PLUS_128
-    unit_values = torch.empty(visited.shape, dtype=torch.int32)
-    unit_values[:, _visited_positions(groups, bits)] = visited
-    return unit_values.view(torch.uint8 if bits == 4 else torch.int8)
