@@ -234,7 +234,7 @@ class LlamaCppPeer:
                 'CMAKE_ARGS="-DGGML_NATIVE=ON"); ' + INSTALL_HINT
             )
         output = tail or "(no output)"
-        if code == -signal.SIGSEGV:  # seen here from a native build's AMX matmul in a VM
+        if code == -signal.SIGSEGV:  # a native build did this in a VM here; the no-AMX one ran
             return f"llama.cpp worker died of a segmentation fault: {output}; {INSTALL_HINT}"
         return f"llama.cpp worker exited with status {code}: {output}"
 
