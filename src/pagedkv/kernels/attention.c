@@ -29,7 +29,14 @@
  * or decoded (other dtypes) out of their blocks into one contiguous scratch buffer, and each
  * chunk serves every vector of the tile: scores are computed QK_QUERIES vectors by four keys
  * per step (groups of 8 dot products, one hsum8x8 each), values summed PV_QUERIES vectors by
- * up to four 8-float column vectors, the accumulators held in registers across the chunk.
+ * up to four column vectors, the accumulators held in registers across the chunk.
+ *
+ * AVX-512 does the same arithmetic twice as wide without touching the rule: a 16-lane fma is
+ * two 8-lane ones side by side. Scores take query vectors in pairs, packed per tile so each
+ * 16 floats hold the two vectors' same 8 dimensions, against a key's 8 dimensions repeated in
+ * both halves: each half is the 8-lane chain of one (vector, key) dot product, reduced by the
+ * same hsum8x8. Value columns go 16 at a time, the last ones masked: each column is still its
+ * own fma chain in position order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,10 +58,10 @@ enum {
     PREFETCH_ROWS = 16,     /* rows ahead of the one being copied that are asked for */
 };
 
-/* Query vectors per score step and per value block: more where AVX-512VL gives 32 vector
- * registers (the shapes change the speed only, never a result). */
-#ifdef __AVX512VL__
-#define QK_QUERIES 4
+/* Query vectors per score step and per value block: more where AVX-512 gives 32 vector
+ * registers, and 16-float vectors (the shapes change the speed only, never a result). */
+#ifdef __AVX512F__
+#define QK_QUERIES 8 /* as 4 packed pairs */
 #define PV_QUERIES 6
 #else
 #define QK_QUERIES 2
@@ -92,6 +99,9 @@ typedef struct {
     int64_t width;
     float *rows;     /* [chunk][head_dim] */
     int64_t chunk;
+#ifdef __AVX512F__
+    float *pairs; /* vectors 2i and 2i + 1 packed for score_pairs, from pairs + 2i * head_dim */
+#endif
 } Tile;
 
 /* The first position a query at `pos` attends. */
@@ -208,6 +218,15 @@ static float dot_lanes(const float *q, const float *k, int64_t head_dim) {
 }
 #endif
 
+/* Each score s[i][j0 + j], i < nq, j < 4, plus its vector's and key's head_dim % 8 tail. */
+static void add_tails(int nq, const float *const *q, const float *kr, int64_t head_dim,
+                      int64_t j0, float *const *s) {
+    if (head_dim % 8 == 0) return;
+    for (int i = 0; i < nq; i++)
+        for (int j = 0; j < 4; j++)
+            s[i][j0 + j] = add_tail(s[i][j0 + j], q[i], kr + j * head_dim, head_dim);
+}
+
 /* s[i][j] = dot(q[i], k + j * head_dim) for nq (1, 2 or QK_QUERIES) vectors i and keys j < n
  * (a multiple of 4), four keys at a time: 4 x nq accumulators, each key and query load held
  * in a register (the empty asm keeps the compiler from re-reading it per multiply). */
@@ -244,33 +263,90 @@ INLINE void score_keys(int nq, const float *const *q, const float *k, int64_t he
         for (int i = 0; i < nq; i++)
             for (int j = 0; j < 4; j++) s[i][j0 + j] = dot_lanes(q[i], kr + j * head_dim, head_dim);
 #endif
-        if (head_dim % 8)
-            for (int i = 0; i < nq; i++)
-                for (int j = 0; j < 4; j++)
-                    s[i][j0 + j] = add_tail(s[i][j0 + j], q[i], kr + j * head_dim, head_dim);
+        add_tails(nq, q, kr, head_dim, j0, s);
     }
 }
 
+#ifdef __AVX512F__
+/* Vectors a and b packed for score_pairs: per 8 dimensions of the first head_dim / 8 * 8, a's
+ * then b's, 16 floats. */
+static void pack_pair(const float *a, const float *b, int64_t head_dim, float *pair) {
+    for (int64_t d = 0; d + 8 <= head_dim; d += 8) {
+        memcpy(pair + 2 * d, a + d, sizeof(float) * 8);
+        memcpy(pair + 2 * d + 8, b + d, sizeof(float) * 8);
+    }
+}
+
+/* score_keys for np pairs of vectors (vectors 2i and 2i + 1 packed at pairs[i]): a 16-lane fma
+ * of pair i with key j's 8 dimensions in both halves is the 8-lane fmas of both vectors with
+ * key j, and the halves go through the same hsum8x8, so every score has score_keys' bits. */
+INLINE void score_pairs(int np, const float *const *q, const float *const *pairs,
+                        const float *k, int64_t head_dim, int64_t n, float *const *s) {
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        const float *kr = k + j0 * head_dim;
+        __m512 a[QK_QUERIES / 2][4];
+        for (int i = 0; i < np; i++)
+            for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d + 8 <= head_dim; d += 8) {
+            __m512 x[QK_QUERIES / 2];
+            for (int i = 0; i < np; i++) {
+                x[i] = _mm512_loadu_ps(pairs[i] + 2 * d);
+                __asm__("" : "+v"(x[i]));
+            }
+            for (int j = 0; j < 4; j++) {
+                __m256d key = _mm256_loadu_pd((const double *)(kr + j * head_dim + d));
+                __m512 kj = _mm512_castpd_ps(_mm512_broadcast_f64x4(key));
+                __asm__("" : "+v"(kj));
+                for (int i = 0; i < np; i++) a[i][j] = _mm512_fmadd_ps(x[i], kj, a[i][j]);
+            }
+        }
+        for (int i = 0; i < np; i += 2) { /* pairs i and i + 1 (a lone last one twice) */
+            int other = i + 1 < np ? i + 1 : i;
+            __m512 sums[8] = {a[i][0],     a[i][1],     a[i][2],     a[i][3],
+                              a[other][0], a[other][1], a[other][2], a[other][3]};
+            __m512 total = hsum8x8_halves(sums); /* vectors 2i, 2 other, 2i + 1, 2 other + 1 */
+            _mm_storeu_ps(s[2 * i] + j0, _mm512_extractf32x4_ps(total, 0));
+            _mm_storeu_ps(s[2 * i + 1] + j0, _mm512_extractf32x4_ps(total, 2));
+            if (other != i) {
+                _mm_storeu_ps(s[2 * other] + j0, _mm512_extractf32x4_ps(total, 1));
+                _mm_storeu_ps(s[2 * other + 1] + j0, _mm512_extractf32x4_ps(total, 3));
+            }
+        }
+        add_tails(2 * np, q, kr, head_dim, j0, s);
+    }
+}
+
+/* score_keys or score_pairs with the count as a constant, so that its arrays live in
+ * registers: nq is 1 or even. */
+static void score_dispatch(int nq, const float *const *q, const float *const *pairs,
+                           const float *k, int64_t head_dim, int64_t n, float *const *s) {
+    switch (nq) {
+    case 1: score_keys(1, q, k, head_dim, n, s); break;
+    case 2: score_pairs(1, q, pairs, k, head_dim, n, s); break;
+    case 4: score_pairs(2, q, pairs, k, head_dim, n, s); break;
+    case 6: score_pairs(3, q, pairs, k, head_dim, n, s); break;
+    default: score_pairs(4, q, pairs, k, head_dim, n, s); break;
+    }
+}
+#else
 /* score_keys with nq as a constant, so that its arrays live in registers. */
 static void score_dispatch(int nq, const float *const *q, const float *k, int64_t head_dim,
                            int64_t n, float *const *s) {
     switch (nq) {
     case 1: score_keys(1, q, k, head_dim, n, s); break;
-    case 2: score_keys(2, q, k, head_dim, n, s); break;
-#if QK_QUERIES > 2
-    default: score_keys(QK_QUERIES, q, k, head_dim, n, s); break;
-#endif
+    default: score_keys(2, q, k, head_dim, n, s); break;
     }
 }
+#endif
 
 /* Scores, raw dot products, of every tile vector with the keys of positions
  * first + c0 .. first + c0 + n - 1 (t->rows), into score columns c0 .. c0 + n - 1 (column c is
- * position first + c). Vectors go QK_QUERIES at a time, then two, then one; each step skips
- * the blocks of four keys none of its vectors attends. */
+ * position first + c). Vectors go up to QK_QUERIES at a time, an even number, then the last
+ * one alone; each step skips the blocks of four keys none of its vectors attends. */
 static void score_chunk(const Call *c, Tile *t, int64_t first, int64_t c0, int64_t n) {
     for (int64_t i0 = 0; i0 < t->count;) {
         int64_t left = t->count - i0;
-        int nq = left >= QK_QUERIES ? QK_QUERIES : (left >= 2 ? 2 : 1);
+        int nq = left < 2 ? 1 : (left >= QK_QUERIES ? QK_QUERIES : (int)(left & ~(int64_t)1));
         const float *q[QK_QUERIES];
         float *s[QK_QUERIES];
         int64_t begin = t->lo[i0] - first - c0, end = t->pos[i0 + nq - 1] - first - c0 + 1;
@@ -280,9 +356,17 @@ static void score_chunk(const Call *c, Tile *t, int64_t first, int64_t c0, int64
             q[i] = t->q[i0 + i];
             s[i] = t->scores + (i0 + i) * t->width + c0 + begin;
         }
-        if (end > begin)
+        if (end > begin) {
+#ifdef __AVX512F__
+            const float *pairs[QK_QUERIES / 2];
+            for (int i = 0; 2 * i < nq; i++) pairs[i] = t->pairs + (i0 + 2 * i) * c->head_dim;
+            score_dispatch(nq, q, pairs, t->rows + begin * c->head_dim, c->head_dim,
+                           (end - begin + 3) & ~(int64_t)3, s);
+#else
             score_dispatch(nq, q, t->rows + begin * c->head_dim, c->head_dim,
                            (end - begin + 3) & ~(int64_t)3, s);
+#endif
+        }
         i0 += nq;
     }
 }
@@ -293,6 +377,15 @@ static void score_chunk(const Call *c, Tile *t, int64_t first, int64_t c0, int64
 static float softmax_numerators(float *x, int64_t n, float key_scale) {
     float max = -INFINITY, sum;
     int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 scale16 = _mm512_set1_ps(key_scale), vmax16 = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) {
+        __m512 score = _mm512_mul_ps(_mm512_loadu_ps(x + j), scale16);
+        _mm512_storeu_ps(x + j, score);
+        vmax16 = _mm512_max_ps(vmax16, score);
+    }
+    max = _mm512_reduce_max_ps(vmax16); /* a max is the same whatever the lanes took */
+#endif
 #ifdef __AVX2__
     __m256 scale = _mm256_set1_ps(key_scale), vmax = _mm256_set1_ps(-INFINITY);
     for (; j + 8 <= n; j += 8) {
@@ -311,6 +404,15 @@ static float softmax_numerators(float *x, int64_t n, float key_scale) {
     j = 0;
 #ifdef __AVX2__
     __m256 vm = _mm256_set1_ps(max), total = _mm256_setzero_ps();
+#ifdef __AVX512F__
+    __m512 vm16 = _mm512_set1_ps(max);
+    for (; j + 16 <= n; j += 16) { /* its two halves into the lanes in turn, as below */
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm16));
+        _mm512_storeu_ps(x + j, e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, high_half(e));
+    }
+#endif
     for (; j + 8 <= n; j += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
         _mm256_storeu_ps(x + j, e);
@@ -342,29 +444,53 @@ static void accumulate_columns(float *acc, const float *e, const float *v, int64
 }
 
 #ifdef __AVX2__
-/* accumulate_columns for nq <= PV_QUERIES vectors i at once, columns d0 .. d0 + 8 nd, the
- * accumulators held in registers over the keys. The ranges lo[i] .. hi[i] - 1 rise with i
- * (both ends non-decreasing), so keys lo[nq - 1] .. hi[0] - 1 are every vector's; those
- * before and after are checked per vector. */
+/* A vector of value columns, each its own fma chain: 16 with AVX-512, where a row's last
+ * vector is masked to the columns it has (`tail`); 8 with AVX2, whole vectors only (the
+ * head_dim % 8 rest goes to accumulate_columns), so its "mask" is never looked at. */
+#ifdef __AVX512F__
+#define COLUMNS 16
+typedef __m512 Columns;
+INLINE __mmask16 columns_mask(int64_t count) { return (__mmask16)((1u << count) - 1); }
+INLINE Columns columns_load(const float *x, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x); }
+INLINE void columns_store(float *x, __mmask16 m, Columns y) { _mm512_mask_storeu_ps(x, m, y); }
+INLINE Columns columns_broadcast(const float *x) { return _mm512_set1_ps(*x); }
+INLINE Columns columns_fma(Columns a, Columns b, Columns c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+#define COLUMNS 8
+typedef __m256 Columns;
+INLINE int columns_mask(int64_t count) { return (int)count; }
+INLINE Columns columns_load(const float *x, int m) { return (void)m, _mm256_loadu_ps(x); }
+INLINE void columns_store(float *x, int m, Columns y) { (void)m, _mm256_storeu_ps(x, y); }
+INLINE Columns columns_broadcast(const float *x) { return _mm256_broadcast_ss(x); }
+INLINE Columns columns_fma(Columns a, Columns b, Columns c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+
+/* accumulate_columns for nq <= PV_QUERIES vectors i at once, columns d0 .. d0 + COLUMNS nd,
+ * the last vector's first `tail` only, the accumulators held in registers over the keys. The
+ * ranges lo[i] .. hi[i] - 1 rise with i (both ends non-decreasing), so keys lo[nq - 1] ..
+ * hi[0] - 1 are every vector's; those before and after are checked per vector. */
 INLINE void accumulate_block(int nq, int nd, float *const *acc, const float *const *e,
                              const int64_t *lo, const int64_t *hi, const float *v,
-                             int64_t head_dim, int64_t d0) {
-    __m256 a[PV_QUERIES][PV_VECTORS];
+                             int64_t head_dim, int64_t d0, int64_t tail) {
+    Columns a[PV_QUERIES][PV_VECTORS];
+    __typeof__(columns_mask(0)) mask[PV_VECTORS];
+#pragma GCC unroll 4
+    for (int j = 0; j < nd; j++) mask[j] = columns_mask(j + 1 < nd ? COLUMNS : tail);
 #pragma GCC unroll 8
     for (int i = 0; i < nq; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < nd; j++) a[i][j] = _mm256_loadu_ps(acc[i] + d0 + 8 * j);
+        for (int j = 0; j < nd; j++) a[i][j] = columns_load(acc[i] + d0 + COLUMNS * j, mask[j]);
     int64_t end = hi[nq - 1], common = lo[nq - 1], common_end = hi[0] > common ? hi[0] : common;
 #define PV_STEP(CHECKED)                                                                     \
     do {                                                                                     \
-        __m256 vj[PV_VECTORS];                                                               \
+        Columns vj[PV_VECTORS];                                                              \
         _Pragma("GCC unroll 4") for (int j = 0; j < nd; j++)                                 \
-            vj[j] = _mm256_loadu_ps(v + p * head_dim + d0 + 8 * j);                          \
+            vj[j] = columns_load(v + p * head_dim + d0 + COLUMNS * j, mask[j]);              \
         _Pragma("GCC unroll 8") for (int i = 0; i < nq; i++) {                               \
             if (CHECKED && (p < lo[i] || p >= hi[i])) continue;                              \
-            __m256 w = _mm256_broadcast_ss(e[i] + p);                                        \
+            Columns w = columns_broadcast(e[i] + p);                                         \
             _Pragma("GCC unroll 4") for (int j = 0; j < nd; j++)                             \
-                a[i][j] = _mm256_fmadd_ps(w, vj[j], a[i][j]);                                \
+                a[i][j] = columns_fma(w, vj[j], a[i][j]);                                    \
         }                                                                                    \
     } while (0)
     int64_t p = lo[0];
@@ -375,33 +501,33 @@ INLINE void accumulate_block(int nq, int nd, float *const *acc, const float *con
 #pragma GCC unroll 8
     for (int i = 0; i < nq; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < nd; j++) _mm256_storeu_ps(acc[i] + d0 + 8 * j, a[i][j]);
+        for (int j = 0; j < nd; j++) columns_store(acc[i] + d0 + COLUMNS * j, mask[j], a[i][j]);
 }
 
 /* accumulate_block with nq constant, nd dispatched. */
 INLINE void accumulate_vectors(int nq, int nd, float *const *acc, const float *const *e,
                                const int64_t *lo, const int64_t *hi, const float *v,
-                               int64_t head_dim, int64_t d0) {
+                               int64_t head_dim, int64_t d0, int64_t tail) {
     switch (nd) {
-    case 1: accumulate_block(nq, 1, acc, e, lo, hi, v, head_dim, d0); break;
-    case 2: accumulate_block(nq, 2, acc, e, lo, hi, v, head_dim, d0); break;
-    case 3: accumulate_block(nq, 3, acc, e, lo, hi, v, head_dim, d0); break;
-    default: accumulate_block(nq, 4, acc, e, lo, hi, v, head_dim, d0); break;
+    case 1: accumulate_block(nq, 1, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    case 2: accumulate_block(nq, 2, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    case 3: accumulate_block(nq, 3, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    default: accumulate_block(nq, 4, acc, e, lo, hi, v, head_dim, d0, tail); break;
     }
 }
 
 /* accumulate_block with nq and nd as constants, so that its arrays live in registers. */
 static void accumulate_dispatch(int nq, int nd, float *const *acc, const float *const *e,
                                 const int64_t *lo, const int64_t *hi, const float *v,
-                                int64_t head_dim, int64_t d0) {
+                                int64_t head_dim, int64_t d0, int64_t tail) {
     switch (nq) {
-    case 1: accumulate_vectors(1, nd, acc, e, lo, hi, v, head_dim, d0); break;
-    case 2: accumulate_vectors(2, nd, acc, e, lo, hi, v, head_dim, d0); break;
-    case 3: accumulate_vectors(3, nd, acc, e, lo, hi, v, head_dim, d0); break;
+    case 1: accumulate_vectors(1, nd, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    case 2: accumulate_vectors(2, nd, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    case 3: accumulate_vectors(3, nd, acc, e, lo, hi, v, head_dim, d0, tail); break;
 #if PV_QUERIES > 3
-    case 4: accumulate_vectors(4, nd, acc, e, lo, hi, v, head_dim, d0); break;
-    case 5: accumulate_vectors(5, nd, acc, e, lo, hi, v, head_dim, d0); break;
-    case 6: accumulate_vectors(6, nd, acc, e, lo, hi, v, head_dim, d0); break;
+    case 4: accumulate_vectors(4, nd, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    case 5: accumulate_vectors(5, nd, acc, e, lo, hi, v, head_dim, d0, tail); break;
+    case 6: accumulate_vectors(6, nd, acc, e, lo, hi, v, head_dim, d0, tail); break;
 #endif
     }
 }
@@ -428,12 +554,14 @@ static void value_chunk(const Call *c, Tile *t, int64_t first, int64_t c0, int64
         }
         int64_t columns = 0;
 #ifdef __AVX2__
-        for (; columns + 8 <= hd; columns += 8 * PV_VECTORS) {
-            int64_t left = (hd - columns) / 8;
-            int nd = left < PV_VECTORS ? (int)left : PV_VECTORS;
-            accumulate_dispatch(nq, nd, acc, e, lo, hi, t->rows, hd, columns);
+        columns = COLUMNS == 16 ? hd : hd - hd % 8; /* what vectors take: see Columns */
+        for (int64_t d0 = 0; d0 < columns; d0 += COLUMNS * PV_VECTORS) {
+            int64_t vectors = (columns - d0 + COLUMNS - 1) / COLUMNS;
+            int nd = vectors < PV_VECTORS ? (int)vectors : PV_VECTORS;
+            int64_t tail = columns - d0 - COLUMNS * (nd - 1);
+            accumulate_dispatch(nq, nd, acc, e, lo, hi, t->rows, hd, d0,
+                                tail < COLUMNS ? tail : COLUMNS);
         }
-        columns = hd - hd % 8;
 #endif
         if (columns < hd)
             for (int i = 0; i < nq; i++)
@@ -457,6 +585,10 @@ static void attend_tile(const Call *c, Tile *t, int64_t seq, int64_t h, int64_t 
         t->lo[i] = window_start(t->pos[i], c->window);
         for (int64_t d = 0; d < hd; d++) t->out[i][d] = 0.0f;
     }
+#ifdef __AVX512F__
+    for (int64_t i = 0; i + 1 < t->count; i += 2)
+        pack_pair(t->q[i], t->q[i + 1], hd, t->pairs + i * hd);
+#endif
     int64_t first = t->lo[0], last = t->pos[t->count - 1], width = last - first + 1;
     for (int64_t c0 = 0; c0 < width; c0 += t->chunk) {
         int64_t n = width - c0 < t->chunk ? width - c0 : t->chunk;
@@ -526,6 +658,10 @@ int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, con
         t.chunk = t.chunk < 4 ? 4 : (t.chunk > MAX_CHUNK_KEYS ? MAX_CHUNK_KEYS : t.chunk);
         t.rows = malloc(sizeof(float) * (size_t)(t.chunk * head_dim));
         failed = !t.q || !t.out || !t.lo || !t.pos || !t.sums || !t.scores || !t.rows;
+#ifdef __AVX512F__
+        t.pairs = malloc(sizeof(float) * (size_t)(vectors * head_dim));
+        failed |= !t.pairs;
+#endif
         /* KV head by KV head, so that the tiles running together share their keys and values
          * in the caches; the last tiles first, as in a prefill they are the longest */
 #pragma omp for schedule(dynamic, 1)
@@ -548,6 +684,9 @@ int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, con
         free(t.sums);
         free(t.scores);
         free(t.rows);
+#ifdef __AVX512F__
+        free(t.pairs);
+#endif
     }
     free(tile_starts);
     return failed ? -1 : 0;
