@@ -51,6 +51,7 @@ static int omp_get_max_threads(void) { return 1; }
 
 enum {
     MAX_TILE_ROWS = 32,     /* query rows of one sequence per task, at most */
+    MIN_TILE_VECTORS = 24,  /* query vectors per task, at least, while every thread has one */
     CHUNK_FLOATS = 4096,    /* floats of key or value rows taken at once (16 KiB) */
     MAX_CHUNK_KEYS = 64,    /* rows taken at once, at most (a multiple of 4) */
     PV_VECTORS = 4,         /* 8-float column vectors per value block, at most */
@@ -618,18 +619,30 @@ int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, con
     Call c = {q, q_stride, k_cache, v_cache, cache_dtype, fp8_table, block_tables, table_stride,
               query_starts, context_lens, num_heads, num_kv_heads, head_dim, block_size, window,
               num_heads / num_kv_heads, scale * k_scale, v_scale, out};
-    /* Tile rows: up to MAX_TILE_ROWS, few enough that there are four tasks per thread when
-     * the call has the rows for it, and that their scores fit SCORE_BUDGET; at least one (a
-     * context too long for the budget gets one row per task). */
+    /* Tile rows. A task copies its KV head's rows out of their blocks once for all its query
+     * vectors, so a tile of few vectors pays that copy for little arithmetic (a speculative
+     * step's few rows of one sequence in tiles of 1-2 rows copied every key and value 3-6
+     * times, and spent more time copying than computing). So: four tasks per thread when the
+     * call has the rows for it, but at least MIN_TILE_VECTORS query vectors a tile as long as
+     * every thread still gets a task; at most MAX_TILE_ROWS, the longest chunk cut into tiles
+     * of equal size (a 32-row and a 16-row tile per KV head left one thread twice the work);
+     * few enough that their scores fit SCORE_BUDGET; at least one (a context too long for
+     * the budget gets one row per task). */
     int64_t longest = 1, most_rows = 1;
     for (int64_t s = 0; s < num_seqs; s++) {
         if (context_lens[s] > longest) longest = context_lens[s];
         if (query_starts[s + 1] - query_starts[s] > most_rows)
             most_rows = query_starts[s + 1] - query_starts[s];
     }
-    int64_t rows = query_starts[num_seqs] * num_kv_heads / (4 * omp_get_max_threads());
+    int64_t threads = omp_get_max_threads(), units = query_starts[num_seqs] * num_kv_heads;
+    int64_t rows = units / (4 * threads), per_thread = units / threads;
+    int64_t enough = (MIN_TILE_VECTORS + c.group - 1) / c.group;
+    enough = enough < per_thread ? enough : per_thread;
+    rows = rows > enough ? rows : enough;
     rows = rows < most_rows ? rows : most_rows;
     rows = rows < MAX_TILE_ROWS ? (rows > 1 ? rows : 1) : MAX_TILE_ROWS;
+    int64_t cuts = (most_rows + rows - 1) / rows;
+    rows = (most_rows + cuts - 1) / cuts;
     int64_t width;
     for (;; rows--) {
         width = window > 0 && window + rows - 1 < longest ? window + rows - 1 : longest;
