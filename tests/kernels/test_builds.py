@@ -62,7 +62,7 @@ torch.save(forward_logits(sys.argv[1], sys.argv[2], sys.argv[3]), sys.argv[4])
 
 # Head sizes on either side of the vector widths (8 and 16 floats), with and without a tail,
 # and query heads per KV head that leave a tile an odd number of query vectors.
-HEAD_DIMS = (8, 20, 24, 64, 72, 80, 128)
+HEAD_DIMS = (4, 8, 12, 20, 24, 64, 72, 80, 128)
 GROUPS = (1, 3, 4)
 CACHE_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.uint8}
 
@@ -70,7 +70,8 @@ CACHE_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16, 3: torch.
 def attention_outputs() -> torch.Tensor:
     """`pagedkv_attention` over every head size, group and cache dtype (fp8 read through a
     table), with and without a sliding window: one step of two decoding sequences, a prompt
-    chunk of 45 rows after 30 cached positions and a 3-row chunk, all outputs as one tensor."""
+    chunk of 45 rows after 30 cached positions and a 3-row chunk, all outputs as one tensor.
+    Two keys of the float caches are NaN: every build passes over their scores alike."""
     kernels = native.kernels()
     gen = torch.Generator().manual_seed(0)
     block_size, rows = 16, [1, 1, 45, 3]
@@ -90,6 +91,7 @@ def attention_outputs() -> torch.Tensor:
             k_cache, v_cache = (
                 torch.randn(shape, generator=gen).to(CACHE_DTYPES[code]) for _ in "kv"
             )
+            k_cache[20, 5, 0, 0] = k_cache[21, 9, 1, head_dim - 1] = float("nan")
         q = torch.randn(sum(rows), group * kv_heads, head_dim, generator=gen)
         out = torch.empty_like(q)
         status = kernels.attention(
@@ -114,11 +116,13 @@ torch.save(attention_outputs(), sys.argv[1])
 """
 
 
-def run_build(target: str, child: str, *args: str) -> str:
-    """`child` run with `args` in a fresh process whose kernels are built for `target`; its
-    output line (the vector path it ran)."""
+def run_build(target: str, child: str, *args: str, threads: int | None = None) -> str:
+    """`child` run with `args` in a fresh process whose kernels are built for `target` (on
+    `threads` OpenMP threads if given); its output line (the vector path it ran)."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PAGEDKV_MARCH=target)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", child, *args], env=env, capture_output=True, text=True
@@ -157,15 +161,18 @@ def test_every_build_computes_the_same_logits(zoo, tiny_gguf, tmp_path, qtype, q
 def test_every_build_attends_with_the_same_bits(tmp_path):
     """Attention alone, over head sizes, groups and cache dtypes the model zoo does not reach:
     the AVX-512 build's 16-lane paths (query vectors in pairs, masked value columns) give the
-    bits of the AVX2 build's 8-lane ones and of the plain-C twins."""
+    bits of the AVX2 build's 8-lane ones and of the plain-C twins. Each build runs on 1 and 3
+    threads, since the tiles' sizes (and so which paths a tile takes) follow the thread
+    count."""
     if native.kernels() is None:
         pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
     ours = attention_outputs()
     assert torch.isfinite(ours).all()
-    for target in TARGETS:
-        out = tmp_path / f"{target}.pt"
-        path = run_build(target, ATTENTION_CHILD, str(out))
+    for target, threads in itertools.product(("native", *TARGETS), (1, 3)):
+        out = tmp_path / f"{target}-{threads}.pt"
+        path = run_build(target, ATTENTION_CHILD, str(out), threads=threads)
         theirs = torch.load(out)
         assert torch.equal(theirs, ours), (
-            f"{target} build ({path}) differs by up to {(theirs - ours).abs().max():.3g}"
+            f"{target} build ({path}) on {threads} threads differs by up to "
+            f"{(theirs - ours).abs().max():.3g}"
         )

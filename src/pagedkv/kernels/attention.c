@@ -34,9 +34,10 @@
  * AVX-512 does the same arithmetic twice as wide without touching the rule: a 16-lane fma is
  * two 8-lane ones side by side. Scores take query vectors in pairs, packed per tile so each
  * 16 floats hold the two vectors' same 8 dimensions, against a key's 8 dimensions repeated in
- * both halves: each half is the 8-lane chain of one (vector, key) dot product, reduced by the
- * same hsum8x8. Value columns go 16 at a time, the last ones masked: each column is still its
- * own fma chain in position order.
+ * both halves: each half is the 8-lane chain of one (vector, key) dot product, reduced by
+ * hsum8x8's tree (hsum8x8_halves: both halves at once). Value columns go 16 at a time, a row's
+ * last vector masked: each column is still its own fma chain in position order. The softmax
+ * takes 16 scores at a time (exp16), their halves added into its 8 lanes in turn.
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,7 +55,7 @@ enum {
     MIN_TILE_VECTORS = 24,  /* query vectors per task, at least, while every thread has one */
     CHUNK_FLOATS = 4096,    /* floats of key or value rows taken at once (16 KiB) */
     MAX_CHUNK_KEYS = 64,    /* rows taken at once, at most (a multiple of 4) */
-    PV_VECTORS = 4,         /* 8-float column vectors per value block, at most */
+    PV_VECTORS = 4,         /* column vectors (Columns) per value block, at most */
     SCORE_BUDGET = 1 << 20, /* floats of scores per thread that tiles may use */
     PREFETCH_ROWS = 16,     /* rows ahead of the one being copied that are asked for */
 };
@@ -101,7 +102,7 @@ typedef struct {
     float *rows;     /* [chunk][head_dim] */
     int64_t chunk;
 #ifdef __AVX512F__
-    float *pairs; /* vectors 2i and 2i + 1 packed for score_pairs, from pairs + 2i * head_dim */
+    float *pairs; /* vectors 2i and 2i + 1 packed for score_pairs at pairs + 2i * head_dim */
 #endif
 } Tile;
 
@@ -228,7 +229,7 @@ static void add_tails(int nq, const float *const *q, const float *kr, int64_t he
             s[i][j0 + j] = add_tail(s[i][j0 + j], q[i], kr + j * head_dim, head_dim);
 }
 
-/* s[i][j] = dot(q[i], k + j * head_dim) for nq (1, 2 or QK_QUERIES) vectors i and keys j < n
+/* s[i][j] = dot(q[i], k + j * head_dim) for nq (1 or 2) vectors i and keys j < n
  * (a multiple of 4), four keys at a time: 4 x nq accumulators, each key and query load held
  * in a register (the empty asm keeps the compiler from re-reading it per multiply). */
 INLINE void score_keys(int nq, const float *const *q, const float *k, int64_t head_dim,
@@ -236,11 +237,11 @@ INLINE void score_keys(int nq, const float *const *q, const float *k, int64_t he
     for (int64_t j0 = 0; j0 < n; j0 += 4) {
         const float *kr = k + j0 * head_dim;
 #ifdef __AVX2__
-        __m256 a[QK_QUERIES][4];
+        __m256 a[2][4];
         for (int i = 0; i < nq; i++)
             for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
         for (int64_t d = 0; d + 8 <= head_dim; d += 8) {
-            __m256 x[QK_QUERIES];
+            __m256 x[2];
             for (int i = 0; i < nq; i++) {
                 x[i] = _mm256_loadu_ps(q[i] + d);
                 __asm__("" : "+v"(x[i]));
@@ -383,16 +384,16 @@ static float softmax_numerators(float *x, int64_t n, float key_scale) {
     for (; j + 16 <= n; j += 16) {
         __m512 score = _mm512_mul_ps(_mm512_loadu_ps(x + j), scale16);
         _mm512_storeu_ps(x + j, score);
-        vmax16 = _mm512_max_ps(vmax16, score);
+        vmax16 = _mm512_max_ps(score, vmax16); /* a NaN score is passed over, as below */
     }
-    max = _mm512_reduce_max_ps(vmax16); /* a max is the same whatever the lanes took */
+    max = _mm512_reduce_max_ps(vmax16); /* the largest score, whichever lanes held it */
 #endif
 #ifdef __AVX2__
     __m256 scale = _mm256_set1_ps(key_scale), vmax = _mm256_set1_ps(-INFINITY);
     for (; j + 8 <= n; j += 8) {
         __m256 score = _mm256_mul_ps(_mm256_loadu_ps(x + j), scale);
         _mm256_storeu_ps(x + j, score);
-        vmax = _mm256_max_ps(vmax, score);
+        vmax = _mm256_max_ps(score, vmax); /* maxps takes the second operand past a NaN */
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, vmax);
@@ -636,19 +637,20 @@ int pagedkv_attention(const float *q, int64_t q_stride, const void *k_cache, con
     }
     int64_t threads = omp_get_max_threads(), units = query_starts[num_seqs] * num_kv_heads;
     int64_t rows = units / (4 * threads), per_thread = units / threads;
-    int64_t enough = (MIN_TILE_VECTORS + c.group - 1) / c.group;
+    int64_t group = c.group > 0 ? c.group : 1;
+    int64_t enough = (MIN_TILE_VECTORS + group - 1) / group;
     enough = enough < per_thread ? enough : per_thread;
     rows = rows > enough ? rows : enough;
     rows = rows < most_rows ? rows : most_rows;
     rows = rows < MAX_TILE_ROWS ? (rows > 1 ? rows : 1) : MAX_TILE_ROWS;
-    int64_t cuts = (most_rows + rows - 1) / rows;
-    rows = (most_rows + cuts - 1) / cuts;
     int64_t width;
     for (;; rows--) {
         width = window > 0 && window + rows - 1 < longest ? window + rows - 1 : longest;
         width = (width + 3) & ~(int64_t)3;
         if (rows == 1 || rows * c.group * width <= SCORE_BUDGET) break;
     }
+    int64_t cuts = (most_rows + rows - 1) / rows; /* the same rows in tiles of equal size, */
+    rows = (most_rows + cuts - 1) / cuts;        /* as few rows or fewer: the width holds */
     int64_t *tile_starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (tile_starts == NULL) return -1;
     tile_starts[0] = 0;

@@ -1,6 +1,7 @@
 /* Shared helpers of the C kernels, each in a vector form and a plain-C twin that gives the
- * very same float bits: a kernel uses the vector form on whole groups of 8 and the twin on
- * what is left, so a value's arithmetic never depends on where it falls in a batch.
+ * very same float bits: a kernel uses the vector form on whole groups of 8 (or 16, where
+ * AVX-512 runs two groups' lanes side by side, or masks a group's missing lanes) and the twin
+ * on what is left, so a value's arithmetic never depends on where it falls in a batch.
  *
  * Sums of 8 lanes always take one tree, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)),
  * whether one vector is reduced (`hsum8`) or eight at once (`hsum8x8`).
@@ -25,7 +26,7 @@ INLINE float hsum8_lanes(const float l[8]) {
  * ln 2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7, about one float32
  * ulp), 2^n applied as two exact powers of two so n = 128 does not overflow the exponent. */
 INLINE float exp1(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    x = !(x >= -87.0f) ? -87.0f : (x > 88.0f ? 88.0f : x); /* NaN to -87, as maxps does */
     float n = __builtin_rintf(x * 1.44269504f);
     float r = __builtin_fmaf(-n, 0.693145752f, x);
     r = __builtin_fmaf(-n, 1.42860677e-6f, r);
