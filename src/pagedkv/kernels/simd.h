@@ -132,51 +132,37 @@ INLINE __m512 hsum8x8_halves(const __m512 v[8]) {
 }
 #endif
 
-/* exp of 8 floats, lane for lane the bits of exp1. */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i ni = _mm256_cvtps_epi32(n);
-    __m256i half = _mm256_srai_epi32(ni, 1), rest = _mm256_sub_epi32(ni, half);
-    __m256i bias = _mm256_set1_epi32(127);
-    __m256 fa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-    __m256 fb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, fa), fb);
-}
-#endif
+/* exp of a vector of W / 32 floats, lane for lane the bits of exp1: one body for the 8-lane
+ * exp8 and the 16-lane exp16, so that the two cannot take different steps. ROUND rounds to
+ * the nearest integer (AVX-512 names it roundscale). */
+#define DEFINE_EXP(NAME, W, ROUND)                                                             \
+    INLINE __m##W NAME(__m##W x) {                                                             \
+        x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(-87.0f)),                     \
+                            _mm##W##_set1_ps(88.0f));                                          \
+        __m##W n = ROUND(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504f)),                    \
+                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                       \
+        __m##W r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693145752f), x);                   \
+        r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(1.42860677e-6f), r);                        \
+        __m##W p = _mm##W##_set1_ps(1.0f / 720);                                               \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 120));                             \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 24));                              \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 6));                               \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(0.5f));                                   \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f));                                   \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f));                                   \
+        __m##W##i ni = _mm##W##_cvtps_epi32(n);                                                \
+        __m##W##i half = _mm##W##_srai_epi32(ni, 1), rest = _mm##W##_sub_epi32(ni, half);      \
+        __m##W##i bias = _mm##W##_set1_epi32(127);                                             \
+        __m##W##i a_bits = _mm##W##_slli_epi32(_mm##W##_add_epi32(half, bias), 23);           \
+        __m##W##i b_bits = _mm##W##_slli_epi32(_mm##W##_add_epi32(rest, bias), 23);           \
+        __m##W fa = _mm##W##_castsi##W##_ps(a_bits), fb = _mm##W##_castsi##W##_ps(b_bits);     \
+        return _mm##W##_mul_ps(_mm##W##_mul_ps(p, fa), fb);                                    \
+    }
 
+DEFINE_EXP(exp8, 256, _mm256_round_ps)
 #ifdef __AVX512F__
-/* exp8's steps on 16 lanes: lane for lane the bits of exp1. */
-INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512i ni = _mm512_cvtps_epi32(n);
-    __m512i half = _mm512_srai_epi32(ni, 1), rest = _mm512_sub_epi32(ni, half);
-    __m512i bias = _mm512_set1_epi32(127);
-    __m512 fa = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, bias), 23));
-    __m512 fb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(rest, bias), 23));
-    return _mm512_mul_ps(_mm512_mul_ps(p, fa), fb);
-}
+DEFINE_EXP(exp16, 512, _mm512_roundscale_ps)
+#endif
 #endif
 
 #endif
