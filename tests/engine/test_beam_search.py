@@ -305,6 +305,17 @@ def test_an_aborted_search_frees_its_blocks_and_reports_its_beams(engine_zoo):
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
 
 
+def test_a_search_aborted_before_its_first_step_ends_with_no_tokens(engine_zoo):
+    engine = make_engine(engine_zoo, "llama")
+    engine.add_request("beams", random_prompt(20, seed=5), beam_search=BeamSearchParams(3, 8))
+    engine.abort("beams")
+    [delta] = engine.step()
+    assert delta.finished
+    assert [(o.token_ids, o.text, o.finish_reason) for o in delta.outputs] == [([], "", "abort")]
+    assert not engine.has_unfinished()
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
 def test_outputs_have_vllms_shape(engine_zoo):
     llm = make_llm(engine_zoo, "llama")
     prompt = random_prompt(12, seed=4)

@@ -196,7 +196,8 @@ class BeamState:
         penalty = self.params.length_penalty
 
         def score(hypothesis: Hypothesis) -> float:
-            ended = hypothesis.token_ids[-1] in self.eos_token_ids
+            # a search aborted before its first step completes its root beam, with no tokens
+            ended = bool(hypothesis.token_ids) and hypothesis.token_ids[-1] in self.eos_token_ids
             length = self.num_prompt_tokens + len(hypothesis.token_ids)
             return beam_score(length, hypothesis.cumulative_logprob, ended, penalty)
 
