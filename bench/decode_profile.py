@@ -11,7 +11,8 @@ engine is changed): `Engine.step` (the whole step), `Scheduler.schedule`, the KV
 batch build (`ModelRunner.execute` less the model), the model's forward pass and in it the one
 C call over the decoder layers (`CPUAttention.decode_layers`) and the output layer, the
 sampler, `Scheduler.update`, and the engine's per-request output (`Engine._delta`, the
-detokeniser). Only decode steps count: the prompt's step is left out.
+detokeniser). Only decode steps count: those whose C call took one row (a prompt's chunk goes
+through the same call, and would add its prefill to the decode figures).
 
 The floors: the bytes of the file's weights a token reads (bench/peers.py's rule) over the
 read bandwidth (a threaded sum far past the caches), and the same for the bytes resident
@@ -71,6 +72,20 @@ class StepTimes:
     def new_step(self) -> None:
         self.steps.append({})
 
+    def count_rows(self, owner: object, name: str) -> Callable[[], None]:
+        """Note the rows of every call of `owner.name` (its first argument's) as the step's
+        "rows"; returns the undo."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def counted(self_, hidden, *args, **kwargs):
+            if self.steps:
+                self.steps[-1]["rows"] = hidden.shape[0]
+            return original(self_, hidden, *args, **kwargs)
+
+        setattr(owner, name, counted)
+        return lambda: setattr(owner, name, original)
+
 
 @contextmanager
 def timed_engine(llm, times: StepTimes) -> Iterator[None]:
@@ -102,6 +117,7 @@ def timed_engine(llm, times: StepTimes) -> Iterator[None]:
         times.wrap(ModelRunner, "execute", "runner"),
         times.wrap(DecoderModel, "forward", "model"),
         times.wrap(CPUAttention, "decode_layers", "layers (one C call)"),
+        times.count_rows(CPUAttention, "decode_layers"),
         times.wrap(head, head_name, "output layer"),
         times.wrap(Sampler, "__call__", "sample"),
         times.wrap(Scheduler, "update", "update"),
@@ -143,13 +159,14 @@ def profile(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
     )
     model = llm.engine.runner.model
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    prompt = {"prompt_token_ids": [(7 + 31 * i) % 1000 + 10 for i in range(args.prompt_len)]}
+    span = min(1000, model.config.vocab_size - 10)  # ids 10 .. 1009, or the vocabulary's
+    prompt = {"prompt_token_ids": [(7 + 31 * i) % span + 10 for i in range(args.prompt_len)]}
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     times = StepTimes()
     with timed_engine(llm, times):
         for _ in range(args.rounds):
             llm.generate([prompt], params, use_tqdm=False)
-    decode = [step for step in times.steps if "layers (one C call)" in step]
+    decode = [step for step in times.steps if step.pop("rows", None) == 1]
     if not decode:
         raise SystemExit("decode_profile: no step took the one-call C decode")
     ms = {label: 1e3 * sum(s.get(label, 0.0) for s in decode) / len(decode) for label in decode[0]}
