@@ -4,19 +4,12 @@ full blocks."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from pagedkv.engine import BeamSearchParams, Engine, EngineArgs
+from tests.bench import load_script
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-spec = importlib.util.spec_from_file_location("bench_beam_bench", BENCH / "beam_bench.py")
-beam_bench = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = beam_bench  # its dataclass looks its module up there
-spec.loader.exec_module(beam_bench)
+beam_bench = load_script("beam_bench")
 
 
 @pytest.mark.parametrize("width", [2, 5])

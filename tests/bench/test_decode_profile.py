@@ -4,33 +4,14 @@ one C call as a decode step, and counting it would add its prefill to every deco
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as QType
 
 from pagedkv.kernels import native
+from tests.bench import load_script
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load_decode_profile():
-    sys.path.insert(0, str(BENCH))  # it imports its sibling peers.py, as when run from bench/
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_decode_profile", BENCH / "decode_profile.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-decode_profile = _load_decode_profile()
+decode_profile = load_script("decode_profile")
 
 
 def test_the_prompts_steps_are_left_out(tiny_gguf, monkeypatch) -> None:

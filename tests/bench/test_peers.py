@@ -8,28 +8,16 @@ run, with the reason.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import gguf
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench import load_script
 
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-peers = _load("peers")
-worker = _load("llama_cpp_worker")
+peers = load_script("peers")
+worker = load_script("llama_cpp_worker")
 
 NUM_PROMPTS, MAX_TOKENS = 3, 4
 TITLE_LLAMA = peers.TITLES["llama.cpp"]

@@ -3,28 +3,10 @@ deterministic typos, and as many chat prompts as asked for (the timing runs are 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from pagedkv.tokenizer import Tokenizer
+from tests.bench import load_script
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load_spec_bench():
-    sys.path.insert(0, str(BENCH))  # it imports its sibling peers.py, as when run from bench/
-    try:
-        spec = importlib.util.spec_from_file_location("bench_spec_bench", BENCH / "spec_bench.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-spec_bench = _load_spec_bench()
+spec_bench = load_script("spec_bench")
 
 
 def test_passages_have_200_to_400_tokens_and_prompts_are_chats(zoo) -> None:
