@@ -180,7 +180,9 @@ static void load_rows(const Call *c, const void *cache, const int32_t *table, in
      * time in attention). Rows asked for 16 positions ahead arrive while earlier ones are
      * copied and scored: that third went down by a fifth (SmolLM2, 1.68 -> 1.33 ms a step). */
     RowWalk at = walk_from(c, cache, table, h, p0);
-    RowWalk ahead = walk_from(c, cache, table, h, p0 + PREFETCH_ROWS);
+    /* (started at `last` when it is never taken, so no entry past the table is pointed at) */
+    RowWalk ahead = walk_from(c, cache, table, h,
+                              p0 + PREFETCH_ROWS <= last ? p0 + PREFETCH_ROWS : last);
     for (int64_t i = 0; i < n; i++) {
         float *row = t->rows + i * hd;
         int64_t p = p0 + i;
