@@ -120,6 +120,28 @@ def test_products_equal_kernel_orders_bit_for_bit(
 
 
 @needs_panels
+@pytest.mark.parametrize(
+    ("bits", "rows", "cols", "half", "mins"),
+    [(4, 4144, 1056, True, True), (8, 2096, 1056, False, False)],
+)
+def test_big_weights_read_four_panels_at_once_give_the_same_bits(
+    bits: int, rows: int, cols: int, half: bool, mins: bool
+) -> None:
+    """Weights of 2 MiB or more with 1024 or more inputs, times at most 4 rows, are read four
+    panels at a time (qmatmul.c, STREAMS): these are just above that, with panels left over
+    past the last four (259 and 131 panels) and a tail group (33 groups of 32)."""
+    weight = random_weight(rows, cols, bits, half, mins, seed=rows + bits)
+    paneled = weight.in_panels()
+    assert paneled.values.numel() >= 2 << 20
+    generator = torch.Generator().manual_seed(11)
+    bias = torch.randn(rows, generator=generator)
+    for m in (1, 2, 3, 4, 5):
+        x = torch.randn(m, cols, generator=generator) * 3
+        for b in (None, bias):
+            assert torch.equal(quantized_linear(x, paneled, b), quantized_linear(x, weight, b))
+
+
+@needs_panels
 def test_rows_come_out_the_same_whatever_shares_the_call() -> None:
     weight = random_weight(48, 576, 4, half=True, mins=True, seed=6).in_panels()
     x = torch.randn(37, 576, generator=torch.Generator().manual_seed(7))

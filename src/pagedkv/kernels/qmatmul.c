@@ -809,6 +809,20 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
  * stay in registers); groups ahead whose scales are asked for. */
 enum { PANEL_COLUMNS = 16, PASS_ROWS = 8, PREFETCH_GROUPS = 8 };
 
+/* A weight of at least STREAM_BYTES and STREAM_K inputs, multiplied by at most STREAM_ROWS
+ * rows, is read STREAMS panels at a time, each panel's group v beside the others', so a thread
+ * keeps STREAMS streams of weight bytes in flight rather than one. Why: a weight that big comes
+ * from main memory, and one sequential stream a core leaves the memory idle part of the time.
+ * On a 2-core Xeon (2 threads, one row, weights cycled through 400 MB) a 1B model's 2048 x 2048
+ * weight took 65 us rather than 141, its 11264 x 2048 one 553 us rather than 881 (kernel order:
+ * 583-645), a 4096 x 14336 one 1.5 ms rather than 2.6; 3 rows gained as much. Software
+ * prefetches further ahead in the one stream, into L1 or L2, gained nothing. Past 4 rows the
+ * panels' accumulators no longer fit in registers (6 rows: 0.9-1.3x); 576 inputs (SmolLM2's
+ * 49152 x 576 output layer) gained 6% at one row and lost 12% at 3; weights that stay in cache
+ * (a 135M model's layers) lost 0-20%. A column's arithmetic is the same either way. */
+#define STREAM_BYTES (2 << 20)
+enum { STREAMS = 4, STREAM_ROWS = 4, STREAM_K = 1024 };
+
 /* The group visited `v`-th in a panel of `groups` groups. */
 INLINE int64_t panel_group(int64_t v, int64_t groups) {
     int64_t blocks = groups / 8;
@@ -822,97 +836,117 @@ INLINE __m512 scales16(const void *p, int64_t at, int half, __mmask16 inside) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(inside, (const uint16_t *)p + at));
 }
 
-/* `rows` rows (natural-order activations `a`, `k` bytes apart) by one panel: y's columns col0 ..
- * col0 + 15 (those below n). */
-INLINE void panel_rows(const uint8_t *w, const void *ps, const void *pm, int half, int has_mins,
-                       int bits, int64_t groups, int64_t k, const int8_t *a, const float *xs,
-                       const float *xsum, const int32_t *xisum, int rows, const float *bias,
-                       int64_t col0, int64_t n, float *y) {
+/* `rows` rows (natural-order activations `a`, `k` bytes apart) by `streams` consecutive panels
+ * (the first at `w`, `panel_bytes` apart): y's columns col0 .. col0 + 16 x streams - 1 (those
+ * below n). */
+INLINE void panel_rows(const uint8_t *w, int64_t panel_bytes, int streams, const void *ps,
+                       const void *pm, int half, int has_mins, int bits, int64_t groups, int64_t k,
+                       const int8_t *a, const float *xs, const float *xsum, const int32_t *xisum,
+                       int rows, const float *bias, int64_t col0, int64_t n, float *y) {
     int64_t blocks = groups / 8, group_bytes = bits == 4 ? 256 : 512;
-    int64_t cols = n - col0 < PANEL_COLUMNS ? n - col0 : PANEL_COLUMNS;
-    __mmask16 inside = (__mmask16)((1u << cols) - 1);
+    __mmask16 inside[STREAMS];
+    for (int s = 0; s < streams; s++) {
+        int64_t cols = n - (col0 + PANEL_COLUMNS * s);
+        cols = cols < 0 ? 0 : (cols < PANEL_COLUMNS ? cols : PANEL_COLUMNS);
+        inside[s] = (__mmask16)((1u << cols) - 1);
+    }
     const __m512i mask = _mm512_set1_epi8(0x0F);
-    __m512 acc[PASS_ROWS], lanes[8][PASS_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[STREAMS][PASS_ROWS], lanes[8][STREAMS][PASS_ROWS];
+    for (int s = 0; s < streams; s++)
+        for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_ps();
     for (int64_t v = 0; v < groups; v++) {
         int64_t group = panel_group(v, groups);
-        const uint8_t *src = w + v * group_bytes;
-        for (int64_t at = 0; at < group_bytes; at += 64)
-            _mm_prefetch((const char *)src + PREFETCH_VALUES + at, _MM_HINT_T0);
-        if (v + PREFETCH_GROUPS < groups) { /* a column of scales is no stream the core foresees */
-            int64_t ahead = panel_group(v + PREFETCH_GROUPS, groups) * n + col0;
-            _mm_prefetch((const char *)ps + ahead * (half ? 2 : 4), _MM_HINT_T0);
-            if (has_mins) _mm_prefetch((const char *)pm + ahead * (half ? 2 : 4), _MM_HINT_T0);
-        }
-        __m512i wv[8];
-        if (bits == 4) {
-            for (int q = 0; q < 4; q++) {
-                __m512i p = _mm512_loadu_si512((const void *)(src + 64 * q));
-                wv[q] = _mm512_and_si512(p, mask);
-                wv[q + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
-            }
-        } else {
-            for (int q = 0; q < 8; q++) wv[q] = _mm512_loadu_si512((const void *)(src + 64 * q));
-        }
         if (v < blocks * 8 && v % blocks == 0)
-            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        __m512 scale = scales16(ps, group * n + col0, half, inside);
-        __m512 wm = has_mins ? scales16(pm, group * n + col0, half, inside) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++) {
-            const int8_t *unit = a + r * k + group * 32;
-            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-            for (int q = 0; q < 8; q += 2) {
-                int32_t u0, u1;
-                memcpy(&u0, unit + 4 * q, 4);
-                memcpy(&u1, unit + 4 * q + 4, 4);
-                d0 = _mm512_dpbusd_epi32(d0, wv[q], _mm512_set1_epi32(u0));
-                d1 = _mm512_dpbusd_epi32(d1, wv[q + 1], _mm512_set1_epi32(u1));
+            for (int s = 0; s < streams; s++)
+                for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_ps();
+        for (int s = 0; s < streams; s++) {
+            const uint8_t *src = w + s * panel_bytes + v * group_bytes;
+            int64_t col = col0 + PANEL_COLUMNS * s;
+            for (int64_t at = 0; at < group_bytes; at += 64)
+                _mm_prefetch((const char *)src + PREFETCH_VALUES + at, _MM_HINT_T0);
+            /* a column of scales is no stream the core foresees */
+            if (v + PREFETCH_GROUPS < groups) {
+                int64_t ahead = panel_group(v + PREFETCH_GROUPS, groups) * n + col;
+                _mm_prefetch((const char *)ps + ahead * (half ? 2 : 4), _MM_HINT_T0);
+                if (has_mins) _mm_prefetch((const char *)pm + ahead * (half ? 2 : 4), _MM_HINT_T0);
             }
-            __m512i dots = _mm512_add_epi32(d0, d1);
-            int64_t at = r * groups + group;
-            if (bits == 8) /* (w + 128) x summed, less 128 * sum(x) */
-                dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(xisum[at] * 128));
-            __m512 both = _mm512_mul_ps(scale, _mm512_set1_ps(xs[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), both, acc[r]);
-            if (has_mins) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[at]), acc[r]);
+            __m512i wv[8];
+            if (bits == 4) {
+                for (int q = 0; q < 4; q++) {
+                    __m512i p = _mm512_loadu_si512((const void *)(src + 64 * q));
+                    wv[q] = _mm512_and_si512(p, mask);
+                    wv[q + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+                }
+            } else {
+                for (int q = 0; q < 8; q++)
+                    wv[q] = _mm512_loadu_si512((const void *)(src + 64 * q));
+            }
+            __m512 scale = scales16(ps, group * n + col, half, inside[s]);
+            __m512 wm = has_mins ? scales16(pm, group * n + col, half, inside[s])
+                                 : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                const int8_t *unit = a + r * k + group * 32;
+                __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q += 2) {
+                    int32_t u0, u1;
+                    memcpy(&u0, unit + 4 * q, 4);
+                    memcpy(&u1, unit + 4 * q + 4, 4);
+                    d0 = _mm512_dpbusd_epi32(d0, wv[q], _mm512_set1_epi32(u0));
+                    d1 = _mm512_dpbusd_epi32(d1, wv[q + 1], _mm512_set1_epi32(u1));
+                }
+                __m512i dots = _mm512_add_epi32(d0, d1);
+                int64_t at = r * groups + group;
+                if (bits == 8) /* (w + 128) x summed, less 128 * sum(x) */
+                    dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(xisum[at] * 128));
+                __m512 both = _mm512_mul_ps(scale, _mm512_set1_ps(xs[at]));
+                acc[s][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), both, acc[s][r]);
+                if (has_mins) acc[s][r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[at]), acc[s][r]);
+            }
         }
         if (v < blocks * 8 && v % blocks == blocks - 1) { /* lane j's last block */
             int64_t j = v / blocks;
-            for (int r = 0; r < rows; r++) lanes[j][r] = acc[r];
+            for (int s = 0; s < streams; s++)
+                for (int r = 0; r < rows; r++) lanes[j][s][r] = acc[s][r];
             if (j == 7) /* simd.h's tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm512_add_ps(
-                        _mm512_add_ps(_mm512_add_ps(lanes[0][r], lanes[4][r]),
-                                      _mm512_add_ps(lanes[2][r], lanes[6][r])),
-                        _mm512_add_ps(_mm512_add_ps(lanes[1][r], lanes[5][r]),
-                                      _mm512_add_ps(lanes[3][r], lanes[7][r])));
+                for (int s = 0; s < streams; s++)
+                    for (int r = 0; r < rows; r++)
+                        acc[s][r] = _mm512_add_ps(
+                            _mm512_add_ps(_mm512_add_ps(lanes[0][s][r], lanes[4][s][r]),
+                                          _mm512_add_ps(lanes[2][s][r], lanes[6][s][r])),
+                            _mm512_add_ps(_mm512_add_ps(lanes[1][s][r], lanes[5][s][r]),
+                                          _mm512_add_ps(lanes[3][s][r], lanes[7][s][r])));
         }
     }
-    for (int r = 0; r < rows; r++) {
-        __m512 total = acc[r];
-        if (bias != NULL) total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(inside, bias + col0));
-        _mm512_mask_storeu_ps(y + r * n + col0, inside, total);
+    for (int s = 0; s < streams; s++) {
+        int64_t col = col0 + PANEL_COLUMNS * s;
+        for (int r = 0; r < rows; r++) {
+            __m512 total = acc[s][r];
+            if (bias != NULL)
+                total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(inside[s], bias + col));
+            _mm512_mask_storeu_ps(y + r * n + col, inside[s], total);
+        }
     }
 }
 
-/* panel_rows with the row count and width as constants, one copy per case. */
-static void panel_rows_any(const uint8_t *w, const void *ps, const void *pm, int half,
-                           int has_mins, int bits, int64_t groups, int64_t k, const int8_t *a,
-                           const float *xs, const float *xsum, const int32_t *xisum, int rows,
-                           const float *bias, int64_t col0, int64_t n, float *y) {
-#define PANEL_CASE(R)                                                                          \
-    case R:                                                                                    \
+/* panel_rows with the row count, panels at once and width as constants, one copy per case. */
+static void panel_rows_any(const uint8_t *w, int64_t panel_bytes, int streams, const void *ps,
+                           const void *pm, int half, int has_mins, int bits, int64_t groups,
+                           int64_t k, const int8_t *a, const float *xs, const float *xsum,
+                           const int32_t *xisum, int rows, const float *bias, int64_t col0,
+                           int64_t n, float *y) {
+#define PANEL_CASE(R, S)                                                                       \
+    if (rows == R && streams == S) {                                                           \
         if (bits == 4)                                                                         \
-            panel_rows(w, ps, pm, half, has_mins, 4, groups, k, a, xs, xsum, xisum, R, bias,   \
-                       col0, n, y);                                                            \
+            panel_rows(w, panel_bytes, S, ps, pm, half, has_mins, 4, groups, k, a, xs, xsum,   \
+                       xisum, R, bias, col0, n, y);                                            \
         else                                                                                   \
-            panel_rows(w, ps, pm, half, has_mins, 8, groups, k, a, xs, xsum, xisum, R, bias,   \
-                       col0, n, y);                                                            \
-        return;
-    switch (rows) {
-        PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4)
-        PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
+            panel_rows(w, panel_bytes, S, ps, pm, half, has_mins, 8, groups, k, a, xs, xsum,   \
+                       xisum, R, bias, col0, n, y);                                            \
+        return;                                                                                \
     }
+    PANEL_CASE(1, 1) PANEL_CASE(2, 1) PANEL_CASE(3, 1) PANEL_CASE(4, 1)
+    PANEL_CASE(5, 1) PANEL_CASE(6, 1) PANEL_CASE(7, 1) PANEL_CASE(8, 1)
+    PANEL_CASE(1, STREAMS) PANEL_CASE(2, STREAMS) PANEL_CASE(3, STREAMS) PANEL_CASE(4, STREAMS)
 #undef PANEL_CASE
 }
 #endif
@@ -927,6 +961,10 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
 #ifdef PANELS
     int64_t groups = k / 32, panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     int64_t panel_bytes = groups * (bits == 4 ? 256 : 512);
+    int streams = panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_ROWS
+                      ? STREAMS
+                      : 1;
+    int64_t units = (panels + streams - 1) / streams; /* the last may hold fewer panels */
     Activations a;
     int failed = activations_alloc(&a, m, k, 32) != 0;
     int64_t tile = TILE_BYTES / k;
@@ -938,13 +976,18 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
             for (int64_t r0 = 0; r0 < m; r0 += tile) {
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
-                for (int64_t p = 0; p < panels; p++)
+                for (int64_t u = 0; u < units; u++)
                     for (int64_t rr = r0; rr < r1; rr += PASS_ROWS) {
                         int rows = r1 - rr < PASS_ROWS ? (int)(r1 - rr) : PASS_ROWS;
-                        panel_rows_any(values + p * panel_bytes, scales, mins, half, has_mins,
-                                       bits, groups, k, a.q + rr * k, a.scale + rr * groups,
-                                       a.sum + rr * groups, a.isum + rr * groups, rows, bias,
-                                       p * PANEL_COLUMNS, n, y + rr * n);
+                        int64_t p0 = u * streams;
+                        int64_t count = panels - p0 < streams ? panels - p0 : streams;
+                        int at_once = count == streams ? streams : 1;
+                        for (int64_t p = p0; p < p0 + count; p += at_once)
+                            panel_rows_any(values + p * panel_bytes, panel_bytes, at_once, scales,
+                                           mins, half, has_mins, bits, groups, k, a.q + rr * k,
+                                           a.scale + rr * groups, a.sum + rr * groups,
+                                           a.isum + rr * groups, rows, bias,
+                                           p * PANEL_COLUMNS, n, y + rr * n);
                     }
             }
         }
