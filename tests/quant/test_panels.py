@@ -127,15 +127,16 @@ def test_products_equal_kernel_orders_bit_for_bit(
 def test_big_weights_read_four_panels_at_once_give_the_same_bits(
     bits: int, rows: int, cols: int, half: bool, mins: bool
 ) -> None:
-    """Weights of 2 MiB or more with 1024 or more inputs, times at most 4 rows, are read four
-    panels at a time (qmatmul.c, STREAMS): these are just above that, with panels left over
-    past the last four (259 and 131 panels) and a tail group (33 groups of 32)."""
+    """Weights of 2 MiB or more with 1024 or more inputs, times at most 16 rows, are read four
+    panels at a time, 4 rows a pass (qmatmul.c, STREAMS): these are just above that, with
+    panels left over past the last four (259 and 131 panels), a tail group (33 groups of 32),
+    and row counts that leave a short pass."""
     weight = random_weight(rows, cols, bits, half, mins, seed=rows + bits)
     paneled = weight.in_panels()
     assert paneled.values.numel() >= 2 << 20
     generator = torch.Generator().manual_seed(11)
     bias = torch.randn(rows, generator=generator)
-    for m in (1, 2, 3, 4, 5):
+    for m in (1, 2, 3, 4, 5, 9, 16, 17):
         x = torch.randn(m, cols, generator=generator) * 3
         for b in (None, bias):
             assert torch.equal(quantized_linear(x, paneled, b), quantized_linear(x, weight, b))

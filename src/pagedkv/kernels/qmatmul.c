@@ -809,19 +809,21 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
  * stay in registers); groups ahead whose scales are asked for. */
 enum { PANEL_COLUMNS = 16, PASS_ROWS = 8, PREFETCH_GROUPS = 8 };
 
-/* A weight of at least STREAM_BYTES and STREAM_K inputs, multiplied by at most STREAM_ROWS
- * rows, is read STREAMS panels at a time, each panel's group v beside the others', so a thread
- * keeps STREAMS streams of weight bytes in flight rather than one. Why: a weight that big comes
- * from main memory, and one sequential stream a core leaves the memory idle part of the time.
- * On a 2-core Xeon (2 threads, one row, weights cycled through 400 MB) a 1B model's 2048 x 2048
- * weight took 65 us rather than 141, its 11264 x 2048 one 553 us rather than 881 (kernel order:
- * 583-645), a 4096 x 14336 one 1.5 ms rather than 2.6; 3 rows gained as much. Software
- * prefetches further ahead in the one stream, into L1 or L2, gained nothing. Past 4 rows the
- * panels' accumulators no longer fit in registers (6 rows: 0.9-1.3x); 576 inputs (SmolLM2's
- * 49152 x 576 output layer) gained 6% at one row and lost 12% at 3; weights that stay in cache
- * (a 135M model's layers) lost 0-20%. A column's arithmetic is the same either way. */
+/* A weight of at least STREAM_BYTES and STREAM_K inputs, multiplied by at most STREAM_M rows,
+ * is read STREAMS panels at a time, each panel's group v beside the others', so a thread keeps
+ * STREAMS streams of weight bytes in flight rather than one; STREAM_ROWS rows a pass, so the
+ * panels' accumulators stay in registers (the next rows read the same panels again from L2).
+ * Why: a weight that big comes from main memory, and one sequential stream a core leaves the
+ * memory idle part of the time. On a 2-core Xeon (2 threads, one row, weights cycled through
+ * 400 MB) a 1B model's 2048 x 2048 weight took 65 us rather than 141, its 11264 x 2048 one 553
+ * us rather than 881 (kernel order: 583-645), a 4096 x 14336 one 1.5 ms rather than 2.6; 2-4
+ * rows gained as much, 5-16 rows 1.04-1.25x, 32 rows nothing (the products bound it). Software
+ * prefetches further ahead in the one stream, into L1 or L2, gained nothing. 576 inputs
+ * (SmolLM2's 49152 x 576 output layer) gained 6% at one row and lost 12% at 3; weights that
+ * stay in cache (a 135M model's layers) lost 0-20%. A column's arithmetic is the same either
+ * way. */
 #define STREAM_BYTES (2 << 20)
-enum { STREAMS = 4, STREAM_ROWS = 4, STREAM_K = 1024 };
+enum { STREAMS = 4, STREAM_ROWS = 4, STREAM_K = 1024, STREAM_M = 16 };
 
 /* The group visited `v`-th in a panel of `groups` groups. */
 INLINE int64_t panel_group(int64_t v, int64_t groups) {
@@ -961,9 +963,10 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
 #ifdef PANELS
     int64_t groups = k / 32, panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     int64_t panel_bytes = groups * (bits == 4 ? 256 : 512);
-    int streams = panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_ROWS
+    int streams = panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_M
                       ? STREAMS
                       : 1;
+    int pass_rows = streams > 1 ? STREAM_ROWS : PASS_ROWS;
     int64_t units = (panels + streams - 1) / streams; /* the last may hold fewer panels */
     Activations a;
     int failed = activations_alloc(&a, m, k, 32) != 0;
@@ -977,8 +980,8 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
                 for (int64_t u = 0; u < units; u++)
-                    for (int64_t rr = r0; rr < r1; rr += PASS_ROWS) {
-                        int rows = r1 - rr < PASS_ROWS ? (int)(r1 - rr) : PASS_ROWS;
+                    for (int64_t rr = r0; rr < r1; rr += pass_rows) {
+                        int rows = r1 - rr < pass_rows ? (int)(r1 - rr) : pass_rows;
                         int64_t p0 = u * streams;
                         int64_t count = panels - p0 < streams ? panels - p0 : streams;
                         int at_once = count == streams ? streams : 1;
