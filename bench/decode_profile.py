@@ -35,14 +35,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers import (  # noqa: E402
-    DEFAULT_MODEL,
+    add_model_arguments,
     model_file,
     read_bandwidth,
     weight_bytes_per_token,
 )
 
 from pagedkv.bench.main import positive_int  # noqa: E402
-from pagedkv.bench.model_1b import QTYPES as QTYPES_1B  # noqa: E402
 from pagedkv.worker.threads import physical_cores  # noqa: E402
 
 
@@ -221,13 +220,7 @@ def profile(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="decode_profile", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"a built-in model name, 1b (TinyLlama-1.1B's shape) or a .gguf path "
-        f"(default: {DEFAULT_MODEL})",
-    )
-    parser.add_argument("--qtype", default="Q4_1", choices=QTYPES_1B, help="--model 1b's type")
+    add_model_arguments(parser)
     parser.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens")
     parser.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens")
     parser.add_argument("--rounds", type=positive_int, default=3, help="requests, one by one")

@@ -30,10 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import DEFAULT_MODEL, model_file  # noqa: E402
+from peers import add_model_arguments, model_file  # noqa: E402
 
 from pagedkv.bench.main import positive_int  # noqa: E402
-from pagedkv.bench.model_1b import QTYPES as QTYPES_1B  # noqa: E402
 from pagedkv.kernels import native  # noqa: E402
 from pagedkv.quant.formats import QuantizedTensor  # noqa: E402
 from pagedkv.worker.threads import physical_cores  # noqa: E402
@@ -132,13 +131,7 @@ def measure(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="matmul_bench", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"a built-in model name, 1b (TinyLlama-1.1B's shape) or a .gguf path (default: "
-        f"{DEFAULT_MODEL})",
-    )
-    parser.add_argument("--qtype", default="Q4_1", choices=QTYPES_1B, help="--model 1b's type")
+    add_model_arguments(parser)
     parser.add_argument(
         "--rows",
         default="1,6",

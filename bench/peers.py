@@ -657,18 +657,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="peers", description=__doc__.splitlines()[0] if __doc__ else None
     )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help=f"a built-in model name, 1b (a random model of TinyLlama-1.1B's shape, in "
-        f"--qtype) or a .gguf file (default: {DEFAULT_MODEL})",
-    )
-    parser.add_argument(
-        "--qtype",
-        choices=QTYPES_1B,
-        default="Q4_1",
-        help="block type of --model 1b (default: Q4_1)",
-    )
+    add_model_arguments(parser)
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
     parser.add_argument(
@@ -733,6 +722,23 @@ def make_config(args: argparse.Namespace) -> Config:
         seed=args.seed,
         llama_python=_llama_python(args.llama_python),
         llama_kv_unified=args.llama_kv_unified,
+    )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model` and `--qtype`, the two that `model_file` takes (this script's and its
+    siblings')."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"a built-in model name, 1b (a random model of TinyLlama-1.1B's shape, in "
+        f"--qtype) or a .gguf file (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--qtype",
+        choices=QTYPES_1B,
+        default="Q4_1",
+        help="block type of --model 1b (default: Q4_1)",
     )
 
 
