@@ -124,13 +124,13 @@ def test_products_equal_kernel_orders_bit_for_bit(
     ("bits", "rows", "cols", "half", "mins"),
     [(4, 4144, 1056, True, True), (8, 2096, 1056, False, False)],
 )
-def test_big_weights_read_four_panels_at_once_give_the_same_bits(
+def test_big_weights_read_several_panels_at_once_give_the_same_bits(
     bits: int, rows: int, cols: int, half: bool, mins: bool
 ) -> None:
     """Weights of 2 MiB or more with 1024 or more inputs, times at most 16 rows, are read four
-    panels at a time, 4 rows a pass (qmatmul.c, STREAMS): these are just above that, with
-    panels left over past the last four (259 and 131 panels), a tail group (33 groups of 32),
-    and row counts that leave a short pass."""
+    panels at a time up to 4 rows, three past that (qmatmul.c, STREAMS): these are just above
+    that size, with panels left over past the last four or three (259 and 131 panels), a tail
+    group (33 groups of 32), and row counts that leave a short pass of 8."""
     weight = random_weight(rows, cols, bits, half, mins, seed=rows + bits)
     paneled = weight.in_panels()
     assert paneled.values.numel() >= 2 << 20

@@ -810,20 +810,23 @@ int pagedkv_qmatmul(const float *x, int64_t m, int64_t k, const uint8_t *values,
 enum { PANEL_COLUMNS = 16, PASS_ROWS = 8, PREFETCH_GROUPS = 8 };
 
 /* A weight of at least STREAM_BYTES and STREAM_K inputs, multiplied by at most STREAM_M rows,
- * is read STREAMS panels at a time, each panel's group v beside the others', so a thread keeps
- * STREAMS streams of weight bytes in flight rather than one; STREAM_ROWS rows a pass, so the
- * panels' accumulators stay in registers (the next rows read the same panels again from L2).
+ * is read several panels at a time, each panel's group v beside the others', so a thread keeps
+ * that many streams of weight bytes in flight rather than one: STREAMS panels for up to
+ * STREAMS rows, STREAMS - 1 for more (PASS_ROWS rows a pass), so that a pass's accumulators,
+ * panels x rows (16 or 24), stay in registers.
  * Why: a weight that big comes from main memory, and one sequential stream a core leaves the
- * memory idle part of the time. On a 2-core Xeon (2 threads, one row, weights cycled through
- * 400 MB) a 1B model's 2048 x 2048 weight took 65 us rather than 141, its 11264 x 2048 one 553
- * us rather than 881 (kernel order: 583-645), a 4096 x 14336 one 1.5 ms rather than 2.6; 2-4
- * rows gained as much, 5-16 rows 1.04-1.25x, 32 rows nothing (the products bound it). Software
- * prefetches further ahead in the one stream, into L1 or L2, gained nothing. 576 inputs
- * (SmolLM2's 49152 x 576 output layer) gained 6% at one row and lost 12% at 3; weights that
- * stay in cache (a 135M model's layers) lost 0-20%. A column's arithmetic is the same either
- * way. */
+ * memory idle part of the time. On a 2-core Xeon (2 threads, weights cycled through 400 MB),
+ * 11264 x 2048 (a 1B model's gate and up) took, one panel at a time / several: 1 row 881 / 553
+ * us, 3 rows 936 / 622, 6 rows 1144 / 913, 8 rows 1424 / 1025, 12 rows 2155 / 1786 (kernel
+ * order: 583-645, 649, 784-856, 960-1068, 1632); 2048 x 2048 at one row 141 / 65 us, 4096 x
+ * 14336 2.6 / 1.5 ms. Four panels for 6-8 rows in passes of 4 were 10-20% slower than three in
+ * one pass; two panels gained nothing anywhere; software prefetches further ahead in the one
+ * stream, into L1 or L2, gained nothing. Past 16 rows the products bound it: nothing to gain.
+ * 576 inputs (SmolLM2's 49152 x 576 output layer) gained 6% at one row and lost 12% at 3;
+ * weights that stay in cache (a 135M model's layers) lost 0-20%. A column's arithmetic is the
+ * same either way. */
 #define STREAM_BYTES (2 << 20)
-enum { STREAMS = 4, STREAM_ROWS = 4, STREAM_K = 1024, STREAM_M = 16 };
+enum { STREAMS = 4, STREAM_K = 1024, STREAM_M = 16 };
 
 /* The group visited `v`-th in a panel of `groups` groups. */
 INLINE int64_t panel_group(int64_t v, int64_t groups) {
@@ -932,10 +935,10 @@ INLINE void panel_rows(const uint8_t *w, int64_t panel_bytes, int streams, const
 }
 
 /* panel_rows with the row count, panels at once and width as constants, one copy per case:
- * one panel in panel_rows_any, STREAMS in panel_streams_any. Two functions, not one: with all
+ * one panel in panel_rows_any, several in panel_streams_any. Two functions, not one: with all
  * the cases in one, the one-panel ones ran 8-10% slower (a 256-row prompt). */
 #define PANEL_CASE(R, S)                                                                       \
-    if (rows == R) {                                                                           \
+    if (rows == R && streams == S) {                                                                           \
         if (bits == 4)                                                                         \
             panel_rows(w, panel_bytes, S, ps, pm, half, has_mins, 4, groups, k, a, xs, xsum,   \
                        xisum, R, bias, col0, n, y);                                            \
@@ -948,7 +951,7 @@ INLINE void panel_rows(const uint8_t *w, int64_t panel_bytes, int streams, const
     const uint8_t *w, int64_t panel_bytes, const void *ps, const void *pm, int half,           \
         int has_mins, int bits, int64_t groups, int64_t k, const int8_t *a, const float *xs,   \
         const float *xsum, const int32_t *xisum, int rows, const float *bias, int64_t col0,    \
-        int64_t n, float *y
+        int64_t n, float *y, int streams
 typedef void (*PanelPass)(PANEL_ARGS);
 static void panel_rows_any(PANEL_ARGS) {
     PANEL_CASE(1, 1) PANEL_CASE(2, 1) PANEL_CASE(3, 1) PANEL_CASE(4, 1)
@@ -956,6 +959,9 @@ static void panel_rows_any(PANEL_ARGS) {
 }
 static void panel_streams_any(PANEL_ARGS) {
     PANEL_CASE(1, STREAMS) PANEL_CASE(2, STREAMS) PANEL_CASE(3, STREAMS) PANEL_CASE(4, STREAMS)
+    PANEL_CASE(1, STREAMS - 1) PANEL_CASE(2, STREAMS - 1) PANEL_CASE(3, STREAMS - 1)
+    PANEL_CASE(4, STREAMS - 1) PANEL_CASE(5, STREAMS - 1) PANEL_CASE(6, STREAMS - 1)
+    PANEL_CASE(7, STREAMS - 1) PANEL_CASE(8, STREAMS - 1)
 }
 #undef PANEL_ARGS
 #undef PANEL_CASE
@@ -971,10 +977,9 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
 #ifdef PANELS
     int64_t groups = k / 32, panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     int64_t panel_bytes = groups * (bits == 4 ? 256 : 512);
-    int streams = panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_M
-                      ? STREAMS
-                      : 1;
-    int pass_rows = streams > 1 ? STREAM_ROWS : PASS_ROWS;
+    int streams = 1;
+    if (panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_M)
+        streams = m <= STREAMS ? STREAMS : STREAMS - 1;
     int64_t units = (panels + streams - 1) / streams; /* the last may hold fewer panels */
     Activations a;
     int failed = activations_alloc(&a, m, k, 32) != 0;
@@ -988,8 +993,8 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
                 int64_t r1 = r0 + tile < m ? r0 + tile : m;
 #pragma omp for schedule(static) nowait
                 for (int64_t u = 0; u < units; u++)
-                    for (int64_t rr = r0; rr < r1; rr += pass_rows) {
-                        int rows = r1 - rr < pass_rows ? (int)(r1 - rr) : pass_rows;
+                    for (int64_t rr = r0; rr < r1; rr += PASS_ROWS) {
+                        int rows = r1 - rr < PASS_ROWS ? (int)(r1 - rr) : PASS_ROWS;
                         int64_t p0 = u * streams;
                         int64_t count = panels - p0 < streams ? panels - p0 : streams;
                         int at_once = count == streams ? streams : 1;
@@ -998,7 +1003,7 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
                             pass(values + p * panel_bytes, panel_bytes, scales, mins, half,
                                  has_mins, bits, groups, k, a.q + rr * k, a.scale + rr * groups,
                                  a.sum + rr * groups, a.isum + rr * groups, rows, bias,
-                                 p * PANEL_COLUMNS, n, y + rr * n);
+                                 p * PANEL_COLUMNS, n, y + rr * n, at_once);
                     }
             }
         }
