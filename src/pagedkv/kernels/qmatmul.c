@@ -41,6 +41,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_max_threads(void) { return 1; }
+#endif
 
 #include "simd.h"
 
@@ -824,9 +829,11 @@ enum { PANEL_COLUMNS = 16, PASS_ROWS = 8, PREFETCH_GROUPS = 8 };
  * stream, into L1 or L2, gained nothing. Past 16 rows the products bound it: nothing to gain.
  * 576 inputs (SmolLM2's 49152 x 576 output layer) gained 6% at one row and lost 12% at 3;
  * weights that stay in cache (a 135M model's layers) lost 0-20%. A column's arithmetic is the
- * same either way. */
+ * same either way. STREAM_SHARE: a weight with fewer panels than that many reads of STREAMS per
+ * thread keeps one panel at a time, so that no thread is left idle (a tall, narrow weight on a
+ * many-core machine). */
 #define STREAM_BYTES (2 << 20)
-enum { STREAMS = 4, STREAM_K = 1024, STREAM_M = 16 };
+enum { STREAMS = 4, STREAM_K = 1024, STREAM_M = 16, STREAM_SHARE = 4 };
 
 /* The group visited `v`-th in a panel of `groups` groups. */
 INLINE int64_t panel_group(int64_t v, int64_t groups) {
@@ -978,7 +985,8 @@ int pagedkv_qmatmul_panels(const float *x, int64_t m, int64_t k, const uint8_t *
     int64_t groups = k / 32, panels = (n + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     int64_t panel_bytes = groups * (bits == 4 ? 256 : 512);
     int streams = 1;
-    if (panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_M)
+    if (panels * panel_bytes >= STREAM_BYTES && k >= STREAM_K && m <= STREAM_M &&
+        panels >= STREAM_SHARE * STREAMS * omp_get_max_threads())
         streams = m <= STREAMS ? STREAMS : STREAMS - 1;
     int64_t units = (panels + streams - 1) / streams; /* the last may hold fewer panels */
     Activations a;
