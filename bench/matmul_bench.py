@@ -129,14 +129,16 @@ def measure(
     return totals
 
 
+def row_counts(text: str) -> list[int]:
+    """`--rows`: positive integers, comma-separated."""
+    return [positive_int(part) for part in text.split(",")]
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="matmul_bench", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument(
-        "--rows",
-        default="1,6",
-        type=lambda text: [positive_int(part) for part in text.split(",")],
-        help="comma-separated row counts (default: 1,6)",
+        "--rows", default="1,6", type=row_counts, help="comma-separated row counts (default: 1,6)"
     )
     parser.add_argument("--rounds", type=positive_int, default=5, help="timed passes per layout")
     parser.add_argument(

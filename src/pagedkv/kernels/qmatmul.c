@@ -945,7 +945,7 @@ INLINE void panel_rows(const uint8_t *w, int64_t panel_bytes, int streams, const
  * one panel in panel_rows_any, several in panel_streams_any. Two functions, not one: with all
  * the cases in one, the one-panel ones ran 8-10% slower (a 256-row prompt). */
 #define PANEL_CASE(R, S)                                                                       \
-    if (rows == R && streams == S) {                                                                           \
+    if (rows == R && streams == S) {                                                           \
         if (bits == 4)                                                                         \
             panel_rows(w, panel_bytes, S, ps, pm, half, has_mins, 4, groups, k, a, xs, xsum,   \
                        xisum, R, bias, col0, n, y);                                            \
