@@ -35,6 +35,7 @@ from peers import add_model_arguments, model_file  # noqa: E402
 from pagedkv.bench.main import positive_int  # noqa: E402
 from pagedkv.kernels import native  # noqa: E402
 from pagedkv.quant.formats import QuantizedTensor  # noqa: E402
+from pagedkv.quant.matmul import qmatmul_into  # noqa: E402
 from pagedkv.worker.threads import physical_cores  # noqa: E402
 
 LAYOUTS = ("panels", "kernel")
@@ -61,16 +62,10 @@ def timed_pass(
     kernels = native.kernels()
     seconds: dict[tuple[int, int], float] = defaultdict(float)
     for weight, y in zip(weights, outputs, strict=True):
-        (n, k), x = weight.shape, inputs[weight.shape[1]]
-        head = (x.data_ptr(), x.shape[0], k, *weight.pointers)
+        x = inputs[weight.shape[1]]
         start = time.perf_counter()
-        if weight.layout == "panels":
-            status = kernels.qmatmul_panels(*head, weight.bits, n, None, y.data_ptr())
-        else:
-            status = kernels.qmatmul(*head, weight.bits, weight.group_size, n, None, y.data_ptr())
+        qmatmul_into(kernels, x, weight, None, y)
         seconds[weight.shape] += time.perf_counter() - start
-        if status != 0:
-            raise MemoryError(f"matmul_bench: no memory for {weight.shape} at {x.shape[0]} rows")
     return seconds
 
 
@@ -85,9 +80,7 @@ def measure(
     both = {"panels": panels, "kernel": [kernel_order(weight) for weight in panels]}
     shapes = sorted({weight.shape for weight in panels})
     count = {shape: sum(weight.shape == shape for weight in panels) for shape in shapes}
-    size = {shape: 0 for shape in shapes}
-    for weight in panels:
-        size[weight.shape] += weight.nbytes
+    size = {shape: sum(w.nbytes for w in panels if w.shape == shape) for shape in shapes}
     generator = torch.Generator().manual_seed(0)
     totals: dict[tuple[int, str], float] = {}
     out(f"{'rows':>4} {'weight (count)':>20} {'panels us':>10} {'kernel us':>10} {'ratio':>6}")

@@ -35,16 +35,24 @@ def quantized_linear(x: Tensor, weight: QuantizedTensor, bias: Tensor | None) ->
     rows, cols = weight.shape
     flat, bias = _float32_rows(x, cols), _float32_bias(bias)
     out = torch.empty(flat.shape[0], rows, dtype=torch.float32)
+    qmatmul_into(kernels, flat, weight, bias, out)
+    return _shaped(out, x)
+
+
+def qmatmul_into(
+    kernels: native.Kernels, flat: Tensor, weight: QuantizedTensor, bias: Tensor | None, out: Tensor
+) -> None:
+    """`out = flat @ W.T + b` in the C kernel for the weight's layout: `flat` `[m, in]`, `bias`
+    and `out` `[m, out]` float32 and contiguous (bench/matmul_bench.py times this call alone)."""
     values, scales, mins, half, has_mins = weight.pointers
-    head = (flat.data_ptr(), flat.shape[0], cols, values, scales, mins, half, has_mins)
-    tail = (rows, None if bias is None else bias.data_ptr(), out.data_ptr())
+    head = (flat.data_ptr(), flat.shape[0], weight.shape[1], values, scales, mins, half, has_mins)
+    tail = (weight.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr())
     if weight.layout == "panels":
         status = kernels.qmatmul_panels(*head, weight.bits, *tail)
     else:
         status = kernels.qmatmul(*head, weight.bits, weight.group_size, *tail)
     if status != 0:
         raise MemoryError(f"quantised matmul of {tuple(flat.shape)} by {weight.shape}: no memory")
-    return _shaped(out, x)
 
 
 def float_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
