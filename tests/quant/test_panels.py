@@ -8,6 +8,8 @@ are compared with the kernel-order kernel's (tests/quant/test_qmatmul.py checks 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -119,28 +121,28 @@ def test_products_equal_kernel_orders_bit_for_bit(
             assert torch.equal(quantized_linear(x, paneled, b), quantized_linear(x, weight, b))
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The kernels' OpenMP threads (PyTorch's pool) at 2 for the test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @needs_panels
 @pytest.mark.parametrize(
     ("bits", "rows", "cols", "half", "mins"),
     [(4, 4144, 1056, True, True), (8, 2096, 1056, False, False)],
 )
 def test_big_weights_read_several_panels_at_once_give_the_same_bits(
-    bits: int, rows: int, cols: int, half: bool, mins: bool
+    bits: int, rows: int, cols: int, half: bool, mins: bool, two_threads: None
 ) -> None:
     """Weights of 2 MiB or more with 1024 or more inputs, times at most 16 rows, are read four
     panels at a time up to 4 rows, three past that (qmatmul.c, STREAMS): these are just above
     that size, with panels left over past the last four or three (259 and 131 panels), a tail
     group (33 groups of 32), and row counts that leave a short pass of 8. Two threads, as a
     weight needs 16 panels a thread for the several-panel reads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        several_panels_at_once(bits, rows, cols, half, mins)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def several_panels_at_once(bits: int, rows: int, cols: int, half: bool, mins: bool) -> None:
     weight = random_weight(rows, cols, bits, half, mins, seed=rows + bits)
     paneled = weight.in_panels()
     assert paneled.values.numel() >= 2 << 20
