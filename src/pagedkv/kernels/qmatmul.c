@@ -871,16 +871,18 @@ INLINE void panel_rows(const uint8_t *w, int64_t panel_bytes, int streams, const
         if (v < blocks * 8 && v % blocks == 0)
             for (int s = 0; s < streams; s++)
                 for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_ps();
+        /* a column of scales is no stream the core foresees: ask for group `ahead`'s */
+        int64_t ahead = v + PREFETCH_GROUPS < groups ? panel_group(v + PREFETCH_GROUPS, groups)
+                                                      : -1;
         for (int s = 0; s < streams; s++) {
             const uint8_t *src = w + s * panel_bytes + v * group_bytes;
             int64_t col = col0 + PANEL_COLUMNS * s;
             for (int64_t at = 0; at < group_bytes; at += 64)
                 _mm_prefetch((const char *)src + PREFETCH_VALUES + at, _MM_HINT_T0);
-            /* a column of scales is no stream the core foresees */
-            if (v + PREFETCH_GROUPS < groups) {
-                int64_t ahead = panel_group(v + PREFETCH_GROUPS, groups) * n + col;
-                _mm_prefetch((const char *)ps + ahead * (half ? 2 : 4), _MM_HINT_T0);
-                if (has_mins) _mm_prefetch((const char *)pm + ahead * (half ? 2 : 4), _MM_HINT_T0);
+            if (ahead >= 0) {
+                int64_t at = ahead * n + col;
+                _mm_prefetch((const char *)ps + at * (half ? 2 : 4), _MM_HINT_T0);
+                if (has_mins) _mm_prefetch((const char *)pm + at * (half ? 2 : 4), _MM_HINT_T0);
             }
             __m512i wv[8];
             if (bits == 4) {
