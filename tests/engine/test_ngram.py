@@ -1,7 +1,9 @@
 """Prompt lookup proposes what vLLM's rule says, the tokens after the first earlier occurrence
 of the longest suffix of min_n..max_n tokens, cut where another occurrence of that suffix goes
 on differently (at least one kept). The oracle is that rule written out one window at a time;
-sequences over a 3-token alphabet make long, repeated and overlapping matches common."""
+sequences over a 3-token alphabet make long, repeated and overlapping matches common. The search
+runs over the sequence's bytes, so ids whose bytes recur inside other ids' (256 is 1 shifted a
+byte) check that a match starting inside a token is never taken for one."""
 
 from __future__ import annotations
 
@@ -44,6 +46,27 @@ def rule(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
 def test_drafts_follow_the_rule(tokens: list[int], min_n: int, extra: int, k: int) -> None:
     got = propose_ngram(array("q", tokens), min_n, min_n + extra, k)
     assert got == rule(tokens, min_n, min_n + extra, k)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    tokens=st.lists(st.sampled_from((0, 1, 256, 257, 65537, 1 << 40)), min_size=1, max_size=60),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    k=st.integers(1, 5),
+)
+def test_byte_patterns_inside_tokens_are_not_matches(
+    tokens: list[int], min_n: int, extra: int, k: int
+) -> None:
+    got = propose_ngram(array("q", tokens), min_n, min_n + extra, k)
+    assert got == rule(tokens, min_n, min_n + extra, k)
+
+
+def test_a_match_inside_a_token_is_passed_over() -> None:
+    # [1, 0] is the bytes 01 00..00 00..00; [256, 0, ...] holds them from its second byte
+    tokens = [256, 0, 0, 9, 1, 0]
+    assert propose_ngram(array("q", tokens), 2, 2, 2) == []
+    assert propose_ngram(array("q", [256, 0, 0, 1, 0, 4, 1, 0]), 2, 2, 1) == [4]
 
 
 def test_the_first_occurrence_of_the_longest_match_wins() -> None:
