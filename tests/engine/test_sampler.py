@@ -20,6 +20,7 @@ from pagedkv.engine.sampler import (
     SamplingRow,
     _filtered_probs,
     _nucleus,
+    argmax,
     sampling_row,
     token_logprobs,
 )
@@ -386,3 +387,30 @@ def test_tokens_far_below_the_top_are_drawn_at_their_probability():
     rows = [row(SamplingParams(temperature=1.0), vocab=tail + 1)] * 25
     drawn = sum(token_id != 0 for _ in range(80) for token_id in sampler(logits, rows).token_ids)
     assert 8 <= drawn <= 36
+
+
+def first_largest(values: list[float]) -> int:
+    """The first NaN's index if there is one, else the first index of the largest value."""
+    nans = [index for index, value in enumerate(values) if math.isnan(value)]
+    return nans[0] if nans else values.index(max(values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(
+            st.sampled_from((0.0, 1.5, -2.0, 3.25, math.inf, -math.inf, math.nan)),
+            min_size=3,
+            max_size=40,
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    step=st.integers(1, 3),
+)
+def test_argmax_takes_the_first_largest_and_nan_above_all(rows: list[list[float]], step: int):
+    width = min(len(values) for values in rows)
+    values = torch.tensor([values[:width] for values in rows])[:, ::step]  # strided too
+    expected = [first_largest(row.tolist()) for row in values]
+    assert argmax(values).tolist() == expected
+    assert int(argmax(values[0])) == expected[0]

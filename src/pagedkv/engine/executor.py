@@ -22,7 +22,7 @@ import torch
 from pagedkv.engine.beam_search import Candidate
 from pagedkv.engine.logprobs import logprob_entry, score_prompts
 from pagedkv.engine.request import Request, Sequence
-from pagedkv.engine.sampler import Sampler, SamplingRow, sampling_row, token_logprobs
+from pagedkv.engine.sampler import Sampler, SamplingRow, argmax, sampling_row, token_logprobs
 from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
 from pagedkv.engine.spec.drafter import Drafter, DraftRequest
 from pagedkv.tokenizer import Tokenizer
@@ -136,7 +136,7 @@ class StepExecutor:
             if params.temperature > 0:
                 row_logits = row_logits / params.temperature
             count = min(params.num_candidates, row_logits.shape[-1])
-            top = token_logprobs(row_logits, row_logits.argmax(dim=-1), [count])[0]
+            top = token_logprobs(row_logits, argmax(row_logits), [count])[0]
             _, _, top_ids, top_values = top
             ranked = logprob_entry(self.tokenizer, top_ids[0], top)  # the argmax ranks first
             candidates[seq_id] = [

@@ -48,6 +48,16 @@ from pagedkv.engine.structured.state import GrammarState
 NUCLEUS_CANDIDATES = 1024
 
 
+def argmax(values: Tensor) -> Tensor:
+    """Each row's index of its largest value along the last dimension, the first of equal ones
+    and a NaN above all: `Tensor.argmax(dim=-1)`. On the CPU numpy's does it: torch 2.13's
+    takes 74 us a row of a 49,152-token vocabulary on 2 threads, numpy's 4, and it made most of
+    a greedy row's sampling (and a tenth of what a speculative draft's row costs)."""
+    if values.device.type != "cpu":
+        return values.argmax(dim=-1)
+    return torch.as_tensor(values.numpy().argmax(axis=-1))
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs of one sequence: its settings and what it has sampled so far,
@@ -225,7 +235,7 @@ def _choose(
     """Each row's token, and whether a row's draft was kept (False without a draft)."""
     sampled = [index for index, row in enumerate(rows) if not row.params.greedy]
     if len(sampled) < len(rows):
-        chosen = logits.argmax(dim=-1)
+        chosen = argmax(logits)
     else:  # every row samples: no argmax of the logits to take
         chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     drafts = torch.tensor(
@@ -237,7 +247,7 @@ def _choose(
         subset = [rows[i] for i in sampled]
         temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
         probs = _filtered_probs(logits[index] / temperature[:, None], subset)
-        chosen[index] = (probs / _noise(probs, subset, generator)).argmax(dim=-1)
+        chosen[index] = argmax(probs / _noise(probs, subset, generator))
     kept = chosen == drafts  # a draft is kept where the row drew it
     return chosen, kept.tolist()
 
@@ -261,7 +271,7 @@ def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generato
             continue
         _exponential(noise[position], row.generator)
         draft = row.draft_token_id
-        if draft is not None and int((probs[position] / noise[position]).argmax()) != draft:
+        if draft is not None and int(argmax(probs[position] / noise[position])) != draft:
             refused.add(id(row.generator))
     return noise
 

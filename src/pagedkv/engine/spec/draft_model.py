@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pagedkv.engine.sampler import argmax
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.drafter import DraftRequest, SeqId
 from pagedkv.memory.adapters import AdapterChanges
@@ -63,7 +64,7 @@ class DraftModelDrafter:
             if logits is not None:
                 for chunk in passes:
                     row = rows[chunk.seq_id][-1]
-                    drafts[chunk.seq_id].append(int(logits[row].argmax()))
+                    drafts[chunk.seq_id].append(int(argmax(logits[row])))
             passes = [
                 ScheduledChunk(
                     seq_id=chunk.seq_id,
