@@ -69,6 +69,13 @@ static inline int64_t act_vector(int bits, int64_t u) {
     return bits == 8 ? u : 4 * ((u % 4) / 2) + 2 * (u / 4) + u % 2;
 }
 
+/* Where quantize_row puts values 4u .. 4u + 3 of `group` in its int8 row: in a block of 8
+ * groups (groups before `blocked`) at act_vector's place, else in order. */
+static inline int64_t unit_at(int bits, int64_t g, int64_t group, int64_t blocked, int64_t u) {
+    return group < blocked ? (group / 8) * 8 * g + act_vector(bits, u) * 32 + (group % 8) * 4
+                           : group * g + 4 * u;
+}
+
 /* int8 activations of one row [k] in kernel order (in natural order when `natural`, as the
  * panel layout takes them), with per-group scale, float sum and integer sum. The float sum
  * takes 8 lanes (value i in lane i % 8) and the tree; a value's int8 is nearbyint(value x 127 /
@@ -77,10 +84,10 @@ static inline int64_t act_vector(int bits, int64_t u) {
 static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int natural, int8_t *xq,
                          float *xs, float *xsum, int32_t *xisum) {
     int64_t groups = k / g, blocked = natural ? 0 : groups / 8 * 8;
-    int32_t units[64]; /* one group's int8 values (g <= 64), as int32 */
     for (int64_t group = 0; group < groups; group++) {
         const float *v = x + group * g;
         float amax = 0.0f, inverse;
+        int32_t isum = 0;
 #ifdef __AVX2__
         const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
         __m256 most = _mm256_setzero_ps(), lanes = _mm256_setzero_ps();
@@ -94,11 +101,26 @@ static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int nat
         for (int l = 0; l < 8; l++) amax = most_lanes[l] > amax ? most_lanes[l] : amax;
         xsum[group] = hsum8(lanes);
         inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* Each int32's low byte is its int8 (as the cast keeps it), the byte shuffle taking
+         * them in order, two units of four per 8 values; the integer sum adds those bytes. */
+        const __m256i low_bytes = _mm256_setr_epi8(
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        __m256i isums = _mm256_setzero_si256();
         for (int64_t i = 0; i < g; i += 8) {
             __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(inverse));
             __m256 rounded = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm256_storeu_si256((__m256i *)(units + i), _mm256_cvtps_epi32(rounded));
+            __m256i units = _mm256_cvtps_epi32(rounded);
+            isums = _mm256_add_epi32(isums, _mm256_srai_epi32(_mm256_slli_epi32(units, 24), 24));
+            __m256i packed = _mm256_shuffle_epi8(units, low_bytes);
+            int32_t pair[2] = {_mm_cvtsi128_si32(_mm256_castsi256_si128(packed)),
+                               _mm_cvtsi128_si32(_mm256_extracti128_si256(packed, 1))};
+            for (int64_t u = i / 4; u < i / 4 + 2; u++)
+                memcpy(xq + unit_at(bits, g, group, blocked, u), &pair[u - i / 4], 4);
         }
+        int32_t isum_lanes[8];
+        _mm256_storeu_si256((__m256i *)isum_lanes, isums);
+        for (int l = 0; l < 8; l++) isum += isum_lanes[l];
 #else
         float lanes[8] = {0};
         for (int64_t i = 0; i < g; i += 8)
@@ -109,20 +131,15 @@ static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int nat
             }
         xsum[group] = hsum8_lanes(lanes);
         inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t i = 0; i < g; i++) units[i] = (int32_t)nearbyintf(v[i] * inverse);
-#endif
-        int32_t isum = 0;
         for (int64_t u = 0; u < g / 4; u++) {
             int8_t unit[4];
             for (int e = 0; e < 4; e++) {
-                unit[e] = (int8_t)units[4 * u + e];
+                unit[e] = (int8_t)(int32_t)nearbyintf(v[4 * u + e] * inverse);
                 isum += unit[e];
             }
-            int64_t at = group < blocked
-                             ? (group / 8) * 8 * g + act_vector(bits, u) * 32 + (group % 8) * 4
-                             : group * g + 4 * u;
-            memcpy(xq + at, unit, 4);
+            memcpy(xq + unit_at(bits, g, group, blocked, u), unit, 4);
         }
+#endif
         xs[group] = amax / 127.0f;
         xisum[group] = isum;
     }
