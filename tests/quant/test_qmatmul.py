@@ -321,6 +321,26 @@ def test_kernel_dequantize_equals_torch_dequantize(kernels, layout):
     assert_within(torch_dense, exact, rounding_bound(weight, exact), "torch dequantize")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+@pytest.mark.parametrize("cols", [96, 288, 544])  # no whole block of 8 groups; a tail; none
+def test_kernel_picks_rows_as_torch_dequantizes_them(kernels, layout, cols):
+    """`matmul.dequantize_rows` gives exactly the rows of `QuantizedTensor.dequantize()`, in
+    kernel order and (groups of 32) in the panel layout, for any rows, repeated or not; a row
+    past the weight is an IndexError, not a read past its bytes."""
+    if cols % layout[1]:
+        pytest.skip("groups do not divide the columns")
+    weight, _ = make_weight(48, cols, *layout[:3], seed=cols, half=layout[3])
+    index = torch.tensor([0, 47, 5, 5, 16, 31, 32, 17])
+    dense = weight.dequantize()
+    forms = [weight] + ([weight.in_panels()] if layout[1] == 32 else [])
+    for form in forms:
+        assert torch.equal(matmul.dequantize_rows(form, index), dense[index]), form.layout
+        assert matmul.dequantize_rows(form, index[:0]).shape == (0, cols)
+        for bad in (48, -1):
+            with pytest.raises(IndexError, match="48 rows"):
+                matmul.dequantize_rows(form, torch.tensor([3, bad]))
+
+
 @pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout[3]], ids=layout_id)
 def test_float16_scales_give_the_float32_products_bit_for_bit(kernels, layout):
     """Scales and mins kept as float16 are widened exactly: the product and the dequantised

@@ -70,6 +70,13 @@ _DEQUANTIZE_ARGS = (
     + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # g, n, k
     + [ctypes.c_void_p]  # out
 )
+_DEQUANTIZE_ROWS_ARGS = (
+    [ctypes.c_void_p] * 3  # values, scales, mins
+    + [ctypes.c_int, ctypes.c_int]  # half, bits
+    + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]  # g, n, k
+    + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]  # panels, row_stride, group_stride
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # index, count, out
+)
 _FMATMUL_ARGS = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # x, m, k
     + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]  # w, w_dtype, n
@@ -207,6 +214,7 @@ class Kernels:
     qmatmul: ctypes._CFuncPtr  # quantised weights: int8 dot products, any row count
     qmatmul_panels: ctypes._CFuncPtr  # the same for weights in the panel layout
     dequantize: ctypes._CFuncPtr  # a quantised weight to float32
+    dequantize_rows: ctypes._CFuncPtr  # some of its rows (an embedding lookup)
     fmatmul: ctypes._CFuncPtr  # float32/bfloat16/float16 weights
     attention: ctypes._CFuncPtr  # every query row over its sequence's paged keys
     rope: ctypes._CFuncPtr  # rotary embedding in place
@@ -238,6 +246,8 @@ def kernels() -> Kernels | None:
     library.pagedkv_qmatmul_panels.restype = ctypes.c_int
     library.pagedkv_dequantize.argtypes = _DEQUANTIZE_ARGS
     library.pagedkv_dequantize.restype = None
+    library.pagedkv_dequantize_rows.argtypes = _DEQUANTIZE_ROWS_ARGS
+    library.pagedkv_dequantize_rows.restype = ctypes.c_int
     library.pagedkv_fmatmul.argtypes = _FMATMUL_ARGS
     library.pagedkv_fmatmul.restype = ctypes.c_int
     library.pagedkv_attention.argtypes = _ATTENTION_ARGS
@@ -264,6 +274,7 @@ def kernels() -> Kernels | None:
         library.pagedkv_qmatmul,
         library.pagedkv_qmatmul_panels,
         library.pagedkv_dequantize,
+        library.pagedkv_dequantize_rows,
         library.pagedkv_fmatmul,
         library.pagedkv_attention,
         library.pagedkv_rope,

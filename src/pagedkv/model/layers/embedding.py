@@ -26,6 +26,7 @@ from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import (
     as_dense,
     dequantize,
+    dequantize_rows,
     float_linear,
     kernel_layout,
     quantized_linear,
@@ -88,9 +89,7 @@ class Embedding(nn.Module):
             return all_reduce(rows * mine.unsqueeze(-1))
         if self.qweight is None:
             return F.embedding(token_ids, self.weight)
-        # The tokens' rows, still quantised, dequantised by the C kernel where it runs (the
-        # same products and sums as torch's, a fraction of the time: a decode step's lookup).
-        rows = dequantize(self.qweight.rows(token_ids.reshape(-1)))
+        rows = dequantize_rows(self.qweight, token_ids.reshape(-1))
         return rows.to(self.dtype).view(*token_ids.shape, -1)
 
     def logits(self, hidden: Tensor) -> Tensor:
