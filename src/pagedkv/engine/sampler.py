@@ -139,13 +139,14 @@ class Sampler:
         _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
-        token_ids, kept = _choose(logits, rows, self._generator)
+        chosen = _choose(logits, rows, self._generator)
+        token_ids = chosen.tolist()
         return SamplerOutput(
-            token_ids.tolist(),
-            _logprobs(raw_logits, token_ids, rows),
-            [
-                None if row.draft_token_id is None else keep
-                for row, keep in zip(rows, kept, strict=True)
+            token_ids,
+            _logprobs(raw_logits, chosen, rows),
+            [  # a draft is kept where the row drew it
+                None if row.draft_token_id is None else token_id == row.draft_token_id
+                for row, token_id in zip(rows, token_ids, strict=True)
             ],
         )
 
@@ -229,27 +230,20 @@ def _mask(logits: Tensor, row_ids: list[int], token_ids: list[int]) -> None:
         ] = float("-inf")
 
 
-def _choose(
-    logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator
-) -> tuple[Tensor, list[bool]]:
-    """Each row's token, and whether a row's draft was kept (False without a draft)."""
+def _choose(logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:
+    """Each row's token."""
     sampled = [index for index, row in enumerate(rows) if not row.params.greedy]
     if len(sampled) < len(rows):
         chosen = argmax(logits)
     else:  # every row samples: no argmax of the logits to take
         chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    drafts = torch.tensor(
-        [-1 if row.draft_token_id is None else row.draft_token_id for row in rows],
-        device=logits.device,
-    )
     if sampled:
         index = torch.tensor(sampled, device=logits.device)
         subset = [rows[i] for i in sampled]
         temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
         probs = _filtered_probs(logits[index] / temperature[:, None], subset)
         chosen[index] = argmax(probs / _noise(probs, subset, generator))
-    kept = chosen == drafts  # a draft is kept where the row drew it
-    return chosen, kept.tolist()
+    return chosen
 
 
 def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:

@@ -237,7 +237,11 @@ class DecoderModel(nn.Module):
             lora_step(self.lora_adapters, batch),
         ):
             hidden = self.layer_path(hidden)
-        last = self.norm(hidden[batch.logits_indices])
+        # A decode or verification step wants every row's logits, in order: no gather then
+        # (an index op right after the layers' C call took ~70 us of a 6 ms step).
+        if batch.logits_indices.shape[0] < hidden.shape[0]:
+            hidden = hidden[batch.logits_indices]
+        last = self.norm(hidden)
         if self.lm_head is None:
             return self.embed_tokens.logits(last).float()
         return self.lm_head(last).float()
