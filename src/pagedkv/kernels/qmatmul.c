@@ -1059,52 +1059,50 @@ static inline int32_t panel_value(const uint8_t *group, int bits, int64_t c, int
     return i < 16 ? byte & 15 : byte >> 4;
 }
 
-/* out [n, k] float32 = the weight dequantised from kernel order: scale * q + min per group,
- * multiplied then added (two roundings, as QuantizedTensor.dequantize in torch). */
-void pagedkv_dequantize(const uint8_t *values, const void *scales, const void *mins, int half,
-                        int bits, int64_t g, int64_t n, int64_t k, float *out) {
-    int64_t groups = k / g, blocked = groups / 8 * 8, row_bytes = k * bits / 8;
-#pragma omp parallel for schedule(static)
-    for (int64_t col = 0; col < n; col++) {
-        for (int64_t group = 0; group < groups; group++) {
-            float scale = scale_at(scales, col * groups + group, half);
-            float min = scale_at(mins, col * groups + group, half);
-            float *d = out + col * k + group * g;
-            for (int64_t i = 0; i < g; i++)
-                d[i] = scale * (float)kernel_order_value(values + col * row_bytes, bits, g, blocked,
-                                                         group, i) + min;
+/* Row `row` of an [n, k] weight into out [k]: scale * q + min per group, multiplied then added
+ * (two roundings, as QuantizedTensor.dequantize in torch). The values are in kernel order, or in
+ * the panel layout when `panels` (g = 32; its visit order of groups, panels.py); the scale and
+ * min of row r, group j sit at r * row_stride + j * group_stride (row-major in kernel order,
+ * column-major in panels). */
+static void dequantize_row(const uint8_t *values, const void *scales, const void *mins, int half,
+                           int bits, int64_t g, int64_t k, int panels, int64_t row_stride,
+                           int64_t group_stride, int64_t row, float *out) {
+    int64_t groups = k / g, blocked = groups / 8 * 8, blocks = groups / 8;
+    int64_t group_bytes = 16 * g * bits / 8; /* a panel's group: 16 rows of it */
+    const uint8_t *bytes = panels ? values + (row / 16) * groups * group_bytes
+                                  : values + row * (k * bits / 8);
+    for (int64_t group = 0; group < groups; group++) {
+        int64_t at = row * row_stride + group * group_stride;
+        float scale = scale_at(scales, at, half), min = scale_at(mins, at, half);
+        int64_t visit = group < blocked ? (group % 8) * blocks + group / 8 : group;
+        float *d = out + group * g;
+        for (int64_t i = 0; i < g; i++) {
+            int32_t q = panels ? panel_value(bytes + visit * group_bytes, bits, row % 16, i)
+                               : kernel_order_value(bytes, bits, g, blocked, group, i);
+            d[i] = scale * (float)q + min;
         }
     }
 }
 
-/* out [count, k] float32 = rows `index` of an [n, k] weight dequantised as pagedkv_dequantize
- * does, reading those rows' bytes alone (an embedding lookup). The values are in kernel order,
- * or in the panel layout when `panels` (g = 32; its visit order of groups, panels.py); the
- * scale and min of row r, group j sit at r * row_stride + j * group_stride (row-major in kernel
- * order, column-major in panels). Returns 0, or -1 (nothing written) when an index is not a row. */
+/* out [n, k] float32 = the weight dequantised from kernel order (dequantize_row). */
+void pagedkv_dequantize(const uint8_t *values, const void *scales, const void *mins, int half,
+                        int bits, int64_t g, int64_t n, int64_t k, float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t col = 0; col < n; col++)
+        dequantize_row(values, scales, mins, half, bits, g, k, 0, k / g, 1, col, out + col * k);
+}
+
+/* out [count, k] float32 = rows `index` of an [n, k] weight (dequantize_row, either layout),
+ * reading those rows' bytes alone: an embedding lookup. Returns 0, or -1 (nothing written)
+ * when an index is not a row. */
 int pagedkv_dequantize_rows(const uint8_t *values, const void *scales, const void *mins, int half,
                             int bits, int64_t g, int64_t n, int64_t k, int panels,
                             int64_t row_stride, int64_t group_stride, const int64_t *index,
                             int64_t count, float *out) {
-    int64_t groups = k / g, blocked = groups / 8 * 8, row_bytes = k * bits / 8;
-    int64_t group_bytes = 16 * g * bits / 8, blocks = groups / 8;
     for (int64_t t = 0; t < count; t++)
         if (index[t] < 0 || index[t] >= n) return -1;
-    for (int64_t t = 0; t < count; t++) {
-        int64_t row = index[t];
-        const uint8_t *panel = values + (row / 16) * groups * group_bytes;
-        for (int64_t group = 0; group < groups; group++) {
-            int64_t at = row * row_stride + group * group_stride;
-            float scale = scale_at(scales, at, half), min = scale_at(mins, at, half);
-            int64_t visit = group < blocked ? (group % 8) * blocks + group / 8 : group;
-            float *d = out + t * k + group * g;
-            for (int64_t i = 0; i < g; i++) {
-                int32_t q = panels ? panel_value(panel + visit * group_bytes, bits, row % 16, i)
-                                   : kernel_order_value(values + row * row_bytes, bits, g,
-                                                        blocked, group, i);
-                d[i] = scale * (float)q + min;
-            }
-        }
-    }
+    for (int64_t t = 0; t < count; t++)
+        dequantize_row(values, scales, mins, half, bits, g, k, panels, row_stride, group_stride,
+                       index[t], out + t * k);
     return 0;
 }
