@@ -113,10 +113,10 @@ static void quantize_row(const float *x, int64_t k, int64_t g, int bits, int nat
             __m256i units = _mm256_cvtps_epi32(rounded);
             isums = _mm256_add_epi32(isums, _mm256_srai_epi32(_mm256_slli_epi32(units, 24), 24));
             __m256i packed = _mm256_shuffle_epi8(units, low_bytes);
-            int32_t pair[2] = {_mm_cvtsi128_si32(_mm256_castsi256_si128(packed)),
-                               _mm_cvtsi128_si32(_mm256_extracti128_si256(packed, 1))};
-            for (int64_t u = i / 4; u < i / 4 + 2; u++)
-                memcpy(xq + unit_at(bits, g, group, blocked, u), &pair[u - i / 4], 4);
+            int32_t low = _mm_cvtsi128_si32(_mm256_castsi256_si128(packed));
+            int32_t high = _mm_cvtsi128_si32(_mm256_extracti128_si256(packed, 1));
+            memcpy(xq + unit_at(bits, g, group, blocked, i / 4), &low, 4);
+            memcpy(xq + unit_at(bits, g, group, blocked, i / 4 + 1), &high, 4);
         }
         int32_t isum_lanes[8];
         _mm256_storeu_si256((__m256i *)isum_lanes, isums);
