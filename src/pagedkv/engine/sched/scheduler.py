@@ -135,8 +135,11 @@ class Scheduler:
         num_decoding = sum(len(request.live_sequences) for request in self.running)
         step = _Step(self.max_num_batched_tokens, self.drafts.threshold(num_decoding))
         step.output.plan.extend(self.drafts.take_plan())
-        for request in list(self.running):
+        running = list(self.running)
+        step.decodes_after = sum(self._num_decodes(request) for request in running)
+        for request in running:
             if request.status is RequestStatus.RUNNING:
+                step.decodes_after -= self._num_decodes(request)
                 self._schedule_running(request, step)
         if not step.output.preempted:
             while self.swapped and self._try_resume(self.swapped.peek(), step):
@@ -230,7 +233,7 @@ class Scheduler:
         seqs = request.live_sequences
         for index, seq in enumerate(seqs):
             num_new = self._num_to_compute(seq)
-            owed = self._decodes_after(request) + len(seqs) - 1 - index
+            owed = step.decodes_after + len(seqs) - 1 - index
             if num_new > 1:  # a prompt chunk leaves budget for the decodes still to come
                 num_new = min(num_new, step.budget - owed)
             num_new = min(num_new, step.budget)
@@ -251,6 +254,8 @@ class Scheduler:
                 if self.adapters is not None and self.adapters.evict_idle():
                     continue  # an adapter no one uses gives way before any request
                 victim = self.policy.victim(self.running)
+                if self.running.index(victim) > self.running.index(request):
+                    step.decodes_after -= self._num_decodes(victim)  # no longer owed a token
                 self._preempt(victim, step)
                 if victim is request:
                     step.budget += sum(len(chunk.token_ids) for chunk in chunks)
@@ -445,12 +450,9 @@ class Scheduler:
     def _num_to_compute(self, seq: Sequence) -> int:
         return len(seq.tokens) - seq.num_computed
 
-    def _decodes_after(self, request: Request) -> int:
-        """Running decodes behind `request` in this step's order, each owed one token."""
-        later = self.running[self.running.index(request) + 1 :]
-        return sum(
-            1 for other in later for seq in other.live_sequences if self._num_to_compute(seq) == 1
-        )
+    def _num_decodes(self, request: Request) -> int:
+        """The request's samples that compute one token (decodes, not prompt chunks)."""
+        return sum(1 for seq in request.live_sequences if self._num_to_compute(seq) == 1)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.manager.block_size)
@@ -467,4 +469,7 @@ class _Step:
     budget: int
     draft_threshold: float  # the least chance of being kept a draft needs to pay this step
     num_seqs: int = 0
+    # Decodes of the running requests not scheduled yet, in this step's order: each is owed
+    # one token of the budget (kept as a count: summing them per request was quadratic).
+    decodes_after: int = 0
     output: SchedulerOutput = field(default_factory=SchedulerOutput)
