@@ -30,14 +30,23 @@ COMMANDS: dict[str, str] = {
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__.splitlines()[0])
+    # No abbreviated flags: with ~40 engine flags a prefix such as --n is ambiguous or, worse,
+    # silently means another flag.
+    parser = argparse.ArgumentParser(
+        prog="pagedkv", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    commands = {}
     for name, help_text in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        commands[name] = subparsers.add_parser(
+            name, help=help_text, description=help_text, allow_abbrev=False
+        )
         if name == chosen:
-            _command_module(name).add_arguments(sub)
-    args = parser.parse_args(argv)
+            _command_module(name).add_arguments(commands[name])
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the command's own usage, not the top level's
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return _command_module(args.command).run(args)
 
 

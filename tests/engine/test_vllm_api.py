@@ -7,9 +7,13 @@ the tokenizer's own chat rendering, and the prefix cache's arithmetic (whole blo
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from pagedkv.engine import SamplingParams
+from pagedkv.tokenizer import Tokenizer
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
 from tests.model.tiny_models import random_prompt
 
@@ -96,3 +100,83 @@ def test_chat_takes_a_template_its_kwargs_and_continues_a_final_message(llm):
     )
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm):
+    """vLLM's `detokenize=False`: the same token ids and logprobs, no text, and logprob entries
+    whose decoded_token is None (with text, each is its token decoded alone)."""
+    fields = dict(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    [with_text] = llm.generate("Paged attention", SamplingParams(**fields), use_tqdm=False)
+    [ids_only] = llm.generate(
+        "Paged attention", SamplingParams(**fields, detokenize=False), use_tqdm=False
+    )
+    a, b = with_text.outputs[0], ids_only.outputs[0]
+    assert b.token_ids == a.token_ids and b.text == "" and a.text
+    tokenizer = llm.get_tokenizer()
+    for with_entries, without_entries in (
+        (a.logprobs, b.logprobs),
+        (with_text.prompt_logprobs[1:], ids_only.prompt_logprobs[1:]),
+    ):
+        for with_entry, without_entry in zip(with_entries, without_entries, strict=True):
+            assert with_entry.keys() == without_entry.keys()
+            for token_id, entry in without_entry.items():
+                assert entry.decoded_token is None
+                assert entry.logprob == with_entry[token_id].logprob
+                assert with_entry[token_id].decoded_token == tokenizer.decode([token_id], False)
+
+
+def test_vllms_trust_remote_code_and_enforce_eager_change_nothing(engine_zoo, llm):
+    """Accepted as vLLM's LLM takes them (its examples pass both); the output is the same."""
+    prompt = random_prompt(12, seed=4)
+    [expected] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    other = make_llm(engine_zoo, "llama", block_size=BLOCK_SIZE, trust_remote_code=True)
+    eager = make_llm(engine_zoo, "llama", block_size=BLOCK_SIZE, enforce_eager=True)
+    for each in (other, eager):
+        [output] = each.generate([prompt], GREEDY, use_tqdm=False)
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(ValueError, match="trust_remote_code must be a bool, got 'yes'"):
+        make_llm(engine_zoo, "llama", trust_remote_code="yes")
+
+
+def test_chat_tools_reach_the_template_as_its_tools_variable(llm):
+    """vLLM's `LLM.chat(tools=...)`: the definitions render where the template puts them."""
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+    ]
+    template = (
+        "{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "Hello"}]
+    [with_tools] = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template, tools=tools)
+    [without] = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=template)
+    assert with_tools.prompt == "[get_weather][get_time]Hello"
+    assert without.prompt == "Hello"
+
+
+def test_priority_must_be_a_list_per_prompt(llm):
+    with pytest.raises(TypeError, match="priority must be a list of ints, one per prompt"):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=5)
+
+
+def test_a_tokenizer_of_its_own_folder_renders_and_encodes_for_the_model(engine_zoo, tmp_path):
+    """vLLM's `tokenizer=`: the files of another folder (here the model's own tokenizer with
+    another chat template) are what prompts are rendered and encoded with."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(engine_zoo.folder("llama"), folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    config_path.write_text(json.dumps(config))
+    llm = make_llm(engine_zoo, "llama", tokenizer=str(folder))
+    [output] = llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False)
+    assert output.prompt == "<<Hello>>"
+    assert output.prompt_token_ids == Tokenizer.from_folder(folder).encode("<<Hello>>", False)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_refused(engine_zoo, builtin_gguf):
+    with pytest.raises(ValueError, match="has 49152 ids, more than the model's vocabulary of 320"):
+        make_llm(engine_zoo, "llama", tokenizer=str(builtin_gguf))
+    with pytest.raises(ValueError, match="is not a model folder"):
+        make_llm(engine_zoo, "llama", tokenizer="/nowhere/tokenizer")

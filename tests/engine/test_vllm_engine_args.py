@@ -69,9 +69,12 @@ def test_the_vllm_flags_are_generated():
                 "5",
                 "--dtype",
                 "half",
+                "--trust-remote-code",
+                "--enforce-eager",
             ]
         )
     )
+    assert args.trust_remote_code is True and args.enforce_eager is True
     assert args.swap_space_gb == 2.0
     assert args.num_gpu_blocks == 64
     assert args.max_logprobs == 5

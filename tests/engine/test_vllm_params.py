@@ -218,6 +218,11 @@ def test_token_ids_beyond_the_vocabulary_are_refused_at_add_request(llm, fields,
         ({"bad_words": ["ok", " "]}, "bad_words must not be blank, got ' '"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids, got 5"),
         ({"allowed_token_ids": 5}, "allowed_token_ids must be a list of token ids, got 5"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"detokenize": 1}, "detokenize must be a bool, got 1"),
+        ({"detokenize": False, "stop": "x"}, "stop strings need detokenize=True"),
+        ({"extra_args": 5}, "extra_args must be a dict or None, got 5"),
     ],
 )
 def test_bad_values_name_the_field(fields, message):

@@ -1,14 +1,16 @@
 """`pagedkv serve`: the OpenAI-compatible server with the live KV page map, under uvicorn.
 
 Binds to 127.0.0.1 unless told otherwise: the API has no per-user limits, so exposing it is
-a decision the user makes with `--host` (and should pair with `--api-key`). SIGINT and
-SIGTERM drain the server (see `pagedkv.server.drain`) and exit 0.
+a decision the user makes with `--host` (and should pair with `--api-key`). The port is bound
+before the model loads, as vLLM binds it: a port in use fails at once, not after a load.
+SIGINT and SIGTERM drain the server (see `pagedkv.server.drain`) and exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedkv.server.metrics import DEFAULT_PREFIX, PREFIXES
 
     defaults = ServerConfig()
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (instead of --model; wins over it)",
+    )
     EngineArgs.add_cli_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -124,29 +132,56 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.server import build_app, build_server
     from pagedkv.server.errors import APIError
 
+    if args.model_tag is not None:
+        args.model = args.model_tag
     if args.host not in LOOPBACK_ADDRESSES and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.lora_modules and not args.enable_lora:
         print("pagedkv serve: error: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
     try:
-        engine = Engine(EngineArgs.from_cli_args(args))
-    except STARTUP_ERRORS as error:
-        print(f"pagedkv serve: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        app = build_app(engine, server_config(args))
-    except APIError as error:  # a --lora-modules adapter that cannot be served
-        print(f"pagedkv serve: error: {error}", file=sys.stderr)
-        engine.shutdown()
-        return 2
-    print(f"page map: http://{args.host}:{args.port}/", file=sys.stderr)
-    server = build_server(app, host=args.host, port=args.port, log_level="info")
-    try:
-        server.run()
-    finally:
-        engine.shutdown()  # ends the tensor-parallel workers, if any
+        listening = bound_socket(args.host, args.port)
+    except OSError as error:
+        print(
+            f"pagedkv serve: error: cannot listen on {args.host} port {args.port}: "
+            f"{error.strerror or error}",
+            file=sys.stderr,
+        )
+        return 1
+    with listening:
+        try:
+            engine = Engine(EngineArgs.from_cli_args(args))
+        except STARTUP_ERRORS as error:
+            print(f"pagedkv serve: error: {error}", file=sys.stderr)
+            return 2
+        try:
+            app = build_app(engine, server_config(args))
+        except APIError as error:  # a --lora-modules adapter that cannot be served
+            print(f"pagedkv serve: error: {error}", file=sys.stderr)
+            engine.shutdown()
+            return 2
+        port_bound = listening.getsockname()[1]  # --port 0: the port the system chose
+        print(f"page map: http://{args.host}:{port_bound}/", file=sys.stderr)
+        server = build_server(app, host=args.host, port=port_bound, log_level="info")
+        try:
+            server.run(sockets=[listening])
+        finally:
+            engine.shutdown()  # ends the tensor-parallel workers, if any
     return 0 if server.started else 1
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host` and `port` as uvicorn binds its own (IPv6 when the host has
+    a colon, else IPv4, so "localhost" is 127.0.0.1); the server listens on it once the model
+    is loaded."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

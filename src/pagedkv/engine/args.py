@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -56,7 +57,9 @@ _HELP = {
     "dtype": "weights, activations and KV dtype (auto: float32 on CPU, bfloat16 on GPU)",
     "device": "cpu or cuda",
     "seed": "seed of the sampler for requests without their own seed",
-    "gpu_memory_utilization": "share of device memory the engine may use (weights + KV)",
+    "gpu_memory_utilization": "share of GPU memory the engine may use (weights + KV); on the "
+    "CPU the pool takes half the available memory, at most 4 GiB, unless num_gpu_blocks or "
+    "kv_cache_memory sizes it",
     "max_logprobs": "most logprobs one request may ask for per token (-1: no cap)",
     "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
     "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
@@ -75,7 +78,15 @@ _HELP = {
     "into the KV pool's blocks while requests use them",
     "max_loras": "most LoRA adapters resident in the pool at once (with enable_lora)",
     "max_lora_rank": "largest LoRA rank accepted (with enable_lora)",
+    "tokenizer": "Hugging Face folder, .gguf file or built-in model name whose tokenizer to use "
+    "(default: the model's own); its ids must fit the model's vocabulary",
+    "trust_remote_code": "accepted as vLLM's, to no effect: pagedkv never runs code that comes "
+    "with a model; its architectures are its own registry's",
+    "enforce_eager": "accepted as vLLM's, to no effect: pagedkv always runs steps eagerly (it "
+    "captures no CUDA graphs)",
 }
+# On/off fields: a --flag and a --no-flag each.
+_BOOLEAN_FIELDS = ("enable_prefix_caching", "enable_lora", "trust_remote_code", "enforce_eager")
 
 
 @dataclass
@@ -109,12 +120,20 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.seed is None:
             self.seed = 0
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in _BOOLEAN_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str | os.PathLike):
+            raise ValueError(f"tokenizer must be a path or a model name, got {self.tokenizer!r}")
         if self.num_gpu_blocks_override is not None:
             self.num_gpu_blocks = self.num_gpu_blocks_override
         if self.swap_space is not None:
@@ -243,7 +262,7 @@ class EngineArgs:
         for field in fields(cls):
             flag = cli_flag(field.name)
             default = field.default
-            if field.name in ("enable_prefix_caching", "enable_lora"):
+            if field.name in _BOOLEAN_FIELDS:
                 group.add_argument(
                     flag,
                     action=argparse.BooleanOptionalAction,

@@ -49,7 +49,8 @@ from pagedkv.memory import KVCacheManager
 from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
-from pagedkv.weights.load import LoadedModel
+from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.load import LoadedModel, load_tokenizer
 from pagedkv.worker.kv_budget import draft_kv_pool, kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
 from pagedkv.worker.runner import ModelRunner
@@ -81,8 +82,12 @@ class Engine:
         loaded = loaded or self.ranks.load()
         pool_started = time.perf_counter()
         self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
         self.config = loaded.config
+        self.tokenizer = (
+            loaded.tokenizer
+            if args.tokenizer is None
+            else tokenizer_for(args.tokenizer, self.config.vocab_size)
+        )
         self.max_model_len = max_model_len(args.max_model_len, self.config.max_position_embeddings)
         speculative = args.speculative
         draft = None
@@ -90,7 +95,7 @@ class Engine:
             draft = load_draft_model(
                 speculative,
                 loaded.config,
-                loaded.tokenizer,
+                self.tokenizer,
                 max_model_len=self.max_model_len,
                 dtype=args.resolved_dtype,
                 device=args.device,
@@ -413,8 +418,22 @@ class Engine:
             num_prompt_tokens=len(tokens),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, tokens.token_ids, len(tokens), params.skip_special_tokens
-            ),
+            )
+            if params.detokenize
+            else None,
             generator=generator,
             counts=counts,
             grammar=None if grammar is None else grammar.new_state(),
         )
+
+
+def tokenizer_for(source: str, vocab_size: int) -> Tokenizer:
+    """The tokenizer `EngineArgs.tokenizer` names, refused unless every id it makes is one of
+    the model's `vocab_size` (a larger vocabulary would feed the model ids it has no row for)."""
+    tokenizer = load_tokenizer(source)
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer {source!r} has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocabulary of {vocab_size}"
+        )
+    return tokenizer

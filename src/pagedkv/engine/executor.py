@@ -106,13 +106,12 @@ class StepExecutor:
             logits = logits[torch.tensor(rows, device=logits.device)]
         sampled = self.sampler(logits, sampling_rows)
         row = 0
-        for _, seq, num_rows in drawing:
+        for request, seq, num_rows in drawing:
             tokens = []
+            tokenizer = self.tokenizer if request.params.detokenize else None
             for position in range(row, row + num_rows):
                 token_id, logprobs = sampled.token_ids[position], sampled.logprobs[position]
-                entry = (
-                    None if logprobs is None else logprob_entry(self.tokenizer, token_id, logprobs)
-                )
+                entry = None if logprobs is None else logprob_entry(tokenizer, token_id, logprobs)
                 tokens.append(SampledToken(token_id, entry))
                 if not sampled.drafts_kept[position]:  # a draft refused, or the last row
                     break

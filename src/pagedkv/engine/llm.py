@@ -121,14 +121,17 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or several, each rendered with the model's chat template
         (or `chat_template`, given `chat_template_kwargs` as extra variables), as vLLM's.
 
         `continue_final_message` continues the last message instead of starting a new turn
-        (it needs `add_generation_prompt=False`). Each output's `prompt` is the rendered text.
-        `lora_request` is as `generate`'s.
+        (it needs `add_generation_prompt=False`). `tools` (OpenAI-style function definitions)
+        reach the template as its `tools` variable, as vLLM passes them; the answer is text
+        (the server's chat completions parse tool calls out of it). Each output's `prompt` is
+        the rendered text. `lora_request` is as `generate`'s.
         """
         if not _is_sequence(messages):
             raise TypeError(
@@ -137,13 +140,16 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         tokenizer = self.engine.tokenizer
+        variables = dict(chat_template_kwargs or {})
+        if tools is not None:
+            variables["tools"] = [dict(tool) for tool in tools]
         texts = [
             tokenizer.render_chat(
                 conversation,  # type: ignore[arg-type]
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
-                template_kwargs=chat_template_kwargs,
+                template_kwargs=variables,
             )
             for conversation in conversations
         ]
@@ -280,6 +286,10 @@ def _params_per_prompt(
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
     if priority is None:
         return [0] * num_prompts
+    if not _is_sequence(priority):
+        raise TypeError(
+            f"priority must be a list of ints, one per prompt (as vLLM's), got {priority!r}"
+        )
     return _one_per_prompt("priority", priority, num_prompts)
 
 

@@ -20,14 +20,21 @@ from pagedkv.worker.step import ScheduledChunk
 
 
 def logprob_entry(
-    tokenizer: Tokenizer, token_id: int, logprobs: tuple[float, int, list[int], list[float]]
+    tokenizer: Tokenizer | None,
+    token_id: int,
+    logprobs: tuple[float, int, list[int], list[float]],
 ) -> TokenLogprobs:
-    """The chosen token's entry first, then the top k not already there, ranked 1..k."""
+    """The chosen token's entry first, then the top k not already there, ranked 1..k; each
+    token's text, or None without a tokenizer (a request with `detokenize=False`, as vLLM's)."""
     chosen, rank, top_ids, top_values = logprobs
-    entry = {token_id: Logprob(chosen, rank, tokenizer.decode([token_id], False))}
+
+    def text(token: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([token], False)
+
+    entry = {token_id: Logprob(chosen, rank, text(token_id))}
     for position, (top_id, value) in enumerate(zip(top_ids, top_values, strict=True)):
         if top_id not in entry:
-            entry[top_id] = Logprob(value, position + 1, tokenizer.decode([top_id], False))
+            entry[top_id] = Logprob(value, position + 1, text(top_id))
     return entry
 
 
@@ -66,7 +73,7 @@ def score_prompts(
             [request.params.prompt_logprobs or 0] * len(picked),
         )
         scored[request.request_id] = [
-            logprob_entry(tokenizer, token_id, entry)
+            logprob_entry(tokenizer if request.params.detokenize else None, token_id, entry)
             for token_id, entry in zip(target_ids, entries, strict=True)
         ]
     return scored

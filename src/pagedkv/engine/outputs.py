@@ -15,11 +15,12 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(frozen=True)
 class Logprob:
-    """Log-probability of one token, its rank among all tokens (1 = most likely), its text."""
+    """Log-probability of one token, its rank among all tokens (1 = most likely), its text
+    (None where the request asked for no text: `detokenize=False`)."""
 
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None
 
 
 # One entry per generated token: the chosen token and the top-k alternatives, by token id.

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pagedkv.engine.structured.params import StructuredOutputsParams
 
@@ -54,6 +55,13 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # The output must match this JSON schema, regex, choice or grammar (one per request).
     structured_outputs: StructuredOutputsParams | None = None
+    # False: token ids only, no text (and no stop strings, whose matching needs the text).
+    detokenize: bool = True
+    # vLLM's fast-tokenizer path, which ours is, leaves the joins to the tokenizer's decoder,
+    # so this changes nothing; accepted so vLLM code runs unchanged.
+    spaces_between_special_tokens: bool = True
+    # Carried with the request for code of the caller's own, as vLLM's (nothing here reads it).
+    extra_args: dict[str, Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,8 +77,8 @@ class SamplingParams:
                 MIN_TEMPERATURE,
             )
             self.temperature = MIN_TEMPERATURE
-        _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
-        if self.top_p <= 0.0:
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, minimum=-1)
         _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
@@ -111,9 +119,22 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.detokenize and self.stop_strings:
+            raise ValueError(
+                "stop strings need detokenize=True (they are matched in the text), "
+                f"got stop={self.stop!r} with detokenize=False"
+            )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
 
     def clone(self) -> SamplingParams:
         """A checked copy of the fields as they are now (what a request keeps)."""

@@ -125,6 +125,23 @@ def load(
     return loaded
 
 
+def load_tokenizer(
+    source: str | Path, *, progress: Callable[[str], None] = _to_stderr
+) -> Tokenizer:
+    """The tokenizer of `source` alone (vLLM's `tokenizer=`): a Hugging Face folder's files, a
+    `.gguf` file's vocabulary, or a built-in model's (its GGUF file, pulled once); an existing
+    path wins over a built-in name, as in `load`."""
+    path = Path(source)
+    name = str(source)
+    if not path.exists() and name in BUILTIN_MODELS:
+        path = pull(name, progress=progress)
+    if path.is_file():
+        return GGUFModel.open(path).tokenizer()
+    if path.is_dir():
+        return Tokenizer.from_folder(path)
+    raise UnknownModelName(name, list(BUILTIN_MODELS))
+
+
 def _lap(started: float) -> float:
     return time.perf_counter() - started
 

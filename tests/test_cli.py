@@ -1,0 +1,54 @@
+"""The `pagedkv` command line's own parsing: errors in a command's words, whole flags only,
+and `serve MODEL` as vLLM's `vllm serve MODEL`."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from pagedkv.cli import main
+
+PLAN = ["plan", "--model", "llama-3-8b", "--pool-gb", "10"]
+
+
+def test_an_unknown_flag_is_named_by_its_commands_usage(capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main([*PLAN, "--bogus", "1"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pagedkv plan ")
+    assert "pagedkv plan: error: unrecognized arguments: --bogus 1" in err
+
+
+def test_a_flags_prefix_is_not_taken_for_the_flag(capsys) -> None:
+    """`--pool 10` would have meant `--pool-gb 10`: with ~40 flags a prefix can silently
+    mean another flag, so only whole flags are read."""
+    assert main(PLAN) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--model", "llama-3-8b", "--pool", "10"])
+    assert exit.value.code == 2
+    assert "pagedkv plan: error:" in capsys.readouterr().err
+
+
+def test_serve_takes_the_model_as_its_first_word(tmp_path: Path, capsys) -> None:
+    missing = str(tmp_path / "nowhere")
+    assert main(["serve", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv serve: ") and missing in err and "is not a model folder" in err
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(tmp_path: Path, capsys) -> None:
+    """The port is bound first, as vLLM binds it: the error is the port's, though the model
+    named does not exist either (loading it first would have said so)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        missing = str(tmp_path / "nowhere")
+        assert main(["serve", missing, "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagedkv serve: error: cannot listen on 127.0.0.1 port {port}: ")
+    assert "in use" in err and missing not in err
