@@ -74,6 +74,25 @@ def test_a_json_body_not_sent_as_json_is_refused_with_415(
     assert "application/json" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/version", "/v1/models", "/v1/kv"])
+def test_a_post_to_a_get_route_is_405_before_its_content_type_is_checked(
+    server: RunningServer, path: str
+) -> None:
+    # The method is checked first, as FastAPI routes vLLM's server: the route takes no body.
+    with server.http() as http:
+        response = http.post(path, content=b"x", headers={"Content-Type": "text/plain"})
+    assert response.status_code == 405, response.text
+    assert "GET" in response.headers["allow"].split(", ")
+
+
+def test_a_post_to_an_unknown_path_is_404_before_its_content_type_is_checked(
+    server: RunningServer,
+) -> None:
+    with server.http() as http:
+        response = http.post("/v1/nothing", content=b"x", headers={"Content-Type": "text/plain"})
+    assert response.status_code == 404, response.text
+
+
 def test_json_with_a_charset_is_accepted(server: RunningServer) -> None:
     with server.http() as http:
         response = http.post(

@@ -230,6 +230,32 @@ def test_iteration_tokens_add_up_to_prompt_and_sampled_tokens(serve) -> None:
     assert value(after, itl) - value(before, itl) == len(prompts) * (max_tokens - 1)
 
 
+def test_time_per_output_token_is_per_token_and_its_request_mean_per_request(server) -> None:
+    """vLLM V1 observes every inter-token latency into both inter_token_latency_seconds and
+    (its older name) time_per_output_token_seconds; a request's mean time per output token
+    goes once per finished request into request_time_per_output_token_seconds."""
+    prompts = [[(11 * i + 5 * j) % 200 + 3 for i in range(6 + j)] for j in range(3)]
+    max_tokens = 6
+    before = scrape(server)
+    with server.client() as client:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompts,
+            max_tokens=max_tokens,
+            extra_body=IGNORE_EOS,
+        )
+    after = scrape(server)
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    itl, tpot = "pagedkv:inter_token_latency_seconds", "pagedkv:time_per_output_token_seconds"
+    assert delta(f"{itl}_count") == len(prompts) * (max_tokens - 1)
+    assert delta(f"{tpot}_count") == delta(f"{itl}_count")
+    assert delta(f"{tpot}_sum") == pytest.approx(delta(f"{itl}_sum"))
+    assert delta("pagedkv:request_time_per_output_token_seconds_count") == len(prompts)
+
+
 def test_offload_metrics_count_host_tier_blocks_queries_and_hits(serve) -> None:
     """Three prompts through a pool of 6 blocks: the later ones evict the first's blocks to
     the host tier, and repeating the first serves them back."""

@@ -20,11 +20,18 @@ from tests.server.conftest import RunningServer, one_prompt_body
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
 MESSAGES = [{"role": "user", "content": "Hi"}]
 IGNORE_EOS = {"ignore_eos": True}
+SHORT_CONTEXT = 48  # max_model_len of `short_context_server`
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) max_tokens when it is omitted
 
 
 @pytest.fixture(scope="module")
 def server(serve) -> RunningServer:
     return serve(num_gpu_blocks=256, seed=0)
+
+
+@pytest.fixture(scope="module")
+def short_context_server(serve) -> RunningServer:
+    return serve(num_gpu_blocks=64, max_model_len=SHORT_CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +77,15 @@ def test_models_retrieve_finds_the_served_model_and_404s_others(client, model_na
     with pytest.raises(openai.NotFoundError) as raised:
         client.models.retrieve("gpt-4")
     assert raised.value.code == "model_not_found"
+
+
+def test_models_with_a_trailing_slash_redirects_to_the_list(server: RunningServer) -> None:
+    # vLLM serves only GET /v1/models: FastAPI answers "/v1/models/" with a 307 to it.
+    with server.http() as http:
+        response = http.get("/v1/models/")
+        assert response.status_code == 307, response.text
+        assert response.headers["location"].endswith("/v1/models")
+        assert http.get(response.headers["location"]).json()["object"] == "list"
 
 
 @pytest.mark.parametrize("path", ["/", "/health"])
@@ -157,6 +173,26 @@ def test_echo_prepends_the_prompt(client, model_name: str) -> None:
     streamed = client.completions.create(**args, echo=True, stream=True, extra_body=IGNORE_EOS)
     assert echoed.choices[0].text == PROMPT + plain
     assert "".join(chunk.choices[0].text for chunk in streamed) == PROMPT + plain
+
+
+@pytest.mark.parametrize(
+    "beams", [None, {"use_beam_search": True, "n": 2}], ids=["sampled", "beams"]
+)
+def test_completions_max_tokens_null_is_the_rest_of_the_context_omitted_is_16(
+    short_context_server: RunningServer, beams: dict | None
+) -> None:
+    """vLLM's get_max_tokens: omitted max_tokens is the request model's default of 16; an
+    explicit null leaves no limit but the context, max_model_len minus the prompt."""
+    body = {"prompt": list(range(5, 15)), "return_token_ids": True, **IGNORE_EOS, **(beams or {})}
+    for max_tokens, expected in [
+        (None, SHORT_CONTEXT - len(body["prompt"])),
+        ("omitted", DEFAULT_COMPLETION_MAX_TOKENS),
+    ]:
+        fields = {} if max_tokens == "omitted" else {"max_tokens": max_tokens}
+        response = post(short_context_server, "/v1/completions", {**body, **fields})
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert [len(c["token_ids"]) for c in choices] == [expected] * len(choices), max_tokens
 
 
 def test_suffix_is_refused_as_unsupported(client, model_name: str) -> None:

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from fastapi.staticfiles import StaticFiles
 
 from pagedkv.engine.lora import LoRARejected
@@ -108,7 +114,12 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.drain = Drain(engine_loop, feed)
     app.add_middleware(BodyLimit)
     # Added last, so outermost: it refuses on the headers before BodyLimit reads any body.
-    app.add_middleware(HeaderGuard, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(
+        HeaderGuard,
+        api_key=config.api_key,
+        allowed_hosts=config.allowed_hosts,
+        router=app.router,  # its routes, added below, are read per request
+    )
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")
@@ -143,9 +154,11 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return JSONResponse(ModelList(data=cards()).model_dump(exclude_none=True))
 
     @v1.get("/models/{model_id:path}")  # a path: served names are often "org/model"
-    async def model(model_id: str) -> JSONResponse:
+    async def model(request: Request, model_id: str) -> Response:
+        if not model_id:  # "/v1/models/": FastAPI's trailing-slash redirect, as vLLM answers
+            return RedirectResponse(request.url.replace(path=request.url.path.rstrip("/")))
         context.check_model(model_id)
-        found = next(c for c in cards() if c.id == model_id or not model_id)
+        found = next(c for c in cards() if c.id == model_id)
         return JSONResponse(found.model_dump(exclude_none=True))
 
     if runtime_updating_allowed(config.allow_runtime_lora_updating):

@@ -51,8 +51,9 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
         encode_prompts, context, request.prompts(), add_special_tokens=request.add_special_tokens
     )
     prompts = cut_prompts(context, request, encoded)
+    # vLLM's rule: omitted is OpenAI's 16; an explicit null is the room the context leaves.
     max_tokens = request.max_tokens
-    if max_tokens is None:
+    if "max_tokens" not in request.model_fields_set:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:  # the echoed prompt's tokens get theirs
@@ -60,7 +61,9 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     params = sampling_params(
         request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs(request)
     )
-    beams = _beam_search(request, params) if request.use_beam_search else None
+    beams = (
+        _beam_search(request, params, context.max_model_len) if request.use_beam_search else None
+    )
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
@@ -120,8 +123,11 @@ BEAM_SEARCH_SETTINGS = frozenset(
 )
 
 
-def _beam_search(request: CompletionRequest, params: SamplingParams) -> BeamSearchParams:
-    """`use_beam_search`: n beams per prompt under vLLM's rule (`engine/beam_search.py`).
+def _beam_search(
+    request: CompletionRequest, params: SamplingParams, max_model_len: int
+) -> BeamSearchParams:
+    """`use_beam_search`: n beams per prompt under vLLM's rule (`engine/beam_search.py`);
+    max_tokens None runs to max_model_len, which the engine cuts to each prompt's room.
 
     Beams are ranked by their logprobs alone, so a setting that would reshape the sampling
     (penalties, stops, structured outputs, prompt logprobs, best_of) is a 400 naming it.
@@ -144,7 +150,7 @@ def _beam_search(request: CompletionRequest, params: SamplingParams) -> BeamSear
     try:
         return BeamSearchParams(
             beam_width=request.n,
-            max_tokens=params.max_tokens,  # type: ignore[arg-type]
+            max_tokens=params.max_tokens or max_model_len,
             ignore_eos=request.ignore_eos,
             temperature=request.temperature,
             length_penalty=request.length_penalty,

@@ -52,7 +52,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         code = "not_found" if error.status_code == 404 else None
-        return APIError(error.status_code, str(error.detail), code=code).response()
+        # Kept headers carry a 405's `Allow` (the methods the path takes).
+        return APIError(
+            error.status_code, str(error.detail), code=code, headers=error.headers
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 
 from starlette.datastructures import Headers
+from starlette.routing import Match, Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedkv.server.errors import APIError
@@ -23,7 +24,9 @@ JSON_MEDIA_TYPE = "application/json"
 class HeaderGuard:
     """ASGI middleware refusing, in OpenAI's error shape, requests naming a host outside
     `allowed_hosts` (400; None allows any), requests with a missing or wrong API key on `/v1`
-    routes (401) and POST requests whose body is not declared as JSON (415).
+    routes (401) and POST requests to a POST route whose body is not declared as JSON (415).
+    A POST to a path with no POST route passes on, and the router answers 405 (another
+    method's path) or 404, as vLLM's does: the method is checked before the body's type.
 
     The Host check stops DNS rebinding: a page whose name is made to resolve to 127.0.0.1
     reaches the local server as "same origin", but its requests still carry its own name.
@@ -35,9 +38,14 @@ class HeaderGuard:
     """
 
     def __init__(
-        self, app: ASGIApp, api_key: str | None, allowed_hosts: tuple[str, ...] | None
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        allowed_hosts: tuple[str, ...] | None,
+        router: Router,
     ) -> None:
         self.app = app
+        self.router = router
         self.api_key = api_key
         self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
 
@@ -73,7 +81,7 @@ class HeaderGuard:
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 )
-        if scope["method"] == "POST":
+        if scope["method"] == "POST" and self._routes_post(scope):
             content_type = headers.get("content-type", "")
             if content_type.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
                 return APIError(
@@ -83,6 +91,14 @@ class HeaderGuard:
                     code="unsupported_media_type",
                 )
         return None
+
+    def _routes_post(self, scope: Scope) -> bool:
+        """Whether a route serves this POST, asked as the router asks (`matches`); the static
+        mount is left out, as it matches any method and takes no body."""
+        return any(
+            not isinstance(route, Mount) and route.matches(scope)[0] is Match.FULL
+            for route in self.router.routes
+        )
 
 
 def _is_protected(path: str) -> bool:

@@ -104,9 +104,18 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
+        # vLLM V1's older name for inter_token_latency_seconds (deprecated in 0.11, later
+        # removed): the same per-token observations, for dashboards that still read it.
         self.time_per_output_token = Histogram(
             f"{prefix}:time_per_output_token_seconds",
-            "Mean time between output tokens of a request, after the first.",
+            "Time between a request's consecutive output tokens (inter_token_latency_seconds).",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_time_per_output_token = Histogram(
+            f"{prefix}:request_time_per_output_token_seconds",
+            "Each finished request's mean time per output token after the first (0: one token).",
             labels,
             buckets=TPOT_BUCKETS,
             registry=self.registry,
@@ -157,6 +166,7 @@ class ServerMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         """Record the time since the request's previous output token."""
         self.inter_token_latency.labels(self.model_name).observe(seconds)
+        self.time_per_output_token.labels(self.model_name).observe(seconds)
 
     def observe_finished(
         self,
@@ -192,17 +202,14 @@ class ServerMetrics:
         self.request_prefill_time.labels(self.model_name).observe(
             metrics.first_token_time - scheduled
         )
-        self.request_decode_time.labels(self.model_name).observe(
-            metrics.finished_time - metrics.first_token_time
-        )
+        decode_time = metrics.finished_time - metrics.first_token_time
+        self.request_decode_time.labels(self.model_name).observe(decode_time)
         self.request_inference_time.labels(self.model_name).observe(
             metrics.finished_time - scheduled
         )
-        if num_output_tokens > 1:
-            decode_time = metrics.finished_time - metrics.first_token_time
-            self.time_per_output_token.labels(self.model_name).observe(
-                decode_time / (num_output_tokens - 1)
-            )
+        self.request_time_per_output_token.labels(self.model_name).observe(
+            decode_time / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
+        )
 
     def count_abort(self) -> None:
         """A request the server ended itself (a failed step, a shutdown): vLLM's "abort"."""

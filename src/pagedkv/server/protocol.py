@@ -182,7 +182,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Any
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # omitted: 16; null: the context's room
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
