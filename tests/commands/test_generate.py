@@ -222,7 +222,7 @@ def test_truncate_prompt_tokens_completes_the_prompts_last_tokens(zoo, hf_tokeni
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--top-p", "1.5"], "top_p must be in [0.0, 1.0], got 1.5"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
         (
             ["--truncate-prompt-tokens", "0"],
             "truncate_prompt_tokens must be an integer >= 1 or -1, got 0",
