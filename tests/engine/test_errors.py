@@ -35,7 +35,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
             [5, 6],
             SamplingParams(min_tokens=1, stop_token_ids=[10**6]),
             TokenOutOfVocabulary,
-            f"stop_token_ids has 1000000 is outside the model's vocabulary \\[0, {VOCAB_SIZE}\\)",
+            "stop_token_ids token id 1000000 is outside the model's vocabulary "
+            f"\\[0, {VOCAB_SIZE}\\)",
         ),
         (random_prompt(200, 0), GREEDY, PromptTooLong, "prompt has 200 tokens, model allows 200"),
         (random_prompt(10, 0), SamplingParams(n=20, max_tokens=150), RequestTooLarge, "pool"),

@@ -104,8 +104,9 @@ def test_max_logprobs_minus_one_lifts_the_cap_as_vllms(engine_zoo):
     engine.add_request("r", [5, 6], SamplingParams(logprobs=vocab_size, max_tokens=1))
     [delta] = [d for ds in run_to_completion(engine) for d in ds]
     assert len(delta.outputs[0].logprobs[0]) == vocab_size  # every token, the chosen among them
-    with pytest.raises(ValueError, match="max_logprobs must be a positive integer"):
-        EngineArgs(model="unused", max_logprobs=-2)
+    for bad in (-2, 0, 1.5, True):
+        with pytest.raises(ValueError, match=r"max_logprobs must be a positive integer or -1 \("):
+            EngineArgs(model="unused", max_logprobs=bad)
 
 
 def test_default_dtype_is_auto_as_vllms():

@@ -140,7 +140,7 @@ def bad_words_token_ids(tokenizer: Tokenizer, bad_words: Sequence[str]) -> list[
 def _check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
     """Every token id a parameter names indexes the logits, so it must be in the vocabulary."""
     named = (
-        ("stop_token_ids has", params.stop_token_ids or []),
+        ("stop_token_ids token id", params.stop_token_ids or []),
         ("logit_bias token id", params.logit_bias or {}),
         ("allowed_token_ids token id", params.allowed_token_ids or []),
     )

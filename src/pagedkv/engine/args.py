@@ -148,8 +148,14 @@ class EngineArgs:
             "max_lora_rank",
         ):
             _positive_int(name, getattr(self, name))
-        if self.max_logprobs != -1:  # vLLM's -1: no cap
-            _positive_int("max_logprobs", self.max_logprobs)
+        if self.max_logprobs != -1 and not (
+            isinstance(self.max_logprobs, int)
+            and not isinstance(self.max_logprobs, bool)
+            and self.max_logprobs > 0
+        ):
+            raise ValueError(
+                f"max_logprobs must be a positive integer or -1 (no cap), got {self.max_logprobs!r}"
+            )
         for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

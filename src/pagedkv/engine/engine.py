@@ -29,27 +29,24 @@ from pagedkv.engine.admission import (
 )
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams, BeamState
-from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.errors import DuplicateRequest, StepFailed
 from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.invariance import invariance_line
 from pagedkv.engine.lora import LoRACatalog, LoRARequest, lora_cache_salt
 from pagedkv.engine.outputs import RequestMetrics, RequestOutput
 from pagedkv.engine.params import SamplingParams
-from pagedkv.engine.penalties import TokenCounts, uses_penalties
-from pagedkv.engine.request import Request, RequestStatus, Sequence
+from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.sampler import Sampler
+from pagedkv.engine.samples import SampleFactory
 from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.engine.spec.draft_model import DraftModelDrafter, load_draft_model
 from pagedkv.engine.spec.drafter import Drafter, NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
 from pagedkv.engine.stops import take_outputs
-from pagedkv.engine.structured.compiler import CompiledGrammar, GrammarCompiler
+from pagedkv.engine.structured.compiler import GrammarCompiler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.adapters import AdapterBlocks
-from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.model.footprint import weight_footprint
-from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.load import LoadedModel, load_tokenizer
 from pagedkv.worker.kv_budget import draft_kv_pool, kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
@@ -59,8 +56,6 @@ from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
 THROUGHPUT_WINDOW_S = 10.0
-# Spreads a request's seed over its samples so each sample draws its own stream.
-_SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
 class Engine:
@@ -83,11 +78,9 @@ class Engine:
         pool_started = time.perf_counter()
         self.model_name = loaded.name
         self.config = loaded.config
-        self.tokenizer = (
-            loaded.tokenizer
-            if args.tokenizer is None
-            else tokenizer_for(args.tokenizer, self.config.vocab_size)
-        )
+        self.tokenizer = loaded.tokenizer
+        if args.tokenizer is not None:  # vLLM's tokenizer=: another's than the model's
+            self.tokenizer = load_tokenizer(args.tokenizer, self.config.vocab_size)
         self.max_model_len = max_model_len(args.max_model_len, self.config.max_position_embeddings)
         speculative = args.speculative
         draft = None
@@ -143,6 +136,7 @@ class Engine:
             num_speculative_tokens=0 if speculative is None else speculative.num_speculative_tokens,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
+        self._samples = SampleFactory(self.tokenizer, self.config.vocab_size, self.device)
         self._limits = Limits(
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
@@ -233,7 +227,7 @@ class Engine:
             prompt_token_ids=token_ids,
             params=params,
             max_tokens=max_tokens,
-            sequences=[self._new_sequence(request_id, 0, token_ids, params, grammar)],
+            sequences=[self._samples.new(request_id, 0, token_ids, params, grammar)],
             metrics=metrics,
             cache_salt=lora_cache_salt(cache_salt, lora_id),
             priority=priority,
@@ -248,7 +242,7 @@ class Engine:
         if beam_search is not None:
             request.beam = BeamState(beam_search, len(token_ids), max_tokens, self._eos_token_ids)
         for index in range(1, 1 if beam_search is not None else params.n):
-            seq = self._new_sequence(request_id, index, token_ids, params, grammar)
+            seq = self._samples.new(request_id, index, token_ids, params, grammar)
             if first.counts is not None:  # the prompt's mask is the request's: one for all
                 seq.counts = first.counts.sibling()
             request.forks.append(seq)
@@ -392,48 +386,3 @@ class Engine:
     def kv_snapshot(self) -> KVSnapshot:
         """Every GPU and CPU block: ref count, prefix-cache state and holders; LoRA runs."""
         return kv_snapshot(self.manager, self._requests.values(), self.loras.runs(self.adapters))
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _new_sequence(
-        self,
-        request_id: str,
-        index: int,
-        token_ids: SequenceOf[int],
-        params: SamplingParams,
-        grammar: CompiledGrammar | None,
-    ) -> Sequence:
-        generator = None
-        if params.seed is not None:
-            seed = (params.seed + index * _SAMPLE_SEED_STRIDE) % 2**64
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        tokens = SequenceTokens((request_id, index), token_ids)
-        counts = None
-        if uses_penalties(params):
-            counts = TokenCounts.for_prompt(token_ids, self.config.vocab_size, self.device)
-        return Sequence(
-            seq_id=(request_id, index),
-            index=index,
-            tokens=tokens,
-            num_prompt_tokens=len(tokens),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, tokens.token_ids, len(tokens), params.skip_special_tokens
-            )
-            if params.detokenize
-            else None,
-            generator=generator,
-            counts=counts,
-            grammar=None if grammar is None else grammar.new_state(),
-        )
-
-
-def tokenizer_for(source: str, vocab_size: int) -> Tokenizer:
-    """The tokenizer `EngineArgs.tokenizer` names, refused unless every id it makes is one of
-    the model's `vocab_size` (a larger vocabulary would feed the model ids it has no row for)."""
-    tokenizer = load_tokenizer(source)
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(
-            f"tokenizer {source!r} has {tokenizer.vocab_size} ids, more than the model's "
-            f"vocabulary of {vocab_size}"
-        )
-    return tokenizer

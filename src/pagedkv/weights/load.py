@@ -126,20 +126,28 @@ def load(
 
 
 def load_tokenizer(
-    source: str | Path, *, progress: Callable[[str], None] = _to_stderr
+    source: str | Path, vocab_size: int, *, progress: Callable[[str], None] = _to_stderr
 ) -> Tokenizer:
-    """The tokenizer of `source` alone (vLLM's `tokenizer=`): a Hugging Face folder's files, a
-    `.gguf` file's vocabulary, or a built-in model's (its GGUF file, pulled once); an existing
-    path wins over a built-in name, as in `load`."""
+    """The tokenizer of `source` alone (vLLM's `tokenizer=`) for a model of `vocab_size` ids: a
+    Hugging Face folder's files, a `.gguf` file's vocabulary, or a built-in model's (its GGUF
+    file, pulled once); an existing path wins over a built-in name, as in `load`. One that
+    makes ids past the model's vocabulary is refused: the model has no row for them."""
     path = Path(source)
     name = str(source)
     if not path.exists() and name in BUILTIN_MODELS:
         path = pull(name, progress=progress)
     if path.is_file():
-        return GGUFModel.open(path).tokenizer()
-    if path.is_dir():
-        return Tokenizer.from_folder(path)
-    raise UnknownModelName(name, list(BUILTIN_MODELS))
+        tokenizer = GGUFModel.open(path).tokenizer()
+    elif path.is_dir():
+        tokenizer = Tokenizer.from_folder(path)
+    else:
+        raise UnknownModelName(name, list(BUILTIN_MODELS))
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocabulary of {vocab_size}"
+        )
+    return tokenizer
 
 
 def _lap(started: float) -> float:

@@ -1,0 +1,68 @@
+"""A request's samples as the engine starts them: each one's tokens, seeded generator, penalty
+counts, detokenizer and grammar state.
+
+Sample i of a seeded request draws from a stream of its own (the seed spread by a large odd
+stride), so the n samples differ and the request stays reproducible. A request that asked for
+no text (`detokenize=False`) gets no detokenizer: its samples make token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.penalties import TokenCounts, uses_penalties
+from pagedkv.engine.request import Sequence
+from pagedkv.engine.structured.compiler import CompiledGrammar
+from pagedkv.memory.tokens import SequenceTokens
+from pagedkv.tokenizer import Tokenizer
+
+# Spreads a request's seed over its samples so each sample draws its own stream.
+SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class SampleFactory:
+    """What every new sample of this engine needs: the tokenizer its text comes from, the
+    vocabulary its penalty counts cover, the device of its generator and counts."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    device: torch.device
+
+    def new(
+        self,
+        request_id: str,
+        index: int,
+        token_ids: SequenceOf[int],
+        params: SamplingParams,
+        grammar: CompiledGrammar | None,
+    ) -> Sequence:
+        """Sample `index` of request `request_id`, holding the prompt `token_ids`."""
+        generator = None
+        if params.seed is not None:
+            seed = (params.seed + index * SAMPLE_SEED_STRIDE) % 2**64
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        tokens = SequenceTokens((request_id, index), token_ids)
+        counts = None
+        if uses_penalties(params):
+            counts = TokenCounts.for_prompt(token_ids, self.vocab_size, self.device)
+        detokenizer = None
+        if params.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, tokens.token_ids, len(tokens), params.skip_special_tokens
+            )
+        return Sequence(
+            seq_id=(request_id, index),
+            index=index,
+            tokens=tokens,
+            num_prompt_tokens=len(tokens),
+            detokenizer=detokenizer,
+            generator=generator,
+            counts=counts,
+            grammar=None if grammar is None else grammar.new_state(),
+        )
