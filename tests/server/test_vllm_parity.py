@@ -583,9 +583,48 @@ def test_beam_search_refuses_what_it_would_ignore(server: RunningServer, field: 
     assert response.json()["error"]["param"] == field
 
 
-def test_chat_refuses_beam_search(server: RunningServer) -> None:
-    """Beam search is on completions only: chat says so rather than sample instead."""
-    body = {"messages": [{"role": "user", "content": "Hi"}], "use_beam_search": True}
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_beam_search_gives_the_best_beams_of_the_conversation(
+    client, model_name: str, hf_tokenizer, beam_reference, stream: bool
+) -> None:
+    """vLLM's `use_beam_search` on chat: n beams of the rendered conversation, best first,
+    as the reference beam search over transformers' logits ranks them."""
+    messages = [{"role": "user", "content": "Paged attention stores keys"}]
+    params = BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=0.7)
+    response = client.chat.completions.create(
+        model=model_name, messages=messages, n=2, max_tokens=8, stream=stream,
+        extra_body={"use_beam_search": True, "length_penalty": 0.7, "return_token_ids": True},
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    token_ids: dict[int, list[int]] = {}
+    for chunk in response if stream else [response]:
+        for choice in chunk.choices:
+            content = choice.delta.content if stream else choice.message.content
+            texts[choice.index] = texts.get(choice.index, "") + (content or "")
+            # A stream's opening chunk (the role) carries no token ids.
+            token_ids.setdefault(choice.index, []).extend(getattr(choice, "token_ids", None) or [])
+    rendered = hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    prompt = hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    expected = beam_reference(prompt, params)
+    assert [token_ids[index] for index in range(2)] == expected
+    assert [texts[index] for index in range(2)] == [
+        hf_tokenizer.decode(ids, skip_special_tokens=True) for ids in expected
+    ]
+
+
+def test_chat_beam_search_refuses_a_required_tool_call(server: RunningServer) -> None:
+    """A required tool call constrains the output, which beams ranked by logprobs would
+    ignore: refused naming tool_choice, as completions name what they refuse."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "use_beam_search": True,
+        "n": 2,
+        "tools": [tool],
+        "tool_choice": "required",
+    }
     response = post(server, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "use_beam_search"
+    assert response.json()["error"]["param"] == "tool_choice"

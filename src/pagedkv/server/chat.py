@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.model.errors import ChatTemplateError
+from pagedkv.server.beams import beam_search_params
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
 from pagedkv.server.formats import NamedToolChoice
@@ -73,10 +74,15 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
+    beams = (
+        beam_search_params(request, params, context.max_model_len)
+        if request.use_beam_search
+        else None
+    )
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
     try:
-        await generation.start([prompt], params, request.priority, cache_salt=request.cache_salt)
+        await generation.start([prompt], params, request.priority, beams, request.cache_salt)
     except APIError as error:
         if error.info.param == "logprobs":  # chat asks its count as top_logprobs
             error.info.param = "top_logprobs"

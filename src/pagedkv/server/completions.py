@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.engine import BeamSearchParams, SamplingParams
+from pagedkv.server.beams import beam_search_params
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
 from pagedkv.server.generation import ChoiceDelta, Generation
@@ -62,7 +62,9 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
         request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs(request)
     )
     beams = (
-        _beam_search(request, params, context.max_model_len) if request.use_beam_search else None
+        beam_search_params(request, params, context.max_model_len)
+        if request.use_beam_search
+        else None
     )
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
@@ -103,70 +105,6 @@ def _check_unsupported(request: CompletionRequest) -> None:
             "known only once all have finished",
             param="best_of",
         )
-
-
-SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.init]
-# What a beam search reads of a request (vLLM's `to_beam_search_params`), and what cannot
-# change its answer; any other sampling setting is refused with it, not ignored.
-BEAM_SEARCH_SETTINGS = frozenset(
-    {
-        "n",
-        "max_tokens",
-        "temperature",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "logprobs",
-        "seed",
-        "skip_special_tokens",
-        "truncate_prompt_tokens",
-    }
-)
-
-
-def _beam_search(
-    request: CompletionRequest, params: SamplingParams, max_model_len: int
-) -> BeamSearchParams:
-    """`use_beam_search`: n beams per prompt under vLLM's rule (`engine/beam_search.py`);
-    max_tokens None runs to max_model_len, which the engine cuts to each prompt's room.
-
-    Beams are ranked by their logprobs alone, so a setting that would reshape the sampling
-    (penalties, stops, structured outputs, prompt logprobs, best_of) is a 400 naming it.
-    """
-    default = SamplingParams()
-    clashing = [
-        _request_field(request, name)
-        for name in SAMPLING_FIELDS
-        if name not in BEAM_SEARCH_SETTINGS and getattr(params, name) != getattr(default, name)
-    ]
-    if request.best_of not in (None, request.n):
-        clashing.append("best_of")
-    if clashing:
-        raise APIError(
-            400,
-            f"use_beam_search cannot be combined with {', '.join(clashing)}: beam search "
-            "ranks beams by their logprobs alone",
-            param=clashing[0],
-        )
-    try:
-        return BeamSearchParams(
-            beam_width=request.n,
-            max_tokens=params.max_tokens or max_model_len,
-            ignore_eos=request.ignore_eos,
-            temperature=request.temperature,
-            length_penalty=request.length_penalty,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-        )
-    except ValueError as error:
-        raise APIError(400, str(error), param="length_penalty") from error
-
-
-def _request_field(request: CompletionRequest, name: str) -> str:
-    """The request's field behind SamplingParams field `name` (a structured output comes from
-    one of several)."""
-    if name != "structured_outputs":
-        return name
-    given = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    return next((field for field in given if getattr(request, field) is not None), name)
 
 
 @dataclass

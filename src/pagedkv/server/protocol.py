@@ -61,8 +61,6 @@ REFUSED_FIELDS: dict[str, object] = {
     "functions": NO_VALUE,  # OpenAI's deprecated function calling (use tools)
     "function_call": NO_VALUE,
     "prediction": NO_VALUE,  # OpenAI: predicted outputs
-    "use_beam_search": False,  # chat: beam search is on completions only
-    "length_penalty": 1.0,
 }
 # Fields that cannot change the output: accepted and ignored.
 IGNORED_FIELDS = frozenset(
@@ -123,6 +121,10 @@ class SamplingFields(RequestModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None  # vLLM's
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    # vLLM's beam search: n beams per prompt, ranked by cumulative logprob over the length
+    # to the power length_penalty (`beams.py`).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's: prefix-cache blocks are shared only between requests with the same salt.
     cache_salt: str | None = Field(None, min_length=1)
     # OpenAI's: token id (as a string) -> bias added to its logit, -100 to 100.
@@ -187,10 +189,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples per prompt; the best n return
-    # vLLM's beam search: n beams per prompt, ranked by cumulative logprob over the length
-    # to the power length_penalty.
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -1,0 +1,83 @@
+"""`use_beam_search` on completions and chat: vLLM's beam search for a request, or the 400
+that names what cannot go with it.
+
+Beams are ranked by their logprobs alone (vLLM's `to_beam_search_params` reads n, max_tokens,
+temperature, ignore_eos, include_stop_str_in_output and length_penalty), so a setting that
+would reshape the sampling (penalties, stops, structured outputs, a required or named tool
+call, prompt logprobs, best_of) is refused with it rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from pagedkv.engine import BeamSearchParams, SamplingParams
+from pagedkv.server.errors import APIError
+from pagedkv.server.protocol import SamplingFields
+
+SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.init]
+# What a beam search reads of a request, and what cannot change its answer.
+BEAM_SEARCH_SETTINGS = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "temperature",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "logprobs",
+        "seed",
+        "skip_special_tokens",
+        "truncate_prompt_tokens",
+    }
+)
+# A request's fields a structured output can come from, in the order they are named.
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def beam_search_params(
+    request: SamplingFields, params: SamplingParams, max_model_len: int
+) -> BeamSearchParams:
+    """n beams per prompt under vLLM's rule (`engine/beam_search.py`); max_tokens None runs
+    to max_model_len, which the engine cuts to each prompt's room."""
+    default = SamplingParams()
+    clashing = [
+        _request_field(request, name)
+        for name in SAMPLING_FIELDS
+        if name not in BEAM_SEARCH_SETTINGS and getattr(params, name) != getattr(default, name)
+    ]
+    if getattr(request, "best_of", None) not in (None, request.n):
+        clashing.append("best_of")
+    if clashing:
+        raise APIError(
+            400,
+            f"use_beam_search cannot be combined with {', '.join(clashing)}: beam search "
+            "ranks beams by their logprobs alone",
+            param=clashing[0],
+        )
+    try:
+        return BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=params.max_tokens or max_model_len,
+            ignore_eos=request.ignore_eos,
+            temperature=request.temperature,
+            length_penalty=request.length_penalty,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error), param="length_penalty") from error
+
+
+def _request_field(request: SamplingFields, name: str) -> str:
+    """The request's field behind SamplingParams field `name`: a structured output comes from
+    one of several, or on chat from a required or named `tool_choice`."""
+    if name != "structured_outputs":
+        return name
+    given = (field for field in STRUCTURED_FIELDS if getattr(request, field, None) is not None)
+    fallback = "tool_choice" if getattr(request, "tools", None) else name
+    return next(given, fallback)
