@@ -38,6 +38,22 @@ def scrape(server: RunningServer) -> dict[tuple[str, frozenset], float]:
     }
 
 
+def scrape_around_completions(
+    server: RunningServer, prompts: list[list[int]], max_tokens: int
+) -> tuple[dict[tuple[str, frozenset], float], dict[tuple[str, frozenset], float]]:
+    """`/metrics` before and after one completions request of `prompts`, each answered with
+    exactly `max_tokens` tokens (EOS ignored)."""
+    before = scrape(server)
+    with server.client() as client:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompts,
+            max_tokens=max_tokens,
+            extra_body=IGNORE_EOS,
+        )
+    return before, scrape(server)
+
+
 def value(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
     """The sum of `name`'s samples whose labels include `labels`."""
     return sum(
@@ -213,15 +229,7 @@ def test_iteration_tokens_add_up_to_prompt_and_sampled_tokens(serve) -> None:
     fresh = serve(num_gpu_blocks=128, enable_prefix_caching=False)
     prompts = [[(3 * i + 17 * j) % 200 + 3 for i in range(9 + 5 * j)] for j in range(3)]
     max_tokens = 7
-    before = scrape(fresh)
-    with fresh.client() as client:
-        client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt=prompts,
-            max_tokens=max_tokens,
-            extra_body=IGNORE_EOS,
-        )
-    after = scrape(fresh)
+    before, after = scrape_around_completions(fresh, prompts, max_tokens)
     name = "pagedkv:iteration_tokens_total"
     computed = value(after, f"{name}_sum") - value(before, f"{name}_sum")
     assert computed == sum(len(p) for p in prompts) + len(prompts) * max_tokens
@@ -236,15 +244,7 @@ def test_time_per_output_token_is_per_token_and_its_request_mean_per_request(ser
     goes once per finished request into request_time_per_output_token_seconds."""
     prompts = [[(11 * i + 5 * j) % 200 + 3 for i in range(6 + j)] for j in range(3)]
     max_tokens = 6
-    before = scrape(server)
-    with server.client() as client:
-        client.completions.create(
-            model=client.models.list().data[0].id,
-            prompt=prompts,
-            max_tokens=max_tokens,
-            extra_body=IGNORE_EOS,
-        )
-    after = scrape(server)
+    before, after = scrape_around_completions(server, prompts, max_tokens)
 
     def delta(name: str) -> float:
         return value(after, name) - value(before, name)
