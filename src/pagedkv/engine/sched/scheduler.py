@@ -135,11 +135,12 @@ class Scheduler:
         num_decoding = sum(len(request.live_sequences) for request in self.running)
         step = _Step(self.max_num_batched_tokens, self.drafts.threshold(num_decoding))
         step.output.plan.extend(self.drafts.take_plan())
-        running = list(self.running)
-        step.decodes_after = sum(self._num_decodes(request) for request in running)
-        for request in running:
+        # A request's decodes stay as counted here until its turn (or its preemption).
+        running = [(request, self._num_decodes(request)) for request in self.running]
+        step.decodes_after = sum(decodes for _, decodes in running)
+        for request, decodes in running:
             if request.status is RequestStatus.RUNNING:
-                step.decodes_after -= self._num_decodes(request)
+                step.decodes_after -= decodes
                 self._schedule_running(request, step)
         if not step.output.preempted:
             while self.swapped and self._try_resume(self.swapped.peek(), step):
