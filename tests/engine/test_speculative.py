@@ -387,6 +387,8 @@ def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_length": 4}, "'draft_length'"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ({"num_speculative_tokens": 2}, "names neither a method nor a model"),
+        ({}, "names neither a method nor a model"),
         ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "takes no model"),
         ('{"method": "ngram", ', "not valid JSON"),
         ([3], "must be a dict"),
@@ -427,6 +429,15 @@ def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: 
     tokenizer.save(str(other / "tokenizer.json"))
     with pytest.raises(ValueError, match="draft model needs the model's tokenizer"):
         Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(other))))
+
+
+def test_a_draft_model_that_is_not_there_is_named_as_the_draft(engine_zoo, tmp_path: Path) -> None:
+    """A draft model path that is no model is refused at start as the speculative_config's, not
+    in words that would blame the model being served."""
+    target = engine_zoo.folder("llama")
+    missing = str(tmp_path / "no-such-draft")
+    with pytest.raises(ValueError, match=rf"^speculative_config model: '{missing}' is not a model"):
+        Engine(EngineArgs(model=str(target), speculative_config=draft_model(missing)))
 
 
 def test_a_draft_model_with_a_shorter_context_is_refused(engine_zoo, tmp_path: Path) -> None:

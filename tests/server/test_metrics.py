@@ -142,13 +142,22 @@ def test_metrics_prefix_vllm_names_every_metric_as_vllm_does(serve) -> None:
     assert "vllm:prompt_tokens_total" in names
     assert "vllm:e2e_request_latency_seconds_count" in names
     assert all(name.startswith("vllm:") for name in names if ":" in name)
+    # As vLLM's, the spec_decode_* counters exist only where the engine speculates.
+    assert not any(name.startswith("vllm:spec_decode") for name in names)
 
 
 def test_speculative_decoding_is_counted_under_vllms_names(serve) -> None:
     """vLLM's spec_decode_* counters through a server started with --speculative-config: drafts
-    are counted, the kept ones among them, and the per-position counts add up to the kept."""
+    are counted, the kept ones among them, and the per-position counts add up to the kept. As
+    vLLM's, the per-position counter has a series at 0 for each of the k positions before any
+    draft."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     vllm = serve(ServerConfig(metrics_prefix="vllm"), num_gpu_blocks=64, speculative_config=spec)
+    per_position = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    at_start = {
+        dict(labels)["position"]: v for (n, labels), v in scrape(vllm).items() if n == per_position
+    }
+    assert at_start == {"0": 0, "1": 0, "2": 0}
     prompt = [(5 * i) % 40 + 3 for i in range(24)] * 2
     with vllm.client() as client:
         model = client.models.list().data[0].id
@@ -160,7 +169,7 @@ def test_speculative_decoding_is_counted_under_vllms_names(serve) -> None:
     draft_tokens = value(samples, "vllm:spec_decode_num_draft_tokens_total")
     accepted = value(samples, "vllm:spec_decode_num_accepted_tokens_total")
     assert 0 < drafts <= draft_tokens and accepted <= draft_tokens
-    assert value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert value(samples, per_position) == accepted
     assert value(samples, "vllm:generation_tokens_total") == reply.usage.completion_tokens == 48
 
 

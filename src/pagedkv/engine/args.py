@@ -229,11 +229,13 @@ class EngineArgs:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's settings, preemption mode resolved."""
+        speculative = self.speculative
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             preemption_mode=self.resolved_preemption_mode,  # type: ignore[arg-type]
             policy=self.scheduling_policy,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         )
 
     def pool_request(self, max_model_len: int) -> PoolRequest:

@@ -121,7 +121,8 @@ class Engine:
             cache.num_gpu_blocks,
             self.runner.lora_registry,
         )
-        self.scheduler = Scheduler(self.manager, args.scheduler_config(), self.adapters)
+        scheduler_config = args.scheduler_config()
+        self.scheduler = Scheduler(self.manager, scheduler_config, self.adapters)
         drafter: Drafter | None = None
         if draft is not None:
             draft_cache = draft_kv_pool(draft.model, cache, args.kv_cache_dtype)
@@ -133,7 +134,7 @@ class Engine:
             Sampler(args.seed, device=self.device),
             self.tokenizer,
             drafter=drafter,
-            num_speculative_tokens=0 if speculative is None else speculative.num_speculative_tokens,
+            num_speculative_tokens=scheduler_config.num_speculative_tokens,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self._samples = SampleFactory(self.tokenizer, self.config.vocab_size, self.device)

@@ -303,24 +303,26 @@ class EngineStatsCollector(Collector):
         preemptions.add_metric([self.model_name, "recompute"], stats.num_recompute_preemptions)
         yield preemptions
         spec = stats.spec_decoding
-        yield counter(
-            "spec_decode_num_drafts",
-            "Speculative steps of a sequence that verified drafts.",
-            spec.num_drafts,
-        )
-        yield counter(
-            "spec_decode_num_draft_tokens", "Drafted tokens verified.", spec.num_draft_tokens
-        )
-        yield counter(
-            "spec_decode_num_accepted_tokens", "Drafted tokens kept.", spec.num_accepted_tokens
-        )
-        per_position = CounterMetricFamily(
-            f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos",
-            "Drafted tokens kept, by position after the sequence's last token (0 first).",
-            labels=["model_name", "position"],
-        )
-        for position, count in enumerate(spec.accepted_per_position):
-            per_position.add_metric([self.model_name, str(position)], count)
-        yield per_position
+        if spec.enabled:  # as vLLM's, only from an engine that speculates
+            yield counter(
+                "spec_decode_num_drafts",
+                "Speculative steps of a sequence that verified drafts.",
+                spec.num_drafts,
+            )
+            yield counter(
+                "spec_decode_num_draft_tokens", "Drafted tokens verified.", spec.num_draft_tokens
+            )
+            yield counter(
+                "spec_decode_num_accepted_tokens", "Drafted tokens kept.", spec.num_accepted_tokens
+            )
+            per_position = CounterMetricFamily(
+                f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos",
+                "Drafted tokens kept, by position after the sequence's last token (0 first; "
+                "every position up to num_speculative_tokens, from the start).",
+                labels=["model_name", "position"],
+            )
+            for position, count in enumerate(spec.accepted_per_position):
+                per_position.add_metric([self.model_name, str(position)], count)
+            yield per_position
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)

@@ -13,9 +13,11 @@ class SchedulerConfig:
 
     `preemption_mode` is resolved: "swap" when swap space is configured unless set otherwise
     (`EngineArgs.resolved_preemption_mode`). `policy` names a `sched.policy` policy.
+    `num_speculative_tokens` is the most drafts a sample verifies in a step (0: no speculation).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     preemption_mode: PreemptionMode = "recompute"
     policy: str = "fcfs"
+    num_speculative_tokens: int = 0

@@ -25,13 +25,15 @@ SeqId = tuple[str, int]
 class DraftSlots:
     """Draft reservations over one `KVMemory`, what they kept, and what a step's row costs."""
 
-    def __init__(self, manager: KVMemory, watermark_blocks: int) -> None:
+    def __init__(
+        self, manager: KVMemory, watermark_blocks: int, num_speculative_tokens: int
+    ) -> None:
         self.manager = manager
         self._watermark_blocks = watermark_blocks
         self._plan = MemoryPlan()  # moves of reservations, run with the next step
         # First table entry changed by a reservation, per sample, until its next chunk says so.
         self._table_changes: dict[SeqId, int] = {}
-        self.stats = SpecDecodingStats()
+        self.stats = SpecDecodingStats(num_speculative_tokens)
         self.step_cost = StepCost()  # what a row of a step costs: how many drafts pay
 
     def threshold(self, num_decoding: int) -> float:

@@ -84,7 +84,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._dropped: list[SeqId] = []  # tables the runner must forget, sent with the next step
         # Moves of draft reservations made by `update`, run with the next step.
-        self.drafts = DraftSlots(manager, self.watermark_blocks)
+        self.drafts = DraftSlots(manager, self.watermark_blocks, config.num_speculative_tokens)
         # Tokens the last step added to outputs: drafts past a stop are not among them.
         self.last_step_tokens = 0
 

@@ -64,6 +64,12 @@ class SpeculativeConfig:
             method, model = "ngram", None
         elif method is None and model is not None:
             method = "draft_model"
+        if method is None:
+            raise ValueError(
+                'speculative_config names neither a method nor a model: give "method": '
+                '"ngram" (prompt lookup) or "model": a draft model\'s folder, .gguf file or '
+                "built-in name"
+            )
         if method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method {method!r} is not supported (supported: "

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pagedkv.engine.sampler import argmax
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.drafter import DraftRequest, SeqId
+from pagedkv.hub import UnknownModelName
 from pagedkv.memory.adapters import AdapterChanges
 from pagedkv.model.config import ModelConfig
 from pagedkv.tokenizer import Tokenizer
@@ -115,7 +116,10 @@ def load_draft_model(
     vocabulary is not the model's (its token ids would mean other tokens) or its context is
     shorter than max_model_len (it reads every position a sequence reaches)."""
     assert config.model is not None
-    draft = load(config.model, dtype=dtype, device=device, quantization=quantization)
+    try:
+        draft = load(config.model, dtype=dtype, device=device, quantization=quantization)
+    except UnknownModelName as error:  # its message alone reads as if the model were wrong
+        raise ValueError(f"speculative_config model: {error}") from error
     context = draft.config.max_position_embeddings
     if context < max_model_len:
         raise ValueError(

@@ -9,30 +9,42 @@ from dataclasses import dataclass, field
 class SpecDecodingStats:
     """Counters since the engine started (vLLM's `spec_decode_*` metrics).
 
-    `num_drafts`: verification steps of one sequence with at least one draft; `num_draft_tokens`:
-    drafted tokens verified; `num_accepted_tokens`: drafts kept; `accepted_per_position[i]`:
-    how often the draft at position i (0: the first after the sequence's last token) was kept.
+    `num_speculative_tokens`: the configured k, 0 when speculation is off; `num_drafts`:
+    verification steps of one sequence with at least one draft; `num_draft_tokens`: drafted
+    tokens verified; `num_accepted_tokens`: drafts kept; `accepted_per_position[i]`: how often
+    the draft at position i (0: the first after the sequence's last token) was kept, one entry
+    per position from the start (as vLLM's per-position counter has a series for each of its k
+    positions before any draft, so a dashboard's rate per position never lacks one).
     """
 
+    num_speculative_tokens: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine speculates (vLLM exports these metrics only then)."""
+        return self.num_speculative_tokens > 0
+
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One sequence's step verified `num_draft_tokens` drafts and kept the first
-        `num_accepted`."""
+        """One sequence's step verified `num_draft_tokens` drafts (at most k) and kept the
+        first `num_accepted`."""
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        missing = num_draft_tokens - len(self.accepted_per_position)
-        self.accepted_per_position.extend([0] * max(0, missing))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
 
     def snapshot(self) -> SpecDecodingStats:
         """A copy that later steps do not change."""
         return SpecDecodingStats(
+            self.num_speculative_tokens,
             self.num_drafts,
             self.num_draft_tokens,
             self.num_accepted_tokens,
