@@ -28,7 +28,7 @@ from pagedkv.model.footprint import weight_footprint
 from pagedkv.worker.threads import physical_cores
 
 README_PROMPTS = ("The capital of France is", "Paged attention")
-README_CHAT = "What is the capital of France?"
+README_CHAT = "Name the capital of France."
 SCHEMES = ("none", "auto", "int8", "int4")
 
 

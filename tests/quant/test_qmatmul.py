@@ -6,11 +6,13 @@ the *exact* weight `scale * q + min` is the oracle: nothing under test (not even
 
 One path, for every row count: the int8 dot-product kernel quantises the activations per group
 to int8, so its error is that quantisation's: each activation is rounded to the nearest step of
-  `amax_g(x) / 127`, i.e. off by at most `amax_g / 254`, and that error multiplies the integer
-  part `scale * q` of the weight (the `min * sum(x)` part uses the exact float sum of x), so
-  per output  |err| <= sum_g amax_g(x) / 254 * sum_{i in g} |scale_g * q_i|  + float32 slack.
-  For symmetric layouts (mins 0) `scale * q` is the weight itself. A second, tighter oracle
-  simulates that activation quantisation in torch and asks for agreement to float32 slack.
+  `amax_g(x) / 127`, i.e. off by at most `amax_g / 254`, and that error multiplies the whole
+  weight `scale * q + min` (the min's term takes the quantised activations' sum, as llama.cpp's
+  Q8_1 does), so
+  per output  |err| <= sum_g amax_g(x) / 254 * sum_{i in g} |w_i|  + float32 slack.
+  A second, tighter oracle simulates that activation quantisation in torch (the dequantised
+  weight times the quantised activations) and asks for agreement to float32 slack: a min's
+  term taken with the exact sum of x instead, ~2.7x the error on 4-bit weights, fails it.
 The torch fallback (no C compiler) dequantises and multiplies in float32: rounding only.
 Float32 slack is the worst-case bound for a sum of n float32 terms in any order,
 `n * eps * sum |terms|` (Higham's gamma_n), with n the longest chain of additions the path makes.
@@ -148,17 +150,18 @@ def dot_path_bound(
 ) -> torch.Tensor:
     """The int8 path's error bound per output `[batch, rows]` (see the module docstring).
 
-    Quantisation: amax_g / 254 per activation, times sum |scale q| over the group; the factor
+    Quantisation: amax_g / 254 per activation, times sum |w| over the group; the factor
     1 + 1e-4 covers the float32 rounding of `127 / amax`, of `x * (127 / amax)` before it is
     rounded to an integer, and of the step `amax / 127` (each a few eps of 127 steps).
     Float32 slack: the kernel sums cols / 32 chunk products per lane, 8 lanes, the per-group
-    float sums of x (group terms) and cols / group min products; 2 (cols + 16) eps covers all.
+    quantised sums of x (group terms) and cols / group min products; 2 (cols + 16) eps covers
+    all.
     """
     rows, cols = weight.shape
     group = weight.group_size
     groups = cols // group
     step = group_amax(x, group) / 254  # [batch, groups]
-    per_group = integer_part(weight, exact).view(rows, groups, group).sum(-1)  # [rows, groups]
+    per_group = exact.abs().view(rows, groups, group).sum(-1)  # [rows, groups]
     quantisation = step @ per_group.T * (1 + 1e-4)
     slack = 2 * (cols + 16) * EPS32 * magnitude_sum(x, weight, exact, bias)
     return quantisation + slack
@@ -191,8 +194,7 @@ def simulated_dot_path(
     xq = torch.round(groups * inverse)
     step = amax / torch.tensor(127.0)
     dequantised = (xq.double() * step.double()).view(batch, cols)
-    mins = weight.mins.double().repeat_interleave(group, dim=1)
-    out = dequantised @ (exact - mins).T + x.double() @ mins.T
+    out = dequantised @ exact.T
     return out if bias is None else out + bias.double()
 
 

@@ -28,7 +28,7 @@ SYSTEM_PROMPT = (
 )
 # (question, uses the shared system prompt, samples)
 QUESTIONS: list[tuple[str, bool, int]] = [
-    ("What is the capital of France?", False, 1),
+    ("Name the capital of France.", False, 1),
     ("Explain what a KV cache is in a language model.", True, 2),
     ("Give three tips for writing readable Python code.", True, 1),
     ("Why is the sky blue?", True, 1),
