@@ -7,6 +7,7 @@ import pytest
 
 from pagedkv.engine import (
     EmptyPrompt,
+    Engine,
     EngineArgs,
     PromptTooLong,
     RequestTooLarge,
@@ -25,7 +26,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
     ("prompt", "params", "error", "message"),
     [
         ([], GREEDY, EmptyPrompt, "empty"),
-        ("", GREEDY, EmptyPrompt, "empty"),
         ([5, VOCAB_SIZE], GREEDY, TokenOutOfVocabulary, f"{VOCAB_SIZE} is outside"),
         ([5, -1], GREEDY, TokenOutOfVocabulary, "-1 is outside"),
         ([5, "x"], GREEDY, InvalidTokenId, "position 1 is str 'x', expected an int"),
@@ -53,6 +53,22 @@ def test_bad_requests_are_rejected_and_the_others_finish(
     finished = [d.request_id for ds in run_to_completion(engine) for d in ds if d.finished]
     assert sorted(finished) == ["good-1", "good-2"]
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
+def test_an_empty_text_is_its_bos_token_where_the_tokenizer_adds_one(engine_zoo, builtin_gguf):
+    """As vLLM's: "" is refused only where it encodes to no tokens (the built-in model's
+    tokenizer adds none); the tiny Llama's adds BOS, so "" runs as the prompt [BOS] does."""
+    llm = make_llm(engine_zoo, "llama", num_gpu_blocks=64)
+    bos = llm.get_tokenizer().encode("")
+    assert bos == [llm.get_tokenizer().bos_token_id]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    text, ids = llm.generate(["", {"prompt_token_ids": bos}], params, use_tqdm=False)
+    assert text.prompt_token_ids == bos
+    assert len(text.outputs[0].token_ids) == 8
+    assert text.outputs[0].token_ids == ids.outputs[0].token_ids
+    builtin = Engine(EngineArgs(model=str(builtin_gguf), num_gpu_blocks=16))
+    with pytest.raises(EmptyPrompt, match="empty"):
+        builtin.add_request("empty", "", GREEDY)
 
 
 def test_more_samples_than_a_step_can_run_are_rejected(engine_zoo):

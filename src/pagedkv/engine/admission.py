@@ -43,11 +43,14 @@ class Limits:
 def tokenize(
     tokenizer: Tokenizer, prompt: str | Sequence[int], vocab_size: int
 ) -> tuple[str | None, list[int]]:
-    """The prompt's text (None when given as ids) and token ids, each id checked."""
+    """The prompt's text (None when given as ids) and token ids, each id checked. A prompt
+    with no tokens is refused; an empty text that the tokenizer gives a BOS token is not,
+    as vLLM's (the model then writes from the start of a document)."""
     if isinstance(prompt, str):
-        if not prompt:  # the tokenizer may still add BOS, but there is nothing to continue
+        token_ids = tokenizer.encode(prompt)
+        if not token_ids:
             raise EmptyPrompt()
-        return prompt, tokenizer.encode(prompt)
+        return prompt, token_ids
     token_ids = []
     for position, value in enumerate(prompt):
         if isinstance(value, bool):
