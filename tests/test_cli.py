@@ -3,6 +3,7 @@ and `serve MODEL` as vLLM's `vllm serve MODEL`."""
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -20,6 +21,16 @@ def test_an_unknown_flag_is_named_by_its_commands_usage(capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("usage: pagedkv plan ")
     assert "pagedkv plan: error: unrecognized arguments: --bogus 1" in err
+
+
+def test_version_is_the_installed_packages(capsys) -> None:
+    """`pagedkv --version`, as `vllm --version`: the version pyproject.toml gives."""
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    [declared] = re.findall(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == f"pagedkv {declared}\n"
 
 
 def test_a_flags_prefix_is_not_taken_for_the_flag(capsys) -> None:

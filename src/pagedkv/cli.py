@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import version
 
 COMMANDS: dict[str, str] = {
     "demo": "serve chat requests through the engine with a live KV pool view (--memory: "
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     # silently means another flag.
     parser = argparse.ArgumentParser(
         prog="pagedkv", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    parser.add_argument(  # vLLM's `vllm --version`
+        "--version", action="version", version=f"pagedkv {version('pagedkv')}"
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in COMMANDS else None

@@ -57,6 +57,10 @@ def test_page_map_draws_the_pool_follows_requests_and_names_owners_on_hover(
     server: RunningServer, browser, tmp_path: Path
 ) -> None:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []  # the browser console's, a 404 for a favicon among them
+    page.on(
+        "console", lambda message: errors.append(message.text) if message.type == "error" else None
+    )
     page.goto(server.url + "/")
     page.wait_for_function("Number(document.body.dataset.frames) >= 1", timeout=WAIT_MS)
     assert page.evaluate("pagemap.gpu.blocks.length") == NUM_GPU_BLOCKS
@@ -94,6 +98,7 @@ def test_page_map_draws_the_pool_follows_requests_and_names_owners_on_hover(
             worker.join(timeout=HANG_GUARD_S)
     page.wait_for_function("pagemap.gpu.heldBlocks().length === 0", timeout=WAIT_MS)
     assert all_blocks_free(server)
+    assert errors == []  # seconds after the load: a favicon's 404 would be in by now
     page.close()
 
 
