@@ -10,11 +10,11 @@ import os
 from typing import Any
 
 # How long an idle OpenMP thread (libgomp's, which torch and the C kernels share) spins before
-# it sleeps, unless the environment already says. libgomp's 300,000 spins are milliseconds of a
-# core: while another process needs the cores (a second engine, a torch job, a test suite), the
-# spinning threads take its turns and it theirs. Two engines on one 2-core machine made 52 tok/s
-# each with it and 159 with this; alone, the same speed (`bench/omp_contention.py`). libgomp
-# reads it when it loads, so it counts only where pagedkv is imported before torch.
+# it sleeps, unless the environment already says. libgomp's own wait is milliseconds of a core:
+# while another process needs the cores (a second engine, a torch job, a test suite), the
+# spinning threads take its turns and it theirs. Two engines on one 2-core machine made 24 tok/s
+# each with it and 157 with this; alone, about the same speed (`bench/omp_contention.py`).
+# libgomp reads it when it loads, so it counts only where pagedkv is imported before torch.
 SPIN_COUNT = "10000"
 os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
