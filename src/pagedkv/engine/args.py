@@ -148,14 +148,8 @@ class EngineArgs:
             "max_lora_rank",
         ):
             _positive_int(name, getattr(self, name))
-        if self.max_logprobs != -1 and not (
-            isinstance(self.max_logprobs, int)
-            and not isinstance(self.max_logprobs, bool)
-            and self.max_logprobs > 0
-        ):
-            raise ValueError(
-                f"max_logprobs must be a positive integer or -1 (no cap), got {self.max_logprobs!r}"
-            )
+        if self.max_logprobs != -1:  # vLLM's -1: no cap
+            _positive_int("max_logprobs", self.max_logprobs, also=" or -1 (no cap)")
         for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
@@ -326,9 +320,10 @@ def _check_device(device: object) -> None:
             raise ValueError(f"device {device!r}: this machine's torch sees no such CUDA device")
 
 
-def _positive_int(name: str, value: object) -> None:
+def _positive_int(name: str, value: object, also: str = "") -> None:
+    """Refuse `value` unless it is a positive int; `also` names what else the caller allows."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
 
 
 _CLI_TYPES = {
