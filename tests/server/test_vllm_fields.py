@@ -250,6 +250,64 @@ def test_echo_with_logprobs_scores_the_prompt_tokens_first(
     assert streamed_tokens == logprobs.tokens
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(
+    client, model_name: str, tiny_model, stream: bool, n: int
+) -> None:
+    """vLLM's echo without generation (how evaluation harnesses score a text): each choice is
+    the prompt, its logprobs are the prompt's (transformers' values), no token is generated,
+    and the choice ends on "length"."""
+    args = {"model": model_name, "prompt": PROMPT, "max_tokens": 0, "echo": True, "n": n}
+    args |= {"logprobs": 1, "temperature": 0.0, "extra_body": IGNORE_EOS}
+    prompt_ids = hf_tokens(tiny_model, PROMPT)
+    expected = hf_prompt_logprobs(tiny_model, prompt_ids)
+    if stream:
+        chunks = list(client.completions.create(**args, stream=True))
+        by_choice = [[c.choices[0] for c in chunks if c.choices[0].index == i] for i in range(n)]
+        texts = ["".join(part.text for part in parts) for parts in by_choice]
+        logprobs = [
+            [lp for part in parts if part.logprobs for lp in part.logprobs.token_logprobs]
+            for parts in by_choice
+        ]
+        reasons = [
+            [part.finish_reason for part in parts if part.finish_reason] for parts in by_choice
+        ]
+        assert reasons == [["length"]] * n
+    else:
+        response = client.completions.create(**args)
+        texts = [choice.text for choice in response.choices]
+        logprobs = [choice.logprobs.token_logprobs for choice in response.choices]
+        assert [choice.finish_reason for choice in response.choices] == ["length"] * n
+        assert response.usage.completion_tokens == 0
+        assert response.usage.prompt_tokens == len(prompt_ids)
+    assert texts == [PROMPT] * n
+    for scores in logprobs:
+        assert len(scores) == len(prompt_ids) and scores[0] is None
+        assert scores[1:] == pytest.approx(expected, abs=1e-4)
+
+
+def test_echo_only_without_logprobs_returns_the_prompt(client, model_name: str) -> None:
+    args = {"model": model_name, "prompt": [PROMPT, "Hi"], "max_tokens": 0, "echo": True}
+    response = client.completions.create(**args)
+    assert [choice.text for choice in response.choices] == [PROMPT, "Hi"]
+    assert all(choice.logprobs is None for choice in response.choices)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({}, "max_tokens"), ({"echo": True, "min_tokens": 1}, "min_tokens")],
+    ids=["without-echo", "min-tokens"],
+)
+def test_max_tokens_0_needs_echo_and_no_min_tokens(
+    server, model_name: str, fields: dict, param: str
+) -> None:
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 0, **fields}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_prompt_logprobs_cannot_stream(server, model_name: str, path: str) -> None:
     """As vLLM: a stream has no place for them, so the request is a 400 naming the field."""

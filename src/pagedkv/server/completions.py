@@ -52,7 +52,10 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     )
     prompts = cut_prompts(context, request, encoded)
     # vLLM's rule: omitted is OpenAI's 16; an explicit null is the room the context leaves.
-    max_tokens = request.max_tokens
+    # max_tokens 0 (echo only) scores the prompt: the engine must sample one token, which
+    # every delta then leaves out (vLLM's echo without generation).
+    echo_only = request.max_tokens == 0
+    max_tokens = 1 if echo_only else request.max_tokens
     if "max_tokens" not in request.model_fields_set:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
     prompt_logprobs = request.prompt_logprobs
@@ -70,7 +73,9 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)
     lora = context.check_model(request.model)
-    generation = Generation(context.engine_loop, new_id("cmpl"), best_of, lora)
+    generation = Generation(
+        context.engine_loop, new_id("cmpl"), best_of, lora, prompt_only=echo_only
+    )
     await generation.start(prompts, params, request.priority, beams, request.cache_salt)
     completion = _Completion(context, request, generation)
     if request.echo:
@@ -93,6 +98,18 @@ def _check_unsupported(request: CompletionRequest) -> None:
     """Refuse, naming the field, what vLLM accepts but this server cannot do."""
     if request.suffix is not None:
         raise APIError(400, "suffix is not supported (no insertion mode)", param="suffix")
+    if request.max_tokens == 0 and not request.echo:
+        raise APIError(
+            400,
+            "max_tokens must be at least 1 (0 is for echo=true: the prompt scored, no tokens)",
+            param="max_tokens",
+        )
+    if request.max_tokens == 0 and request.min_tokens > 0:
+        raise APIError(
+            400,
+            f"min_tokens ({request.min_tokens}) must be at most max_tokens (0)",
+            param="min_tokens",
+        )
     best_of = request.best_of or request.n
     if best_of < request.n:
         raise APIError(

@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.errors import PromptTooLong, RequestRejected, TooManyLogprobs
@@ -59,8 +59,12 @@ class Generation:
         request_id: str,
         n: int,
         lora_request: LoRARequest | None = None,
+        prompt_only: bool = False,
     ) -> None:
         self.engine_loop = engine_loop
+        # Score the prompts only (vLLM's echo with max_tokens 0): the engine samples one token
+        # per choice, as it must, and every delta leaves it out; the choices end on "length".
+        self.prompt_only = prompt_only
         self.lora_request = lora_request  # the adapter the request's `model` names
         self.request_id = request_id
         self.n = n
@@ -153,6 +157,8 @@ class Generation:
             output: RequestOutput = item
             base = self._prompt_index[output.request_id] * self.n
             for completion in output.outputs:
+                if self.prompt_only:
+                    completion = _without_tokens(completion)
                 self.completion_tokens += len(completion.token_ids)
                 scored = output.prompt_logprobs
                 prompt_ids = output.prompt_token_ids if scored is not None else None
@@ -175,3 +181,16 @@ class Generation:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
         )
+
+
+def _without_tokens(output: CompletionOutput) -> CompletionOutput:
+    """A prompt-only choice's delta: no text, tokens or logprobs; once finished, by length."""
+    return replace(
+        output,
+        text="",
+        token_ids=[],
+        finish_reason="length" if output.finish_reason is not None else None,
+        stop_reason=None,
+        logprobs=None if output.logprobs is None else [],
+        cumulative_logprob=None if output.cumulative_logprob is None else 0.0,
+    )

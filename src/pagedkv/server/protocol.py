@@ -184,7 +184,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: Any
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
-    max_tokens: int | None = Field(None, ge=1)  # omitted: 16; null: the context's room
+    # omitted: 16; null: the context's room; 0 (with echo): the prompt scored, nothing generated
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
