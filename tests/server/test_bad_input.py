@@ -79,6 +79,24 @@ BAD_CHATS = [
     pytest.param({"messages": [{"role": "wizard", "content": "x"}]}, None, "", id="bad-role"),
     pytest.param({"messages": [{"role": "user"}]}, None, "", id="no-content"),
     pytest.param(
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content",
+        "'image_url' are not supported",
+        id="image-part",
+    ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages.0.content",
+        "needs a string 'text'",
+        id="text-part-without-text",
+    ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": 5}]},
+        "messages.0.content",
+        "string or a list of content parts",
+        id="int-content",
+    ),
+    pytest.param(
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         "top_logprobs",
         "logprobs",

@@ -236,6 +236,28 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_parts(cls, content: Any) -> Any:
+        """Name what is wrong with a content list: a part of another kind (an image, audio)
+        cannot be read by a text model, so say that rather than that a string was expected."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of content parts")
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is None:
+                raise ValueError('each content part must be an object with a "type"')
+            if kind != "text":
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported: the model reads text "
+                    "only (parts of type 'text')"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a content part of type 'text' needs a string 'text'")
+        return content
+
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:
         """Only an assistant message may come without content (OpenAI's tool-call turns)."""
