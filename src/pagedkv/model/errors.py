@@ -47,16 +47,24 @@ class MissingTensor(ModelError):
 
 
 class TensorShapeMismatch(ModelError):
-    """A weight's shape disagrees with what config.json implies."""
+    """A weight's shape disagrees with what the config implies (config.json, or a GGUF file's
+    metadata: `implied_by`)."""
 
     def __init__(
-        self, path: Path, name: str, expected: tuple[int, ...], got: tuple[int, ...]
+        self,
+        path: Path,
+        name: str,
+        expected: tuple[int, ...],
+        got: tuple[int, ...],
+        implied_by: str = "config.json",
     ) -> None:
         super().__init__(
-            f"{path}: tensor {name!r} has shape {list(got)}, config.json implies {list(expected)}"
+            f"{path}: tensor {name!r} has shape {list(got)}, {implied_by} implies {list(expected)}"
         )
         self.path = path
         self.name = name
+        self.expected = expected
+        self.got = got
 
 
 class ChatTemplateError(ModelError):

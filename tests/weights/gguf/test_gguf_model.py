@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import gguf
@@ -171,12 +172,28 @@ def test_bad_metadata_values_are_named(tiny_gguf):
         GGUFModel.open(tiny_gguf("llama", metadata={"tokenizer.ggml.eos_token_id": 999}))
 
 
-def test_missing_and_misshapen_tensors_are_named(tiny_gguf):
-    path = tiny_gguf("llama", drop_tensors=("model.layers.1.mlp.up_proj.weight",))
-    with pytest.raises(MissingTensor, match="model.layers.1.mlp.up_proj.weight"):
+@pytest.mark.parametrize(
+    ("family", "dropped", "named"),
+    [
+        ("llama", "model.layers.1.mlp.up_proj.weight", "blk.1.ffn_up.weight"),
+        ("llama", "model.norm.weight", "output_norm.weight"),
+        ("mistral", "model.embed_tokens.weight", "token_embd.weight"),
+        ("qwen3", "model.layers.0.self_attn.k_norm.weight", "blk.0.attn_k_norm.weight"),
+    ],
+)
+def test_missing_tensors_are_named_as_the_file_holds_them(tiny_gguf, family, dropped, named):
+    """llama.cpp's name, not the checkpoint's, so the user can find what is missing in the
+    file's own tensor list."""
+    path = tiny_gguf(family, drop_tensors=(dropped,))
+    with pytest.raises(MissingTensor, match=f"tensor '{re.escape(named)}' is missing"):
         GGUFModel.open(path).model()
+
+
+def test_misshapen_tensors_are_named_as_the_file_holds_them(tiny_gguf):
     path = tiny_gguf("llama", metadata={"llama.feed_forward_length": 64})
-    with pytest.raises(TensorShapeMismatch, match=r"mlp\..*has shape \[64, 128\]"):
+    with pytest.raises(
+        TensorShapeMismatch, match=r"'blk\.\d+\.ffn_\w+\.weight' has shape .*the metadata implies"
+    ):
         GGUFModel.open(path).model()
 
 

@@ -16,6 +16,7 @@ import torch
 
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.decoder import DecoderModel
+from pagedkv.model.errors import MissingTensor, TensorShapeMismatch
 from pagedkv.parallel.group import building_group
 from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
@@ -23,7 +24,7 @@ from pagedkv.weights.assemble import build_model
 from pagedkv.weights.gguf.config import config_dict
 from pagedkv.weights.gguf.file import GGUFFile
 from pagedkv.weights.gguf.packed import packed_tensors
-from pagedkv.weights.gguf.tensors import gguf_tensors
+from pagedkv.weights.gguf.tensors import gguf_tensor_name, gguf_tensors, layer_tensor_names
 from pagedkv.weights.gguf.tokenizer import TokenizerFiles, tokenizer_files
 
 
@@ -78,6 +79,14 @@ class GGUFModel:
         if keep:  # re-packed once, then mapped from the cache (`packed.py`)
             stream = packed_tensors(self.file, stream)
         tensors = ((path, name, tensor) for name, tensor in stream)
-        return build_model(
-            self.config, tensors, path, dtype=dtype, device=device, quantization=quantization
-        )
+        try:
+            return build_model(
+                self.config, tensors, path, dtype=dtype, device=device, quantization=quantization
+            )
+        except (MissingTensor, TensorShapeMismatch) as error:  # named as the file holds it
+            name = gguf_tensor_name(error.name, layer_tensor_names(self.file))
+            if isinstance(error, MissingTensor):
+                raise MissingTensor(path, name) from None
+            raise TensorShapeMismatch(
+                path, name, error.expected, error.got, implied_by="the metadata"
+            ) from None

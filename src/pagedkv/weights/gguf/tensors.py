@@ -74,9 +74,8 @@ def gguf_tensors(
     Tensors are float32, except that with `keep_quantized` a block-quantised matrix comes as
     a `QuantizedTensor` holding exactly the file's values (`quant/gguf_blocks.py`).
     """
-    architecture = gguf_architecture(file.architecture, file.path)
-    unpermute = architecture.gguf_permutes_qk
-    layer_names = {**_LAYER_NAMES, **architecture.gguf_layer_tensors}
+    unpermute = gguf_architecture(file.architecture, file.path).gguf_permutes_qk
+    layer_names = layer_tensor_names(file)
     for name, tensor in file.tensors.items():
         if name in _DERIVED:
             continue
@@ -89,6 +88,27 @@ def gguf_tensors(
             yield hf_name, quantized(file, tensor, row_order)
         else:
             yield hf_name, dequantize(file, tensor, row_order)
+
+
+def layer_tensor_names(file: GGUFFile) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names (`attn_q`) -> checkpoint modules: the Llama set plus
+    what the file's registry entry adds."""
+    architecture = gguf_architecture(file.architecture, file.path)
+    return {**_LAYER_NAMES, **architecture.gguf_layer_tensors}
+
+
+def gguf_tensor_name(hf_name: str, layer_names: dict[str, str]) -> str:
+    """The GGUF name of checkpoint tensor `hf_name` (`hf_tensor_name` backwards), so an error
+    about a GGUF file names the tensor as the file would hold it."""
+    for name, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return name
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
+    if match is not None:
+        for name, module in layer_names.items():
+            if module == match[2]:
+                return f"blk.{match[1]}.{name}.{match[3]}"
+    return hf_name
 
 
 def hf_tensor_name(file: GGUFFile, name: str, layer_names: dict[str, str]) -> str:
