@@ -293,8 +293,8 @@ def test_plan_command_refuses_a_max_model_len_beyond_the_models_context(capsys, 
     assert main([*argv, "--max-model-len", str(context + 1)]) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"pagedkv plan: error: --max-model-len {context + 1:,} is beyond the model's context "
-        f"length {context:,} (max_position_embeddings)\n"
+        f"pagedkv plan: error: max_model_len {context + 1} is beyond the model's context "
+        f"length {context} (max_position_embeddings)\n"
     )
 
 

@@ -203,8 +203,8 @@ def test_a_trace_max_model_len_beyond_the_models_context_is_refused(tmp_path, ca
     capsys.readouterr()
     assert main([*argv, "--max-model-len", "8193"]) == 2
     assert capsys.readouterr().err == (
-        "pagedkv simulate: error: --max-model-len 8,193 is beyond the model's context length "
-        "8,192 (max_position_embeddings)\n"
+        "pagedkv simulate: error: max_model_len 8193 is beyond the model's context length "
+        "8192 (max_position_embeddings)\n"
     )
 
 

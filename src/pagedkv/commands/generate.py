@@ -122,9 +122,10 @@ def blocks_for_request(
     """KV blocks that one request's samples can fill: each sample's prompt (as admission
     tokenizes and truncates it) and output, up to the model length, plus one block each for the
     slot the scheduler reserves ahead."""
-    from pagedkv.engine.admission import max_model_len, tokenize, truncate
+    from pagedkv.engine.admission import tokenize, truncate
+    from pagedkv.kvmath.spec import served_context
 
-    context = max_model_len(engine_args.max_model_len, loaded.config.max_position_embeddings)
+    context = served_context(engine_args.max_model_len, loaded.config.max_position_embeddings)
     _, token_ids = tokenize(loaded.tokenizer, prompt, loaded.config.vocab_size)
     prompt_len = len(truncate(token_ids, params, context))
     max_tokens = params.max_tokens if params.max_tokens is not None else context

@@ -151,15 +151,3 @@ def _check_vocabulary(params: SamplingParams, vocab_size: int) -> None:
         for token_id in token_ids:
             if token_id >= vocab_size:
                 raise TokenOutOfVocabulary(token_id, vocab_size, where)
-
-
-def max_model_len(requested: int | None, max_position_embeddings: int) -> int:
-    """The engine's context length: the model's, or a shorter one asked for."""
-    if requested is None:
-        return max_position_embeddings
-    if requested > max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {requested} is beyond the model's context length "
-            f"{max_position_embeddings} (max_position_embeddings)"
-        )
-    return requested

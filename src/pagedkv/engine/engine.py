@@ -23,7 +23,6 @@ from pagedkv.engine.admission import (
     bad_words_token_ids,
     check_keys,
     check_request,
-    max_model_len,
     tokenize,
     truncate,
 )
@@ -44,6 +43,7 @@ from pagedkv.engine.spec.drafter import Drafter, NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
 from pagedkv.engine.stops import take_outputs
 from pagedkv.engine.structured.compiler import GrammarCompiler
+from pagedkv.kvmath.spec import served_context
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.model.footprint import weight_footprint
@@ -81,7 +81,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         if args.tokenizer is not None:  # vLLM's tokenizer=: another's than the model's
             self.tokenizer = load_tokenizer(args.tokenizer, self.config.vocab_size)
-        self.max_model_len = max_model_len(args.max_model_len, self.config.max_position_embeddings)
+        self.max_model_len = served_context(args.max_model_len, self.config.max_position_embeddings)
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.method == "draft_model":

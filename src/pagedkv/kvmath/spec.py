@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 GB = 10**9
 GiB = 2**30
@@ -63,6 +64,24 @@ class ConfigFileError(ConfigError):
         self.problem = problem
 
 
+ContextT = TypeVar("ContextT", int, None)
+
+
+def served_context(requested: int | None, model_context: ContextT) -> int | ContextT:
+    """The context a server runs with: `requested` (max_model_len) when given, else the
+    model's (None: its config names none). Longer than the model's is refused, by the engine
+    and by the plans alike: positions past the trained context have no meaning, and a plan for
+    them would size a server that cannot start."""
+    if requested is None:
+        return model_context
+    if model_context is not None and requested > model_context:
+        raise ConfigError(
+            f"max_model_len {requested} is beyond the model's context length "
+            f"{model_context} (max_position_embeddings)"
+        )
+    return requested
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """How many bytes of KV cache one token of one request costs, and how many tokens it keeps.
@@ -96,18 +115,8 @@ class KVSpec:
             _require_positive("max_model_len", self.max_model_len)
 
     def served_context(self, max_model_len: int | None) -> int | None:
-        """The context a server of this model runs with: `max_model_len` when given, else the
-        model's. Longer than the model's is refused, as the engine refuses it (positions past
-        the trained context have no meaning, so a plan for them would size a server that
-        cannot start)."""
-        if max_model_len is None:
-            return self.max_model_len
-        if self.max_model_len is not None and max_model_len > self.max_model_len:
-            raise ConfigError(
-                f"--max-model-len {max_model_len:,} is beyond the model's context length "
-                f"{self.max_model_len:,} (max_position_embeddings)"
-            )
-        return max_model_len
+        """The context a server of this model runs with (`served_context`)."""
+        return served_context(max_model_len, self.max_model_len)
 
     @property
     def is_mla(self) -> bool:
