@@ -64,7 +64,20 @@ BAD_COMPLETIONS = [
     pytest.param({"prompt": "hi", "stop": [""]}, "stop", "empty", id="empty-stop"),
     pytest.param({"prompt": [7] * 300}, None, "prompt has 300 tokens", id="prompt-too-long"),
     pytest.param({"prompt": "hi", "max_tokens": 500}, None, "model allows 128", id="no-room"),
-    pytest.param({"prompt": [1, 99_999]}, None, "vocabulary", id="token-out-of-vocab"),
+    pytest.param({"prompt": [1, 99_999]}, "prompt", "vocabulary", id="token-out-of-vocab"),
+    # A union's members each fail: say what the nearest one wanted, or all of them.
+    pytest.param({"prompt": "hi", "stop": [1, 2]}, "stop.0", "valid string", id="stop-ints"),
+    pytest.param({"prompt": "hi", "stop": 5}, "stop", "string, or a valid array", id="stop-int"),
+    # The engine's checks name the field too.
+    pytest.param({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "", id="bias-id"),
+    pytest.param({"prompt": "hi", "stop_token_ids": [99_999]}, "stop_token_ids", "", id="stop-id"),
+    pytest.param({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "", id="allow-0"),
+    pytest.param({"prompt": "hi", "bad_words": [" "]}, "bad_words", "", id="blank-bad-word"),
+    pytest.param(
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "", id="min-over-max"
+    ),
+    pytest.param({"prompt": "hi", "guided_regex": "[a-"}, "structured_outputs", "", id="regex"),
+    pytest.param({"prompt": "hi", "priority": 5}, "priority", "scheduling", id="priority-fcfs"),
 ]
 
 
@@ -89,6 +102,18 @@ BAD_CHATS = [
         "messages.0.content",
         "needs a string 'text'",
         id="text-part-without-text",
+    ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}},
+        "tool_choice.function",
+        "required",
+        id="tool-choice-without-function",
+    ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "any"},
+        "tool_choice",
+        "'required', or an object",
+        id="tool-choice-any",
     ),
     pytest.param(
         {"messages": [{"role": "user", "content": 5}]},

@@ -178,21 +178,38 @@ def test_echo_prepends_the_prompt(client, model_name: str) -> None:
 @pytest.mark.parametrize(
     "beams", [None, {"use_beam_search": True, "n": 2}], ids=["sampled", "beams"]
 )
-def test_completions_max_tokens_null_is_the_rest_of_the_context_omitted_is_16(
+def test_completions_max_tokens_omitted_or_null_is_16_cut_to_the_room(
     short_context_server: RunningServer, beams: dict | None
 ) -> None:
-    """vLLM's get_max_tokens: omitted max_tokens is the request model's default of 16; an
-    explicit null leaves no limit but the context, max_model_len minus the prompt."""
-    body = {"prompt": list(range(5, 15)), "return_token_ids": True, **IGNORE_EOS, **(beams or {})}
-    for max_tokens, expected in [
-        (None, SHORT_CONTEXT - len(body["prompt"])),
-        ("omitted", DEFAULT_COMPLETION_MAX_TOKENS),
-    ]:
-        fields = {} if max_tokens == "omitted" else {"max_tokens": max_tokens}
-        response = post(short_context_server, "/v1/completions", {**body, **fields})
-        assert response.status_code == 200, response.text
-        choices = response.json()["choices"]
-        assert [len(c["token_ids"]) for c in choices] == [expected] * len(choices), max_tokens
+    """vLLM's CompletionRequest: an omitted max_tokens is OpenAI's default of 16, and an
+    explicit null is read as that default too (`normalize_null_max_tokens`); a prompt with
+    less room than 16 gets what the context leaves."""
+    body = {"return_token_ids": True, **IGNORE_EOS, **(beams or {})}
+    for prompt_len, expected in [(10, DEFAULT_COMPLETION_MAX_TOKENS), (40, SHORT_CONTEXT - 40)]:
+        for fields in [{}, {"max_tokens": None}]:
+            request = {**body, "prompt": list(range(5, 5 + prompt_len)), **fields}
+            response = post(short_context_server, "/v1/completions", request)
+            assert response.status_code == 200, response.text
+            choices = response.json()["choices"]
+            assert [len(c["token_ids"]) for c in choices] == [expected] * len(choices), fields
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_null_settings_are_their_defaults(server, model_name: str, path: str) -> None:
+    """Clients send null for every setting a caller left as None (OpenAI's and vLLM's servers
+    read it as the default): the answer equals the one without those fields."""
+    base = one_prompt_body(path, model=model_name, max_tokens=4, seed=7)
+    nulls = dict.fromkeys(
+        ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"]
+        + ["repetition_penalty", "n", "stream", "return_token_ids", "stop", "logit_bias"]
+        + (["echo"] if path == "/v1/completions" else ["logprobs", "top_logprobs"])
+    )
+    plain, with_nulls = post(server, path, base), post(server, path, {**base, **nulls})
+    assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
+    answer = [c.get("text") or c["message"]["content"] for c in plain.json()["choices"]]
+    assert answer == [
+        c.get("text") or c["message"]["content"] for c in with_nulls.json()["choices"]
+    ]
 
 
 def test_suffix_is_refused_as_unsupported(client, model_name: str) -> None:

@@ -15,11 +15,17 @@ STARTUP_ERRORS = (ValueError, ModelError, OSError)
 
 
 class RequestRejected(ValueError):
-    """Base of every reason a request is refused at `add_request`."""
+    """Base of every reason a request is refused at `add_request`. `param` names the input
+    at fault (a SamplingParams field, or `prompt`) where there is one, so a server can report
+    it as OpenAI's error `param`."""
+
+    param: str | None = None
 
 
 class EmptyPrompt(RequestRejected):
     """The prompt has no tokens."""
+
+    param = "prompt"
 
     def __init__(self) -> None:
         super().__init__("the prompt is empty: it must have at least one token")
@@ -30,10 +36,13 @@ class TokenOutOfVocabulary(RequestRejected):
 
     def __init__(self, token_id: int, vocab_size: int, where: str = "prompt token id") -> None:
         super().__init__(f"{where} {token_id} is outside the model's vocabulary [0, {vocab_size})")
+        self.param = where.split()[0]  # "prompt", "stop_token_ids", ...
 
 
 class InvalidTokenId(RequestRejected):
     """A prompt given as token ids holds something that is not an integer."""
+
+    param = "prompt"
 
     def __init__(self, position: int, value: object) -> None:
         super().__init__(
@@ -58,6 +67,8 @@ class TruncationTooLong(RequestRejected):
     """truncate_prompt_tokens keeps more tokens than the model's context holds (vLLM refuses
     it too: the prompt it keeps could never run)."""
 
+    param = "truncate_prompt_tokens"
+
     def __init__(self, keep: int, max_model_len: int) -> None:
         super().__init__(
             f"truncate_prompt_tokens is {keep}, greater than max_model_len ({max_model_len}): "
@@ -78,6 +89,8 @@ class RequestTooLarge(RequestRejected):
 class TooManySamples(RequestRejected):
     """The request's samples could never all run in one step."""
 
+    param = "n"
+
     def __init__(self, n: int, limit: int) -> None:
         super().__init__(
             f"n is {n}, but one step runs at most {limit} sequences "
@@ -93,7 +106,7 @@ class TooManyLogprobs(RequestRejected):
             f"{name} is {logprobs}, but the engine allows at most {max_logprobs} "
             "(max_logprobs; raise it when starting the engine)"
         )
-        self.name = name  # the SamplingParams field: logprobs or prompt_logprobs
+        self.param = name  # the SamplingParams field: logprobs or prompt_logprobs
 
 
 class DuplicateRequest(RequestRejected):
@@ -106,12 +119,16 @@ class DuplicateRequest(RequestRejected):
 class InvalidPriority(RequestRejected):
     """A request's priority is not an integer."""
 
+    param = "priority"
+
     def __init__(self, priority: object) -> None:
         super().__init__(f"priority is {type(priority).__name__} {priority!r}, expected an int")
 
 
 class InvalidCacheSalt(RequestRejected):
     """A request's cache_salt is not a non-empty string (vLLM's rule)."""
+
+    param = "cache_salt"
 
     def __init__(self, cache_salt: object) -> None:
         super().__init__(
@@ -121,6 +138,8 @@ class InvalidCacheSalt(RequestRejected):
 
 class PriorityNotSupported(RequestRejected):
     """A request has a priority, but the engine schedules first come, first served."""
+
+    param = "priority"
 
     def __init__(self, priority: int, policy: str) -> None:
         super().__init__(
@@ -152,3 +171,4 @@ class InvalidStructuredOutput(RequestRejected):
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(f"structured_outputs.{kind} is invalid: {reason.strip()}")
         self.kind = kind
+        self.param = "structured_outputs"

@@ -51,12 +51,12 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
         encode_prompts, context, request.prompts(), add_special_tokens=request.add_special_tokens
     )
     prompts = cut_prompts(context, request, encoded)
-    # vLLM's rule: omitted is OpenAI's 16; an explicit null is the room the context leaves.
+    # vLLM's rule: omitted or null is OpenAI's 16 (cut to the room the context leaves).
     # max_tokens 0 (echo only) scores the prompt: the engine must sample one token, which
     # every delta then leaves out (vLLM's echo without generation).
     echo_only = request.max_tokens == 0
     max_tokens = 1 if echo_only else request.max_tokens
-    if "max_tokens" not in request.model_fields_set:
+    if max_tokens is None:
         max_tokens = context.default_max_tokens(max(len(prompt) for prompt in prompts))
     prompt_logprobs = request.prompt_logprobs
     if request.echo and request.logprobs is not None:  # the echoed prompt's tokens get theirs
@@ -98,6 +98,13 @@ def _check_unsupported(request: CompletionRequest) -> None:
     """Refuse, naming the field, what vLLM accepts but this server cannot do."""
     if request.suffix is not None:
         raise APIError(400, "suffix is not supported (no insertion mode)", param="suffix")
+    if request.use_beam_search and request.echo and request.logprobs is not None:
+        raise APIError(
+            400,
+            "use_beam_search cannot be combined with echo and logprobs together: a beam search "
+            "scores no prompt tokens (echo alone, or logprobs alone, works with it)",
+            param="echo",
+        )
     if request.max_tokens == 0 and not request.echo:
         raise APIError(
             400,

@@ -20,9 +20,26 @@ from pydantic import (
 
 
 class RequestModel(BaseModel):
-    """Strict about types (no coercion, no NaN); unknown fields kept in `model_extra`."""
+    """Strict about types (no coercion, no NaN); unknown fields kept in `model_extra`.
+
+    An explicit null is an omitted field unless the field itself takes null: OpenAI's and
+    vLLM's servers read `"temperature": null` as the default, and clients send null for every
+    setting a caller left as None.
+    """
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None or (name in fields and fields[name].default is None)
+        }
 
 
 class JsonSchemaFormat(RequestModel):

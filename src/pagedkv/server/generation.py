@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.errors import PromptTooLong, RequestRejected, TooManyLogprobs
+from pagedkv.engine.errors import PromptTooLong, RequestRejected
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.responses import PromptTokensDetails, Usage
@@ -140,8 +140,7 @@ class Generation:
                 raise shutting_down(str(error)) from error
             if isinstance(error, RequestRejected):
                 code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
-                param = error.name if isinstance(error, TooManyLogprobs) else None
-                raise APIError(400, str(error), param=param, code=code) from error
+                raise APIError(400, str(error), param=error.param, code=code) from error
             raise
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:

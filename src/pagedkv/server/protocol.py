@@ -37,7 +37,7 @@ from pagedkv.server.formats import (
 
 MAX_N = 128  # choices per request: each one is a sequence holding KV blocks
 MAX_STOP_STRINGS = 16
-MAX_PROMPTS = 64  # prompts in one completions request
+MAX_PROMPTS = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
@@ -184,7 +184,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: Any
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
-    # omitted: 16; null: the context's room; 0 (with echo): the prompt scored, nothing generated
+    # omitted or null: 16; 0 (with echo): the prompt scored, nothing generated
     max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False  # the prompt's text is prepended to each choice

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -174,8 +175,10 @@ def sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             structured_outputs=structured,
         )
-    except ValueError as error:
-        raise APIError(400, str(error)) from error
+    except ValueError as error:  # SamplingParams' messages start with the field at fault
+        leading = re.match(r"\w+", str(error))
+        param = leading[0] if leading and leading[0] in type(request).model_fields else None
+        raise APIError(400, str(error), param=param) from error
 
 
 def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
@@ -204,13 +207,49 @@ def parse_body(body: bytes, model: type[T]) -> T:
         return model.model_validate_json(body)  # type: ignore[attr-defined]
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
         if first["type"] == "json_invalid":
             raise APIError(
                 400, f"malformed JSON body: {first['msg']}", code="json_invalid"
             ) from None
-        message = first["msg"].removeprefix("Value error, ")
+        loc, message = _union_error(error.errors())
+        param = ".".join(str(part) for part in loc) or None
+        message = message.removeprefix("Value error, ")
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+# How pydantic names a member of a union in an error's location (`str`, `list[str]`,
+# `literal['none','auto','required']`, `NamedToolChoice`): not a field of the request.
+_FIELD_PART = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_field(part: str | int) -> bool:
+    return isinstance(part, int) or (
+        _FIELD_PART.fullmatch(part) is not None and part not in _TYPE_NAMES
+    )
+
+
+def _union_error(errors: list) -> tuple[tuple, str]:
+    """The first error's field path and message. Where that field is a union, pydantic lists
+    one error per member (`stop.str`, `stop.list[str].0`); say what the member that got
+    furthest says (`stop.0`), or, where every member failed at the top, all they wanted."""
+    first = errors[0]
+    tag = next((i for i, part in enumerate(first["loc"]) if not _is_field(part)), None)
+    if tag is None:
+        return first["loc"], first["msg"]
+    members = [
+        e
+        for e in errors
+        if e["loc"][:tag] == first["loc"][:tag]
+        and len(e["loc"]) > tag
+        and not _is_field(e["loc"][tag])
+    ]
+    deepest = max(members, key=lambda e: len(e["loc"]))
+    path = tuple(part for part in deepest["loc"] if _is_field(part))
+    if len(deepest["loc"]) > tag + 1:
+        return path, deepest["msg"]
+    wanted = dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in members)
+    return path, "Input should be " + ", or ".join(wanted)
 
 
 def new_id(prefix: str) -> str:
