@@ -43,6 +43,7 @@ from pagedkv.server.limits import BodyLimit
 from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.serving import ServingContext, now, shutting_down
+from pagedkv.server.tokenize import detokenize, tokenize
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine
@@ -191,6 +192,14 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return feed.stream_response()
 
     app.include_router(v1)
+
+    @app.post("/tokenize")  # vLLM's, outside /v1 as there
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(context, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(context, request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:

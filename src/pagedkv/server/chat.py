@@ -70,7 +70,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
             "it cannot also follow response_format or structured_outputs",
             param="tool_choice",
         )
-    prompt = await asyncio.to_thread(_render, context, request)
+    prompt = await asyncio.to_thread(render_conversation, context, request)
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
@@ -94,7 +94,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     return await completion.respond(raw)
 
 
-def _render(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
+def render_conversation(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
     """Token ids of the conversation (and tools) plus the assistant's generation prompt, as
     the request's template switches say (vLLM's `add_generation_prompt`,
     `continue_final_message`, `chat_template`, `chat_template_kwargs`, `add_special_tokens`),
