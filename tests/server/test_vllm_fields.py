@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from collections.abc import Iterator
 
 import openai
 import pytest
 
 from pagedkv.server import ServerConfig
 from tests.model.tiny_models import SPECIAL_TOKENS, train_tokenizer
-from tests.server.conftest import RunningServer, one_prompt_body
+from tests.server.conftest import RunningServer, one_prompt_body, start_server
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -194,6 +196,41 @@ def test_completions_max_tokens_omitted_or_null_is_16_cut_to_the_room(
             assert [len(c["token_ids"]) for c in choices] == [expected] * len(choices), fields
 
 
+def choice_text(choice: dict) -> str:
+    """A completions or chat choice's text."""
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def recommending_server(tiny_model, tmp_path_factory) -> Iterator[RunningServer]:
+    """The tiny model with sampling settings in its generation_config.json: top_k 1 (so
+    greedy) and at most 3 new tokens."""
+    folder = tmp_path_factory.mktemp("recommending") / "model"
+    shutil.copytree(tiny_model, folder)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "top_k": 1, "max_new_tokens": 3}))
+    server = start_server(folder, num_gpu_blocks=64)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_models_generation_config_is_the_default_of_what_a_request_leaves_out(
+    recommending_server: RunningServer, path: str
+) -> None:
+    """vLLM's server: a field the request leaves out takes the model's recommended value, and
+    the recommended max_tokens caps any asked for (vLLM's get_max_tokens takes the least)."""
+    unset = post(recommending_server, path, one_prompt_body(path, max_tokens=10, **IGNORE_EOS))
+    greedy = one_prompt_body(path, max_tokens=3, temperature=0.0, **IGNORE_EOS)
+    expected = post(recommending_server, path, greedy)
+    assert unset.status_code == expected.status_code == 200, unset.text
+    assert unset.json()["usage"]["completion_tokens"] == 3
+    assert unset.json()["choices"] == expected.json()["choices"]
+    sampled = one_prompt_body(path, top_k=0, temperature=1.0, seed=3, n=8, **IGNORE_EOS)
+    answers = [choice_text(c) for c in post(recommending_server, path, sampled).json()["choices"]]
+    assert len(set(answers)) > 1  # the request's own top_k 0 samples: not all greedy
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_null_settings_are_their_defaults(server, model_name: str, path: str) -> None:
     """Clients send null for every setting a caller left as None (OpenAI's and vLLM's servers
@@ -206,10 +243,8 @@ def test_null_settings_are_their_defaults(server, model_name: str, path: str) ->
     )
     plain, with_nulls = post(server, path, base), post(server, path, {**base, **nulls})
     assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
-    answer = [c.get("text") or c["message"]["content"] for c in plain.json()["choices"]]
-    assert answer == [
-        c.get("text") or c["message"]["content"] for c in with_nulls.json()["choices"]
-    ]
+    answer = [choice_text(c) for c in plain.json()["choices"]]
+    assert answer == [choice_text(c) for c in with_nulls.json()["choices"]]
 
 
 def test_suffix_is_refused_as_unsupported(client, model_name: str) -> None:

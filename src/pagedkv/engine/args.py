@@ -3,7 +3,8 @@
 Command-line flags mirror the field names (`num_gpu_blocks` -> `--num-gpu-blocks`), as vLLM's
 do, and are generated from this one dataclass so the Python and command-line spellings
 cannot drift apart. vLLM's names for settings we already had are accepted too: `swap_space`
-for `swap_space_gb` and `num_gpu_blocks_override` for `num_gpu_blocks`; when given, vLLM's
+for `swap_space_gb`, `num_gpu_blocks_override` for `num_gpu_blocks` and
+`kv_cache_memory_bytes` for `kv_cache_memory`; when given, vLLM's
 name wins (a command may set our name's default and a user pass vLLM's flag), and it is
 written into our name, which the engine reads.
 """
@@ -43,6 +44,7 @@ _HELP = {
     "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
     "num_gpu_blocks_override": "vLLM's name for num_gpu_blocks (wins when given)",
     "kv_cache_memory": "bytes for the KV pool, instead of num_gpu_blocks",
+    "kv_cache_memory_bytes": "vLLM's name for kv_cache_memory (wins when given)",
     "kv_cache_dtype": "what KV blocks store: auto (the model's dtype) or one byte per value, "
     "fp8 (= fp8_e4m3: finer steps) or fp8_e5m2 (wider range); fp8 holds 2x the blocks of "
     "a 16-bit cache, 4x of float32",
@@ -84,6 +86,8 @@ _HELP = {
     "with a model; its architectures are its own registry's",
     "enforce_eager": "accepted as vLLM's, to no effect: pagedkv always runs steps eagerly (it "
     "captures no CUDA graphs)",
+    "generation_config": "where default sampling settings come from: auto (the model folder's "
+    "generation_config.json, as vLLM reads it), vllm (none), or a folder holding one",
 }
 # On/off fields: a --flag and a --no-flag each.
 _BOOLEAN_FIELDS = ("enable_prefix_caching", "enable_lora", "trust_remote_code", "enforce_eager")
@@ -98,6 +102,7 @@ class EngineArgs:
     num_gpu_blocks: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None
+    kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     swap_space_gb: float = 1.0
     swap_space: float | None = None
@@ -123,10 +128,25 @@ class EngineArgs:
     trust_remote_code: bool = False
     enforce_eager: bool = False
     tokenizer: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.seed is None:
             self.seed = 0
+        # vLLM's defaults of these are None (detect from the checkpoint; prefix caching on),
+        # and its dtype may be a torch.dtype: the same settings here.
+        if self.quantization is None:
+            self.quantization = "auto"
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = True
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if not isinstance(self.generation_config, str | os.PathLike):
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a folder, "
+                f"got {self.generation_config!r}"
+            )
+        self.generation_config = str(self.generation_config)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in _BOOLEAN_FIELDS:
@@ -136,6 +156,8 @@ class EngineArgs:
             raise ValueError(f"tokenizer must be a path or a model name, got {self.tokenizer!r}")
         if self.num_gpu_blocks_override is not None:
             self.num_gpu_blocks = self.num_gpu_blocks_override
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory = self.kv_cache_memory_bytes
         if self.swap_space is not None:
             _gib("swap_space", self.swap_space)
             self.swap_space_gb = self.swap_space
@@ -258,8 +280,9 @@ class EngineArgs:
         )
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one `--flag` per field, with the field's default and type."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one `--flag` per field, with the field's default and type; return `parser`
+        (vLLM's examples chain it: `parser = EngineArgs.add_cli_args(parser)`)."""
         group = parser.add_argument_group("engine")
         for field in fields(cls):
             flag = cli_flag(field.name)
@@ -288,6 +311,7 @@ class EngineArgs:
             if default is not None:
                 kwargs["help"] += " (default: %(default)s)"
             group.add_argument(flag, **kwargs)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -331,6 +355,7 @@ _CLI_TYPES = {
     "num_gpu_blocks": int,
     "num_gpu_blocks_override": int,
     "kv_cache_memory": int,
+    "kv_cache_memory_bytes": int,
     "swap_space_gb": float,
     "swap_space": float,
     "kv_offloading_size": float,

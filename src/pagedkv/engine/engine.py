@@ -30,6 +30,8 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams, BeamState
 from pagedkv.engine.errors import DuplicateRequest, StepFailed
 from pagedkv.engine.executor import StepExecutor
+from pagedkv.engine.generation_defaults import describe as describe_defaults
+from pagedkv.engine.generation_defaults import sampling_defaults
 from pagedkv.engine.invariance import invariance_line
 from pagedkv.engine.lora import LoRACatalog, LoRARequest, lora_cache_salt
 from pagedkv.engine.outputs import RequestMetrics, RequestOutput
@@ -82,6 +84,8 @@ class Engine:
         if args.tokenizer is not None:  # vLLM's tokenizer=: another's than the model's
             self.tokenizer = load_tokenizer(args.tokenizer, self.config.vocab_size)
         self.max_model_len = served_context(args.max_model_len, self.config.max_position_embeddings)
+        # SamplingParams keywords the model's generation_config.json recommends (vLLM's "auto").
+        self.sampling_defaults = sampling_defaults(args.generation_config, loaded.path)
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.method == "draft_model":
@@ -167,11 +171,18 @@ class Engine:
         print(invariance, file=sys.stderr)
         if speculative is not None:
             print(f"speculative decoding: {speculative.describe()}", file=sys.stderr)
+        if self.sampling_defaults:
+            print(describe_defaults(self.sampling_defaults), file=sys.stderr)
         phases = {**loaded.seconds, "KV pool": pool_seconds}
         total = loaded_before + time.perf_counter() - started
         print(startup_line(total, phases), file=sys.stderr)
 
     # -- requests --------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request given no SamplingParams samples with: the model's generation config
+        over SamplingParams' own defaults (vLLM's `get_default_sampling_params`)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def add_request(
         self,
@@ -204,7 +215,7 @@ class Engine:
         """
         if beam_search is not None:
             params = beam_search.sampling_params(params is not None and params.skip_special_tokens)
-        params = params.clone() if params is not None else SamplingParams()
+        params = params.clone() if params is not None else self.default_sampling_params()
         if request_id in self._requests:
             raise DuplicateRequest(request_id)
         # Reusing the id of an aborted request whose abort is not yet reported: the caller

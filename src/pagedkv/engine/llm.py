@@ -44,6 +44,12 @@ class LLM:
         """The model's tokenizer (encode, decode, chat template)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json over SamplingParams' defaults (vLLM's; `generation_config=
+        "vllm"` leaves the file out)."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
@@ -62,7 +68,9 @@ class LLM:
         for every prompt, or one (or None) per prompt; it needs `enable_lora=True`.
         """
         prompt_list, salts = _as_prompts(prompts)
-        params = _params_per_prompt(sampling_params, len(prompt_list))
+        params = _params_per_prompt(
+            sampling_params, len(prompt_list), self.get_default_sampling_params()
+        )
         priorities = _priority_per_prompt(priority, len(prompt_list))
         loras = _lora_per_prompt(lora_request, len(prompt_list))
         options = [
@@ -155,7 +163,9 @@ class LLM:
         ]
         # The template places any BOS itself, so the text is encoded without special tokens.
         prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        params = _params_per_prompt(sampling_params, len(prompts))
+        params = _params_per_prompt(
+            sampling_params, len(prompts), self.get_default_sampling_params()
+        )
         loras = _lora_per_prompt(lora_request, len(prompts))
         options = [
             {"params": each, "lora_request": lora} for each, lora in zip(params, loras, strict=True)
@@ -265,10 +275,13 @@ def _not_a_prompt(prompt: object) -> TypeError:
 
 
 def _params_per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    num_prompts: int,
+    default: SamplingParams,
 ) -> list[SamplingParams]:
+    """One SamplingParams per prompt; None: `default` (the model's) for each."""
     if sampling_params is None:
-        return [SamplingParams() for _ in range(num_prompts)]
+        return [default] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if not _is_sequence(sampling_params):

@@ -94,6 +94,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         max_model_len=engine.max_model_len,
         system_fingerprint=f"pagedkv-{version('pagedkv')}",
         adapters=adapters,
+        sampling_defaults=engine.sampling_defaults,
         strict_fields=config.strict_fields,
     )
     started = now()

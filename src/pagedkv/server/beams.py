@@ -14,6 +14,7 @@ from dataclasses import fields
 from pagedkv.engine import BeamSearchParams, SamplingParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import SamplingFields
+from pagedkv.server.serving import ServingContext, sampling_setting
 
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.init]
 # What a beam search reads of a request, and what cannot change its answer.
@@ -41,11 +42,14 @@ STRUCTURED_FIELDS = (
 
 
 def beam_search_params(
-    request: SamplingFields, params: SamplingParams, max_model_len: int
+    request: SamplingFields, params: SamplingParams, context: ServingContext
 ) -> BeamSearchParams:
     """n beams per prompt under vLLM's rule (`engine/beam_search.py`); max_tokens None runs
-    to max_model_len, which the engine cuts to each prompt's room."""
-    default = SamplingParams()
+    to max_model_len, which the engine cuts to each prompt's room. A setting that is only
+    the model's generation-config default is not the request's, so it clashes with nothing;
+    its temperature is the beams' as in vLLM."""
+    defaults = context.sampling_defaults
+    default = SamplingParams(**defaults)
     clashing = [
         _request_field(request, name)
         for name in SAMPLING_FIELDS
@@ -63,9 +67,9 @@ def beam_search_params(
     try:
         return BeamSearchParams(
             beam_width=request.n,
-            max_tokens=params.max_tokens or max_model_len,
+            max_tokens=params.max_tokens or context.max_model_len,
             ignore_eos=request.ignore_eos,
-            temperature=request.temperature,
+            temperature=sampling_setting(request, "temperature", defaults),
             length_penalty=request.length_penalty,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )

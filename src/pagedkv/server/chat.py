@@ -73,12 +73,14 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     prompt = await asyncio.to_thread(render_conversation, context, request)
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, max_tokens, logprobs, structured=constraint or tool_schema)
-    beams = (
-        beam_search_params(request, params, context.max_model_len)
-        if request.use_beam_search
-        else None
+    params = sampling_params(
+        request,
+        max_tokens,
+        logprobs,
+        context.sampling_defaults,
+        structured=constraint or tool_schema,
     )
+    beams = beam_search_params(request, params, context) if request.use_beam_search else None
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
     try:

@@ -62,13 +62,14 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     if request.echo and request.logprobs is not None:  # the echoed prompt's tokens get theirs
         prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
     params = sampling_params(
-        request, max_tokens, request.logprobs, prompt_logprobs, structured_outputs(request)
+        request,
+        max_tokens,
+        request.logprobs,
+        context.sampling_defaults,
+        prompt_logprobs,
+        structured_outputs(request),
     )
-    beams = (
-        beam_search_params(request, params, context.max_model_len)
-        if request.use_beam_search
-        else None
-    )
+    beams = beam_search_params(request, params, context) if request.use_beam_search else None
     best_of = request.best_of or request.n
     if best_of > request.n:  # every sample's cumulative logprob is needed to rank them
         params = replace(params, n=best_of, logprobs=params.logprobs or 0)

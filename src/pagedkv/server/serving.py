@@ -9,9 +9,9 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -55,6 +55,9 @@ class ServingContext:
     max_model_len: int
     system_fingerprint: str  # names the server build, as OpenAI's names its backend
     adapters: ServedAdapters  # the LoRA adapters served by name (none without --enable-lora)
+    # SamplingParams keywords the model's generation_config.json recommends: the defaults of
+    # the fields a request leaves out (vLLM's --generation-config auto).
+    sampling_defaults: Mapping[str, Any]
     strict_fields: bool = False  # refuse unknown request fields instead of ignoring them
 
     def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
@@ -134,26 +137,41 @@ def token_text(request: SamplingFields, token_id: int, text: str) -> str:
     return f"token_id:{token_id}" if request.return_tokens_as_token_ids else text
 
 
+def sampling_setting(request: SamplingFields, name: str, defaults: Mapping[str, Any]) -> Any:
+    """A sampling field as vLLM's server resolves it: the request's value, else the model's
+    generation config default (`Engine.sampling_defaults`), else the API's default."""
+    if name in request.model_fields_set or name not in defaults:
+        return getattr(request, name)
+    return defaults[name]
+
+
 def sampling_params(
     request: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
+    defaults: Mapping[str, Any],
     prompt_logprobs: int | None = None,
     structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams (max_tokens None: all the room the context leaves), with
     `structured` the output's constraint (from response_format, structured_outputs or tools).
+    Fields the request leaves out take the model's `defaults`; its max_tokens caps the one
+    asked for too, as vLLM's `get_max_tokens` takes the least of them.
 
     The engine checks values again and its ValueErrors (naming the parameter) become 400s.
     """
+    recommended = defaults.get("max_tokens")
+    if recommended is not None:
+        max_tokens = recommended if max_tokens is None else min(max_tokens, recommended)
     try:
         return SamplingParams(
             n=request.n,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=max(request.top_k, 0),  # OpenAI-style -1 and our 0 both mean "off"
-            min_p=request.min_p,
-            repetition_penalty=request.repetition_penalty,
+            temperature=sampling_setting(request, "temperature", defaults),
+            top_p=sampling_setting(request, "top_p", defaults),
+            # OpenAI-style -1 and our 0 both mean "off"
+            top_k=max(sampling_setting(request, "top_k", defaults), 0),
+            min_p=sampling_setting(request, "min_p", defaults),
+            repetition_penalty=sampling_setting(request, "repetition_penalty", defaults),
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             max_tokens=max_tokens,
