@@ -55,9 +55,23 @@ def test_num_gpu_blocks_override_sizes_the_pool(engine_zoo):
     assert engine.manager.num_gpu_blocks == 77
 
 
+def test_vllms_defaults_and_names_are_taken_as_ours(engine_zoo):
+    """vLLM's None for quantization and enable_prefix_caching (its defaults), a torch.dtype,
+    and kv_cache_memory_bytes (vLLM's name for kv_cache_memory) mean what they mean there."""
+    args = EngineArgs(model="unused", quantization=None, enable_prefix_caching=None)
+    assert (args.quantization, args.enable_prefix_caching) == ("auto", True)
+    assert EngineArgs(model="unused", dtype=torch.float16).resolved_dtype == "float16"
+    assert EngineArgs(model="unused", dtype=torch.bfloat16).resolved_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineArgs(model="unused", dtype=torch.int8)
+    by_bytes = make_engine(engine_zoo, "llama", num_gpu_blocks=None, kv_cache_memory_bytes=2**20)
+    per_block = bytes_per_block(by_bytes.config, 16, torch.float32)
+    assert by_bytes.manager.num_gpu_blocks == 2**20 // per_block
+
+
 def test_the_vllm_flags_are_generated():
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.add_cli_args(parser) is parser  # vLLM's examples chain it
     args = EngineArgs.from_cli_args(
         parser.parse_args(
             [
