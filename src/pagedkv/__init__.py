@@ -27,6 +27,9 @@ _ENGINE_NAMES = (
     "Engine",
     "EngineArgs",
     "RequestOutput",
+    "CompletionOutput",
+    "TextPrompt",
+    "TokensPrompt",
 )
 __all__ = list(_ENGINE_NAMES)
 

@@ -119,6 +119,7 @@ def test_a_batch_mixing_three_adapters_and_base_requests(engine_zoo, adapters, n
         [alone] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=lora)
         assert list(alone.outputs[0].token_ids) == tokens
         assert alone.outputs[0].cumulative_logprob == output.outputs[0].cumulative_logprob
+        assert output.lora_request is lora and alone.lora_request is lora  # vLLM's field
 
 
 def test_a_draft_model_leaves_adapter_outputs_unchanged(engine_zoo, adapters):

@@ -180,3 +180,37 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused(engine_zoo, builtin
         make_llm(engine_zoo, "llama", tokenizer=str(builtin_gguf))
     with pytest.raises(ValueError, match="is not a model folder"):
         make_llm(engine_zoo, "llama", tokenizer="/nowhere/tokenizer")
+
+
+def test_vllms_prompt_dicts_by_name_read_as_the_plain_forms(llm):
+    from pagedkv import TextPrompt, TokensPrompt
+
+    ids = random_prompt(9, seed=4)
+    by_name = llm.generate(
+        [TextPrompt(prompt="Paged attention"), TokensPrompt(prompt_token_ids=ids)],
+        GREEDY,
+        use_tqdm=False,
+    )
+    plain = llm.generate(["Paged attention", {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in by_name] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_output_fields_are_in_vllms_order():
+    """Code that builds outputs positionally (mocks, adapters) means what it means in vLLM:
+    `vllm/outputs.py` orders CompletionOutput (index, text, token_ids, cumulative_logprob,
+    logprobs, finish_reason, stop_reason, ...) and RequestOutput (request_id, prompt,
+    prompt_token_ids, prompt_logprobs, outputs, finished, metrics, lora_request, ...)."""
+    from dataclasses import fields
+
+    from pagedkv import CompletionOutput, RequestOutput
+
+    completion = [f.name for f in fields(CompletionOutput)]
+    assert completion[:7] == [
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
+        "stop_reason",
+    ]  # fmt: skip
+    request = [f.name for f in fields(RequestOutput)]
+    assert request[:8] == [
+        "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished",
+        "metrics", "lora_request",
+    ]  # fmt: skip

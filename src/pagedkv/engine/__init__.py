@@ -37,7 +37,9 @@ __all__ = [
     "SamplingParams",
     "StepFailed",
     "StructuredOutputsParams",
+    "TextPrompt",
     "TokenOutOfVocabulary",
+    "TokensPrompt",
     "TooManyLogprobs",
     "TooManySamples",
     "TruncationTooLong",
@@ -47,8 +49,19 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")
-    from pagedkv.engine import args, beam_search, engine, errors, llm, lora, outputs, params, stats
+    from pagedkv.engine import (
+        args,
+        beam_search,
+        engine,
+        errors,
+        llm,
+        lora,
+        outputs,
+        params,
+        prompts,
+        stats,
+    )
 
-    modules = (args, beam_search, engine, errors, llm, lora, outputs, params, stats)
+    modules = (args, beam_search, engine, errors, llm, lora, outputs, params, prompts, stats)
     module = next(m for m in modules if name in dir(m))
     return getattr(module, name)

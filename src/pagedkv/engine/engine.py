@@ -249,6 +249,7 @@ class Engine:
             eos_token_id=self.tokenizer.eos_token_id,
             lora_id=lora_id,
             lora_blocks=lora_blocks,
+            lora_request=lora_request,
         )
         first = request.sequences[0]
         if beam_search is not None:
@@ -362,6 +363,7 @@ class Engine:
             outputs=outputs,
             finished=finished,
             metrics=request.metrics,
+            lora_request=request.lora_request,
             num_cached_tokens=request.metrics.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
         )

@@ -28,7 +28,8 @@ from pagedkv.tokenizer import Tokenizer
 T = TypeVar("T")
 
 Prompt = str | Sequence[int]
-# vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}.
+# vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}
+# (`prompts.py` names them); any mapping with those keys is read.
 PromptDict = Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]
 
@@ -334,6 +335,7 @@ def _empty_like(delta: RequestOutput) -> RequestOutput:
         outputs=[],
         finished=False,
         metrics=delta.metrics,
+        lora_request=delta.lora_request,
         num_cached_tokens=delta.num_cached_tokens,
         prompt_logprobs=delta.prompt_logprobs,
     )

@@ -8,7 +8,10 @@ results reads ours. `Engine.step` returns deltas (only what is new since the las
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pagedkv.engine.lora import LoRARequest
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -31,13 +34,14 @@ TokenLogprobs = dict[int, Logprob]
 class CompletionOutput:
     """One sample of a request: its text, token ids, finish reason and logprobs."""
 
+    # vLLM's order, so code that builds one positionally (mocks, adapters) means the same.
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         """True once the sample has a finish reason (a method, as vLLM's is)."""
@@ -61,13 +65,15 @@ class RequestMetrics:
 class RequestOutput:
     """A request's prompt and its samples: a delta from `Engine.step`, whole from `generate`."""
 
+    # vLLM's order of the first eight, so positional construction means the same.
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-k (the
+    # first is None), in the delta that carries the first sampled token (and the whole output).
+    prompt_logprobs: list[TokenLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    lora_request: LoRARequest | None = None  # the adapter the request ran with (vLLM's)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's)
-    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top-k (the
-    # first is None), in the delta that carries the first sampled token (and the whole output).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None

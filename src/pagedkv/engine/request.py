@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from pagedkv.engine.beam_search import BeamState
     from pagedkv.engine.detokenizer import IncrementalDetokenizer
+    from pagedkv.engine.lora import LoRARequest
     from pagedkv.engine.penalties import TokenCounts
     from pagedkv.engine.structured.compiler import CompiledGrammar
     from pagedkv.engine.structured.state import GrammarState
@@ -139,6 +140,7 @@ class Request:
     lora_id: int = 0
     lora_blocks: int = 0
     holds_adapter: bool = False
+    lora_request: LoRARequest | None = None  # as given, reported in its outputs (vLLM's)
 
     def sequence(self, index: int) -> Sequence:
         """The sample of index `index` (beams come and go, so not always at that position)."""
