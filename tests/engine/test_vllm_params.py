@@ -303,3 +303,12 @@ def test_an_eos_id_other_than_the_tokenizers_reports_itself(engine_zoo, llm, pla
     biased = SamplingParams(temperature=0.0, logit_bias={2: 100.0})
     [own] = two_eos.generate(PROMPT, biased, use_tqdm=False)
     assert list(own.outputs[0].token_ids) == [2] and own.outputs[0].stop_reason is None
+    # vLLM checks the tokenizer's own EOS before stop_token_ids: listed there too, still None.
+    listed = SamplingParams(temperature=0.0, logit_bias={2: 100.0}, stop_token_ids=[2])
+    [own_listed] = two_eos.generate(PROMPT, listed, use_tqdm=False)
+    assert own_listed.outputs[0].stop_reason is None
+    ignoring = SamplingParams(
+        temperature=0.0, logit_bias={2: 100.0}, stop_token_ids=[2], ignore_eos=True
+    )
+    [as_stop_id] = two_eos.generate(PROMPT, ignoring, use_tqdm=False)
+    assert as_stop_id.outputs[0].stop_reason == 2  # with ignore_eos only the list stops it

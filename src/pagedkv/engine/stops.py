@@ -2,7 +2,8 @@
 
 Checked after every sampled token, in vLLM's order: nothing stops a sample before
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
-ends it (its stop_reason the id, but None for the tokenizer's own EOS) without adding that
+ends it (its stop_reason the id, but None for the tokenizer's own EOS, also when it is in
+`stop_token_ids`) without adding that
 token's text (with `include_stop_str_in_output`, with it, as vLLM's detokenizer does); then a
 stop string found in the text ends it with the text cut just before the string, or just after
 it with `include_stop_str_in_output` (the search covers the tail where a string split across
@@ -47,13 +48,15 @@ def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
         _finish(seq, "abort", None)
         return
     may_stop = seq.num_output_tokens >= params.min_tokens
-    stop_id = may_stop and token_id in params.stop_token_ids
-    if stop_id or (may_stop and not params.ignore_eos and token_id in request.eos_token_ids):
+    is_eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
+    if is_eos or (may_stop and token_id in params.stop_token_ids):
         if params.include_stop_str_in_output and seq.detokenizer is not None:
             seq.text += seq.detokenizer.advance()
-        # An end-of-sequence id other than the tokenizer's own reports itself (vLLM's rule).
-        other_eos = request.eos_token_id not in (None, token_id)
-        _finish(seq, "stop", token_id if stop_id or other_eos else None)
+        # vLLM's order: the tokenizer's own EOS first, with no stop_reason (even when it is
+        # in stop_token_ids too); any other id that stops (a stop_token_ids entry, another
+        # end-of-sequence id) reports itself.
+        own_eos = is_eos and request.eos_token_id in (None, token_id)
+        _finish(seq, "stop", None if own_eos else token_id)
         return
     previous_length = len(seq.text)
     if seq.detokenizer is not None:
