@@ -312,3 +312,19 @@ def test_an_eos_id_other_than_the_tokenizers_reports_itself(engine_zoo, llm, pla
     )
     [as_stop_id] = two_eos.generate(PROMPT, ignoring, use_tqdm=False)
     assert as_stop_id.outputs[0].stop_reason == 2  # with ignore_eos only the list stops it
+
+
+def test_numpy_scalars_are_the_numbers_they_hold():
+    """A parameter sweep's numpy values make the same SamplingParams as Python's numbers
+    (vLLM's checks compare them as numbers too); a bad one is still named."""
+    import numpy as np
+
+    swept = SamplingParams(
+        temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(40),
+        max_tokens=np.int32(7), seed=np.uint64(3), logprobs=np.int16(2),
+    )  # fmt: skip
+    plain = SamplingParams(temperature=0.5, top_p=0.9, top_k=40, max_tokens=7, seed=3, logprobs=2)
+    assert swept == plain
+    assert type(swept.max_tokens) is int and type(swept.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        SamplingParams(max_tokens=np.int64(0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -65,6 +66,8 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in _NUMBER_FIELDS:
+            setattr(self, name, _plain_number(getattr(self, name)))
         self.stop_strings = _stop_strings(self.stop)
         self.stop_token_ids = _id_list("stop_token_ids", self.stop_token_ids or [])
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
@@ -186,6 +189,33 @@ def _id_list(name: str, value: object) -> list[int]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise ValueError(f"{name} must be a list of token ids, got {value!r}")
     return list(value)
+
+
+# Fields that hold one number: numpy's scalars (a parameter sweep's values) become Python's.
+_NUMBER_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
+
+
+def _plain_number(value: object) -> object:
+    """An integer or real number of another type (numpy's int64, float32) as Python's int or
+    float; anything else as it is, for the checks to name."""
+    if isinstance(value, bool | int | float) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
