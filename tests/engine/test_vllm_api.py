@@ -214,3 +214,22 @@ def test_output_fields_are_in_vllms_order():
         "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished",
         "metrics", "lora_request",
     ]  # fmt: skip
+
+
+def test_generate_and_chat_take_vllms_positional_order():
+    """vLLM's `LLM.generate(prompts, sampling_params, use_tqdm, lora_request, priority)` and
+    `LLM.chat(messages, sampling_params, use_tqdm, lora_request, ...)`: positional calls
+    written for vLLM pass each argument where it means the same."""
+    import inspect
+
+    from pagedkv import LLM
+
+    def positional(method) -> list[str]:
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        parameters = inspect.signature(method).parameters.values()
+        return [p.name for p in parameters if p.kind in kinds][1:]  # after self
+
+    assert positional(LLM.generate) == [
+        "prompts", "sampling_params", "use_tqdm", "lora_request", "priority"
+    ]  # fmt: skip
+    assert positional(LLM.chat) == ["messages", "sampling_params", "use_tqdm", "lora_request"]

@@ -56,10 +56,10 @@ class LLM:
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt: a string, token ids, a `{"prompt": ...}` or
+        """Complete every prompt (the arguments in vLLM's order): a string, token ids, a `{"prompt": ...}` or
         `{"prompt_token_ids": [...]}` dict (with an optional `"cache_salt"`: prefix-cache
         blocks are shared only between prompts with the same salt), or a list of them;
         anything else is a TypeError.
@@ -125,13 +125,13 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or several, each rendered with the model's chat template
         (or `chat_template`, given `chat_template_kwargs` as extra variables), as vLLM's.
