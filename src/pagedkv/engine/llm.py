@@ -59,10 +59,10 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (the arguments in vLLM's order): a string, token ids, a `{"prompt": ...}` or
-        `{"prompt_token_ids": [...]}` dict (with an optional `"cache_salt"`: prefix-cache
-        blocks are shared only between prompts with the same salt), or a list of them;
-        anything else is a TypeError.
+        """Complete every prompt (the arguments in vLLM's order): a string, token ids, a
+        `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dict (with an optional
+        `"cache_salt"`: prefix-cache blocks are shared only between prompts with the same
+        salt), or a list of them; anything else is a TypeError.
 
         `priority` gives one priority per prompt, as vLLM's does; it needs the engine's
         `scheduling_policy="priority"` (lower runs first). `lora_request` is one LoRA adapter
