@@ -123,6 +123,23 @@ def test_max_logprobs_minus_one_lifts_the_cap_as_vllms(engine_zoo):
             EngineArgs(model="unused", max_logprobs=bad)
 
 
+def test_logprobs_minus_one_is_every_token_as_vllms(engine_zoo):
+    """vLLM's -1: the whole vocabulary's logprobs, which max_logprobs caps as any count."""
+    engine = make_engine(engine_zoo, "llama", max_logprobs=-1)
+    vocab_size = engine.config.vocab_size
+    params = SamplingParams(logprobs=-1, prompt_logprobs=-1, max_tokens=1)
+    engine.add_request("r", [5, 6, 7], params)
+    assert params.logprobs == -1  # the caller's object is left as it was
+    deltas = [d for ds in run_to_completion(engine) for d in ds]
+    assert [len(p) for p in deltas[-1].outputs[0].logprobs] == [vocab_size]
+    prompt = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None)
+    assert [len(p) for p in prompt[1:]] == [vocab_size, vocab_size]
+    with pytest.raises(RequestRejected, match=f"logprobs is {vocab_size}, .*at most 20"):
+        make_engine(engine_zoo, "llama").add_request("r", [5, 6], SamplingParams(logprobs=-1))
+    with pytest.raises(ValueError, match="logprobs must be >= 0, got -2"):
+        SamplingParams(logprobs=-2)
+
+
 def test_default_dtype_is_auto_as_vllms():
     assert EngineArgs().dtype == "auto"
     assert EngineArgs(device="cpu").resolved_dtype == "float32"

@@ -360,6 +360,27 @@ def test_max_tokens_0_needs_echo_and_no_min_tokens(
     assert response.json()["error"]["param"] == param
 
 
+def test_logprobs_minus_one_is_every_token(serve, tiny_model) -> None:
+    """vLLM's -1 for logprobs, top_logprobs and prompt_logprobs: the whole vocabulary (with a
+    server started with --max-logprobs -1, as vLLM needs too)."""
+    unlimited = serve(num_gpu_blocks=64, max_logprobs=-1)
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]  # the logits'
+    completion = post(
+        unlimited,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 1, "logprobs": -1, "prompt_logprobs": -1}
+        | {"return_tokens_as_token_ids": True},  # distinct keys: many tokens share a text
+    ).json()["choices"][0]
+    assert len(completion["logprobs"]["top_logprobs"][0]) == vocab
+    assert [len(p) for p in completion["prompt_logprobs"][1:3]] == [vocab, vocab]
+    chat = post(
+        unlimited,
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 1, "logprobs": True, "top_logprobs": -1},
+    ).json()["choices"][0]
+    assert len(chat["logprobs"]["content"][0]["top_logprobs"]) == vocab
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_prompt_logprobs_cannot_stream(server, model_name: str, path: str) -> None:
     """As vLLM: a stream has no place for them, so the request is a 400 naming the field."""

@@ -99,10 +99,13 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) 
     and logprobs against the model and that it fits the context, the pool and a step.
 
     As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
-    stops at max_model_len with finish_reason "length".
+    stops at max_model_len with finish_reason "length". A logprobs count of -1 (every token)
+    becomes the vocabulary's size in `params`, the engine's own copy.
     """
     _check_vocabulary(params, limits.vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) == -1:  # vLLM's: every token (params is the engine's copy)
+            setattr(params, name, limits.vocab_size)
         count = getattr(params, name)
         if count is not None and count > limits.max_logprobs:
             raise TooManyLogprobs(name, count, limits.max_logprobs)

@@ -103,8 +103,10 @@ class SamplingParams:
             self.seed = None
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
-        for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs caps them
-            if getattr(self, name) is not None:
+        # The engine's max_logprobs caps them; -1 is vLLM's "every token of the vocabulary",
+        # which the engine reads as the vocabulary's size when the request is added.
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) not in (None, -1):
                 _check_int(name, getattr(self, name), minimum=0)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:

@@ -134,7 +134,7 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     # vLLM's: each prompt token's logprob and its top k (in the response's prompt_logprobs).
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: every token (vLLM's)
     # vLLM's older names of structured outputs (one of them, or structured_outputs).
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -186,7 +186,7 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     # omitted or null: 16; 0 (with echo): the prompt scored, nothing generated
     max_tokens: int | None = Field(None, ge=0)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=-1)  # -1: every token (vLLM's)
     echo: bool = False  # the prompt's text is prepended to each choice
     suffix: str | None = None  # refused in `completions`: no insertion mode
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # samples per prompt; the best n return
@@ -283,7 +283,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still widely sent
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: every token (vLLM's)
     store: bool | None = None  # OpenAI's: nothing is stored here; accepted for compatibility
     tools: list[Tool] | None = None
     # Default: "auto" with tools, "none" without (OpenAI's).

@@ -53,6 +53,7 @@ class ServingContext:
     token_bytes: TokenBytes
     model_name: str
     max_model_len: int
+    vocab_size: int  # the model's: what a logprobs count of -1 asks for
     system_fingerprint: str  # names the server build, as OpenAI's names its backend
     adapters: ServedAdapters  # the LoRA adapters served by name (none without --enable-lora)
     # SamplingParams keywords the model's generation_config.json recommends: the defaults of
@@ -86,6 +87,9 @@ class ServingContext:
             raise APIError(
                 400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
             )
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            if getattr(request, name, None) == -1:  # vLLM's: every token of the vocabulary
+                setattr(request, name, self.vocab_size)
         return request
 
     def check_model(self, requested: str | None) -> LoRARequest | None:
