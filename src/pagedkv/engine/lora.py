@@ -15,32 +15,14 @@ adapters never share KV blocks, whatever the prompt.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.errors import RequestRejected
+from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.kvmath.lora import blocks_needed
 from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.model.config import ModelConfig
 from pagedkv.weights.lora import AdapterError, LoRAAdapter, layer_sizes, read_adapter
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """A LoRA adapter for a request: its name, its id (>= 1, unique per adapter) and its
-    PEFT folder (vLLM's fields and order)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.lora_name
-
-    @property
-    def path(self) -> str:
-        return self.lora_path
 
 
 class LoRARejected(RequestRejected):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from pagedkv.engine.lora import LoRARequest
+    from pagedkv.engine.lora_request import LoRARequest
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from pagedkv.engine.beam_search import BeamState
     from pagedkv.engine.detokenizer import IncrementalDetokenizer
-    from pagedkv.engine.lora import LoRARequest
+    from pagedkv.engine.lora_request import LoRARequest
     from pagedkv.engine.penalties import TokenCounts
     from pagedkv.engine.structured.compiler import CompiledGrammar
     from pagedkv.engine.structured.state import GrammarState
