@@ -99,7 +99,7 @@ def test_duplicate_request_ids_are_rejected(engine_zoo):
         ("presence_penalty", 3.0, "presence_penalty must be in"),
         ("frequency_penalty", float("nan"), "frequency_penalty must be a finite number"),
         ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
-        ("logprobs", -1, "logprobs must be >= 0"),  # no upper cap: max_logprobs is the engine's
+        ("logprobs", -2, "logprobs must be >= 0"),  # -1: every token; the cap is max_logprobs
         ("stop", [""], "stop strings must not be empty"),
         ("stop", 5, "stop must be a string or a list"),
         ("stop_token_ids", [-1], "stop_token_ids must be"),
