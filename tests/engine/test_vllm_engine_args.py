@@ -58,8 +58,11 @@ def test_num_gpu_blocks_override_sizes_the_pool(engine_zoo):
 def test_vllms_defaults_and_names_are_taken_as_ours(engine_zoo):
     """vLLM's None for quantization and enable_prefix_caching (its defaults), a torch.dtype,
     and kv_cache_memory_bytes (vLLM's name for kv_cache_memory) mean what they mean there."""
-    args = EngineArgs(model="unused", quantization=None, enable_prefix_caching=None)
+    args = EngineArgs(
+        model="unused", quantization=None, enable_prefix_caching=None, enable_chunked_prefill=None
+    )
     assert (args.quantization, args.enable_prefix_caching) == ("auto", True)
+    assert args.enable_chunked_prefill is True
     assert EngineArgs(model="unused", dtype=torch.float16).resolved_dtype == "float16"
     assert EngineArgs(model="unused", dtype=torch.bfloat16).resolved_dtype == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -85,10 +88,13 @@ def test_the_vllm_flags_are_generated():
                 "half",
                 "--trust-remote-code",
                 "--enforce-eager",
+                "--no-enable-chunked-prefill",
+                "--disable-log-stats",
             ]
         )
     )
     assert args.trust_remote_code is True and args.enforce_eager is True
+    assert args.enable_chunked_prefill is False and args.disable_log_stats is True
     assert args.swap_space_gb == 2.0
     assert args.num_gpu_blocks == 64
     assert args.max_logprobs == 5

@@ -86,11 +86,22 @@ _HELP = {
     "with a model; its architectures are its own registry's",
     "enforce_eager": "accepted as vLLM's, to no effect: pagedkv always runs steps eagerly (it "
     "captures no CUDA graphs)",
+    "enable_chunked_prefill": "accepted as vLLM's, to no effect: prompts are always cut into "
+    "chunks of max_num_batched_tokens (each request's output is the same either way)",
+    "disable_log_stats": "accepted as vLLM's, to no effect: the engine logs no periodic stats "
+    "(the server's /metrics has them)",
     "generation_config": "where default sampling settings come from: auto (the model folder's "
     "generation_config.json, as vLLM reads it), vllm (none), or a folder holding one",
 }
 # On/off fields: a --flag and a --no-flag each.
-_BOOLEAN_FIELDS = ("enable_prefix_caching", "enable_lora", "trust_remote_code", "enforce_eager")
+_BOOLEAN_FIELDS = (
+    "enable_prefix_caching",
+    "enable_lora",
+    "trust_remote_code",
+    "enforce_eager",
+    "enable_chunked_prefill",
+    "disable_log_stats",
+)
 
 
 @dataclass
@@ -127,18 +138,23 @@ class EngineArgs:
     max_lora_rank: int = 16
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    enable_chunked_prefill: bool = True
+    disable_log_stats: bool = False
     tokenizer: str | None = None
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.seed is None:
             self.seed = 0
-        # vLLM's defaults of these are None (detect from the checkpoint; prefix caching on),
+        # vLLM's defaults of these are None (detect from the checkpoint; prefix caching and
+        # chunked prefill on),
         # and its dtype may be a torch.dtype: the same settings here.
         if self.quantization is None:
             self.quantization = "auto"
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = True
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = True
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
             self.dtype = str(self.dtype).removeprefix("torch.")
         if not isinstance(self.generation_config, str | os.PathLike):
