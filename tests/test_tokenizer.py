@@ -148,6 +148,15 @@ def test_hugging_face_call_forms_give_what_transformers_gives(folder, hf_tokeniz
     text = TEXTS[1]
     ids = tokenizer.encode(text)
     assert ids == hf_tokenizer.encode(text)
+    assert len(tokenizer) == len(hf_tokenizer)
+    assert tokenizer.get_vocab() == hf_tokenizer.get_vocab()
+    assert tokenizer.convert_ids_to_tokens(ids) == hf_tokenizer.convert_ids_to_tokens(ids)
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == hf_tokenizer.convert_ids_to_tokens(ids[0])
+    batch = [ids, [*ids[:2], 2]]
+    for skip in (True, False):
+        assert tokenizer.batch_decode(batch, skip_special_tokens=skip) == (
+            hf_tokenizer.batch_decode(batch, skip_special_tokens=skip)
+        )
     for skip in (True, False):
         assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(
             ids, skip_special_tokens=skip

@@ -7,7 +7,8 @@ tokenizer_config.json or `chat_template.jinja` and is rendered with jinja2 in a 
 the same environment transformers gives templates (trimmed blocks, `raise_exception`,
 `tojson`, `strftime_now`), so a Hub template renders the same text here as there.
 
-The calls users make on a transformers tokenizer (`encode`, `decode`, `eos_token_id`,
+The calls users make on a transformers tokenizer (`encode`, `decode`, `batch_decode`,
+`convert_ids_to_tokens`, `get_vocab`, `len()`, `eos_token_id`,
 `apply_chat_template(..., tokenize=False, add_generation_prompt=True)`) work here with
 transformers' keywords, since `LLM.get_tokenizer()` returns this object. Two defaults stay
 the engine's: `decode` skips special tokens, and `apply_chat_template` returns text ending in
@@ -112,6 +113,26 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        """Text of each id sequence (transformers' call; the default is `decode`'s)."""
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        """Each id's vocabulary entry (None for an id outside it), as transformers gives it."""
+        if isinstance(ids, int):
+            return self.tokenizer.id_to_token(ids)
+        return [self.tokenizer.id_to_token(token_id) for token_id in ids]
+
+    def get_vocab(self) -> dict[str, int]:
+        """Vocabulary entry -> id, added tokens included (transformers' call)."""
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        """The vocabulary's size with added tokens, as `len()` of a transformers tokenizer."""
+        return self.vocab_size
 
     @property
     def bos_token_id(self) -> int | None:
