@@ -217,9 +217,9 @@ def test_output_fields_are_in_vllms_order():
 
 
 def test_generate_and_chat_take_vllms_positional_order():
-    """vLLM's `LLM.generate(prompts, sampling_params, use_tqdm, lora_request, priority)` and
-    `LLM.chat(messages, sampling_params, use_tqdm, lora_request, ...)`: positional calls
-    written for vLLM pass each argument where it means the same."""
+    """vLLM's `LLM.generate(prompts, sampling_params, *, use_tqdm, lora_request, priority)`
+    and `LLM.chat(messages, sampling_params, use_tqdm, lora_request, *, ...)`: positional
+    calls written for vLLM pass each argument where it means the same."""
     import inspect
 
     from pagedkv import LLM
@@ -229,7 +229,5 @@ def test_generate_and_chat_take_vllms_positional_order():
         parameters = inspect.signature(method).parameters.values()
         return [p.name for p in parameters if p.kind in kinds][1:]  # after self
 
-    assert positional(LLM.generate) == [
-        "prompts", "sampling_params", "use_tqdm", "lora_request", "priority"
-    ]  # fmt: skip
+    assert positional(LLM.generate) == ["prompts", "sampling_params"]
     assert positional(LLM.chat) == ["messages", "sampling_params", "use_tqdm", "lora_request"]

@@ -321,10 +321,17 @@ def test_numpy_scalars_are_the_numbers_they_hold():
 
     swept = SamplingParams(
         temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(40),
-        max_tokens=np.int32(7), seed=np.uint64(3), logprobs=np.int16(2),
+        max_tokens=np.int32(7), seed=np.uint64(3), logprobs=np.int16(2), ignore_eos=np.True_,
+        stop_token_ids=np.array([3, 4]), allowed_token_ids=np.arange(5, 9),
+        logit_bias={np.int64(6): np.float32(1.5)},
     )  # fmt: skip
-    plain = SamplingParams(temperature=0.5, top_p=0.9, top_k=40, max_tokens=7, seed=3, logprobs=2)
+    plain = SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=40, max_tokens=7, seed=3, logprobs=2, ignore_eos=True,
+        stop_token_ids=[3, 4], allowed_token_ids=[5, 6, 7, 8], logit_bias={6: 1.5},
+    )  # fmt: skip
     assert swept == plain
-    assert type(swept.max_tokens) is int and type(swept.temperature) is float
+    assert type(swept.max_tokens) is int and type(swept.ignore_eos) is bool
+    assert type(swept.top_p) is float  # numpy's float64 subclasses float: made plain too
+    assert {type(i) for i in swept.stop_token_ids + swept.allowed_token_ids} == {int}
     with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         SamplingParams(max_tokens=np.int64(0))

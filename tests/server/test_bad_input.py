@@ -68,6 +68,7 @@ BAD_COMPLETIONS = [
     # A union's members each fail: say what the nearest one wanted, or all of them.
     pytest.param({"prompt": "hi", "stop": [1, 2]}, "stop.0", "valid string", id="stop-ints"),
     pytest.param({"prompt": "hi", "stop": 5}, "stop", "string, or a valid array", id="stop-int"),
+    pytest.param({"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias.5", "", id="bias-str"),
     # The engine's checks name the field too.
     pytest.param({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", "", id="bias-id"),
     pytest.param({"prompt": "hi", "stop_token_ids": [99_999]}, "stop_token_ids", "", id="stop-id"),
@@ -212,3 +213,14 @@ def test_server_keeps_serving_a_stream_through_a_barrage_of_bad_requests(
         ).usage
     assert usage.completion_tokens == 5
     wait_until(lambda: all_blocks_free(server))
+
+
+def test_tokenize_needs_the_key_when_the_server_has_one(server: RunningServer) -> None:
+    """vLLM leaves /tokenize open but refuses a request's own chat template by default; this
+    server renders one there, so with --api-key set it takes the key like /v1."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}
+    with httpx2.Client(base_url=server.url) as http:  # no key
+        for path in ("/tokenize", "/detokenize"):
+            assert_openai_error(http.post(path, json=body), 401, says="api key")
+    assert post(server, "/tokenize", body).status_code == 200
+    assert post(server, "/detokenize", {"tokens": [5, 6]}).status_code == 200

@@ -80,6 +80,7 @@ def test_detokenize_is_transformers_decode_with_special_tokens(server, hf_tokeni
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/tokenize", {"messages": None}, 400, "prompt"),  # null is omitted: a prompt body
         ("/tokenize", {"prompt": "hi", "model": "another-model"}, 404, "model"),
         ("/detokenize", {"tokens": [1], "model": "another-model"}, 404, "model"),
     ],

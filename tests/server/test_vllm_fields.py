@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -201,17 +202,38 @@ def choice_text(choice: dict) -> str:
     return choice["text"] if "text" in choice else choice["message"]["content"]
 
 
-@pytest.fixture(scope="module")
-def recommending_server(tiny_model, tmp_path_factory) -> Iterator[RunningServer]:
-    """The tiny model with sampling settings in its generation_config.json: top_k 1 (so
-    greedy) and at most 3 new tokens."""
-    folder = tmp_path_factory.mktemp("recommending") / "model"
+def recommending(tiny_model, folder: Path, settings: dict, **engine_args) -> RunningServer:
+    """A server of the tiny model with `settings` in its generation_config.json."""
     shutil.copytree(tiny_model, folder)
     path = folder / "generation_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "top_k": 1, "max_new_tokens": 3}))
-    server = start_server(folder, num_gpu_blocks=64)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    return start_server(folder, num_gpu_blocks=64, **engine_args)
+
+
+@pytest.fixture(scope="module")
+def recommending_server(tiny_model, tmp_path_factory) -> Iterator[RunningServer]:
+    """The tiny model recommending top_k 1 (so greedy) and at most 3 new tokens."""
+    folder = tmp_path_factory.mktemp("recommending") / "model"
+    server = recommending(tiny_model, folder, {"top_k": 1, "max_new_tokens": 3})
     yield server
     server.stop()
+
+
+def test_a_recommended_max_tokens_past_the_context_is_cut_to_the_room(tiny_model, tmp_path) -> None:
+    """Only the client's own max_tokens is refused when the context cannot hold it; the
+    model's recommended one is a cap, cut to the room as vLLM's get_max_tokens takes the
+    least (a chat request without max_tokens runs to the context's end)."""
+    server = recommending(tiny_model, tmp_path / "model", {"max_new_tokens": 500}, max_model_len=64)
+    try:
+        body = {"messages": MESSAGES, **IGNORE_EOS}
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+        asked = post(server, "/v1/chat/completions", {**body, "max_tokens": 500})
+        assert asked.status_code == 400 and asked.json()["error"]["param"] == "max_tokens"
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -226,6 +248,11 @@ def test_the_models_generation_config_is_the_default_of_what_a_request_leaves_ou
     assert unset.status_code == expected.status_code == 200, unset.text
     assert unset.json()["usage"]["completion_tokens"] == 3
     assert unset.json()["choices"] == expected.json()["choices"]
+    # The model's top_k is not the request's: beam search, which refuses a top_k it is
+    # given, takes this one (and the request's own -1, "off").
+    for beams in [{}, {"top_k": -1}]:
+        body = one_prompt_body(path, max_tokens=2, use_beam_search=True, n=2, **beams)
+        assert post(recommending_server, path, body).status_code == 200, beams
     sampled = one_prompt_body(path, top_k=0, temperature=1.0, seed=3, n=8, **IGNORE_EOS)
     answers = [choice_text(c) for c in post(recommending_server, path, sampled).json()["choices"]]
     assert len(set(answers)) > 1  # the request's own top_k 0 samples: not all greedy

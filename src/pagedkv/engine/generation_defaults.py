@@ -63,6 +63,7 @@ def describe(defaults: dict[str, Any]) -> str:
     """The start-up line naming the defaults in force (vLLM warns about them likewise)."""
     settings = ", ".join(f"{key} {value}" for key, value in defaults.items())
     return (
-        f"sampling defaults from the model's {FILE_NAME}: {settings} "
+        f"sampling defaults from the model's {FILE_NAME}, for requests given no "
+        f"SamplingParams and server fields left out: {settings} "
         "(generation_config='vllm' ignores them)"
     )

@@ -55,11 +55,12 @@ class LLM:
         self,
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (the arguments in vLLM's order): a string, token ids, a
+        """Complete every prompt (the rest keyword-only, as vLLM's): a string, token ids, a
         `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dict (with an optional
         `"cache_salt"`: prefix-cache blocks are shared only between prompts with the same
         salt), or a list of them; anything else is a TypeError.

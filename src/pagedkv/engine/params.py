@@ -69,7 +69,8 @@ class SamplingParams:
         for name in _NUMBER_FIELDS:
             setattr(self, name, _plain_number(getattr(self, name)))
         self.stop_strings = _stop_strings(self.stop)
-        self.stop_token_ids = _id_list("stop_token_ids", self.stop_token_ids or [])
+        ids = self.stop_token_ids
+        self.stop_token_ids = _id_list("stop_token_ids", [] if ids is None else ids)
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
         _check_number("temperature", self.temperature, minimum=0.0)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -131,8 +132,13 @@ class SamplingParams:
             "detokenize",
             "spaces_between_special_tokens",
         ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+                # numpy's bool (numpy.bool_ before 2.0): the truth it holds
+                value = bool(value)
+                setattr(self, name, value)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         if not self.detokenize and self.stop_strings:
             raise ValueError(
                 "stop strings need detokenize=True (they are matched in the text), "
@@ -167,6 +173,9 @@ def _logit_bias(logit_bias: object) -> dict[int, float] | None:
         return None
     if not isinstance(logit_bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    logit_bias = {
+        _plain_number(token_id): _plain_number(bias) for token_id, bias in logit_bias.items()
+    }
     for token_id, bias in logit_bias.items():
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token_id!r}")
@@ -190,7 +199,7 @@ def _id_list(name: str, value: object) -> list[int]:
     not a list of them)."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise ValueError(f"{name} must be a list of token ids, got {value!r}")
-    return list(value)
+    return [_plain_number(token_id) for token_id in value]
 
 
 # Fields that hold one number: numpy's scalars (a parameter sweep's values) become Python's.
@@ -213,9 +222,9 @@ _NUMBER_FIELDS = (
 
 
 def _plain_number(value: object) -> object:
-    """An integer or real number of another type (numpy's int64, float32) as Python's int or
-    float; anything else as it is, for the checks to name."""
-    if isinstance(value, bool | int | float) or not isinstance(value, numbers.Real):
+    """A number of numpy's types (int64, float32, and float64, a float subclass) as Python's
+    int or float; a bool, or anything else, as it is, for the checks to name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return value
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 

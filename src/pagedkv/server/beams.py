@@ -47,9 +47,11 @@ def beam_search_params(
     """n beams per prompt under vLLM's rule (`engine/beam_search.py`); max_tokens None runs
     to max_model_len, which the engine cuts to each prompt's room. A setting that is only
     the model's generation-config default is not the request's, so it clashes with nothing;
-    its temperature is the beams' as in vLLM."""
+    the model's temperature is the beams' where the request gives none, as in vLLM."""
     defaults = context.sampling_defaults
-    default = SamplingParams(**defaults)
+    # A field clashes when the request set it; one it left out holds the model's default.
+    left_out = {k: v for k, v in defaults.items() if k not in request.model_fields_set}
+    default = SamplingParams(**left_out)
     clashing = [
         _request_field(request, name)
         for name in SAMPLING_FIELDS

@@ -84,7 +84,9 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
     try:
-        await generation.start([prompt], params, request.priority, beams, request.cache_salt)
+        await generation.start(
+            [prompt], params, request.priority, beams, request.cache_salt, max_tokens
+        )
     except APIError as error:
         if error.info.param == "logprobs":  # chat asks its count as top_logprobs
             error.info.param = "top_logprobs"

@@ -77,7 +77,9 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     generation = Generation(
         context.engine_loop, new_id("cmpl"), best_of, lora, prompt_only=echo_only
     )
-    await generation.start(prompts, params, request.priority, beams, request.cache_salt)
+    await generation.start(
+        prompts, params, request.priority, beams, request.cache_salt, request.max_tokens
+    )
     completion = _Completion(context, request, generation)
     if request.echo:
         # The prompt that ran: a token-id prompt, or a text prompt truncate_prompt_tokens cut,

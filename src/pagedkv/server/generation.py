@@ -88,10 +88,13 @@ class Generation:
         priority: int = 0,
         beam_search: BeamSearchParams | None = None,
         cache_salt: str | None = None,
+        asked_max_tokens: int | None = None,
     ) -> None:
         """Submit every prompt (as a beam search with `beam_search`; prefix-cache blocks
         shared only under the same `cache_salt`); refusals become 4xx/503 and abort the
-        prompts already queued.
+        prompts already queued. `asked_max_tokens`, the client's own max_tokens, is a 400
+        where the context cannot hold it (a default, or the model's recommended cap, is cut
+        to the room instead, by the engine).
 
         More prompts than may ever wait at once is a 400: a 503 would have the client retry
         a request that can never be admitted.
@@ -105,7 +108,7 @@ class Generation:
                 param="prompt",
             )
         for prompt in prompts:
-            check_room(len(prompt), params.max_tokens, self.engine_loop.engine.max_model_len)
+            check_room(len(prompt), asked_max_tokens, self.engine_loop.engine.max_model_len)
         self.prompts = prompts
         try:
             for index, prompt in enumerate(prompts):

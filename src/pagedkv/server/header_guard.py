@@ -17,6 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedkv.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1"  # routes that need the API key; probes, metrics and the page stay open
+# vLLM leaves these open, but it refuses a request's own chat template by default, which
+# /tokenize renders: with a key set, they need it too.
+PROTECTED_PATHS = ("/tokenize", "/detokenize")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of a loopback-bound server
 JSON_MEDIA_TYPE = "application/json"
 
@@ -102,7 +105,11 @@ class HeaderGuard:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return (
+        path == PROTECTED_PREFIX
+        or path.startswith(PROTECTED_PREFIX + "/")
+        or path in PROTECTED_PATHS
+    )
 
 
 def _host_name(host: str) -> str:

@@ -246,8 +246,12 @@ _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def _is_field(part: str | int) -> bool:
-    return isinstance(part, int) or (
-        _FIELD_PART.fullmatch(part) is not None and part not in _TYPE_NAMES
+    """Whether an error location's part names a field, an index or a dict key (`"5"` of
+    logit_bias), rather than a union member."""
+    return (
+        isinstance(part, int)
+        or part.isdigit()
+        or (_FIELD_PART.fullmatch(part) is not None and part not in _TYPE_NAMES)
     )
 
 

@@ -88,10 +88,10 @@ async def detokenize(context: ServingContext, raw: Request) -> JSONResponse:
 
 
 def _is_conversation(body: bytes) -> bool:
-    """Whether a body asks for a conversation (it has `messages`); a body that is not a JSON
-    object is left to the prompt's parser, which names what is wrong."""
+    """Whether a body asks for a conversation (its `messages` are not null); a body that is
+    not a JSON object is left to the prompt's parser, which names what is wrong."""
     try:
         parsed = json.loads(body)
     except ValueError:
         return False
-    return isinstance(parsed, dict) and "messages" in parsed
+    return isinstance(parsed, dict) and parsed.get("messages") is not None
