@@ -77,7 +77,13 @@ BAD_COMPLETIONS = [
     pytest.param(
         {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "", id="min-over-max"
     ),
-    pytest.param({"prompt": "hi", "guided_regex": "[a-"}, "structured_outputs", "", id="regex"),
+    pytest.param({"prompt": "hi", "guided_regex": "[a-"}, "guided_regex", "", id="regex"),
+    pytest.param(
+        {"prompt": "hi", "structured_outputs": {"regex": "[a-"}},
+        "structured_outputs",
+        "",
+        id="structured-regex",
+    ),
     pytest.param({"prompt": "hi", "priority": 5}, "priority", "scheduling", id="priority-fcfs"),
 ]
 

@@ -53,7 +53,7 @@ def beam_search_params(
     left_out = {k: v for k, v in defaults.items() if k not in request.model_fields_set}
     default = SamplingParams(**left_out)
     clashing = [
-        _request_field(request, name)
+        request_field(request, name)
         for name in SAMPLING_FIELDS
         if name not in BEAM_SEARCH_SETTINGS and getattr(params, name) != getattr(default, name)
     ]
@@ -79,7 +79,7 @@ def beam_search_params(
         raise APIError(400, str(error), param="length_penalty") from error
 
 
-def _request_field(request: SamplingFields, name: str) -> str:
+def request_field(request: SamplingFields, name: str) -> str:
     """The request's field behind SamplingParams field `name`: a structured output comes from
     one of several, or on chat from a required or named `tool_choice`."""
     if name != "structured_outputs":

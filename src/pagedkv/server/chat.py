@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.model.errors import ChatTemplateError
-from pagedkv.server.beams import beam_search_params
+from pagedkv.server.beams import beam_search_params, request_field
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
 from pagedkv.server.formats import NamedToolChoice
@@ -90,6 +90,8 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     except APIError as error:
         if error.info.param == "logprobs":  # chat asks its count as top_logprobs
             error.info.param = "top_logprobs"
+        elif error.info.param is not None:  # the field the request sent (response_format...)
+            error.info.param = request_field(request, error.info.param)
         raise
     completion = _ChatCompletion(context, request, generation)
     last = request.messages[-1]
