@@ -408,6 +408,19 @@ def test_logprobs_minus_one_is_every_token(serve, tiny_model) -> None:
     assert len(chat["logprobs"]["content"][0]["top_logprobs"]) == vocab
 
 
+def test_engine_refusals_name_the_field_the_client_sent(
+    serve, short_context_server: RunningServer
+) -> None:
+    """best_of, not the n it became; chat's max_completion_tokens, not max_tokens."""
+    two_seqs = serve(num_gpu_blocks=64, max_num_seqs=2)
+    response = post(two_seqs, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "best_of": 3})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
+    body = {"messages": MESSAGES, "max_completion_tokens": 500}
+    response = post(short_context_server, "/v1/chat/completions", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_completion_tokens"
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_prompt_logprobs_cannot_stream(server, model_name: str, path: str) -> None:
     """As vLLM: a stream has no place for them, so the request is a 400 naming the field."""

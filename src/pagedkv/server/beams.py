@@ -80,8 +80,17 @@ def beam_search_params(
 
 
 def request_field(request: SamplingFields, name: str) -> str:
-    """The request's field behind SamplingParams field `name`: a structured output comes from
-    one of several, or on chat from a required or named `tool_choice`."""
+    """The request's field behind SamplingParams field `name`, so an error names what the
+    client sent: a structured output comes from one of several, or on chat from a required or
+    named `tool_choice`; n from `best_of` when that asked for more samples; max_tokens from
+    chat's `max_completion_tokens`; chat's logprobs count from `top_logprobs`."""
+    best_of = getattr(request, "best_of", None)
+    if name == "n" and best_of is not None and best_of > request.n:
+        return "best_of"
+    if name == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and isinstance(getattr(request, "logprobs", None), bool):
+        return "top_logprobs"
     if name != "structured_outputs":
         return name
     given = (field for field in STRUCTURED_FIELDS if getattr(request, field, None) is not None)

@@ -88,9 +88,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
             [prompt], params, request.priority, beams, request.cache_salt, max_tokens
         )
     except APIError as error:
-        if error.info.param == "logprobs":  # chat asks its count as top_logprobs
-            error.info.param = "top_logprobs"
-        elif error.info.param is not None:  # the field the request sent (response_format...)
+        if error.info.param is not None:  # the field the request sent (top_logprobs...)
             error.info.param = request_field(request, error.info.param)
         raise
     completion = _ChatCompletion(context, request, generation)
