@@ -14,7 +14,7 @@ from dataclasses import fields
 from pagedkv.engine import BeamSearchParams, SamplingParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import SamplingFields
-from pagedkv.server.serving import ServingContext, sampling_setting
+from pagedkv.server.serving import ServingContext, request_field, sampling_setting
 
 SAMPLING_FIELDS = [f.name for f in fields(SamplingParams) if f.init]
 # What a beam search reads of a request, and what cannot change its answer.
@@ -30,14 +30,6 @@ BEAM_SEARCH_SETTINGS = frozenset(
         "skip_special_tokens",
         "truncate_prompt_tokens",
     }
-)
-# A request's fields a structured output can come from, in the order they are named.
-STRUCTURED_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
 )
 
 
@@ -77,22 +69,3 @@ def beam_search_params(
         )
     except ValueError as error:
         raise APIError(400, str(error), param="length_penalty") from error
-
-
-def request_field(request: SamplingFields, name: str) -> str:
-    """The request's field behind SamplingParams field `name`, so an error names what the
-    client sent: a structured output comes from one of several, or on chat from a required or
-    named `tool_choice`; n from `best_of` when that asked for more samples; max_tokens from
-    chat's `max_completion_tokens`; chat's logprobs count from `top_logprobs`."""
-    best_of = getattr(request, "best_of", None)
-    if name == "n" and best_of is not None and best_of > request.n:
-        return "best_of"
-    if name == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
-        return "max_completion_tokens"
-    if name == "logprobs" and isinstance(getattr(request, "logprobs", None), bool):
-        return "top_logprobs"
-    if name != "structured_outputs":
-        return name
-    given = (field for field in STRUCTURED_FIELDS if getattr(request, field, None) is not None)
-    fallback = "tool_choice" if getattr(request, "tools", None) else name
-    return next(given, fallback)

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.model.errors import ChatTemplateError
-from pagedkv.server.beams import beam_search_params, request_field
+from pagedkv.server.beams import beam_search_params
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
 from pagedkv.server.formats import NamedToolChoice
@@ -83,14 +83,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     beams = beam_search_params(request, params, context) if request.use_beam_search else None
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
-    try:
-        await generation.start(
-            [prompt], params, request.priority, beams, request.cache_salt, max_tokens
-        )
-    except APIError as error:
-        if error.info.param is not None:  # the field the request sent (top_logprobs...)
-            error.info.param = request_field(request, error.info.param)
-        raise
+    await generation.start([prompt], params, request, beams, max_tokens)
     completion = _ChatCompletion(context, request, generation)
     last = request.messages[-1]
     if request.echo and last.role == "assistant":  # vLLM's: only a message of the reply's role

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.server.beams import beam_search_params, request_field
+from pagedkv.server.beams import beam_search_params
 from pagedkv.server.choices import ChoiceAssembler, ChoiceState
 from pagedkv.server.errors import APIError
 from pagedkv.server.generation import ChoiceDelta, Generation
@@ -77,14 +77,7 @@ async def create_completion(context: ServingContext, raw: Request) -> Response:
     generation = Generation(
         context.engine_loop, new_id("cmpl"), best_of, lora, prompt_only=echo_only
     )
-    try:
-        await generation.start(
-            prompts, params, request.priority, beams, request.cache_salt, request.max_tokens
-        )
-    except APIError as error:
-        if error.info.param is not None:  # the field the request sent (guided_regex...)
-            error.info.param = request_field(request, error.info.param)
-        raise
+    await generation.start(prompts, params, request, beams, request.max_tokens)
     completion = _Completion(context, request, generation)
     if request.echo:
         # The prompt that ran: a token-id prompt, or a text prompt truncate_prompt_tokens cut,

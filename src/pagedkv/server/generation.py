@@ -20,7 +20,7 @@ from pagedkv.engine.errors import PromptTooLong, RequestRejected
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.responses import PromptTokensDetails, Usage
-from pagedkv.server.serving import check_room, shutting_down
+from pagedkv.server.serving import check_room, request_field, shutting_down
 
 if TYPE_CHECKING:
     from pagedkv.engine import (
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         SamplingParams,
     )
     from pagedkv.engine.outputs import TokenLogprobs
+    from pagedkv.server.protocol import SamplingFields
 
 RETRY_AFTER_S = 1
 # When the HTTP request being handled arrived (time.monotonic); a context variable because the
@@ -85,16 +86,16 @@ class Generation:
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        priority: int = 0,
+        request: SamplingFields,
         beam_search: BeamSearchParams | None = None,
-        cache_salt: str | None = None,
         asked_max_tokens: int | None = None,
     ) -> None:
-        """Submit every prompt (as a beam search with `beam_search`; prefix-cache blocks
-        shared only under the same `cache_salt`); refusals become 4xx/503 and abort the
-        prompts already queued. `asked_max_tokens`, the client's own max_tokens, is a 400
-        where the context cannot hold it (a default, or the model's recommended cap, is cut
-        to the room instead, by the engine).
+        """Submit every prompt with `request`'s priority and cache salt (as a beam search
+        with `beam_search`; prefix-cache blocks shared only under the same salt); refusals
+        become 4xx/503, naming the field the request sent, and abort the prompts already
+        queued. `asked_max_tokens`, the client's own max_tokens, is a 400 where the context
+        cannot hold it (a default, or the model's recommended cap, is cut to the room
+        instead, by the engine).
 
         More prompts than may ever wait at once is a 400: a 503 would have the client retry
         a request that can never be admitted.
@@ -107,8 +108,10 @@ class Generation:
                 "(--max-waiting)",
                 param="prompt",
             )
+        max_model_len = self.engine_loop.engine.max_model_len
+        asked_in = request_field(request, "max_tokens")
         for prompt in prompts:
-            check_room(len(prompt), asked_max_tokens, self.engine_loop.engine.max_model_len)
+            check_room(len(prompt), asked_max_tokens, max_model_len, asked_in)
         self.prompts = prompts
         try:
             for index, prompt in enumerate(prompts):
@@ -120,11 +123,11 @@ class Generation:
                     prompt,
                     params,
                     self._outputs,
-                    priority,
+                    request.priority,
                     self.arrival_time,
                     beam_search,
                     self.lora_request,
-                    cache_salt,
+                    request.cache_salt,
                 )
                 self.prompt_tokens += len(prompt)
         except BaseException as error:
@@ -143,7 +146,8 @@ class Generation:
                 raise shutting_down(str(error)) from error
             if isinstance(error, RequestRejected):
                 code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
-                raise APIError(400, str(error), param=error.param, code=code) from error
+                param = None if error.param is None else request_field(request, error.param)
+                raise APIError(400, str(error), param=param, code=code) from error
             raise
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:

@@ -141,6 +141,35 @@ def token_text(request: SamplingFields, token_id: int, text: str) -> str:
     return f"token_id:{token_id}" if request.return_tokens_as_token_ids else text
 
 
+# A request's fields a structured output can come from, in the order they are named.
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def request_field(request: SamplingFields, name: str) -> str:
+    """The request's field behind SamplingParams field `name`, so an error names what the
+    client sent: a structured output comes from one of several, or on chat from a required or
+    named `tool_choice`; n from `best_of` when that asked for more samples; max_tokens from
+    chat's `max_completion_tokens`; chat's logprobs count from `top_logprobs`."""
+    best_of = getattr(request, "best_of", None)
+    if name == "n" and best_of is not None and best_of > request.n:
+        return "best_of"
+    if name == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and isinstance(getattr(request, "logprobs", None), bool):
+        return "top_logprobs"
+    if name != "structured_outputs":
+        return name
+    given = (field for field in STRUCTURED_FIELDS if getattr(request, field, None) is not None)
+    fallback = "tool_choice" if getattr(request, "tools", None) else name
+    return next(given, fallback)
+
+
 def sampling_setting(request: SamplingFields, name: str, defaults: Mapping[str, Any]) -> Any:
     """A sampling field as vLLM's server resolves it: the request's value, else the model's
     generation config default (`Engine.sampling_defaults`), else the API's default."""
@@ -199,12 +228,16 @@ def sampling_params(
         )
     except ValueError as error:  # SamplingParams' messages start with the field at fault
         leading = re.match(r"\w+", str(error))
-        param = leading[0] if leading and leading[0] in type(request).model_fields else None
+        field = leading[0] if leading else None
+        param = request_field(request, field) if field in type(request).model_fields else None
         raise APIError(400, str(error), param=param) from error
 
 
-def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Refuse an explicit max_tokens the context cannot hold, with a 400, as vLLM's server does.
+def check_room(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+) -> None:
+    """Refuse an explicit max_tokens the context cannot hold, with a 400 naming `param` (the
+    field it came from), as vLLM's server does.
 
     The engine would stop such a request at the limit with finish_reason "length" (vLLM's
     engine does too); a client that names a number is told instead that it will not get it.
@@ -218,7 +251,7 @@ def check_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
         400,
         f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
         f"{num_prompt_tokens + max_tokens} tokens, model allows {max_model_len} (max_model_len)",
-        param="max_tokens",
+        param=param,
         code="context_length_exceeded",
     )
 
