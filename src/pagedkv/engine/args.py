@@ -147,8 +147,7 @@ class EngineArgs:
         if self.seed is None:
             self.seed = 0
         # vLLM's defaults of these are None (detect from the checkpoint; prefix caching and
-        # chunked prefill on),
-        # and its dtype may be a torch.dtype: the same settings here.
+        # chunked prefill on), and its dtype may be a torch.dtype: the same settings here.
         if self.quantization is None:
             self.quantization = "auto"
         if self.enable_prefix_caching is None:

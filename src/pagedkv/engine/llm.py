@@ -51,6 +51,14 @@ class LLM:
         "vllm"` leaves the file out)."""
         return self.engine.default_sampling_params()
 
+    def _params_or_defaults(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt; none given: the model's defaults for each."""
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * num_prompts
+        return _params_per_prompt(sampling_params, num_prompts)
+
     def generate(
         self,
         prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
@@ -70,9 +78,7 @@ class LLM:
         for every prompt, or one (or None) per prompt; it needs `enable_lora=True`.
         """
         prompt_list, salts = _as_prompts(prompts)
-        params = _params_per_prompt(
-            sampling_params, len(prompt_list), self.get_default_sampling_params()
-        )
+        params = self._params_or_defaults(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
         loras = _lora_per_prompt(lora_request, len(prompt_list))
         options = [
@@ -165,9 +171,7 @@ class LLM:
         ]
         # The template places any BOS itself, so the text is encoded without special tokens.
         prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        params = _params_per_prompt(
-            sampling_params, len(prompts), self.get_default_sampling_params()
-        )
+        params = self._params_or_defaults(sampling_params, len(prompts))
         loras = _lora_per_prompt(lora_request, len(prompts))
         options = [
             {"params": each, "lora_request": lora} for each, lora in zip(params, loras, strict=True)
@@ -277,13 +281,8 @@ def _not_a_prompt(prompt: object) -> TypeError:
 
 
 def _params_per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-    num_prompts: int,
-    default: SamplingParams,
+    sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    """One SamplingParams per prompt; None: `default` (the model's) for each."""
-    if sampling_params is None:
-        return [default] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if not _is_sequence(sampling_params):
