@@ -64,6 +64,11 @@ class RunningServer:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         return httpx2.Client(base_url=self.url, headers=headers, timeout=30.0)
 
+    def post(self, path: str, body: dict) -> httpx2.Response:
+        """POST `body` as JSON, as sent (no client parses or fills it in)."""
+        with self.http() as http:
+            return http.post(path, json=body)
+
     def stop(self) -> None:
         """Ask uvicorn to exit (it drains first) and wait for its thread."""
         self.server.should_exit = True
@@ -105,6 +110,14 @@ def serve(tiny_model: Path) -> Iterator[Any]:
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model: Path) -> Any:
+    """transformers' tokenizer of the served tiny model: the oracle for token ids."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -19,22 +19,10 @@ def server(serve) -> RunningServer:
     return serve(num_gpu_blocks=64, max_model_len=96)
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_model):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(tiny_model)
-
-
-def post(server: RunningServer, path: str, body: dict):
-    with server.http() as http:
-        return http.post(path, json=body)
-
-
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_tokenize_a_prompt_as_transformers_does(server, hf_tokenizer, add_special_tokens) -> None:
     body = {"prompt": PROMPT, "add_special_tokens": add_special_tokens, "return_token_strs": True}
-    answer = post(server, "/tokenize", body).json()
+    answer = server.post("/tokenize", body).json()
     expected = hf_tokenizer(PROMPT, add_special_tokens=add_special_tokens)["input_ids"]
     assert answer == {
         "count": len(expected),
@@ -47,25 +35,23 @@ def test_tokenize_a_prompt_as_transformers_does(server, hf_tokenizer, add_specia
 def test_tokenize_a_conversation_gives_the_ids_chat_completions_runs(
     server, hf_tokenizer, model_name: str
 ) -> None:
-    answer = post(server, "/tokenize", {"messages": MESSAGES}).json()
+    answer = server.post("/tokenize", {"messages": MESSAGES}).json()
     text = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert answer["tokens"] == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert answer["token_strs"] is None
     body = {"model": model_name, "messages": MESSAGES, "max_tokens": 1, "return_token_ids": True}
-    ran = post(server, "/v1/chat/completions", body).json()
+    ran = server.post("/v1/chat/completions", body).json()
     assert ran["prompt_token_ids"] == answer["tokens"]
-    without = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    without = server.post("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     expected = hf_tokenizer.apply_chat_template(MESSAGES, tokenize=False)
     assert without.json()["tokens"] == hf_tokenizer(expected, add_special_tokens=False)["input_ids"]
 
 
 def test_detokenize_is_transformers_decode_with_special_tokens(server, hf_tokenizer) -> None:
     ids = hf_tokenizer(PROMPT)["input_ids"] + [hf_tokenizer.eos_token_id]
-    answer = post(server, "/detokenize", {"tokens": ids}).json()
+    answer = server.post("/detokenize", {"tokens": ids}).json()
     assert answer == {"prompt": hf_tokenizer.decode(ids)}
-    round_trip = post(
-        server, "/tokenize", {"prompt": answer["prompt"], "add_special_tokens": False}
-    )
+    round_trip = server.post("/tokenize", {"prompt": answer["prompt"], "add_special_tokens": False})
     assert (
         round_trip.json()["tokens"]
         == hf_tokenizer(answer["prompt"], add_special_tokens=False)["input_ids"]
@@ -86,6 +72,6 @@ def test_detokenize_is_transformers_decode_with_special_tokens(server, hf_tokeni
     ],
 )
 def test_bad_bodies_name_the_field(server, path, body, status, param) -> None:
-    response = post(server, path, body)
+    response = server.post(path, body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param

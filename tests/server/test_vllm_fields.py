@@ -47,11 +47,6 @@ def small_queue_server(serve) -> RunningServer:
     return serve(ServerConfig(max_waiting=2), num_gpu_blocks=64)
 
 
-def post(server: RunningServer, path: str, body: dict):
-    with server.http() as http:
-        return http.post(path, json=body)
-
-
 def stream_events(server: RunningServer, path: str, body: dict) -> list[dict]:
     """Every JSON event of a server-sent stream, as sent (before any client parses it)."""
     with server.http() as http, http.stream("POST", path, json=body) as response:
@@ -104,7 +99,7 @@ def test_head_requests_are_answered(server: RunningServer, path: str) -> None:
 
 def test_stream_options_without_stream_is_400(server: RunningServer) -> None:
     body = {"prompt": "Hi", "max_tokens": 1, "stream_options": {"include_usage": True}}
-    response = post(server, "/v1/completions", body)
+    response = server.post("/v1/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "stream_options"
 
@@ -191,7 +186,7 @@ def test_completions_max_tokens_omitted_or_null_is_16_cut_to_the_room(
     for prompt_len, expected in [(10, DEFAULT_COMPLETION_MAX_TOKENS), (40, SHORT_CONTEXT - 40)]:
         for fields in [{}, {"max_tokens": None}]:
             request = {**body, "prompt": list(range(5, 5 + prompt_len)), **fields}
-            response = post(short_context_server, "/v1/completions", request)
+            response = short_context_server.post("/v1/completions", request)
             assert response.status_code == 200, response.text
             choices = response.json()["choices"]
             assert [len(c["token_ids"]) for c in choices] == [expected] * len(choices), fields
@@ -226,11 +221,11 @@ def test_a_recommended_max_tokens_past_the_context_is_cut_to_the_room(tiny_model
     server = recommending(tiny_model, tmp_path / "model", {"max_new_tokens": 500}, max_model_len=64)
     try:
         body = {"messages": MESSAGES, **IGNORE_EOS}
-        response = post(server, "/v1/chat/completions", body)
+        response = server.post("/v1/chat/completions", body)
         assert response.status_code == 200, response.text
         usage = response.json()["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
-        asked = post(server, "/v1/chat/completions", {**body, "max_tokens": 500})
+        asked = server.post("/v1/chat/completions", {**body, "max_tokens": 500})
         assert asked.status_code == 400 and asked.json()["error"]["param"] == "max_tokens"
     finally:
         server.stop()
@@ -242,9 +237,9 @@ def test_the_models_generation_config_is_the_default_of_what_a_request_leaves_ou
 ) -> None:
     """vLLM's server: a field the request leaves out takes the model's recommended value, and
     the recommended max_tokens caps any asked for (vLLM's get_max_tokens takes the least)."""
-    unset = post(recommending_server, path, one_prompt_body(path, max_tokens=10, **IGNORE_EOS))
+    unset = recommending_server.post(path, one_prompt_body(path, max_tokens=10, **IGNORE_EOS))
     greedy = one_prompt_body(path, max_tokens=3, temperature=0.0, **IGNORE_EOS)
-    expected = post(recommending_server, path, greedy)
+    expected = recommending_server.post(path, greedy)
     assert unset.status_code == expected.status_code == 200, unset.text
     assert unset.json()["usage"]["completion_tokens"] == 3
     assert unset.json()["choices"] == expected.json()["choices"]
@@ -252,9 +247,9 @@ def test_the_models_generation_config_is_the_default_of_what_a_request_leaves_ou
     # given, takes this one (and the request's own -1, "off").
     for beams in [{}, {"top_k": -1}]:
         body = one_prompt_body(path, max_tokens=2, use_beam_search=True, n=2, **beams)
-        assert post(recommending_server, path, body).status_code == 200, beams
+        assert recommending_server.post(path, body).status_code == 200, beams
     sampled = one_prompt_body(path, top_k=0, temperature=1.0, seed=3, n=8, **IGNORE_EOS)
-    answers = [choice_text(c) for c in post(recommending_server, path, sampled).json()["choices"]]
+    answers = [choice_text(c) for c in recommending_server.post(path, sampled).json()["choices"]]
     assert len(set(answers)) > 1  # the request's own top_k 0 samples: not all greedy
 
 
@@ -268,7 +263,7 @@ def test_null_settings_are_their_defaults(server, model_name: str, path: str) ->
         + ["repetition_penalty", "n", "stream", "return_token_ids", "stop", "logit_bias"]
         + (["echo"] if path == "/v1/completions" else ["logprobs", "top_logprobs"])
     )
-    plain, with_nulls = post(server, path, base), post(server, path, {**base, **nulls})
+    plain, with_nulls = server.post(path, base), server.post(path, {**base, **nulls})
     assert plain.status_code == with_nulls.status_code == 200, with_nulls.text
     answer = [choice_text(c) for c in plain.json()["choices"]]
     assert answer == [choice_text(c) for c in with_nulls.json()["choices"]]
@@ -382,7 +377,7 @@ def test_max_tokens_0_needs_echo_and_no_min_tokens(
     server, model_name: str, fields: dict, param: str
 ) -> None:
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": 0, **fields}
-    response = post(server, "/v1/completions", body)
+    response = server.post("/v1/completions", body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
 
@@ -392,16 +387,14 @@ def test_logprobs_minus_one_is_every_token(serve, tiny_model) -> None:
     server started with --max-logprobs -1, as vLLM needs too)."""
     unlimited = serve(num_gpu_blocks=64, max_logprobs=-1)
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]  # the logits'
-    completion = post(
-        unlimited,
+    completion = unlimited.post(
         "/v1/completions",
         {"prompt": PROMPT, "max_tokens": 1, "logprobs": -1, "prompt_logprobs": -1}
         | {"return_tokens_as_token_ids": True},  # distinct keys: many tokens share a text
     ).json()["choices"][0]
     assert len(completion["logprobs"]["top_logprobs"][0]) == vocab
     assert [len(p) for p in completion["prompt_logprobs"][1:3]] == [vocab, vocab]
-    chat = post(
-        unlimited,
+    chat = unlimited.post(
         "/v1/chat/completions",
         {"messages": MESSAGES, "max_tokens": 1, "logprobs": True, "top_logprobs": -1},
     ).json()["choices"][0]
@@ -413,10 +406,10 @@ def test_engine_refusals_name_the_field_the_client_sent(
 ) -> None:
     """best_of, not the n it became; chat's max_completion_tokens, not max_tokens."""
     two_seqs = serve(num_gpu_blocks=64, max_num_seqs=2)
-    response = post(two_seqs, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "best_of": 3})
+    response = two_seqs.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "best_of": 3})
     assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
     body = {"messages": MESSAGES, "max_completion_tokens": 500}
-    response = post(short_context_server, "/v1/chat/completions", body)
+    response = short_context_server.post("/v1/chat/completions", body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_completion_tokens"
 
@@ -425,7 +418,7 @@ def test_engine_refusals_name_the_field_the_client_sent(
 def test_prompt_logprobs_cannot_stream(server, model_name: str, path: str) -> None:
     """As vLLM: a stream has no place for them, so the request is a 400 naming the field."""
     body = one_prompt_body(path, model=model_name, max_tokens=2, prompt_logprobs=1, stream=True)
-    response = post(server, path, body)
+    response = server.post(path, body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt_logprobs"
 
@@ -437,12 +430,12 @@ def test_prompt_logprobs_is_vllms_extra_field(
     body = {"model": model_name, "max_tokens": 2, "prompt_logprobs": 3}
     if endpoint == "completions":
         body["prompt"] = PROMPT
-        response = post(server, "/v1/completions", body).json()
+        response = server.post("/v1/completions", body).json()
         prompt_logprobs = response["choices"][0]["prompt_logprobs"]
         prompt_ids = hf_tokens(tiny_model, PROMPT)
     else:
         body["messages"] = MESSAGES
-        response = post(server, "/v1/chat/completions", body).json()
+        response = server.post("/v1/chat/completions", body).json()
         prompt_logprobs = response["prompt_logprobs"]
         prompt_ids = hf_tokens(tiny_model, None)
     assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
@@ -499,7 +492,7 @@ def test_unknown_fields_are_ignored_with_one_log_line(
 ) -> None:
     body = {"messages": [{"role": "user", "content": "Hi", "frob": 1}], "max_tokens": 1}
     with caplog.at_level(logging.WARNING, logger="pagedkv.server"):
-        response = post(server, "/v1/chat/completions", {**body, "frobnicate": True})
+        response = server.post("/v1/chat/completions", {**body, "frobnicate": True})
     assert response.status_code == 200, response.text
     lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert len(lines) == 1
@@ -520,7 +513,7 @@ def test_unknown_fields_are_ignored_with_one_log_line(
 def test_strict_fields_refuses_unknown_fields(
     strict_server: RunningServer, path: str, body: dict, param: str
 ) -> None:
-    response = post(strict_server, path, body)
+    response = strict_server.post(path, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param
@@ -531,10 +524,10 @@ def test_strict_fields_refuses_unknown_fields(
 
 
 def test_more_prompts_than_max_waiting_is_400_not_503(small_queue_server: RunningServer) -> None:
-    response = post(small_queue_server, "/v1/completions", {"prompt": ["a", "b", "c"]})
+    response = small_queue_server.post("/v1/completions", {"prompt": ["a", "b", "c"]})
     assert response.status_code == 400, response.text
     assert "--max-waiting" in response.json()["error"]["message"]
-    assert post(small_queue_server, "/v1/completions", {"prompt": ["a", "b"]}).status_code == 200
+    assert small_queue_server.post("/v1/completions", {"prompt": ["a", "b"]}).status_code == 200
 
 
 # 5. Logprobs in real bytes and characters
@@ -624,6 +617,6 @@ def test_allowed_token_ids_confine_every_sampled_token(client, model_name):
 
 def test_bad_logit_bias_is_a_400_naming_it(server):
     for bias in ({"abc": 1.0}, {"5": 101.0}, {"999999": 1.0}):
-        response = post(server, "/v1/completions", {"prompt": PROMPT, "logit_bias": bias})
+        response = server.post("/v1/completions", {"prompt": PROMPT, "logit_bias": bias})
         assert response.status_code == 400, bias
         assert "logit_bias" in response.json()["error"]["message"]

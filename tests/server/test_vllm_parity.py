@@ -31,16 +31,6 @@ def server(serve) -> RunningServer:
     return serve(num_gpu_blocks=256, seed=0)
 
 
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_model):
-    return transformers.AutoTokenizer.from_pretrained(tiny_model)
-
-
-def post(server: RunningServer, path: str, body: dict):
-    with server.http() as http:
-        return http.post(path, json=body)
-
-
 # 1. Wrong answers to fields the server accepts
 
 
@@ -112,7 +102,7 @@ def test_echo_with_logprobs_puts_each_token_where_the_text_holds_it(
     keeps its last bytes out of the text, as vLLM's, while their entries name them.)"""
     body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0.0}
     body |= {"return_token_ids": True, **IGNORE_EOS, **extra}
-    [choice] = post(server, "/v1/completions", body).json()["choices"]
+    [choice] = server.post("/v1/completions", body).json()["choices"]
     ran = choice["prompt_token_ids"]
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ran) + 3
@@ -140,14 +130,14 @@ def test_a_seed_outside_int64_is_refused(server: RunningServer, seed: int) -> No
         ("/v1/completions", {"prompt": "Hi"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
     ):
-        response = post(server, path, {**body, "max_tokens": 1, "seed": seed})
+        response = server.post(path, {**body, "max_tokens": 1, "seed": seed})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "seed"
 
 
 def test_the_largest_int64_seeds_are_accepted(server: RunningServer) -> None:
     for seed in (2**63 - 1, -(2**63)):
-        response = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "seed": seed})
+        response = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "seed": seed})
         assert response.status_code == 200, response.text
 
 
@@ -209,9 +199,9 @@ def test_required_tool_choice_resolves_each_tools_own_definitions(client, model_
 
 def test_tool_calls_are_left_out_of_an_answer_without_any(server: RunningServer) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-    message = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    message = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]
     assert "tool_calls" not in message
-    with_tools = post(server, "/v1/chat/completions", {**body, "tools": [PLAIN_TOOL],
+    with_tools = server.post("/v1/chat/completions", {**body, "tools": [PLAIN_TOOL],
                                                       "tool_choice": "none"})  # fmt: skip
     assert "tool_calls" not in with_tools.json()["choices"][0]["message"]
 
@@ -293,7 +283,7 @@ def test_vllms_older_guided_fields_constrain_the_output(
 
 def test_two_constraints_at_once_are_refused(server: RunningServer) -> None:
     body = {"prompt": "Hi", "guided_regex": "a+", "guided_choice": ["a"]}
-    response = post(server, "/v1/completions", body)
+    response = server.post("/v1/completions", body)
     assert response.status_code == 400 and "not several" in response.json()["error"]["message"]
 
 
@@ -425,7 +415,7 @@ def test_truncate_prompt_tokens_past_max_model_len_is_a_400(server: RunningServe
     """As vLLM: a 400 naming the field and the model's length, never a 500."""
     too_many = server.app.state.engine_loop.engine.max_model_len + 1
     body = one_prompt_body(path, max_tokens=2, truncate_prompt_tokens=too_many)
-    response = post(server, path, body)
+    response = server.post(path, body)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "truncate_prompt_tokens" and "max_model_len" in error["message"]
@@ -500,7 +490,7 @@ def test_version_is_served(server: RunningServer) -> None:
 def test_a_field_that_would_change_the_output_is_refused_by_name(
     server: RunningServer, field: str, value
 ) -> None:
-    response = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, field: value})
+    response = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1, field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
 
@@ -514,7 +504,7 @@ def test_fields_that_cannot_change_the_output_are_accepted(server: RunningServer
         "cache_salt": "s", "guided_decoding_backend": "xgrammar", "modalities": ["text"],
         "early_stopping": False, "spaces_between_special_tokens": True,
     }  # fmt: skip
-    response = post(server, "/v1/chat/completions", body)
+    response = server.post("/v1/chat/completions", body)
     assert response.status_code == 200, response.text
 
 
@@ -578,7 +568,7 @@ def test_use_beam_search_gives_the_best_beams_of_each_prompt(
 )  # fmt: skip
 def test_beam_search_refuses_what_it_would_ignore(server: RunningServer, field: str, value) -> None:
     body = {"prompt": "Hi", "max_tokens": 2, "n": 2, "use_beam_search": True, field: value}
-    response = post(server, "/v1/completions", body)
+    response = server.post("/v1/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
 
@@ -625,6 +615,6 @@ def test_chat_beam_search_refuses_a_required_tool_call(server: RunningServer) ->
         "tools": [tool],
         "tool_choice": "required",
     }
-    response = post(server, "/v1/chat/completions", body)
+    response = server.post("/v1/chat/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "tool_choice"
