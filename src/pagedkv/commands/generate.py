@@ -53,12 +53,8 @@ def run(args: argparse.Namespace) -> int:
             engine = Engine(engine_args)  # loads, and sizes its pool from memory
             tokenizer = engine.tokenizer
         else:
-            loaded = load(
-                engine_args.model,
-                dtype=engine_args.resolved_dtype,
-                device=engine_args.device,
-                quantization=engine_args.quantization,
-            )
+            spec = engine_args.load_spec()
+            loaded = load(spec.model, device=spec.device, **spec.load_options())
             tokenizer = loaded.tokenizer
         if args.chat is not None:
             messages = [{"role": "user", "content": args.chat}]

@@ -12,12 +12,14 @@ written into our name, which the engine reads.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedkv.engine.args_help import FIELD_HELP
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
@@ -37,62 +39,11 @@ DTYPE_SPELLINGS = {
     "half": "float16",
 }
 PREEMPTION_MODES = ("swap", "recompute")
+# vLLM's load_format values for what pagedkv reads: auto (by the path), a Hugging Face folder's
+# safetensors, a GGUF file.
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+TOKENIZER_MODES = ("auto", "hf")
 
-_HELP = {
-    "model": "Hugging Face folder, .gguf file or built-in model name",
-    "block_size": "tokens per KV block",
-    "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
-    "num_gpu_blocks_override": "vLLM's name for num_gpu_blocks (wins when given)",
-    "kv_cache_memory": "bytes for the KV pool, instead of num_gpu_blocks",
-    "kv_cache_memory_bytes": "vLLM's name for kv_cache_memory (wins when given)",
-    "kv_cache_dtype": "what KV blocks store: auto (the model's dtype) or one byte per value, "
-    "fp8 (= fp8_e4m3: finer steps) or fp8_e5m2 (wider range); fp8 holds 2x the blocks of "
-    "a 16-bit cache, 4x of float32",
-    "swap_space_gb": "GiB of CPU memory for swapped-out blocks (0 disables swap)",
-    "swap_space": "vLLM's name for swap_space_gb (wins when given)",
-    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step, prefill chunks and decodes together",
-    "max_model_len": "longest prompt + output (default: the model's context length)",
-    "preemption_mode": "swap or recompute (default: swap when swap space is configured)",
-    "scheduling_policy": "fcfs (arrival order) or priority (a request's priority, lower first)",
-    "dtype": "weights, activations and KV dtype (auto: float32 on CPU, bfloat16 on GPU)",
-    "device": "cpu or cuda",
-    "seed": "seed of the sampler for requests without their own seed",
-    "gpu_memory_utilization": "share of GPU memory the engine may use (weights + KV); on the "
-    "CPU the pool takes half the available memory, at most 4 GiB, unless num_gpu_blocks or "
-    "kv_cache_memory sizes it",
-    "max_logprobs": "most logprobs one request may ask for per token (-1: no cap)",
-    "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
-    "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
-    "threads": "CPU threads for the model (default: this machine's physical cores)",
-    "tensor_parallel_size": "processes (one GPU each on CUDA) the model and the KV pool are "
-    "split across, Megatron-style; the others are spawned here, or started by `pagedkv worker` "
-    "under torchrun's environment",
-    "kv_offloading_size": "GiB of host RAM for a second tier of the prefix cache: blocks the "
-    "KV pool evicts are kept there and copied back on a hit instead of recomputed (0: off)",
-    "speculative_config": "speculative decoding, as vLLM's JSON: "
-    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-    '"prompt_lookup_min": 2}\' (prompt lookup) or \'{"model": PATH_OR_NAME, '
-    '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary); greedy output '
-    "is unchanged, bit for bit",
-    "enable_lora": "serve LoRA adapters (PEFT folders) per request; their weights are paged "
-    "into the KV pool's blocks while requests use them",
-    "max_loras": "most LoRA adapters resident in the pool at once (with enable_lora)",
-    "max_lora_rank": "largest LoRA rank accepted (with enable_lora)",
-    "tokenizer": "Hugging Face folder, .gguf file or built-in model name whose tokenizer to use "
-    "(default: the model's own); its ids must fit the model's vocabulary",
-    "trust_remote_code": "accepted as vLLM's, to no effect: pagedkv never runs code that comes "
-    "with a model; its architectures are its own registry's",
-    "enforce_eager": "accepted as vLLM's, to no effect: pagedkv always runs steps eagerly (it "
-    "captures no CUDA graphs)",
-    "enable_chunked_prefill": "accepted as vLLM's, to no effect: prompts are always cut into "
-    "chunks of max_num_batched_tokens (each request's output is the same either way)",
-    "disable_log_stats": "accepted as vLLM's, to no effect: the engine logs no periodic stats "
-    "(the server's /metrics has them)",
-    "generation_config": "where default sampling settings come from: auto (the model folder's "
-    "generation_config.json, as vLLM reads it), vllm (none), or a folder holding one",
-}
 # On/off fields: a --flag and a --no-flag each.
 _BOOLEAN_FIELDS = (
     "enable_prefix_caching",
@@ -142,6 +93,13 @@ class EngineArgs:
     disable_log_stats: bool = False
     tokenizer: str | None = None
     generation_config: str = "auto"
+    hf_overrides: dict[str, Any] | str | None = None
+    load_format: str = "auto"
+    tokenizer_mode: str = "auto"
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    cpu_offload_gb: float = 0.0
+    compilation_config: int | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -229,6 +187,8 @@ class EngineArgs:
                 "enable_lora is not supported with tensor_parallel_size "
                 f"{self.tensor_parallel_size}"
             )
+        self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
+        _check_vllm_loading(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         speculative = self.speculative_config
         if self.tensor_parallel_size > 1 and speculative and speculative.method == "draft_model":
@@ -292,6 +252,8 @@ class EngineArgs:
             device=self.device,
             quantization=self.quantization,
             threads=self.threads,
+            load_format=self.load_format,
+            hf_overrides=self.hf_overrides,  # type: ignore[arg-type]
         )
 
     @classmethod
@@ -307,10 +269,10 @@ class EngineArgs:
                     flag,
                     action=argparse.BooleanOptionalAction,
                     default=default,
-                    help=_HELP[field.name],
+                    help=FIELD_HELP[field.name],
                 )
                 continue
-            kwargs: dict[str, Any] = {"default": default, "help": f"{_HELP[field.name]}"}
+            kwargs: dict[str, Any] = {"default": default, "help": f"{FIELD_HELP[field.name]}"}
             if field.name == "dtype":
                 kwargs["choices"] = tuple(DTYPE_SPELLINGS)
             elif field.name == "preemption_mode":
@@ -345,6 +307,52 @@ def _gib(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a number >= 0 (GiB), got {value!r}")
     if not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0 (GiB), got {value!r}")
+
+
+def _json_object(name: str, value: object) -> dict[str, Any] | None:
+    """`value` as a dict: given as one, or as JSON text (a command-line flag); None stays."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
+    return value
+
+
+def _check_vllm_loading(args: EngineArgs) -> None:
+    """vLLM's loading keywords: the values that mean what pagedkv does pass, the others are
+    refused by name (pagedkv fetches nothing from a hub, reads tokenizer.json with the
+    tokenizers library and keeps every weight on its device)."""
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
+    if args.tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(
+            f"tokenizer_mode must be one of {TOKENIZER_MODES} (both read tokenizer.json with "
+            f"the tokenizers library), got {args.tokenizer_mode!r}"
+        )
+    for name in ("revision", "tokenizer_revision"):
+        if getattr(args, name) is not None:
+            raise ValueError(
+                f"{name} {getattr(args, name)!r}: pagedkv loads local folders, .gguf files and "
+                "built-in models, which have no revisions (leave it None)"
+            )
+    if args.cpu_offload_gb != 0:
+        raise ValueError(
+            f"cpu_offload_gb {args.cpu_offload_gb!r} is not supported: the weights stay on "
+            f"{args.device} (leave it 0)"
+        )
+    compilation = args.compilation_config
+    if isinstance(compilation, str):
+        compilation = (
+            int(compilation)
+            if compilation.isdigit()
+            else _json_object("compilation_config", compilation)
+        )
+    if not isinstance(compilation, int | dict | None) or isinstance(compilation, bool):
+        raise ValueError(f"compilation_config must be a level (int) or a dict, got {compilation!r}")
+    args.compilation_config = compilation
 
 
 def _check_device(device: object) -> None:
@@ -383,5 +391,6 @@ _CLI_TYPES = {
     "max_loras": int,
     "max_lora_rank": int,
     "seed": int,
+    "cpu_offload_gb": float,
     "gpu_memory_utilization": float,
 }

@@ -114,6 +114,17 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     return read_json(Path(folder) / "config.json", what="the model's config.json")
 
 
+def with_overrides(
+    raw: dict[str, Any], overrides: dict[str, Any] | None, source: Path
+) -> tuple[dict[str, Any], Path]:
+    """`raw` with vLLM's `hf_overrides` keys replaced (a value replaces the whole key, as
+    transformers' `PretrainedConfig.update` does), and the source to name in errors: a bad
+    value may now be the override's, not the file's."""
+    if not overrides:
+        return raw, source
+    return {**raw, **overrides}, Path(f"{source} (with hf_overrides)")
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """Parse a JSON object from `path` with the planner's reader, raising model errors."""
     if not path.is_file():

@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, model_dir, pull
 from pagedkv.kernels import native
-from pagedkv.model.config import ModelConfig, read_config
+from pagedkv.model.config import ModelConfig, read_config, with_overrides
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import ConvertTargetExists
 from pagedkv.parallel.group import building_group
@@ -65,6 +66,8 @@ def load(
     dtype: torch.dtype | str = "float32",
     device: torch.device | str = "cpu",
     quantization: str = "auto",
+    load_format: str = "auto",
+    hf_overrides: dict[str, Any] | None = None,
     progress: Callable[[str], None] = _to_stderr,
 ) -> LoadedModel:
     """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
@@ -74,7 +77,9 @@ def load(
     GGUF file's blocks and a float checkpoint float); a built-in model under "auto" loads its
     GGUF file with the blocks as they are, under "none" its float32 folder. `progress` receives a
     line per step of a first-use pull and conversion (stderr by default: stdout is the
-    commands' output).
+    commands' output). vLLM's `load_format` ("auto", "safetensors", "gguf") refuses a model
+    of another format; `hf_overrides` replaces config.json keys (of a GGUF file: of its
+    metadata read as config.json).
     """
     seconds: dict[str, float] = {}
     started = time.perf_counter()
@@ -96,8 +101,10 @@ def load(
         native.kernels()  # compiled on a machine's first start, then loaded from the cache
         seconds["kernels"] = _lap(kernels_started)
     weights_started = time.perf_counter()
+    if path.exists():
+        _check_format(load_format, "gguf" if path.is_file() else "safetensors", name)
     if path.is_file():
-        gguf_model = GGUFModel.open(path)
+        gguf_model = GGUFModel.open(path, hf_overrides)
         loaded = LoadedModel(
             model=gguf_model.model(dtype=dtype, device=device, quantization=quantization),
             tokenizer=gguf_model.tokenizer(),
@@ -107,8 +114,9 @@ def load(
             seconds=seconds,
         )
     elif path.is_dir():
-        raw_config = read_config(path)  # parsed once: the model and the eos ids both read it
-        config = ModelConfig.from_dict(raw_config, path / "config.json")
+        # Parsed once: the model and the eos ids both read it.
+        raw_config, source = with_overrides(read_config(path), hf_overrides, path / "config.json")
+        config = ModelConfig.from_dict(raw_config, source)
         loaded = LoadedModel(
             model=load_model(
                 path, dtype=dtype, device=device, config=config, quantization=quantization
@@ -123,6 +131,13 @@ def load(
         raise UnknownModelName(name, list(BUILTIN_MODELS))
     seconds["weights"] = _lap(weights_started)
     return loaded
+
+
+def _check_format(load_format: str, found: str, name: str) -> None:
+    """Refuse a model whose files are not the `load_format` asked for ("auto": any)."""
+    if load_format not in ("auto", found):
+        held = "a .gguf file" if found == "gguf" else "a Hugging Face folder (safetensors)"
+        raise ValueError(f"load_format {load_format!r}: model {name!r} is {held}")
 
 
 def load_tokenizer(

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.model.config import ModelConfig
+from pagedkv.model.config import ModelConfig, with_overrides
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import MissingTensor, TensorShapeMismatch
 from pagedkv.parallel.group import building_group
@@ -38,14 +38,15 @@ class GGUFModel:
     tokenizer_files: TokenizerFiles
 
     @classmethod
-    def open(cls, path: str | Path) -> GGUFModel:
-        """Read the header and metadata of the GGUF file at `path`."""
+    def open(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> GGUFModel:
+        """Read the header and metadata of the GGUF file at `path`; `hf_overrides` replaces
+        config.json keys of the metadata's reading (vLLM's option)."""
         file = GGUFFile(path)
-        config_json = config_dict(file)
+        config_json, source = with_overrides(config_dict(file), hf_overrides, file.path)
         return cls(
             file=file,
             config_json=config_json,
-            config=ModelConfig.from_dict(config_json, file.path),
+            config=ModelConfig.from_dict(config_json, source),
             tokenizer_files=tokenizer_files(file),
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,17 @@ class LoadSpec:
     device: str
     quantization: str
     threads: int | None
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | None = None
+
+    def load_options(self) -> dict[str, Any]:
+        """The keywords of `weights.load.load` besides the model and the device."""
+        return {
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "load_format": self.load_format,
+            "hf_overrides": self.hf_overrides,
+        }
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def load_shard(spec: LoadSpec, group: TPGroup, device: torch.device) -> LoadedMo
     """This rank's shard of the model. Quantised weights are not sharded: under a group "auto"
     loads float weights (a GGUF file's blocks dequantised; `resolve_quantization`)."""
     with sharding(group):
-        return load(spec.model, dtype=spec.dtype, device=device, quantization=spec.quantization)
+        return load(spec.model, device=device, **spec.load_options())
 
 
 def agreed_budget(link: Link, request: PoolRequest, model: torch.nn.Module) -> KVCacheConfig:
