@@ -7,6 +7,7 @@ transformers + peft in tests/engine/test_lora.py): the server must change nothin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,14 @@ import torch
 
 from pagedkv.engine import LLM, LoRARequest, SamplingParams
 from pagedkv.server import ServerConfig
+from pagedkv.server.adapters import LoRAModulePath, parse_lora_module
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 PROMPT = "Paged attention stores keys"
+# vLLM's JSON form of --lora-modules, whose base_model_name /v1/models lists as the parent.
+DELTA = {"name": "delta", "base_model_name": "org/base-model"}
 
 
 def make_adapter(model: Path, folder: Path, seed: int, targets: list[str]) -> Path:
@@ -45,9 +49,11 @@ def adapters(tiny_model, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(serve, adapters):
-    config = ServerConfig(
-        lora_modules=(("alpha", str(adapters["alpha"])),), allow_runtime_lora_updating=True
+    modules = (
+        LoRAModulePath("alpha", str(adapters["alpha"])),
+        parse_lora_module(json.dumps(DELTA | {"path": str(adapters["beta"])})),
     )
+    config = ServerConfig(lora_modules=modules, allow_runtime_lora_updating=True)
     return serve(config, enable_lora=True, max_loras=2, num_gpu_blocks=256)
 
 
@@ -66,9 +72,27 @@ def complete(client, model: str) -> str:
 
 def test_models_lists_the_adapters(client, model_name, adapters):
     cards = {card.id: card for card in client.models.list().data}
-    assert set(cards) == {model_name, "alpha"}
+    assert set(cards) == {model_name, "alpha", "delta"}
     assert cards["alpha"].parent == model_name
     assert cards["alpha"].root == str(adapters["alpha"].resolve())
+    assert cards["delta"].parent == "org/base-model"
+    assert cards["delta"].root == str(adapters["beta"].resolve())
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("alpha", "takes name=path or a JSON object"),
+        ('{"name": "a"}', '"name" and "path"'),
+        ('{"name": "a", "path": "p", "parent": "b"}', '"name" and "path"'),
+        ('{"name": "a", "path": "p", "base_model_name": 3}', "base_model_name must be a string"),
+        ('{"name": "a", "path": ', "is not valid JSON"),
+    ],
+)
+def test_a_bad_lora_module_is_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_lora_module(text)
+    assert parse_lora_module("a=b=c") == LoRAModulePath("a", "b=c")
 
 
 def test_model_chooses_the_adapter(client, model_name, tiny_model, adapters):

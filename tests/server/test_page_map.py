@@ -159,10 +159,11 @@ def test_page_map_draws_the_host_tier_and_its_hits(serve, browser) -> None:
 def test_page_map_draws_lora_adapters_with_their_names(serve, browser, tiny_model, tmp_path):
     """An adapter's blocks of the pool are drawn as its own, and hovering one names it."""
     from pagedkv.server import ServerConfig
+    from pagedkv.server.adapters import LoRAModulePath
     from tests.server.test_lora_server import make_adapter
 
     folder = make_adapter(tiny_model, tmp_path / "sql", 3, ["q_proj", "down_proj"])
-    config = ServerConfig(lora_modules=(("sql", str(folder)),))
+    config = ServerConfig(lora_modules=(LoRAModulePath("sql", str(folder)),))
     lora = serve(config, enable_lora=True, num_gpu_blocks=256)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(lora.url + "/")

@@ -18,6 +18,7 @@ from pagedkv.commands.arguments import non_negative_float, port, positive_float,
 
 if TYPE_CHECKING:
     from pagedkv.server import ServerConfig
+    from pagedkv.server.adapters import LoRAModulePath
 
 API_KEY_ENV = "PAGEDKV_API_KEY"
 DEFAULT_MAX_WAITING = 512
@@ -110,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) to serve, each chosen by its NAME as `model` "
-        "(needs --enable-lora)",
+        '(needs --enable-lora); or, as vLLM\'s, \'{"name": ..., "path": ..., '
+        '"base_model_name": ...}\', the base model /v1/models lists as its parent',
     )
     server.add_argument(
         "--allow-runtime-lora-updating",
@@ -209,8 +211,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def lora_module(text: str) -> tuple[str, str]:
-    """`--lora-modules`' NAME=PATH."""
+def lora_module(text: str) -> LoRAModulePath:
+    """`--lora-modules`' NAME=PATH, or vLLM's JSON object."""
     from pagedkv.server.adapters import parse_lora_module
 
     try:

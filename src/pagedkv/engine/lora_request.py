@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter for a request: its name, its id (>= 1, unique per adapter) and its
-    PEFT folder (vLLM's fields and order)."""
+    PEFT folder (vLLM's fields and order); `base_model_name`, keyword-only as vLLM's
+    callers pass it, is the model a server lists as the adapter's parent."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    base_model_name: str | None = field(default=None, kw_only=True)
 
     @property
     def name(self) -> str:

@@ -1,6 +1,7 @@
 """The LoRA adapters a server serves, by the name clients pass as `model` (vLLM's way).
 
-`serve --enable-lora --lora-modules name=path ...` names adapters at start; with
+`serve --enable-lora --lora-modules name=path ...` names adapters at start (or, as vLLM's,
+`'{"name": ..., "path": ..., "base_model_name": ...}'`, the last listed as the parent); with
 `--allow-runtime-lora-updating` (or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`),
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
 {"lora_name"}` add and remove them while serving. Each name gets its own `LoRARequest` id. The
@@ -12,7 +13,9 @@ it never fails later for that reason; a request for a name nobody serves is Open
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.engine.lora import LoRARejected, LoRARequest
@@ -26,12 +29,39 @@ def runtime_updating_allowed(flag: bool) -> bool:
     return flag or os.environ.get(RUNTIME_UPDATING_VARIABLE, "").lower() in ("1", "true")
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`name=path` of `--lora-modules`; a ValueError names what is wrong."""
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter served from the start (vLLM's name): its `model` name, its PEFT folder, and
+    the base model `/v1/models` lists as its parent (None: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """One `--lora-modules` value: `name=path`, or vLLM's JSON object with "name", "path" and
+    an optional "base_model_name"; a ValueError names what is wrong."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--lora-modules {text!r} is not valid JSON: {error}") from None
+        unknown = set(spec) - {"name", "path", "base_model_name"}
+        values = [spec.get("name"), spec.get("path")]
+        base = spec.get("base_model_name")
+        if unknown or not all(isinstance(v, str) and v for v in values) or base == "":
+            raise ValueError(
+                'a --lora-modules object takes "name" and "path" (non-empty strings) and '
+                f'optionally "base_model_name", got {text!r}'
+            )
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules base_model_name must be a string, got {base!r}")
+        return LoRAModulePath(spec["name"], spec["path"], base)
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise ValueError(f"--lora-modules takes name=path, got {text!r}")
-    return name, path
+        raise ValueError(f"--lora-modules takes name=path or a JSON object, got {text!r}")
+    return LoRAModulePath(name, path)
 
 
 class ServedAdapters:
@@ -42,14 +72,16 @@ class ServedAdapters:
         self.by_name: dict[str, LoRARequest] = {}
         self._next_id = 1
 
-    def new(self, name: object, path: object) -> LoRARequest:
+    def new(self, name: object, path: object, base_model_name: str | None = None) -> LoRARequest:
         """The request that would serve PEFT folder `path` as `name`, with an id of its own;
         an APIError (400) when the name or path cannot be used. The engine checks the adapter
         itself (`rejected` turns its refusal into a 400); `serve` then serves it."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise APIError(400, "lora_name and lora_path must be non-empty strings")
         self._check_free(name)
-        lora = LoRARequest(name, self._next_id, str(Path(path).resolve()))
+        lora = LoRARequest(
+            name, self._next_id, str(Path(path).resolve()), base_model_name=base_model_name
+        )
         self._next_id += 1
         return lora
 

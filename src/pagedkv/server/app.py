@@ -31,7 +31,12 @@ from fastapi.staticfiles import StaticFiles
 from pagedkv.engine.lora import LoRARejected
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server import connections, page_map
-from pagedkv.server.adapters import ServedAdapters, rejected, runtime_updating_allowed
+from pagedkv.server.adapters import (
+    LoRAModulePath,
+    ServedAdapters,
+    rejected,
+    runtime_updating_allowed,
+)
 from pagedkv.server.chat import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.drain import SHUTDOWN_TIMEOUT_S, Drain
@@ -65,7 +70,7 @@ class ServerConfig:
     request_read_timeout: float = connections.REQUEST_READ_TIMEOUT_S  # s to send a request
     max_page_map_viewers: int = page_map.MAX_VIEWERS  # more get 503
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # s running requests may go on when stopping
-    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) served at start
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters served from the start
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and unload
 
 
@@ -79,8 +84,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     engine_loop.metrics = metrics
     adapters = ServedAdapters(model_name)
-    for name, path in config.lora_modules:  # a bad one stops the start, naming it
-        lora = adapters.new(name, path)
+    for module in config.lora_modules:  # a bad one stops the start, naming it
+        lora = adapters.new(module.name, module.path, module.base_model_name)
         try:
             engine.loras.resolve(lora)  # the engine thread is not running yet
         except LoRARejected as error:
@@ -147,7 +152,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
                 created=started,
                 max_model_len=engine.max_model_len,
                 root=lora.lora_path,
-                parent=model_name,
+                parent=lora.base_model_name or model_name,
             )
             for name, lora in adapters.by_name.items()
         ]
