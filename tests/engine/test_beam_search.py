@@ -327,6 +327,33 @@ def test_outputs_have_vllms_shape(engine_zoo):
     assert by_text.sequences[0].tokens[:3] == tokenizer.encode("Paged attention")[:3]
 
 
+def test_a_concurrency_limit_searches_that_many_prompts_at_once(engine_zoo):
+    """vLLM's `concurrency_limit`: never more searches in the engine than the limit, and the
+    beams are still the reference's."""
+    llm = make_llm(engine_zoo, "llama")
+    prompts = [random_prompt(length, seed=length) for length in (5, 9, 14, 20, 26)]
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    in_flight: list[int] = []  # searches in the engine as each is added, itself included
+    add_request, scheduler = llm.engine.add_request, llm.engine.scheduler
+
+    def counted(*args, **kwargs):
+        queues = (scheduler.waiting, scheduler.running, scheduler.swapped, scheduler.compiling)
+        in_flight.append(sum(map(len, queues)) + 1)
+        return add_request(*args, **kwargs)
+
+    llm.engine.add_request = counted  # type: ignore[method-assign]
+    outputs = llm.beam_search(prompts, params, concurrency_limit=2)
+    assert len(in_flight) == len(prompts) and max(in_flight) == 2
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = expected_beams(engine_zoo, "llama", prompt, params)
+        assert [sequence.tokens[len(prompt) :] for sequence in output.sequences] == [
+            beam.token_ids for beam in expected
+        ]
+    for limit in (0, 1.5, True):
+        with pytest.raises(ValueError, match="concurrency_limit must be an integer >= 1"):
+            llm.beam_search(prompts, params, concurrency_limit=limit)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

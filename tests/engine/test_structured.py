@@ -143,6 +143,39 @@ def test_a_bad_constraint_is_refused_at_add_request_and_leaves_nothing(engine_zo
     assert list(run_to_completion(engine))
 
 
+def whitespace_outside_strings(text: str) -> list[tuple[int, str]]:
+    """(offset, the character before) of each whitespace character outside JSON strings."""
+    found, in_string, escaped = [], False, False
+    for offset, char in enumerate(text):
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = char == "\\", char != '"'
+        elif char == '"':
+            in_string = True
+        elif char.isspace():
+            found.append((offset, text[offset - 1 : offset]))
+    return found
+
+
+def test_json_has_no_free_whitespace_with_or_without_disable_any_whitespace(llm):
+    """vLLM's `disable_any_whitespace=True` asks for JSON without free whitespace; pagedkv
+    writes it so either way: only the one space after ',' and ':' that json.dumps writes."""
+    prompts = [[5, 6, 7 + index] for index in range(len(SCHEMAS))]
+    for disable in (True, False):
+        params = [
+            constrained(index, n=2, json=schema, disable_any_whitespace=disable)
+            for index, schema in enumerate(SCHEMAS)
+        ]
+        for output in llm.generate(prompts, params, use_tqdm=False):
+            for sample in output.outputs:
+                spaces = whitespace_outside_strings(sample.text)
+                assert all(before in (",", ":") for _, before in spaces), sample.text
+                assert all(sample.text[offset] == " " for offset, _ in spaces), sample.text
+    with pytest.raises(ValueError, match="disable_any_whitespace must be a bool"):
+        StructuredOutputsParams(json_object=True, disable_any_whitespace="yes")
+
+
 def test_constraint_needs_exactly_one_kind():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])

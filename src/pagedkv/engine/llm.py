@@ -93,13 +93,23 @@ class LLM:
         params: BeamSearchParams,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search over each prompt (the rule: `beam_search.py`), its beams sharing
         their blocks; per prompt, the `beam_width` best beams, best first. Each beam's tokens
         start with the prompt's and keep a final EOS; its text decodes them all. Prompts and
-        `lora_request` are as `generate`'s (vLLM's order of arguments)."""
+        `lora_request` are as `generate`'s (vLLM's order of arguments); `concurrency_limit`
+        searches at most that many prompts at once (None: all), as vLLM's does."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int)
+            or isinstance(concurrency_limit, bool)
+            or concurrency_limit < 1
+        ):
+            raise ValueError(
+                f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}"
+            )
         prompt_list, salts = _as_prompts(prompts)
         loras = _lora_per_prompt(lora_request, len(prompt_list))
         # The EOS stays in the tokens, as vLLM's `LLM.beam_search` keeps it.
@@ -108,7 +118,14 @@ class LLM:
             {"beam_search": whole, "lora_request": lora, "cache_salt": salt}
             for lora, salt in zip(loras, salts, strict=True)
         ]
-        outputs = self._run(prompt_list, options, use_tqdm)
+        group = concurrency_limit or max(1, len(prompt_list))
+        outputs = [
+            output
+            for start in range(0, len(prompt_list), group)
+            for output in self._run(
+                prompt_list[start : start + group], options[start : start + group], use_tqdm
+            )
+        ]
         tokenizer = self.engine.tokenizer
         return [
             BeamSearchOutput(

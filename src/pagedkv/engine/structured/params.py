@@ -25,6 +25,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's switch for JSON without free whitespace: pagedkv writes JSON that way either
+    # way (`grammar.JSON_OPTIONS`), so True and False give the same grammar.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         set_kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -46,6 +49,11 @@ class StructuredOutputsParams:
             if not all(isinstance(choice, str) for choice in choices):
                 raise ValueError(f"structured_outputs.choice must hold strings, got {choices!r}")
             self.choice = list(choices)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                "structured_outputs.disable_any_whitespace must be a bool: "
+                f"{self.disable_any_whitespace!r}"
+            )
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a bool: {self.json_object!r}")
 
