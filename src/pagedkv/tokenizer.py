@@ -110,6 +110,15 @@ class Tokenizer:
             _check_utf8(text)
             raise
 
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoding:
+        """transformers' call, as scripts written for vLLM's tokenizer use it: `input_ids` and
+        an all-ones `attention_mask` of one text, or of each text of a list (not padded)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+        batch = [self.encode(each, add_special_tokens) for each in text]
+        return Encoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -221,6 +230,17 @@ class Tokenizer:
         """Token ids of the rendered conversation; the template itself places any BOS."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+class Encoding(dict):
+    """What `Tokenizer(...)` returns: a dict whose keys read as attributes too
+    (`enc["input_ids"]` and `enc.input_ids`), as transformers' BatchEncoding."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class InvalidText(ValueError):
