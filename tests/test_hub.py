@@ -140,6 +140,31 @@ def test_the_default_path_reads_the_gguf_file_and_makes_no_float_folder(registry
         engine.step()
 
 
+def test_download_dir_is_where_built_in_models_are_pulled_and_read(registry, tmp_path):
+    """vLLM's download_dir: the model, its float folder, and a built-in tokenizer or draft
+    model are pulled there and read from there, and the default cache is left alone."""
+    folder = tmp_path / "models"
+    engine = Engine(
+        EngineArgs(
+            model=NAME,
+            download_dir=str(folder),
+            num_gpu_blocks=16,
+            tokenizer=NAME,
+            speculative_config={"model": NAME, "num_speculative_tokens": 2},
+        )
+    )
+    assert registry.calls and all(
+        call[call.index("--dest") + 1].startswith(str(folder / NAME)) for call in registry.calls
+    )
+    assert (folder / NAME / "tiny.gguf").is_file() and not (cache_dir() / NAME).exists()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    converted = load(NAME, quantization="none", download_dir=str(folder))
+    assert converted.path == folder / NAME / "hf" and len(registry.calls) == 1
+    assert not (cache_dir() / NAME).exists()
+
+
 def test_unknown_name_lists_the_builtin_models():
     with pytest.raises(UnknownModelName, match="'no-such-model'.*smollm2-135m-instruct"):
         pull("no-such-model")

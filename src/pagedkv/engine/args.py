@@ -94,6 +94,7 @@ class EngineArgs:
     tokenizer: str | None = None
     generation_config: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None
+    download_dir: str | None = None
     load_format: str = "auto"
     tokenizer_mode: str = "auto"
     revision: str | None = None
@@ -127,6 +128,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str | os.PathLike):
             raise ValueError(f"tokenizer must be a path or a model name, got {self.tokenizer!r}")
+        if self.download_dir is not None:
+            if not isinstance(self.download_dir, str | os.PathLike):
+                raise ValueError(f"download_dir must be a folder, got {self.download_dir!r}")
+            self.download_dir = str(self.download_dir)
         if self.num_gpu_blocks_override is not None:
             self.num_gpu_blocks = self.num_gpu_blocks_override
         if self.kv_cache_memory_bytes is not None:
@@ -254,6 +259,7 @@ class EngineArgs:
             threads=self.threads,
             load_format=self.load_format,
             hf_overrides=self.hf_overrides,  # type: ignore[arg-type]
+            download_dir=self.download_dir,
         )
 
     @classmethod

@@ -61,6 +61,8 @@ FIELD_HELP = {
     "generation_config.json, as vLLM reads it), vllm (none), or a folder holding one",
     "hf_overrides": 'config.json keys to replace, as JSON (e.g. \'{"max_position_embeddings": '
     "4096}'); a GGUF file's metadata is read as the same keys",
+    "download_dir": "folder built-in models are pulled into and read from (default: the "
+    "cache, $PAGEDKV_CACHE or ~/.cache/pagedkv)",
     "load_format": "what the model's weights are read from: auto (by the path), safetensors "
     "(a Hugging Face folder) or gguf (a .gguf file); a model of another format is refused",
     "tokenizer_mode": "auto or hf, as vLLM's; both read tokenizer.json with the tokenizers library",

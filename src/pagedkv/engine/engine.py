@@ -82,7 +82,9 @@ class Engine:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         if args.tokenizer is not None:  # vLLM's tokenizer=: another's than the model's
-            self.tokenizer = load_tokenizer(args.tokenizer, self.config.vocab_size)
+            self.tokenizer = load_tokenizer(
+                args.tokenizer, self.config.vocab_size, download_dir=args.download_dir
+            )
         self.max_model_len = served_context(args.max_model_len, self.config.max_position_embeddings)
         # SamplingParams keywords the model's generation_config.json recommends (vLLM's "auto").
         self.sampling_defaults = sampling_defaults(args.generation_config, loaded.path)
@@ -97,6 +99,7 @@ class Engine:
                 dtype=args.resolved_dtype,
                 device=args.device,
                 quantization=args.quantization,
+                download_dir=args.download_dir,
             )
         # One KV cache config, handed whole to the cache tensors and to the manager.
         draft_net = None if draft is None else draft.model

@@ -68,6 +68,7 @@ def load(
     quantization: str = "auto",
     load_format: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
+    download_dir: str | None = None,
     progress: Callable[[str], None] = _to_stderr,
 ) -> LoadedModel:
     """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
@@ -79,21 +80,21 @@ def load(
     line per step of a first-use pull and conversion (stderr by default: stdout is the
     commands' output). vLLM's `load_format` ("auto", "safetensors", "gguf") refuses a model
     of another format; `hf_overrides` replaces config.json keys (of a GGUF file: of its
-    metadata read as config.json).
+    metadata read as config.json); a built-in model is pulled into `download_dir` when given.
     """
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     path = Path(model)
     name = str(model)
     if not path.exists() and name in BUILTIN_MODELS:
-        if not is_pulled(name):
-            pull(name, progress=progress)
+        if not is_pulled(name, download_dir):
+            pull(name, progress=progress, download_dir=download_dir)
             seconds["pull"] = _lap(started)
-        path = gguf_path(name)
+        path = gguf_path(name, download_dir)
         if resolve_quantization(quantization, device, building_group().size) != "auto":
             convert_started = time.perf_counter()
-            fresh = not (model_dir(name) / CONVERTED_FOLDER).is_dir()
-            path = converted_folder(name, progress=progress)
+            fresh = not (model_dir(name, download_dir) / CONVERTED_FOLDER).is_dir()
+            path = converted_folder(name, progress=progress, download_dir=download_dir)
             if fresh:
                 seconds["convert"] = _lap(convert_started)
     if torch.device(device).type == "cpu":
@@ -141,7 +142,11 @@ def _check_format(load_format: str, found: str, name: str) -> None:
 
 
 def load_tokenizer(
-    source: str | Path, vocab_size: int, *, progress: Callable[[str], None] = _to_stderr
+    source: str | Path,
+    vocab_size: int,
+    *,
+    download_dir: str | None = None,
+    progress: Callable[[str], None] = _to_stderr,
 ) -> Tokenizer:
     """The tokenizer of `source` alone (vLLM's `tokenizer=`) for a model of `vocab_size` ids: a
     Hugging Face folder's files, a `.gguf` file's vocabulary, or a built-in model's (its GGUF
@@ -150,7 +155,7 @@ def load_tokenizer(
     path = Path(source)
     name = str(source)
     if not path.exists() and name in BUILTIN_MODELS:
-        path = pull(name, progress=progress)
+        path = pull(name, progress=progress, download_dir=download_dir)
     if path.is_file():
         tokenizer = GGUFModel.open(path).tokenizer()
     elif path.is_dir():
@@ -169,12 +174,14 @@ def _lap(started: float) -> float:
     return time.perf_counter() - started
 
 
-def converted_folder(name: str, *, progress: Callable[[str], None] = _to_stderr) -> Path:
+def converted_folder(
+    name: str, *, progress: Callable[[str], None] = _to_stderr, download_dir: str | None = None
+) -> Path:
     """The cached Hugging Face folder of built-in model `name`, pulling and converting once."""
-    folder = model_dir(name) / CONVERTED_FOLDER
+    folder = model_dir(name, download_dir) / CONVERTED_FOLDER
     if folder.is_dir():
         return folder
-    gguf_file = pull(name, progress=progress)
+    gguf_file = pull(name, progress=progress, download_dir=download_dir)
     progress(f"{name}: converting to a float32 folder in {folder} (once)")
     # ConvertTargetExists: another process converted it meanwhile; its folder is as good.
     with contextlib.suppress(ConvertTargetExists):

@@ -111,13 +111,20 @@ def load_draft_model(
     dtype: str,
     device: str,
     quantization: str,
+    download_dir: str | None = None,
 ) -> LoadedModel:
     """The draft model `config` names, loaded as the model is; raise ValueError when its
     vocabulary is not the model's (its token ids would mean other tokens) or its context is
     shorter than max_model_len (it reads every position a sequence reaches)."""
     assert config.model is not None
     try:
-        draft = load(config.model, dtype=dtype, device=device, quantization=quantization)
+        draft = load(
+            config.model,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            download_dir=download_dir,
+        )
     except UnknownModelName as error:  # its message alone reads as if the model were wrong
         raise ValueError(f"speculative_config model: {error}") from error
     context = draft.config.max_position_embeddings

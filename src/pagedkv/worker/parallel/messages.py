@@ -21,6 +21,7 @@ class LoadSpec:
     threads: int | None
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None
+    download_dir: str | None = None
 
     def load_options(self) -> dict[str, Any]:
         """The keywords of `weights.load.load` besides the model and the device."""
@@ -29,6 +30,7 @@ class LoadSpec:
             "quantization": self.quantization,
             "load_format": self.load_format,
             "hf_overrides": self.hf_overrides,
+            "download_dir": self.download_dir,
         }
 
 
