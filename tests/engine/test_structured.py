@@ -176,6 +176,28 @@ def test_json_has_no_free_whitespace_with_or_without_disable_any_whitespace(llm)
         StructuredOutputsParams(json_object=True, disable_any_whitespace="yes")
 
 
+def test_special_tokens_spelled_in_a_constraint_are_plain_text(llm):
+    """A grammar is over bytes: `<s>` and `</s>` (this tokenizer's BOS and EOS) written in a
+    choice, a regex or a JSON const are those characters, spelled with ordinary tokens."""
+    tokenizer = llm.get_tokenizer()
+    specials = (tokenizer.decode([1], False), tokenizer.decode([2], False))
+    assert specials == ("<s>", "</s>")
+    cases = [
+        (dict(choice=["<s>old</s> new"]), ["<s>old</s> new"]),
+        (dict(regex=r"(ok|no)</s>"), ["ok</s>", "no</s>"]),
+        (
+            dict(json={"type": "object", "properties": {"html": {"const": "<s>x</s>"}}}),
+            ['{"html": "<s>x</s>"}', "{}"],
+        ),
+    ]
+    params = [constrained(seed, n=3, **kind) for seed, (kind, _) in enumerate(cases)]
+    outputs = llm.generate([[5, 6, 7]] * len(cases), params, use_tqdm=False)
+    for (_, allowed), output in zip(cases, outputs, strict=True):
+        for sample in output.outputs:
+            assert sample.finish_reason == "stop" and sample.text in allowed, sample
+            assert not {1, 2} & set(sample.token_ids[:-1])  # no special id inside the text
+
+
 def test_constraint_needs_exactly_one_kind():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])

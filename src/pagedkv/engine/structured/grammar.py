@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+import tokenizers
 
 from pagedkv.engine.errors import InvalidStructuredOutput
 from pagedkv.engine.structured.params import StructuredOutputsParams
@@ -176,16 +177,23 @@ def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
 
 class _Vocabulary:
     """What `llguidance.TokenizerWrapper` reads: token bytes, special ids, EOS, and a
-    tokenize function (used to tokenize text the grammar forces)."""
+    tokenize function (used to tokenize text the grammar forces).
+
+    Forced text is tokenized with special tokens' spellings read as plain text: a grammar is
+    over bytes, so `</s>` in a choice or a JSON string is the four characters, never the EOS
+    id (which has no bytes, and would leave the grammar no way on). A copy of the tokenizer
+    does it, so the engine's own is never switched while the compile thread uses this one."""
 
     def __init__(
         self, tokenizer: Tokenizer, tokens: list[bytes], special: list[int], eos: Sequence[int]
     ) -> None:
-        self._tokenizer = tokenizer
+        self._plain_text = tokenizers.Tokenizer.from_str(tokenizer.tokenizer.to_str())
+        self._plain_text.encode_special_tokens = True
         self.tokens = tokens
         self.special_token_ids = special
         self.eos_token_id = eos[0] if eos else None
         self.bos_token_id = tokenizer.bos_token_id
 
     def __call__(self, text: bytes) -> list[int]:
-        return self._tokenizer.encode(text.decode("utf-8", "replace"), add_special_tokens=False)
+        decoded = text.decode("utf-8", "replace")
+        return self._plain_text.encode(decoded, add_special_tokens=False).ids
