@@ -153,7 +153,7 @@ def test_a_pool_smaller_than_every_adapter_finishes_everything(engine_zoo, adapt
         LoRARequest(kind, i, str(adapters[("llama", kind)])) for i, kind in enumerate(kinds, 1)
     ]
     probe = make_engine(engine_zoo, "llama", enable_lora=True)
-    largest = max(probe.loras.resolve(lora)[1] for lora in loras)
+    largest = max(probe.loras.resolve(lora, set())[1] for lora in loras)
     engine = make_engine(
         engine_zoo, "llama", enable_lora=True, max_loras=4, num_gpu_blocks=largest + 12
     )
@@ -172,6 +172,85 @@ def test_a_pool_smaller_than_every_adapter_finishes_everything(engine_zoo, adapt
     assert (
         engine.manager.num_free_blocks == engine.manager.num_gpu_blocks - engine.adapters.num_blocks
     )
+
+
+def llama_loras(adapters) -> list[LoRARequest]:
+    return [
+        LoRARequest(kind, i, str(adapters[("llama", kind)])) for i, kind in enumerate(ADAPTERS, 1)
+    ]
+
+
+def assert_only_held_adapters_take_memory(engine) -> None:
+    """The worker's host copies are the catalog's, resident adapters are among them, and every
+    block no resident adapter holds is free (nothing runs)."""
+    held = engine.list_loras()
+    assert set(engine.runner.lora_registry) == held and set(engine.adapters.resident) <= held
+    free = engine.manager.num_gpu_blocks - engine.adapters.num_blocks
+    assert engine.manager.num_free_blocks == free
+
+
+def test_host_copies_are_bounded_by_max_cpu_loras(engine_zoo, adapters):
+    """vLLM's max_cpu_loras: adapters named one after another never pile up on the host. With
+    room for two, the least recently named idle one is forgotten (its blocks too), and one
+    named again is read again, giving the same output."""
+    loras = llama_loras(adapters)
+    llm = make_llm(
+        engine_zoo, "llama", enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=16
+    )
+    prompt = {"prompt_token_ids": random_prompt(15, seed=8)}
+    first = {}
+    for lora in loras:
+        [output] = llm.generate([prompt], GREEDY, lora_request=lora, use_tqdm=False)
+        first[lora.lora_int_id] = output.outputs[0].token_ids
+        assert lora.lora_int_id in llm.engine.list_loras()
+        assert_only_held_adapters_take_memory(llm.engine)
+    assert llm.engine.list_loras() == {3, 4}
+    [again] = llm.generate([prompt], GREEDY, lora_request=loras[0], use_tqdm=False)
+    assert again.outputs[0].token_ids == first[1]
+    assert llm.engine.list_loras() == {1, 4}
+    assert_only_held_adapters_take_memory(llm.engine)
+
+
+def test_adapters_in_use_are_kept_past_the_bound(engine_zoo, adapters):
+    """Four requests with four adapters at once, room for one on the host: none is forgotten
+    while its request waits or runs, each output is its adapter's, one is left after."""
+    loras = llama_loras(adapters)
+    engine = make_engine(engine_zoo, "llama", enable_lora=True, max_lora_rank=16)
+    prompts = [random_prompt(12 + i, seed=i) for i in range(len(loras))]
+    for index, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(str(index), prompt, GREEDY, lora_request=lora)
+    assert engine.list_loras() == {1, 2, 3, 4}
+    tokens: dict[str, list[int]] = {}
+    for deltas in run_to_completion(engine):
+        for delta in deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+        waiting = {r.lora_id for r in engine.scheduler.waiting} | {
+            r.lora_id for r in engine.scheduler.running
+        }
+        assert waiting <= engine.list_loras()
+    for index, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        assert_greedy(engine_zoo, "llama", Path(lora.lora_path), prompt, tokens[str(index)])
+    assert len(engine.list_loras()) == 1
+    assert_only_held_adapters_take_memory(engine)
+
+
+def test_remove_lora_forgets_an_adapter_once_no_request_uses_it(engine_zoo, adapters):
+    """vLLM's `remove_lora`: an adapter a request runs with stays until the request ends, then
+    its weights and blocks go; an idle one goes at once; `add_lora` reads one ahead."""
+    first, second = llama_loras(adapters)[:2]
+    engine = make_engine(engine_zoo, "llama", enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompt = random_prompt(20, seed=4)
+    engine.add_request("a", prompt, GREEDY, lora_request=first)
+    steps = [engine.step()]
+    assert engine.remove_lora(first.lora_int_id) and first.lora_int_id in engine.list_loras()
+    steps += run_to_completion(engine)
+    tokens = [token for deltas in steps for delta in deltas for token in delta.outputs[0].token_ids]
+    assert_greedy(engine_zoo, "llama", Path(first.lora_path), prompt, tokens)
+    assert engine.list_loras() == set() and not engine.adapters.resident
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+    assert not engine.remove_lora(first.lora_int_id)
+    assert engine.add_lora(second) and engine.list_loras() == {second.lora_int_id}
+    assert engine.remove_lora(second.lora_int_id) and engine.list_loras() == set()
 
 
 def test_prefix_cache_is_keyed_by_adapter(engine_zoo, adapters):
@@ -249,8 +328,8 @@ def test_a_waiting_request_pins_no_adapter(engine_zoo, adapters, policy, mode):
         for index, kind in enumerate(["all", "attention"], 1)
     ]
     probe = make_engine(engine_zoo, "llama", enable_lora=True)
-    small = min(probe.loras.resolve(lora)[1] for lora in loras)
-    large = max(probe.loras.resolve(lora)[1] for lora in loras)
+    small = min(probe.loras.resolve(lora, set())[1] for lora in loras)
+    large = max(probe.loras.resolve(lora, set())[1] for lora in loras)
     spare = 3
     needed = spare + 1 + small // 2  # blocks of one request at full length
     engine = make_engine(
@@ -317,7 +396,7 @@ def test_the_planner_states_the_blocks_the_engine_takes(engine_zoo, adapters):
     """`pagedkv plan --lora-rank 8` (kvmath/lora.py, from config.json alone) and the engine
     (from the adapter's tensors) agree on an adapter's blocks."""
     engine = make_engine(engine_zoo, "llama", enable_lora=True)
-    _, blocks = engine.loras.resolve(LoRARequest("all", 1, str(adapters[("llama", "all")])))
+    _, blocks = engine.loras.resolve(LoRARequest("all", 1, str(adapters[("llama", "all")])), set())
     config = json.loads((engine_zoo.folder("llama") / "config.json").read_text())
     spec = KVSpec.from_hf_config(config, "fp32")
     assert plan_lora(config, spec, rank=8, max_loras=1, block_size=16).blocks_per_adapter == blocks

@@ -132,7 +132,14 @@ def test_runtime_load_and_unload(server, client, tiny_model, adapters):
             "/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": "/nowhere"}
         )
         assert missing.status_code == 400 and "no such folder" in missing.text
+        engine = server.app.state.engine_loop.engine
+        beta_id = next(
+            lora.lora_int_id for lora in engine.loras.requests.values() if lora.lora_name == "beta"
+        )
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "beta"}).status_code == 200
+        assert beta_id not in engine.list_loras()  # its weights and blocks go with the name
+        nameless = http.post("/v1/unload_lora_adapter", json={})
+        assert nameless.status_code == 400 and "lora_name" in nameless.text
         gone = http.post("/v1/completions", json={"model": "beta", "prompt": PROMPT})
         assert gone.status_code == 404 and "does not exist" in gone.text
         unknown = http.post("/v1/unload_lora_adapter", json={"lora_name": "beta"})

@@ -86,6 +86,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | str | None = None
     enable_lora: bool = False
     max_loras: int = 1
+    max_cpu_loras: int | None = None
     max_lora_rank: int = 16
     trust_remote_code: bool = False
     enforce_eager: bool = False
@@ -150,7 +151,13 @@ class EngineArgs:
             _positive_int(name, getattr(self, name))
         if self.max_logprobs != -1:  # vLLM's -1: no cap
             _positive_int("max_logprobs", self.max_logprobs, also=" or -1 (no cap)")
-        for name in ("num_gpu_blocks", "kv_cache_memory", "max_model_len", "threads"):
+        for name in (
+            "num_gpu_blocks",
+            "kv_cache_memory",
+            "max_model_len",
+            "threads",
+            "max_cpu_loras",
+        ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
@@ -186,6 +193,10 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(
@@ -395,6 +406,7 @@ _CLI_TYPES = {
     "max_model_len": int,
     "tensor_parallel_size": int,
     "max_loras": int,
+    "max_cpu_loras": int,
     "max_lora_rank": int,
     "seed": int,
     "cpu_offload_gb": float,

@@ -46,6 +46,9 @@ FIELD_HELP = {
     "enable_lora": "serve LoRA adapters (PEFT folders) per request; their weights are paged "
     "into the KV pool's blocks while requests use them",
     "max_loras": "most LoRA adapters resident in the pool at once (with enable_lora)",
+    "max_cpu_loras": "most LoRA adapters whose weights are kept in host memory (default: "
+    "max_loras); the least recently used idle one is forgotten first, and read again when a "
+    "request names it",
     "max_lora_rank": "largest LoRA rank accepted (with enable_lora)",
     "tokenizer": "Hugging Face folder, .gguf file or built-in model name whose tokenizer to use "
     "(default: the model's own); its ids must fit the model's vocabulary",

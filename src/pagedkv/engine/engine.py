@@ -127,6 +127,7 @@ class Engine:
             self.kv_cache.adapter_chunk_elements,
             cache.num_gpu_blocks,
             self.runner.lora_registry,
+            self.adapters,
         )
         scheduler_config = args.scheduler_config()
         self.scheduler = Scheduler(self.manager, scheduler_config, self.adapters)
@@ -225,7 +226,7 @@ class Engine:
         # has moved on, and reporting it now would end the new request under the same id.
         self._aborted.pop(request_id, None)
         check_keys(priority, cache_salt)
-        lora_id, lora_blocks = self.loras.resolve(lora_request)
+        lora_id, lora_blocks = self.loras.resolve(lora_request, self._loras_in_use())
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
         # The adapter's blocks and the request's KV must fit the pool together.
@@ -278,6 +279,26 @@ class Engine:
                 seq.finish_reason = "abort"
         request.metrics.finished_time = time.monotonic()
         self._aborted[request_id] = request
+        if request.lora_id:
+            self.loras.trim(self._loras_in_use())
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter before any request names it (vLLM's); a LoRARejected
+        names what is wrong with it."""
+        self.loras.resolve(lora_request, self._loras_in_use())
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter's weights and pool blocks, at once or when the requests using it
+        finish (vLLM's); False if the engine does not hold it."""
+        return self.loras.forget(lora_id, self._loras_in_use())
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine holds (vLLM's)."""
+        return set(self.loras.requests)
+
+    def _loras_in_use(self) -> set[int]:
+        return {request.lora_id for request in self._requests.values() if request.lora_id}
 
     def shutdown(self) -> None:
         """End the tensor-parallel workers, if any (also done at exit); no step runs after."""
@@ -328,6 +349,8 @@ class Engine:
             if request.status is RequestStatus.FINISHED:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
+                if request.lora_id:
+                    self.loras.trim(self._loras_in_use())
         self._sampled_last_step = self.scheduler.last_step_tokens
         if self._sampled_last_step:
             self._generation_tokens_total += self._sampled_last_step

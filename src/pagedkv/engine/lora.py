@@ -5,8 +5,14 @@ engine by its id from then on. The catalog reads a folder the first time its id 
 missing, malformed or mismatched adapter is refused when the request is added, naming it,
 and nothing in flight is touched), keeps the weights on the host for the worker to write into
 pool blocks when a request needs them, and says how many blocks that takes
-(`memory/adapters.py`). An id always means the same adapter: reusing it for another name or
-path is refused, as vLLM refuses it.
+(`memory/adapters.py`). An id means the same adapter while the catalog holds it: reusing it
+for another name or path is refused, as vLLM refuses it.
+
+The host copies are bounded as vLLM bounds them: at most `max_cpu_loras` adapters (default
+`max_loras`) are kept, the least recently named idle one forgotten first (with its pool
+blocks); an adapter a request still uses is never forgotten, so the bound may be passed while
+more are in use. `forget` (the engine's `remove_lora`, the server's unload) drops one as soon
+as no request uses it; a later request naming it reads it again.
 
 Prefix caching is keyed by adapter: a request's cache salt carries its adapter's id, so two
 adapters never share KV blocks, whatever the prompt.
@@ -40,6 +46,7 @@ class LoRACatalog:
         chunk_elements: int,
         num_gpu_blocks: int,
         registry: dict[int, LoRAAdapter],
+        resident: AdapterBlocks | None,
     ) -> None:
         self.config = config
         self.num_gpu_blocks = num_gpu_blocks
@@ -47,12 +54,19 @@ class LoRACatalog:
         self.max_lora_rank = args.max_lora_rank
         self.chunk_elements = chunk_elements
         self.registry = registry
-        self.requests: dict[int, LoRARequest] = {}
+        self.resident = resident
+        self.max_cpu_loras = args.max_cpu_loras or args.max_loras
+        self.requests: dict[int, LoRARequest] = {}  # least recently named first
         self.num_blocks: dict[int, int] = {}
+        self._unwanted: set[int] = set()  # forgotten once no request uses them
 
-    def resolve(self, lora: LoRARequest | None) -> tuple[int, int]:
+    def __contains__(self, lora_id: int) -> bool:
+        return lora_id in self.requests
+
+    def resolve(self, lora: LoRARequest | None, in_use: set[int]) -> tuple[int, int]:
         """The adapter's id and the pool blocks it takes, reading it on first use; (0, 0)
-        for a request without one."""
+        for a request without one. `in_use`: the adapters unfinished requests use, which
+        making room for a new one must not forget."""
         if lora is None:
             return 0, 0
         if not isinstance(lora, LoRARequest):
@@ -75,6 +89,8 @@ class LoRACatalog:
                     f"LoRA id {lora_id} is adapter {known.lora_name!r} ({known.lora_path}), "
                     f"not {lora.lora_name!r} ({lora.lora_path}): one id, one adapter"
                 )
+            self.requests[lora_id] = self.requests.pop(lora_id)  # the most recently named
+            self._unwanted.discard(lora_id)
             return lora_id, self.num_blocks[lora_id]
         try:
             adapter = read_adapter(lora.lora_path, lora.lora_name, self.config, self.max_lora_rank)
@@ -90,7 +106,34 @@ class LoRACatalog:
         self.requests[lora_id] = lora
         self.num_blocks[lora_id] = num_blocks
         self.registry[lora_id] = adapter
+        self.trim(in_use | {lora_id})
         return lora_id, self.num_blocks[lora_id]
+
+    def forget(self, lora_id: int, in_use: set[int]) -> bool:
+        """Drop the adapter now, or once no request in `in_use` uses it; False if the
+        catalog does not hold it."""
+        if lora_id not in self.requests:
+            return False
+        self._unwanted.add(lora_id)
+        self.trim(in_use)
+        return True
+
+    def trim(self, in_use: set[int]) -> None:
+        """Forget every unwanted adapter no request uses, then the least recently named idle
+        ones while more than `max_cpu_loras` are held."""
+        for lora_id in [i for i in self._unwanted if i not in in_use]:
+            self._drop(lora_id)
+        idle = [lora_id for lora_id in self.requests if lora_id not in in_use]
+        for lora_id in idle[: max(0, len(self.requests) - self.max_cpu_loras)]:
+            self._drop(lora_id)
+
+    def _drop(self, lora_id: int) -> None:
+        """Forget an adapter no request uses: its host weights, and its pool blocks if it is
+        resident (idle, so the worker is told to let it go before the next step)."""
+        if self.resident is not None and lora_id in self.resident.resident:
+            self.resident.evict(lora_id)
+        del self.requests[lora_id], self.num_blocks[lora_id], self.registry[lora_id]
+        self._unwanted.discard(lora_id)
 
     def runs(self, adapters: AdapterBlocks | None) -> list[tuple[int, int, str]]:
         """The resident adapters' runs of blocks, `(first block, blocks, name)`."""

@@ -90,6 +90,12 @@ class AdapterBlocks:
                 return True
         return False
 
+    def evict(self, lora_id: int) -> None:
+        """Give an idle adapter's blocks back now (its weights are being forgotten)."""
+        if self.resident[lora_id].ref_count:
+            raise ValueError(f"LoRA adapter {lora_id} is in use: it cannot be evicted")
+        self._evict(lora_id)
+
     def take_changes(self) -> AdapterChanges:
         """The loads and evictions since the last call, for the worker."""
         changes, self.changes = self.changes, AdapterChanges()

@@ -5,7 +5,7 @@
 `--allow-runtime-lora-updating` (or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`),
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
 {"lora_name"}` add and remove them while serving. Each name gets its own `LoRARequest` id. The
-engine reads and checks an adapter when it is named (`Engine.loras.resolve`, the same check a
+engine reads and checks an adapter when it is named (`Engine.add_lora`, the same check a
 request's adapter gets; a bad one is a 400 naming it, or an error at start), so a request for
 it never fails later for that reason; a request for a name nobody serves is OpenAI's 404.
 `/v1/models` lists the adapters after the base model.
@@ -90,15 +90,20 @@ class ServedAdapters:
         self._check_free(lora.lora_name)
         self.by_name[lora.lora_name] = lora
 
-    def remove(self, name: str) -> None:
-        """Stop serving `name` (requests already running finish with it); 404 if unknown."""
-        if self.by_name.pop(name, None) is None:
+    def remove(self, name: object) -> LoRARequest:
+        """Stop serving `name` (requests already running finish with it) and return its
+        request; 400 without a name, 404 for one nobody serves."""
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
+        lora = self.by_name.pop(name, None)
+        if lora is None:
             raise APIError(
                 404,
                 f"no LoRA adapter '{name}' is served",
                 param="lora_name",
                 code="model_not_found",
             )
+        return lora
 
     def request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model (or no name); 404

@@ -87,7 +87,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     for module in config.lora_modules:  # a bad one stops the start, naming it
         lora = adapters.new(module.name, module.path, module.base_model_name)
         try:
-            engine.loras.resolve(lora)  # the engine thread is not running yet
+            engine.add_lora(lora)  # the engine thread is not running yet
         except LoRARejected as error:
             raise rejected(error) from None
         adapters.serve(lora)
@@ -176,7 +176,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             body = await _json_object(request)
             lora = adapters.new(body.get("lora_name"), body.get("lora_path"))
             try:
-                await engine_loop.call(lambda engine: engine.loras.resolve(lora))
+                await engine_loop.call(lambda engine: engine.add_lora(lora))
             except LoRARejected as error:
                 raise rejected(error) from None
             adapters.serve(lora)
@@ -187,7 +187,9 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         @v1.post("/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:
             name = (await _json_object(request)).get("lora_name")
-            adapters.remove(name)
+            lora = adapters.remove(name)
+            # Its weights and blocks go now, or when the requests running with it finish.
+            await engine_loop.call(lambda engine: engine.remove_lora(lora.lora_int_id))
             return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @v1.get("/kv")
