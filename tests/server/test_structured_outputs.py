@@ -213,6 +213,48 @@ def test_a_required_tool_call_parses_into_the_declared_arguments(client, model_n
                 jsonschema.validate(arguments, PARAMETERS[name])
 
 
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"],
+)
+def test_echo_leads_the_content_and_leaves_the_calls_whole(client, model_name, tool_choice):
+    """vLLM's `echo` puts the last (assistant) message before the content; the calls are read
+    from the output alone, so they parse as they would without it."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "Sure: "}]
+    args = dict(
+        model=model_name,
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        seed=3,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    plain = client.chat.completions.create(**args).choices[0]
+    args["extra_body"] = {**args["extra_body"], "echo": True}
+    echoed = client.chat.completions.create(**args).choices[0]
+    assert echoed.message.content == "Sure: " and plain.message.content is None
+    assert tool_call_args(echoed.message.tool_calls) == tool_call_args(plain.message.tool_calls)
+    assert echoed.finish_reason == plain.finish_reason
+
+
+def test_special_tokens_are_kept_in_outputs_read_for_tool_calls(client, model_name):
+    """As vLLM's tool parsers ask: some checkpoints make `<tool_call>` a special token, so an
+    output read for calls keeps special tokens (here the tokenizer's BOS, `<s>`, made likely
+    by a logit bias); with tool_choice "none" they are skipped as usual."""
+    args = dict(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=2,
+        tools=[WEATHER],
+        logit_bias={"1": 100},
+        extra_body={"ignore_eos": True},
+    )
+    read = client.chat.completions.create(**args, tool_choice="auto").choices[0]
+    skipped = client.chat.completions.create(**args, tool_choice="none").choices[0]
+    assert read.message.content == "<s><s>" and skipped.message.content == ""
+
+
 def test_parallel_tool_calls_false_makes_one_call(client, model_name):
     response = client.chat.completions.create(
         model=model_name,

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 async def create_chat_completion(context: ServingContext, raw: Request) -> Response:
     """Validate, render the conversation, submit, then stream or collect."""
     request = context.parse(await raw.body(), ChatCompletionRequest)
+    if request.resolved_tool_choice != "none":
+        # As vLLM's tool parsers ask: some checkpoints make <tool_call> a special token, and
+        # skipping special tokens would hide the calls from the parser.
+        request = request.model_copy(update={"skip_special_tokens": False})
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     constraint = structured_outputs(request)
@@ -204,12 +208,14 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         return self.request.resolved_tool_choice != "none"
 
     def _message(self, choice: _Choice) -> tuple[AssistantMessage, str | None]:
-        """A finished choice's message, and its finish reason ("tool_calls" if it called)."""
-        text = self.echoed + "".join(choice.text)
+        """A finished choice's message, and its finish reason ("tool_calls" if it called).
+        Only the output is read for calls; an echoed message leads the content (vLLM's)."""
+        text = "".join(choice.text)
         if not self._uses_tools:
-            return AssistantMessage(content=text), choice.finish_reason
+            return AssistantMessage(content=self.echoed + text), choice.finish_reason
         parsed = parse_output(self.request, text)
-        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
+        content = self.echoed + (parsed.content or "") if self.echoed else parsed.content
+        message = AssistantMessage(content=content, tool_calls=parsed.tool_calls or None)
         return message, self._finish_reason(choice.finish_reason, bool(parsed.tool_calls))
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
