@@ -176,6 +176,18 @@ def test_json_has_no_free_whitespace_with_or_without_disable_any_whitespace(llm)
         StructuredOutputsParams(json_object=True, disable_any_whitespace="yes")
 
 
+def test_vllms_other_structured_output_options_are_taken_or_refused_by_name():
+    """Switches that name what pagedkv always does are accepted; options it does not
+    implement are refused, naming them, rather than ignored."""
+    for switch in ("disable_additional_properties", "disable_fallback"):
+        assert StructuredOutputsParams(json_object=True, **{switch: True}).kind == "json_object"
+        with pytest.raises(ValueError, match=f"{switch} must be a bool"):
+            StructuredOutputsParams(json_object=True, **{switch: 1})
+    for option in ("whitespace_pattern", "structural_tag"):
+        with pytest.raises(ValueError, match=f"structured_outputs.{option} is not supported"):
+            StructuredOutputsParams(json_object=True, **{option: "[ ]*"})
+
+
 def test_special_tokens_spelled_in_a_constraint_are_plain_text(llm):
     """A grammar is over bytes: `<s>` and `</s>` (this tokenizer's BOS and EOS) written in a
     choice, a regex or a JSON const are those characters, spelled with ordinary tokens."""

@@ -306,6 +306,11 @@ def test_a_conversation_with_tool_results_renders_and_answers(client, model_name
         ({"structured_outputs": {"regex": "(unclosed"}}, None),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         (
+            {"structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]*"}},
+            "structured_outputs",
+        ),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        (
             {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
             "structured_outputs",
         ),
@@ -333,6 +338,26 @@ def test_bad_constraints_are_400s_and_leave_nothing(server, client, model_name, 
         assert raised.value.param == param
     wait_until(lambda: all_blocks_free(server))
     assert server.app.state.engine_loop.engine.stats.num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "tag"}}],
+    ids=["required", "named"],
+)
+def test_a_tool_schema_the_output_cannot_follow_is_named_as_the_tools(server, tool_choice):
+    """A keyword llguidance cannot hold outputs to, in a tool's parameters: the 400 names the
+    tools and the keyword, not a structured output the client never sent."""
+    parameters = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "tag", "parameters": parameters}}],
+        "tool_choice": tool_choice,
+    }
+    error = server.post("/v1/chat/completions", body).json()["error"]
+    assert error["param"] == "tool_choice" and "uniqueItems" in error["message"]
+    assert error["message"].startswith("the tools' parameters cannot hold a call")
 
 
 def test_logprobs_under_a_constraint_are_json_numbers(client, model_name):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
+import pytest
+
 from pagedkv.server.protocol import ChatCompletionRequest
 from pagedkv.server.tools import ToolCallStream, parse_output, render_messages, tool_constraint
 
@@ -139,3 +142,22 @@ def test_required_schema_names_each_tool_and_its_parameters():
     assert item["properties"]["name"] == {"enum": ["add"]}
     assert item["properties"]["parameters"] == TOOL["function"]["parameters"]
     assert tool_constraint(request("auto")) is None
+
+
+@pytest.mark.parametrize("root", [{}, {"$id": "https://example.com/tool.json"}], ids=["", "$id"])
+def test_required_schema_accepts_what_each_tools_own_schema_accepts(root):
+    """The combined "required" schema holds each call's parameters to its tool's own schema,
+    `$defs` references and a root `$id` (which re-bases references) included."""
+    parameters = {
+        **root,
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/P"}},
+        "required": ["p"],
+        "$defs": {"P": {"type": "integer", "minimum": 3}},
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    schema = tool_constraint(request("required", tools=[tool])).json
+    for arguments in ({"p": 4}, {"p": 2}, {"p": "x"}, {}):
+        own = jsonschema.Draft202012Validator(parameters).is_valid(arguments)
+        combined = jsonschema.Draft202012Validator(schema)
+        assert combined.is_valid([{"name": "f", "parameters": arguments}]) == own

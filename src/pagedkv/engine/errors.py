@@ -171,4 +171,5 @@ class InvalidStructuredOutput(RequestRejected):
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(f"structured_outputs.{kind} is invalid: {reason.strip()}")
         self.kind = kind
+        self.reason = reason.strip()
         self.param = "structured_outputs"

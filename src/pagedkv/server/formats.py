@@ -75,6 +75,11 @@ class StructuredOutputsFields(RequestModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 

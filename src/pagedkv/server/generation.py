@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.errors import PromptTooLong, RequestRejected
+from pagedkv.engine.errors import InvalidStructuredOutput, PromptTooLong, RequestRejected
 from pagedkv.server.engine_loop import EngineFailed, EngineLoop, Overloaded, ShuttingDown
 from pagedkv.server.errors import APIError
 from pagedkv.server.responses import PromptTokensDetails, Usage
@@ -147,7 +147,11 @@ class Generation:
             if isinstance(error, RequestRejected):
                 code = "context_length_exceeded" if isinstance(error, PromptTooLong) else None
                 param = None if error.param is None else request_field(request, error.param)
-                raise APIError(400, str(error), param=param, code=code) from error
+                message = str(error)
+                if param == "tool_choice" and isinstance(error, InvalidStructuredOutput):
+                    # The client sent tools, not a structured output: name what it sent.
+                    message = f"the tools' parameters cannot hold a call to them: {error.reason}"
+                raise APIError(400, message, param=param, code=code) from error
             raise
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:

@@ -37,12 +37,9 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
             [(name, value)] = guided.items()
             return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
         if fields is not None:
+            declared = type(fields).model_fields  # (unknown sub-fields were logged)
             return StructuredOutputsParams(
-                json=fields.json_,
-                regex=fields.regex,
-                choice=fields.choice,
-                grammar=fields.grammar,
-                json_object=fields.json_object,
+                **{field.alias or name: getattr(fields, name) for name, field in declared.items()}
             )
         if not wanted:
             return None

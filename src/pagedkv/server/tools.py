@@ -182,8 +182,12 @@ def _hoisted(parameters: dict[str, Any], key: str, definitions: dict[str, Any]) 
     for section in ("$defs", "definitions"):
         for name, definition in (parameters.get(section) or {}).items():
             definitions[f"{key}__{name}"] = rewrite(definition)
+    # The root's `$id` (and `$schema`) would make its references resolve against the tool's
+    # own document, not the combined schema they now point into.
     body = {
-        name: value for name, value in parameters.items() if name not in ("$defs", "definitions")
+        name: value
+        for name, value in parameters.items()
+        if name not in ("$defs", "definitions", "$id", "$schema")
     }
     definitions[key] = rewrite(body)
     return {"$ref": f"#/$defs/{key}"}

@@ -25,11 +25,24 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # vLLM's switch for JSON without free whitespace: pagedkv writes JSON that way either
-    # way (`grammar.JSON_OPTIONS`), so True and False give the same grammar.
+    # vLLM's switches, accepted for what pagedkv always does: JSON without free whitespace
+    # (`grammar.JSON_OPTIONS`), objects held to their declared properties (`closed_objects`),
+    # one grammar backend (nothing to fall back to). True and False give the same grammar.
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    # vLLM's options pagedkv does not implement: refused when set, rather than ignored.
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"structured_outputs.{name} is not supported (JSON is written without free "
+                    "whitespace; one of json, regex, choice, grammar, json_object constrains "
+                    "the whole output)"
+                )
         set_kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(
@@ -49,11 +62,11 @@ class StructuredOutputsParams:
             if not all(isinstance(choice, str) for choice in choices):
                 raise ValueError(f"structured_outputs.choice must hold strings, got {choices!r}")
             self.choice = list(choices)
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError(
-                "structured_outputs.disable_any_whitespace must be a bool: "
-                f"{self.disable_any_whitespace!r}"
-            )
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a bool: {getattr(self, name)!r}"
+                )
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a bool: {self.json_object!r}")
 
