@@ -153,7 +153,7 @@ def test_a_pool_smaller_than_every_adapter_finishes_everything(engine_zoo, adapt
         LoRARequest(kind, i, str(adapters[("llama", kind)])) for i, kind in enumerate(kinds, 1)
     ]
     probe = make_engine(engine_zoo, "llama", enable_lora=True)
-    largest = max(probe.loras.resolve(lora, set())[1] for lora in loras)
+    largest = max(probe.loras.resolve(lora)[1] for lora in loras)
     engine = make_engine(
         engine_zoo, "llama", enable_lora=True, max_loras=4, num_gpu_blocks=largest + 12
     )
@@ -328,8 +328,8 @@ def test_a_waiting_request_pins_no_adapter(engine_zoo, adapters, policy, mode):
         for index, kind in enumerate(["all", "attention"], 1)
     ]
     probe = make_engine(engine_zoo, "llama", enable_lora=True)
-    small = min(probe.loras.resolve(lora, set())[1] for lora in loras)
-    large = max(probe.loras.resolve(lora, set())[1] for lora in loras)
+    small = min(probe.loras.resolve(lora)[1] for lora in loras)
+    large = max(probe.loras.resolve(lora)[1] for lora in loras)
     spare = 3
     needed = spare + 1 + small // 2  # blocks of one request at full length
     engine = make_engine(
@@ -396,7 +396,7 @@ def test_the_planner_states_the_blocks_the_engine_takes(engine_zoo, adapters):
     """`pagedkv plan --lora-rank 8` (kvmath/lora.py, from config.json alone) and the engine
     (from the adapter's tensors) agree on an adapter's blocks."""
     engine = make_engine(engine_zoo, "llama", enable_lora=True)
-    _, blocks = engine.loras.resolve(LoRARequest("all", 1, str(adapters[("llama", "all")])), set())
+    _, blocks = engine.loras.resolve(LoRARequest("all", 1, str(adapters[("llama", "all")])))
     config = json.loads((engine_zoo.folder("llama") / "config.json").read_text())
     spec = KVSpec.from_hf_config(config, "fp32")
     assert plan_lora(config, spec, rank=8, max_loras=1, block_size=16).blocks_per_adapter == blocks

@@ -128,9 +128,9 @@ class Engine:
             cache.num_gpu_blocks,
             self.runner.lora_registry,
             self.adapters,
+            in_use=lambda: {request.lora_id for request in self._requests.values()},
         )
-        scheduler_config = args.scheduler_config()
-        self.scheduler = Scheduler(self.manager, scheduler_config, self.adapters)
+        self.scheduler = Scheduler(self.manager, args.scheduler_config(), self.adapters)
         drafter: Drafter | None = None
         if draft is not None:
             draft_cache = draft_kv_pool(draft.model, cache, args.kv_cache_dtype)
@@ -142,7 +142,7 @@ class Engine:
             Sampler(args.seed, device=self.device),
             self.tokenizer,
             drafter=drafter,
-            num_speculative_tokens=scheduler_config.num_speculative_tokens,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
         self._samples = SampleFactory(self.tokenizer, self.config.vocab_size, self.device)
@@ -226,7 +226,7 @@ class Engine:
         # has moved on, and reporting it now would end the new request under the same id.
         self._aborted.pop(request_id, None)
         check_keys(priority, cache_salt)
-        lora_id, lora_blocks = self.loras.resolve(lora_request, self._loras_in_use())
+        lora_id, lora_blocks = self.loras.resolve(lora_request)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
         # The adapter's blocks and the request's KV must fit the pool together.
@@ -279,26 +279,19 @@ class Engine:
                 seq.finish_reason = "abort"
         request.metrics.finished_time = time.monotonic()
         self._aborted[request_id] = request
-        if request.lora_id:
-            self.loras.trim(self._loras_in_use())
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Read and check an adapter before any request names it (vLLM's); a LoRARejected
-        names what is wrong with it."""
-        self.loras.resolve(lora_request, self._loras_in_use())
+        """vLLM's: read and check an adapter before a request names it (or LoRARejected)."""
+        self.loras.resolve(lora_request)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Forget an adapter's weights and pool blocks, at once or when the requests using it
-        finish (vLLM's); False if the engine does not hold it."""
-        return self.loras.forget(lora_id, self._loras_in_use())
+        """vLLM's: forget an adapter now, or once its requests end; False if not held."""
+        return self.loras.forget(lora_id)
 
     def list_loras(self) -> set[int]:
-        """The ids of the adapters the engine holds (vLLM's)."""
+        """vLLM's: the ids of the adapters held."""
         return set(self.loras.requests)
-
-    def _loras_in_use(self) -> set[int]:
-        return {request.lora_id for request in self._requests.values() if request.lora_id}
 
     def shutdown(self) -> None:
         """End the tensor-parallel workers, if any (also done at exit); no step runs after."""
@@ -332,6 +325,7 @@ class Engine:
         deltas = [self._delta(request) for request in touched.values()]
         deltas += [self._delta(request) for request in self._aborted.values()]
         self._aborted.clear()
+        self.loras.trim()  # adapters whose last request ended may go
         self._step_seconds += time.perf_counter() - started
         return deltas
 
@@ -349,8 +343,6 @@ class Engine:
             if request.status is RequestStatus.FINISHED:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
-                if request.lora_id:
-                    self.loras.trim(self._loras_in_use())
         self._sampled_last_step = self.scheduler.last_step_tokens
         if self._sampled_last_step:
             self._generation_tokens_total += self._sampled_last_step

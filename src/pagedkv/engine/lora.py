@@ -21,6 +21,7 @@ adapters never share KV blocks, whatever the prompt.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.errors import RequestRejected
@@ -47,6 +48,7 @@ class LoRACatalog:
         num_gpu_blocks: int,
         registry: dict[int, LoRAAdapter],
         resident: AdapterBlocks | None,
+        in_use: Callable[[], set[int]],
     ) -> None:
         self.config = config
         self.num_gpu_blocks = num_gpu_blocks
@@ -55,6 +57,7 @@ class LoRACatalog:
         self.chunk_elements = chunk_elements
         self.registry = registry
         self.resident = resident
+        self.in_use = in_use  # the adapters of unfinished requests (0: none), never forgotten
         self.max_cpu_loras = args.max_cpu_loras or args.max_loras
         self.requests: dict[int, LoRARequest] = {}  # least recently named first
         self.num_blocks: dict[int, int] = {}
@@ -63,10 +66,9 @@ class LoRACatalog:
     def __contains__(self, lora_id: int) -> bool:
         return lora_id in self.requests
 
-    def resolve(self, lora: LoRARequest | None, in_use: set[int]) -> tuple[int, int]:
-        """The adapter's id and the pool blocks it takes, reading it on first use; (0, 0)
-        for a request without one. `in_use`: the adapters unfinished requests use, which
-        making room for a new one must not forget."""
+    def resolve(self, lora: LoRARequest | None) -> tuple[int, int]:
+        """The adapter's id and the pool blocks it takes, reading it on first use (and
+        forgetting an idle one if that passes the bound); (0, 0) for a request without one."""
         if lora is None:
             return 0, 0
         if not isinstance(lora, LoRARequest):
@@ -106,21 +108,24 @@ class LoRACatalog:
         self.requests[lora_id] = lora
         self.num_blocks[lora_id] = num_blocks
         self.registry[lora_id] = adapter
-        self.trim(in_use | {lora_id})
+        self.trim(keep=lora_id)
         return lora_id, self.num_blocks[lora_id]
 
-    def forget(self, lora_id: int, in_use: set[int]) -> bool:
-        """Drop the adapter now, or once no request in `in_use` uses it; False if the
-        catalog does not hold it."""
+    def forget(self, lora_id: int) -> bool:
+        """Drop the adapter now, or once no request uses it; False if the catalog does not
+        hold it."""
         if lora_id not in self.requests:
             return False
         self._unwanted.add(lora_id)
-        self.trim(in_use)
+        self.trim()
         return True
 
-    def trim(self, in_use: set[int]) -> None:
+    def trim(self, keep: int = 0) -> None:
         """Forget every unwanted adapter no request uses, then the least recently named idle
-        ones while more than `max_cpu_loras` are held."""
+        ones (never `keep`, just named) while more than `max_cpu_loras` are held."""
+        if not self._unwanted and len(self.requests) <= self.max_cpu_loras:
+            return
+        in_use = self.in_use() | {keep}
         for lora_id in [i for i in self._unwanted if i not in in_use]:
             self._drop(lora_id)
         idle = [lora_id for lora_id in self.requests if lora_id not in in_use]
