@@ -102,6 +102,42 @@ def test_chat_takes_a_template_its_kwargs_and_continues_a_final_message(llm):
         llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
 
 
+def test_chat_content_is_one_string_as_vllms_string_format(llm):
+    """vLLM's `chat_template_content_format`: "auto" and "string" render a list of text parts
+    as their texts joined by newlines (the same prompt as that string); "openai" is refused."""
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    joined = [{"role": "user", "content": "a\nb"}]
+    [expected] = llm.chat(joined, GREEDY, use_tqdm=False)
+    for content_format in ("auto", "string"):
+        [output] = llm.chat(
+            parts, GREEDY, use_tqdm=False, chat_template_content_format=content_format
+        )
+        assert output.prompt == expected.prompt and "a\nb" in output.prompt
+    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or"):
+        llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_tokenization_kwargs_encode_text_prompts_as_told(llm):
+    """vLLM's `tokenization_kwargs={"add_special_tokens": False}`: the text is encoded
+    without BOS, as the same ids given directly; the output still reports the text."""
+    tokenizer = llm.get_tokenizer()
+    text = "Paged attention"
+    bare = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text) == [1, *bare]
+    [given_ids] = llm.generate([bare], GREEDY, use_tqdm=False)
+    [told] = llm.generate(
+        [text, bare], GREEDY, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}
+    )[:1]
+    assert told.prompt_token_ids == bare and told.prompt == text
+    assert told.outputs[0].token_ids == given_ids.outputs[0].token_ids
+    [default] = llm.generate(text, GREEDY, use_tqdm=False, tokenization_kwargs={})
+    assert default.prompt_token_ids == [1, *bare]
+    with pytest.raises(ValueError, match=r"add_special_tokens only, got \['truncation'\]"):
+        llm.generate(text, GREEDY, tokenization_kwargs={"truncation": True})
+
+
 def test_detokenize_false_gives_the_same_tokens_without_text(llm):
     """vLLM's `detokenize=False`: the same token ids and logprobs, no text, and logprob entries
     whose decoded_token is None (with text, each is its token decoded alone)."""

@@ -10,7 +10,6 @@ collects only its own requests' outputs.
 from __future__ import annotations
 
 import itertools
-import reprlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -22,15 +21,12 @@ from pagedkv.engine.engine import Engine
 from pagedkv.engine.lora import LoRARequest
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.prompts import Prompt, PromptDict, as_prompts, is_sequence
 from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
-Prompt = str | Sequence[int]
-# vLLM's TextPrompt {"prompt": str} and TokensPrompt {"prompt_token_ids": list[int]}
-# (`prompts.py` names them); any mapping with those keys is read.
-PromptDict = Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]
 
 
@@ -67,6 +63,7 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (the rest keyword-only, as vLLM's): a string, token ids, a
         `{"prompt": ...}` or `{"prompt_token_ids": [...]}` dict (with an optional
@@ -76,8 +73,13 @@ class LLM:
         `priority` gives one priority per prompt, as vLLM's does; it needs the engine's
         `scheduling_policy="priority"` (lower runs first). `lora_request` is one LoRA adapter
         for every prompt, or one (or None) per prompt; it needs `enable_lora=True`.
+        `tokenization_kwargs` (vLLM's) takes `add_special_tokens` for text prompts.
         """
-        prompt_list, salts = _as_prompts(prompts)
+        prompt_list, salts = as_prompts(prompts)
+        texts = None
+        if tokenization_kwargs:
+            texts = [prompt if isinstance(prompt, str) else None for prompt in prompt_list]
+            prompt_list = self._encoded(prompt_list, tokenization_kwargs)
         params = self._params_or_defaults(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
         loras = _lora_per_prompt(lora_request, len(prompt_list))
@@ -85,7 +87,16 @@ class LLM:
             {"params": each, "priority": rank, "lora_request": lora, "cache_salt": salt}
             for each, rank, lora, salt in zip(params, priorities, loras, salts, strict=True)
         ]
-        return self._run(prompt_list, options, use_tqdm)
+        return self._run(prompt_list, options, use_tqdm, texts)
+
+    def _encoded(self, prompts: list[Prompt], kwargs: Mapping[str, Any]) -> list[Prompt]:
+        """Text prompts as token ids, encoded with `kwargs` (`add_special_tokens` only)."""
+        unknown = sorted(set(kwargs) - {"add_special_tokens"})
+        if unknown:
+            raise ValueError(f"tokenization_kwargs takes add_special_tokens only, got {unknown}")
+        add = kwargs.get("add_special_tokens", True)
+        encode = self.engine.tokenizer.encode
+        return [encode(p, add_special_tokens=add) if isinstance(p, str) else p for p in prompts]
 
     def beam_search(
         self,
@@ -110,7 +121,7 @@ class LLM:
             raise ValueError(
                 f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}"
             )
-        prompt_list, salts = _as_prompts(prompts)
+        prompt_list, salts = as_prompts(prompts)
         loras = _lora_per_prompt(lora_request, len(prompt_list))
         # The EOS stays in the tokens, as vLLM's `LLM.beam_search` keeps it.
         whole = replace(params, include_stop_str_in_output=True)
@@ -152,6 +163,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -164,9 +176,17 @@ class LLM:
         (it needs `add_generation_prompt=False`). `tools` (OpenAI-style function definitions)
         reach the template as its `tools` variable, as vLLM passes them; the answer is text
         (the server's chat completions parse tool calls out of it). Each output's `prompt` is
-        the rendered text. `lora_request` is as `generate`'s.
+        the rendered text. `lora_request` is as `generate`'s. A message's content is rendered
+        as one string (text parts joined by newlines): vLLM's `chat_template_content_format`
+        "string", which its "auto" picks for text-only templates; "openai" (content as a list
+        of parts, for templates of images and audio) is refused.
         """
-        if not _is_sequence(messages):
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                "chat_template_content_format must be 'auto' or 'string' (content as one "
+                f"string; the models here read text only), got {chat_template_content_format!r}"
+            )
+        if not is_sequence(messages):
             raise TypeError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of "
                 f"such lists, got {type(messages).__name__}"
@@ -200,7 +220,7 @@ class LLM:
         prompts: Sequence[Prompt],
         options: Sequence[Mapping[str, Any]],
         use_tqdm: bool,
-        texts: Sequence[str] | None = None,
+        texts: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Add the prompts, each with its `Engine.add_request` keywords (`options`), step
         until all finish, return whole outputs in order.
@@ -250,59 +270,12 @@ class LLM:
         self.engine.step()
 
 
-def _as_prompts(
-    prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
-) -> tuple[list[Prompt], list[str | None]]:
-    """The prompts as text or token ids, and each one's cache salt (a prompt dict's
-    `"cache_salt"`, else None); a TypeError names the first prompt that is neither."""
-    if isinstance(prompts, str | Mapping):
-        items = [prompts]
-    elif not _is_sequence(prompts):
-        raise _not_a_prompt(prompts)
-    else:
-        items = list(prompts)  # type: ignore[arg-type]
-        if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
-            items = [items]  # one prompt given as token ids
-    salts = [item.get("cache_salt") if isinstance(item, Mapping) else None for item in items]
-    return [_as_prompt(item) for item in items], salts
-
-
-def _as_prompt(prompt: object) -> Prompt:
-    """One prompt as text or token ids (the engine checks the ids themselves)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping):
-        if "prompt_token_ids" in prompt:  # vLLM reads the ids first when both are given
-            token_ids = prompt["prompt_token_ids"]
-            if _is_sequence(token_ids):
-                return token_ids
-        elif isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"]
-        raise _not_a_prompt(prompt)
-    if _is_sequence(prompt):
-        return prompt  # type: ignore[return-value]
-    raise _not_a_prompt(prompt)
-
-
-def _is_sequence(value: object) -> bool:
-    """A list or tuple (of token ids, prompts, messages or params): text and bytes are
-    sequences too, but not of those; a dict is none."""
-    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
-
-
-def _not_a_prompt(prompt: object) -> TypeError:
-    return TypeError(
-        f"prompt {reprlib.repr(prompt)} is {type(prompt).__name__}: give a string, a list "
-        "of token ids, {'prompt': str}, {'prompt_token_ids': list[int]}, or a list of them"
-    )
-
-
 def _params_per_prompt(
     sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
-    if not _is_sequence(sampling_params):
+    if not is_sequence(sampling_params):
         raise TypeError(
             f"sampling_params must be a SamplingParams or a list of them, got "
             f"{type(sampling_params).__name__}"
@@ -317,7 +290,7 @@ def _params_per_prompt(
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
     if priority is None:
         return [0] * num_prompts
-    if not _is_sequence(priority):
+    if not is_sequence(priority):
         raise TypeError(
             f"priority must be a list of ints, one per prompt (as vLLM's), got {priority!r}"
         )
