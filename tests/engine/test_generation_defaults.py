@@ -60,6 +60,21 @@ def test_transformers_defaults_and_generation_config_vllm_set_nothing(engine_zoo
     assert ignoring.get_default_sampling_params() == SamplingParams()
 
 
+def test_without_the_file_config_json_gives_them_as_in_vllm(engine_zoo, tmp_path) -> None:
+    """vLLM's fallback (`GenerationConfig.from_model_config`): a folder without a
+    generation_config.json takes the same keys from config.json, by the same rule; with one,
+    config.json's are not read."""
+    folder = tmp_path / "llama"
+    shutil.copytree(engine_zoo.folder("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    settings = {"temperature": 0.6, "top_k": 50, "max_new_tokens": 5}
+    (folder / "config.json").write_text(json.dumps({**config, **settings}))
+    (folder / "generation_config.json").unlink()
+    assert small_llm(folder).engine.sampling_defaults == {"temperature": 0.6, "max_tokens": 5}
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert small_llm(folder).engine.sampling_defaults == {}
+
+
 def test_a_plain_folder_has_no_defaults(engine_zoo) -> None:
     llm = make_llm(engine_zoo, "llama")
     assert llm.engine.sampling_defaults == {}

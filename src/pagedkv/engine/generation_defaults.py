@@ -6,7 +6,9 @@ penalty 1.05). vLLM's `generation_config="auto"` makes them the defaults: of a r
 no SamplingParams (`LLM.generate`, `LLM.chat`, `LLM.get_default_sampling_params()`), and of
 each field a server request leaves out. Only values that differ from transformers' own
 defaults count (vLLM reads `GenerationConfig.to_diff_dict()`), and `max_new_tokens` is
-`max_tokens`. `"vllm"` ignores the file; any other value names a folder holding one.
+`max_tokens`. A folder without the file gives the same keys of its config.json, where older
+checkpoints kept them (vLLM's `GenerationConfig.from_model_config` fallback). `"vllm"` ignores
+both; any other value names a folder holding a generation_config.json.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def sampling_defaults(generation_config: str, model_path: Path) -> dict[str, Any
     if generation_config != "auto" and not (folder / FILE_NAME).is_file():
         raise ValueError(f"generation_config {generation_config!r}: no {FILE_NAME} there")
     path = folder / FILE_NAME
-    if not path.is_file():  # a GGUF file, or a folder without one
+    if not path.is_file():  # vLLM's fallback: the generation keys of the model's config
+        path = folder / "config.json"
+    if not path.is_file():  # a GGUF file
         return {}
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -63,7 +67,7 @@ def describe(defaults: dict[str, Any]) -> str:
     """The start-up line naming the defaults in force (vLLM warns about them likewise)."""
     settings = ", ".join(f"{key} {value}" for key, value in defaults.items())
     return (
-        f"sampling defaults from the model's {FILE_NAME}, for requests given no "
+        f"sampling defaults from the model's {FILE_NAME} (or config.json), for requests given no "
         f"SamplingParams and server fields left out: {settings} "
         "(generation_config='vllm' ignores them)"
     )
