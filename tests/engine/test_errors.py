@@ -16,6 +16,7 @@ from pagedkv.engine import (
     TooManySamples,
 )
 from pagedkv.engine.errors import DuplicateRequest, InvalidTokenId, StepFailed
+from pagedkv.memory import MoveKind
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
 from tests.model.tiny_models import VOCAB_SIZE, random_prompt
 
@@ -197,3 +198,75 @@ def test_generate_leaves_nothing_behind_when_a_step_fails(engine_zoo, monkeypatc
     assert not llm.engine.has_unfinished()
     monkeypatch.setattr(llm.engine.runner, "execute", real_execute)
     assert [len(o.outputs[0].token_ids) for o in llm.generate([[5, 6]], GREEDY)] == [8]
+
+
+def fail_once_before_a_plan_with(engine, monkeypatch, kind: MoveKind) -> list:
+    """Make the first step whose memory plan has a move of `kind` fail before the plan runs
+    (as a draft model's out-of-memory error, or Ctrl-C, would); the failed steps' outputs."""
+    failed: list = []
+    real_execute = engine.runner.execute
+
+    def execute(output):
+        if not failed and any(move.kind is kind for move in output.plan):
+            failed.append(output)
+            raise RuntimeError("out of memory before the plan ran")
+        return real_execute(output)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    return failed
+
+
+def greedy_tokens(engine, requests) -> dict[str, list[int] | None]:
+    """Each request's tokens run to the end on `engine` (None: aborted), surviving one
+    StepFailed; memory invariants checked after every step."""
+    for request_id, prompt in requests:
+        engine.add_request(request_id, prompt, LONG)
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished():
+        try:
+            deltas = engine.step()
+        except StepFailed:
+            deltas = []
+        engine.manager.check_invariants()
+        for delta in deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+            if delta.finished:
+                reasons[delta.request_id] = delta.outputs[0].finish_reason
+    return {rid: None if reasons[rid] == "abort" else tokens[rid] for rid, _ in requests}
+
+
+LONG = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings"),
+    [
+        (MoveKind.SWAP_OUT, dict(num_gpu_blocks=10, max_num_batched_tokens=64)),
+        (MoveKind.SWAP_IN, dict(num_gpu_blocks=12, max_num_batched_tokens=128)),
+        (
+            MoveKind.SWAP_OUT,
+            dict(num_gpu_blocks=10, kv_offloading_size=0.001, preemption_mode="recompute"),
+        ),
+    ],
+    ids=["swap victim", "swapped back in", "host tier save"],
+)
+def test_a_step_failing_before_its_memory_plan_leaves_no_kv_it_promised(
+    engine_zoo, monkeypatch, kind, settings
+):
+    """A failed step's plan may never have run: the requests whose blocks it was writing are
+    aborted with it, and nothing it would have written is served from the prefix cache or the
+    host tier. Oracle: every request that finishes, and the same prompts again with one more
+    token (prefix and tier hits), equal a fresh engine's answers."""
+    prompts = [(f"r{i}", random_prompt(30 + 3 * i, seed=i)) for i in range(4)]
+    engine = make_engine(engine_zoo, "llama", **settings)
+    failed = fail_once_before_a_plan_with(engine, monkeypatch, kind)
+    survived = greedy_tokens(engine, prompts)
+    assert failed, "no step had such a move: choose a smaller pool"
+    moved_into = {move.dst for move in failed[0].plan if move.kind is kind}
+    assert moved_into and None in survived.values()
+    fresh = make_engine(engine_zoo, "llama", num_gpu_blocks=200)
+    expected = greedy_tokens(fresh, prompts)
+    assert all(got in (None, expected[rid]) for rid, got in survived.items())
+    again = [(f"{rid}+", prompt + [7]) for rid, prompt in prompts]
+    assert greedy_tokens(engine, again) == greedy_tokens(fresh, again)

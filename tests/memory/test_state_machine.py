@@ -321,6 +321,32 @@ class MemoryRules(RuleBasedStateMachine):
     def end_step(self):
         self._run_step_plan()
 
+    @rule()
+    def the_step_fails_before_its_plan(self):
+        """The engine's failed step: the plan never ran (or ran part way: its destinations hold
+        garbage), `discard_plan` takes back what it promised, and the sequences it names are
+        dropped. The invariants below then hold: every cached block (GPU or tier) and every
+        surviving sequence still holds the tokens it claims."""
+        if not self.step_plan:
+            return
+        plan, self.step_plan = self.step_plan, MemoryPlan()
+        gpu = {move.dst for move in plan if move.kind is not MoveKind.SWAP_OUT}
+        cpu = {move.dst for move in plan if move.kind is MoveKind.SWAP_OUT}
+        holding = {
+            seq_id
+            for seq_id, seq in self.model.items()
+            if set(self.manager.block_table(seq_id)) & (cpu if seq.swapped else gpu)
+        }
+        # A step that failed part way may have written anything into them.
+        size = self.manager.block_size
+        for slots, blocks in ((self.store.gpu, gpu), (self.store.cpu, cpu)):
+            slots.update({(block, offset): -1 for block in blocks for offset in range(size)})
+        dropped = self.manager.discard_plan(plan)
+        assert dropped == holding
+        event("a failed step dropped sequences" if dropped else "a failed step dropped none")
+        for seq_id in dropped:
+            self.free(sorted(self.model).index(seq_id))
+
     @invariant()
     def manager_is_consistent(self):
         self.manager.check_invariants()
@@ -431,6 +457,17 @@ class HostTierMachine(MemoryRules):
                 pick % len(self.computed_prefixes)
             ]
             self.allocate(list(prefix) + tail, salt, compute=True, shared=False)
+
+    @rule(pick=picks, tail=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def a_prefix_hit_whose_step_fails(self, pick, tail):
+        """A prompt served from the cache (often copied back from the tier), then its step
+        fails before the copies ran."""
+        if self.computed_prefixes:
+            salt, prefix = sorted(self.computed_prefixes, key=repr)[
+                pick % len(self.computed_prefixes)
+            ]
+            self.allocate(list(prefix) + tail, salt, compute=False, shared=False)
+            self.the_step_fails_before_its_plan()
 
 
 HostTierMachine.TestCase.settings = settings(

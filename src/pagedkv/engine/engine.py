@@ -312,10 +312,10 @@ class Engine:
         try:
             touched = self._run(output)
         except BaseException as error:
-            # A request whose step failed (or was interrupted, Ctrl-C) may be half-updated:
-            # abort it rather than leave it running with nothing to compute. The other
-            # requests are not touched; an interrupt stays an interrupt.
-            request_ids = sorted({chunk.seq_id[0] for chunk in output.chunks})
+            # Abort what the failed (or interrupted) step touched: requests it computed, and
+            # those whose blocks its memory plan, perhaps never run, was writing (`discard_plan`).
+            moved = {seq_id[0] for seq_id in self.manager.discard_plan(output.plan)}
+            request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks})
             for request_id in request_ids:
                 self.abort(request_id)
             if not isinstance(error, Exception):

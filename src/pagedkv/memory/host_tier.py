@@ -95,6 +95,14 @@ class HostTier:
         self._entries[block_hash] = (host_id, token_bytes)
         return host_id
 
+    def forget(self, host_ids: set[int]) -> None:
+        """Drop the entries held in these host blocks (a save into them that a failed step
+        never ran); their ids are free again. Ids not held here are ignored."""
+        for block_hash, (host_id, _) in list(self._entries.items()):
+            if host_id in host_ids:
+                del self._entries[block_hash]
+                self._free_ids.append(host_id)
+
     @property
     def stats(self) -> HostTierStats:
         return HostTierStats(len(self._entries), self._queries, self._hits)

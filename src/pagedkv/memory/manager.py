@@ -429,6 +429,22 @@ class KVCacheManager:
         self._blocks_swapped_in += len(plan)
         return plan
 
+    def discard_plan(self, plan: MemoryPlan) -> set[SeqId]:
+        """Take back what a plan that may not have run promised (a failed step's): the blocks
+        it would have written leave the GPU prefix cache and the host tier, and the sequences
+        holding any are returned, for the caller to drop. Their KV may never have been written:
+        swapped out into them, swapped or copied into them, or sharing them since."""
+        gpu = {move.dst for move in plan if move.kind is not MoveKind.SWAP_OUT}
+        cpu = {move.dst for move in plan if move.kind is MoveKind.SWAP_OUT}
+        self._pool.uncache(self._pool.blocks[block_id] for block_id in gpu)
+        self._tier.forget(cpu)
+        return {
+            seq_id
+            for seq_id, seq in self._seqs.items()
+            if cpu.intersection(seq.cpu_blocks or ())
+            or any(block.block_id in gpu for block in seq.blocks)
+        }
+
     def take_pending_plan(self) -> MemoryPlan:
         """The moves `allocate` calls made since last taken (host-tier saves and copies back),
         to run in the step that uses the allocation; empty without a host tier."""

@@ -143,6 +143,15 @@ class BlockPool:
                 block.token_bytes = token_bytes
                 cached[block_hash] = block
 
+    def uncache(self, blocks: Iterable[Block]) -> None:
+        """Take blocks out of the prefix cache: their KV is not what their hash says (a copy
+        into them that a failed step never ran). A free one is reused like any other."""
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                block.token_bytes = None
+
     def _evict(self, block: Block) -> None:
         self.last_evicted.append((block.block_id, block.block_hash, block.token_bytes))
         del self.cached[block.block_hash]
