@@ -292,6 +292,14 @@ def test_preemption_and_a_busy_batch_leave_the_beams_unchanged(engine_zoo, setti
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
 
 
+def test_a_search_stepped_through_the_engine_has_one_delta(engine_zoo):
+    """docs/beam-search.md: code stepping the engine gets one delta, when the search ends."""
+    engine = make_engine(engine_zoo, "llama")
+    engine.add_request("beams", random_prompt(10, seed=1), beam_search=BeamSearchParams(2, 6))
+    deltas = [delta for step in run_to_completion(engine) for delta in step]
+    assert [(delta.finished, len(delta.outputs)) for delta in deltas] == [(True, 2)]
+
+
 def test_an_aborted_search_frees_its_blocks_and_reports_its_beams(engine_zoo):
     engine = make_engine(engine_zoo, "llama")
     engine.add_request("beams", random_prompt(40, seed=2), beam_search=BeamSearchParams(4, 30))

@@ -270,3 +270,18 @@ def test_a_step_failing_before_its_memory_plan_leaves_no_kv_it_promised(
     assert all(got in (None, expected[rid]) for rid, got in survived.items())
     again = [(f"{rid}+", prompt + [7]) for rid, prompt in prompts]
     assert greedy_tokens(engine, again) == greedy_tokens(fresh, again)
+
+
+@pytest.mark.parametrize("steps_before", [0, 1], ids=["waiting", "mid-prompt"])
+def test_aborting_n_samples_before_they_fork_reports_all_n(engine_zoo, steps_before):
+    """Samples 1..n-1 are made from the prompt's last row: aborted before it, they still
+    end, each with finish_reason "abort", in the request's last delta."""
+    engine = make_engine(engine_zoo, "llama", max_num_batched_tokens=16)
+    engine.add_request("n3", random_prompt(40, seed=5), SamplingParams(n=3, max_tokens=4))
+    for _ in range(steps_before):
+        assert engine.step() == []  # a prompt chunk: nothing sampled yet
+    engine.abort("n3")
+    [delta] = engine.step()
+    assert delta.finished
+    assert [(o.index, o.finish_reason) for o in delta.outputs] == [(i, "abort") for i in range(3)]
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks

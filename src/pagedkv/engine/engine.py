@@ -274,9 +274,7 @@ class Engine:
         self.scheduler.remove(request)
         if request.beam is not None:  # its live beams are its answer so far
             request.beam.finish([seq.index for seq in request.live_sequences], "abort")
-        for seq in request.sequences:
-            if not seq.finished:
-                seq.finish_reason = "abort"
+        request.end("abort")
         request.metrics.finished_time = time.monotonic()
         self._aborted[request_id] = request
 
@@ -330,7 +328,7 @@ class Engine:
         return deltas
 
     def _run(self, output: SchedulerOutput) -> dict[str, Request]:
-        """Execute the step and record it; the requests that sampled, by id."""
+        """Execute the step and record it; the requests with a delta to report, by id."""
         result = self.executor.execute(output, self._requests)
         touched = self.scheduler.update(output, result)
         now = time.monotonic()
@@ -347,7 +345,9 @@ class Engine:
         if self._sampled_last_step:
             self._generation_tokens_total += self._sampled_last_step
             self._recent_tokens.append((now, self._sampled_last_step))
-        return {request.request_id: request for request in touched}
+        # A beam search has one delta, when it finishes (its best beams).
+        ended = RequestStatus.FINISHED
+        return {r.request_id: r for r in touched if r.beam is None or r.status is ended}
 
     def _prompt_tokens(self, output: SchedulerOutput) -> int:
         """Tokens of the step's chunks that prefill (a prompt, or a preempted sequence's tokens
@@ -360,15 +360,13 @@ class Engine:
         )
 
     def _delta(self, request: Request) -> RequestOutput:
-        """What each sample produced since the last delta; clears the per-step buffers. A beam
-        search has one delta with outputs: its best beams, once it finishes."""
+        """What each sample produced since the last delta (clearing the per-step buffers); a
+        finished beam search's best beams."""
         finished = request.status is RequestStatus.FINISHED
         if request.beam is None:
             outputs = take_outputs(request)
-        elif finished:
-            outputs = request.beam.answer(self.tokenizer, request.params.skip_special_tokens)
         else:
-            outputs = []
+            outputs = request.beam.answer(self.tokenizer, request.params.skip_special_tokens)
         prompt_logprobs = None
         scored = len(request.prompt_logprobs) == len(request.prompt_token_ids)
         if request.scores_prompt and scored and not request.prompt_logprobs_reported:

@@ -180,6 +180,15 @@ class Request:
             return [self.sequences[index]]
         return [self.sequences[0], *self.forks]
 
+    def end(self, reason: str) -> None:
+        """End every sample not finished yet with `reason`, the ones not forked from the
+        prompt yet too: they join `sequences`, so the last delta reports all n."""
+        self.sequences.extend(self.forks)
+        self.forks = []
+        for seq in self.sequences:
+            if not seq.finished:
+                seq.finish_reason = reason
+
     @property
     def all_samples_finished(self) -> bool:
         """True once all n samples exist and each has a finish reason."""
