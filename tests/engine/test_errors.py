@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pagedkv.engine import (
+    BeamSearchParams,
     EmptyPrompt,
     Engine,
     EngineArgs,
@@ -76,6 +77,9 @@ def test_more_samples_than_a_step_can_run_are_rejected(engine_zoo):
     engine = make_engine(engine_zoo, "llama", max_num_seqs=4)
     with pytest.raises(TooManySamples, match="n is 5, but one step runs at most 4"):
         engine.add_request("a", [5, 6, 7], SamplingParams(n=5))
+    with pytest.raises(TooManySamples, match="a beam search of 5 beams, but one step runs at"):
+        engine.add_request("b", [5, 6, 7], beam_search=BeamSearchParams(beam_width=5, max_tokens=4))
+    assert not engine.has_unfinished()
 
 
 def test_duplicate_request_ids_are_rejected(engine_zoo):

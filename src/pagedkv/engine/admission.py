@@ -94,13 +94,17 @@ def check_keys(priority: object, cache_salt: object) -> None:
         raise InvalidCacheSalt(cache_salt)
 
 
-def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) -> int:
+def check_request(
+    token_ids: list[int], params: SamplingParams, limits: Limits, beams: bool = False
+) -> int:
     """max_tokens, cut to the room the context leaves, after checking the request's token ids
     and logprobs against the model and that it fits the context, the pool and a step.
 
     As in vLLM, only a prompt that fills the context is refused: a longer max_tokens
     stops at max_model_len with finish_reason "length". A logprobs count of -1 (every token)
-    becomes the vocabulary's size in `params`, the engine's own copy.
+    becomes the vocabulary's size in `params`, the engine's own copy. All n samples (with
+    `beams`, the n beams of a search) run in each step together, so n is at most the
+    sequences a step runs.
     """
     _check_vocabulary(params, limits.vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
@@ -125,7 +129,7 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: Limits) 
     if needed > limits.num_gpu_blocks:
         raise RequestTooLarge(needed, limits.num_gpu_blocks)
     if params.n > limits.max_samples:
-        raise TooManySamples(params.n, limits.max_samples)
+        raise TooManySamples(params.n, limits.max_samples, beams)
     return max_tokens
 
 

@@ -231,7 +231,7 @@ class Engine:
         token_ids = truncate(token_ids, params, self.max_model_len)
         # The adapter's blocks and the request's KV must fit the pool together.
         limits = replace(self._limits, num_gpu_blocks=self._limits.num_gpu_blocks - lora_blocks)
-        max_tokens = check_request(token_ids, params, limits)
+        max_tokens = check_request(token_ids, params, limits, beam_search is not None)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.submit(so)
         metrics = RequestMetrics(

@@ -91,10 +91,11 @@ class TooManySamples(RequestRejected):
 
     param = "n"
 
-    def __init__(self, n: int, limit: int) -> None:
+    def __init__(self, n: int, limit: int, beams: bool = False) -> None:
+        asked = f"a beam search of {n} beams" if beams else f"n is {n}"
         super().__init__(
-            f"n is {n}, but one step runs at most {limit} sequences "
-            "(max_num_seqs / max_num_batched_tokens)"
+            f"{asked}, but one step runs at most {limit} sequences, and a request's samples "
+            "run together (max_num_seqs / max_num_batched_tokens)"
         )
 
 
