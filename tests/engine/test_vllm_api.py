@@ -229,6 +229,10 @@ def test_vllms_prompt_dicts_by_name_read_as_the_plain_forms(llm):
     )
     plain = llm.generate(["Paged attention", {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in by_name] == [o.outputs[0].token_ids for o in plain]
+    image = {"prompt": "Describe <image>", "multi_modal_data": {"image": object()}}
+    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        llm.generate([image], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
 
 
 def test_output_fields_are_in_vllms_order():

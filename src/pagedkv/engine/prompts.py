@@ -61,6 +61,8 @@ def as_prompt(prompt: object) -> Prompt:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Mapping):
+        if prompt.get("multi_modal_data") is not None:  # never silently left out
+            raise ValueError("multi_modal_data is not supported: the models here read text only")
         if "prompt_token_ids" in prompt:  # vLLM reads the ids first when both are given
             token_ids = prompt["prompt_token_ids"]
             if is_sequence(token_ids):
