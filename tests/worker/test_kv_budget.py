@@ -112,3 +112,23 @@ def test_cpu_pools_above_70_percent_of_the_host_are_refused_counting_every_rank(
         return
     with pytest.raises(ValueError, match=r"on each of 2 ranks, more than 70% of this host's 1\.00"):
         kv_budget(request, zoo.ours("llama"))
+
+
+@pytest.mark.parametrize("sized_by", ["num_gpu_blocks", "kv_cache_memory"])
+def test_a_cpu_pool_sized_by_hand_counts_as_host_memory(zoo, monkeypatch, sized_by):
+    """On a CPU the KV pool is host memory too: 0.5 GiB of pool and 0.3 GiB of swap space
+    pass 70% of a 1 GiB host, 0.3 + 0.3 does not; the error names the setting."""
+    monkeypatch.setattr(kv_budget_module, "_physical_host_memory", lambda: GIB)
+    model = zoo.ours("llama")
+    per_block = kv_budget(replace(DEFAULTS, num_gpu_blocks=1, swap_space_gb=0), model)
+    per_block = per_block.bytes_per_block
+
+    def request(pool_gib: float) -> PoolRequest:
+        size = int(pool_gib * GIB)
+        pool = {"num_gpu_blocks": size // per_block} if sized_by == "num_gpu_blocks" else {}
+        pool = pool or {"kv_cache_memory": size}
+        return replace(DEFAULTS, swap_space_gb=0.3, **pool)
+
+    assert kv_budget(request(0.3), model).num_cpu_blocks > 0
+    with pytest.raises(ValueError, match=rf"{sized_by}, swap_space_gb and kv_offloading_size"):
+        kv_budget(request(0.5), model)

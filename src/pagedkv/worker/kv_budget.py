@@ -40,7 +40,7 @@ class KVCacheTooSmallForModel(ValueError):
 
 
 class HostPoolTooLarge(ValueError):
-    """The swap space and host tier ask for more of the host's memory than it can spare."""
+    """The pools in host memory ask for more of it than the host can spare."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,15 @@ def kv_budget(
     per_block = spec.bytes_per_block(block_size) + draft_per_block
     num_cpu_blocks = int(request.swap_space_gb * GIB) // per_block
     num_offload_blocks = int(request.kv_offloading_size * GIB) // per_block
-    _check_host_pool((num_cpu_blocks + num_offload_blocks) * per_block, request.host_ranks)
+    host_bytes = (num_cpu_blocks + num_offload_blocks) * per_block
+    asked = "swap_space_gb and kv_offloading_size ask"
+    if model.device.type == "cpu" and request.num_gpu_blocks is not None:
+        host_bytes += request.num_gpu_blocks * per_block  # on a CPU the pool is host memory too
+        asked = "num_gpu_blocks, swap_space_gb and kv_offloading_size ask"
+    elif model.device.type == "cpu" and request.kv_cache_memory is not None:
+        host_bytes += request.kv_cache_memory
+        asked = "kv_cache_memory, swap_space_gb and kv_offloading_size ask"
+    _check_host_pool(host_bytes, request.host_ranks, asked)
 
     def config(num_gpu_blocks: int) -> KVCacheConfig:
         return KVCacheConfig(
@@ -198,16 +206,17 @@ def _profile_activations(
     return peak
 
 
-def _check_host_pool(num_bytes: int, ranks: int) -> None:
-    """Refuse CPU pools (swap space and host tier together, once per rank on this host) above
-    `HOST_POOL_SHARE` of the host's physical memory, before anything is allocated: a clear
-    error, not an allocator's."""
+def _check_host_pool(num_bytes: int, ranks: int, asked: str) -> None:
+    """Refuse pools in host memory (swap space, host tier and, on a CPU, a KV pool sized by
+    hand; once per rank on this host) above `HOST_POOL_SHARE` of the host's physical memory,
+    before anything is allocated: a clear error naming the settings (`asked`), not an
+    allocator's, or the machine running out of memory while serving."""
     total = _physical_host_memory()
     if num_bytes * ranks > HOST_POOL_SHARE * total:
         each = f" on each of {ranks} ranks" if ranks > 1 else ""
         raise HostPoolTooLarge(
-            f"swap_space_gb and kv_offloading_size ask for {num_bytes / GIB:.2f} GiB of host "
-            f"memory{each}, more than {HOST_POOL_SHARE:.0%} of this host's {total / GIB:.2f} GiB"
+            f"{asked} for {num_bytes / GIB:.2f} GiB of host memory{each}, more than "
+            f"{HOST_POOL_SHARE:.0%} of this host's {total / GIB:.2f} GiB"
         )
 
 
