@@ -281,6 +281,7 @@ def test_no_cache_salt_reaches_another_adapters_blocks(engine_zoo, adapters):
         ("salted-adapter", "x", lora),
         ("joined-salt", "x\x00lora:1", None),
         ("json-salt", "[null, 1]", None),
+        ("json-key", json.dumps([None, 1, lora.lora_name, lora.lora_path]), None),
         ("base", None, None),
     ]
     cached, tokens = {}, {}
@@ -292,7 +293,66 @@ def test_no_cache_salt_reaches_another_adapters_blocks(engine_zoo, adapters):
                 if delta.finished:
                     cached[delta.request_id] = delta.num_cached_tokens
     assert cached == {name: 0 for name, _, _ in runs}
-    assert tokens["salted-base"] == tokens["joined-salt"] == tokens["json-salt"] == tokens["base"]
+    base_like = ("salted-base", "joined-salt", "json-salt", "json-key")
+    assert all(tokens[name] == tokens["base"] for name in base_like)
+
+
+def test_an_id_given_again_to_another_adapter_gets_none_of_the_old_ones_kv(engine_zoo, adapters):
+    """Once the engine has forgotten an adapter (`remove_lora`, or `max_cpu_loras`), its id
+    may name another: the prefix cache serves the new one none of the old one's blocks, and
+    its answer is its own (an engine that never saw the first)."""
+    first, second = llama_loras(adapters)[:2]
+    reused = LoRARequest(second.lora_name, first.lora_int_id, second.lora_path)
+    prompt = {"prompt_token_ids": random_prompt(48, seed=6)}
+
+    def llm():
+        return make_llm(engine_zoo, "llama", enable_lora=True, max_loras=2, max_lora_rank=16)
+
+    [expected] = llm().generate([prompt], GREEDY, lora_request=reused, use_tqdm=False)
+    engine_llm = llm()
+    engine_llm.generate([prompt], GREEDY, lora_request=first, use_tqdm=False)
+    assert engine_llm.engine.remove_lora(first.lora_int_id)
+    [output] = engine_llm.generate([prompt], GREEDY, lora_request=reused, use_tqdm=False)
+    assert output.num_cached_tokens == 0
+    assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_an_adapter_load_of_a_failed_step_is_written_by_a_later_one(
+    engine_zoo, adapters, monkeypatch
+):
+    """The worker writes an adapter's weights after the step's memory plan; a step failing in
+    the plan never wrote them. The adapter stays resident, so a later step writes them:
+    later requests with it are its merged model's answers."""
+    from pagedkv.engine.errors import StepFailed
+
+    lora = llama_loras(adapters)[0]
+    engine = make_engine(engine_zoo, "llama", enable_lora=True, max_lora_rank=16)
+    real_execute = engine.runner.kv_cache.execute
+    failed = []
+
+    def execute(plan):
+        if not failed:
+            failed.append(plan)
+            raise RuntimeError("out of memory in the plan")
+        return real_execute(plan)
+
+    monkeypatch.setattr(engine.runner.kv_cache, "execute", execute)
+    prompt = random_prompt(12, seed=2)
+    engine.add_request("failed", prompt, GREEDY, lora_request=lora)
+    with pytest.raises(StepFailed):
+        engine.step()
+    [aborted] = engine.step()  # a step with nothing to compute: it reports the abort
+    assert aborted.outputs[0].finish_reason == "abort"
+    for request_id in ("later", "again"):
+        engine.add_request(request_id, prompt, GREEDY, lora_request=lora)
+        tokens = [
+            token
+            for deltas in run_to_completion(engine)
+            for delta in deltas
+            if delta.request_id == request_id
+            for token in delta.outputs[0].token_ids
+        ]
+        assert_greedy(engine_zoo, "llama", Path(lora.lora_path), prompt, tokens)
 
 
 def test_llm_beam_search_takes_the_adapter_where_vllm_does(engine_zoo, adapters):

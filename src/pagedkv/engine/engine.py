@@ -245,7 +245,7 @@ class Engine:
             max_tokens=max_tokens,
             sequences=[self._samples.new(request_id, 0, token_ids, params, grammar)],
             metrics=metrics,
-            cache_salt=lora_cache_salt(cache_salt, lora_id),
+            cache_salt=lora_cache_salt(cache_salt, lora_request),
             priority=priority,
             bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words or []),
             grammar=grammar,
@@ -313,6 +313,8 @@ class Engine:
             # Abort what the failed (or interrupted) step touched: requests it computed, and
             # those whose blocks its memory plan, perhaps never run, was writing (`discard_plan`).
             moved = {seq_id[0] for seq_id in self.manager.discard_plan(output.plan)}
+            if self.adapters is not None:  # LoRA weights the step may not have written
+                self.adapters.retry(output.adapters)
             request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks})
             for request_id in request_ids:
                 self.abort(request_id)

@@ -52,7 +52,7 @@ class StepExecutor:
         self, output: SchedulerOutput, requests: Mapping[str, Request]
     ) -> ModelRunnerOutput:
         """Run `output` over the requests it schedules (by id); the sampled tokens and scores."""
-        if not output.chunks and not output.plan:
+        if not output.chunks and not output.plan and not output.adapters:
             return ModelRunnerOutput()  # nothing to run: e.g. a step that only reports aborts
         started = time.perf_counter()
         result = self._execute(output, requests)

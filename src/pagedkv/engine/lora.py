@@ -63,9 +63,6 @@ class LoRACatalog:
         self.num_blocks: dict[int, int] = {}
         self._unwanted: set[int] = set()  # forgotten once no request uses them
 
-    def __contains__(self, lora_id: int) -> bool:
-        return lora_id in self.requests
-
     def resolve(self, lora: LoRARequest | None) -> tuple[int, int]:
         """The adapter's id and the pool blocks it takes, reading it on first use (and
         forgetting an idle one if that passes the bound); (0, 0) for a request without one."""
@@ -146,11 +143,12 @@ class LoRACatalog:
         return [(a.first_block, a.num_blocks, self.requests[a.lora_id].lora_name) for a in resident]
 
 
-def lora_cache_salt(cache_salt: str | None, lora_id: int) -> str | None:
-    """The prefix-cache salt of a request with adapter `lora_id` (0: none): its own salt and
-    the adapter's id, encoded as a pair so that no salt a caller chooses can name another
-    pair's (KV computed through one adapter never serves another, or the base model); None,
-    the shared root, for a request with neither."""
-    if cache_salt is None and not lora_id:
-        return None
-    return json.dumps([cache_salt, lora_id])
+def lora_cache_salt(cache_salt: str | None, lora: LoRARequest | None) -> str | None:
+    """The prefix-cache salt of a request with adapter `lora` (None: none): its own salt and
+    the adapter's id, name and folder, encoded as a list so that no salt a caller chooses can
+    name another's (KV computed through one adapter never serves another, or the base model,
+    even under an id the catalog has forgotten and a caller gave again to another adapter);
+    None, the shared root, for a request with neither."""
+    if lora is None:
+        return None if cache_salt is None else json.dumps([cache_salt, 0])
+    return json.dumps([cache_salt, lora.lora_int_id, lora.lora_name, lora.lora_path])

@@ -96,6 +96,15 @@ class AdapterBlocks:
             raise ValueError(f"LoRA adapter {lora_id} is in use: it cannot be evicted")
         self._evict(lora_id)
 
+    def retry(self, failed: AdapterChanges) -> None:
+        """Hand a failed step's changes to the next step again, ahead of newer ones: the
+        worker may never have run them. Forgetting again is harmless, and an adapter still
+        resident is written again (one evicted since is not)."""
+        loaded = [a for a in failed.loaded if self.resident.get(a.lora_id) is a]
+        pending = {a.lora_id for a in self.changes.loaded}
+        self.changes.evicted[:0] = failed.evicted
+        self.changes.loaded[:0] = [a for a in loaded if a.lora_id not in pending]
+
     def take_changes(self) -> AdapterChanges:
         """The loads and evictions since the last call, for the worker."""
         changes, self.changes = self.changes, AdapterChanges()
