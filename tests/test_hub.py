@@ -165,6 +165,17 @@ def test_download_dir_is_where_built_in_models_are_pulled_and_read(registry, tmp
     assert not (cache_dir() / NAME).exists()
 
 
+def test_load_format_of_a_built_in_model_is_checked_before_pulling(registry):
+    """A built-in model is read from its GGUF file (quantization auto) or from the float32
+    folder converted from it (none): load_format is checked against that, before any pull."""
+    with pytest.raises(ValueError, match=r"'safetensors': model 'tiny-test' is read from a \.gguf"):
+        load(NAME, load_format="safetensors", progress=lambda line: None)
+    with pytest.raises(ValueError, match=r"'gguf': model 'tiny-test' is read from a Hugging"):
+        load(NAME, load_format="gguf", quantization="none", progress=lambda line: None)
+    assert registry.calls == []
+    assert load(NAME, load_format="gguf", progress=lambda line: None).path == gguf_path(NAME)
+
+
 def test_unknown_name_lists_the_builtin_models():
     with pytest.raises(UnknownModelName, match="'no-such-model'.*smollm2-135m-instruct"):
         pull("no-such-model")

@@ -175,11 +175,13 @@ def test_hugging_face_call_forms_give_what_transformers_gives(folder, hf_tokeniz
     for source in (text, TEXTS):  # one text, a batch (each its own length, unpadded)
         for special in (True, False):
             ours, theirs = (
-                tokenizer(source, special),
+                tokenizer(source, add_special_tokens=special),
                 hf_tokenizer(source, add_special_tokens=special),
             )
             for key in ("input_ids", "attention_mask"):
                 assert ours[key] == getattr(ours, key) == theirs[key]
+    with pytest.raises(TypeError):
+        tokenizer(text, "a second text")  # transformers' text_pair: not supported
 
 
 def test_continue_final_message_and_a_given_template_render_as_transformers(folder, hf_tokenizer):

@@ -110,9 +110,10 @@ class Tokenizer:
             _check_utf8(text)
             raise
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoding:
+    def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True) -> Encoding:
         """transformers' call, as scripts written for vLLM's tokenizer use it: `input_ids` and
-        an all-ones `attention_mask` of one text, or of each text of a list (not padded)."""
+        an all-ones `attention_mask` of one text, or of each text of a list (not padded). A
+        second text (transformers' `text_pair`) is a TypeError, not silently dropped."""
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return Encoding(input_ids=ids, attention_mask=[1] * len(ids))

@@ -136,6 +136,8 @@ def test_tokenization_kwargs_encode_text_prompts_as_told(llm):
     assert default.prompt_token_ids == [1, *bare]
     with pytest.raises(ValueError, match=r"add_special_tokens only, got \['truncation'\]"):
         llm.generate(text, GREEDY, tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="add_special_tokens must be a bool, got 'false'"):
+        llm.generate(text, GREEDY, tokenization_kwargs={"add_special_tokens": "false"})
 
 
 def test_detokenize_false_gives_the_same_tokens_without_text(llm):

@@ -91,9 +91,13 @@ def test_load_format_must_match_the_models_files(engine_zoo, tiny_gguf):
     folder, gguf = engine_zoo.folder("llama"), tiny_gguf("llama")
     assert LLM(str(folder), load_format="safetensors", **SMALL).engine.config.num_layers > 0
     assert LLM(str(gguf), load_format="gguf", **SMALL).engine.config.num_layers > 0
-    with pytest.raises(ValueError, match=r"load_format 'gguf': model .* is a Hugging Face"):
+    with pytest.raises(
+        ValueError, match=r"load_format .gguf.: model .* is read from a Hugging Face"
+    ):
         LLM(str(folder), load_format="gguf", **SMALL)
-    with pytest.raises(ValueError, match=r"load_format 'safetensors': model .* is a \.gguf"):
+    with pytest.raises(
+        ValueError, match=r"load_format 'safetensors': model .* is read from a \.gguf"
+    ):
         LLM(str(gguf), load_format="safetensors", **SMALL)
     with pytest.raises(ValueError, match=r"load_format must be one of .*'gguf'.* got 'pt'"):
         EngineArgs(load_format="pt")

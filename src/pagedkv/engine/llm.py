@@ -95,6 +95,8 @@ class LLM:
         if unknown:
             raise ValueError(f"tokenization_kwargs takes add_special_tokens only, got {unknown}")
         add = kwargs.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise ValueError(f"tokenization_kwargs add_special_tokens must be a bool, got {add!r}")
         encode = self.engine.tokenizer.encode
         return [encode(p, add_special_tokens=add) if isinstance(p, str) else p for p in prompts]
 

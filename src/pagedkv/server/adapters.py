@@ -6,8 +6,10 @@
 `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
 {"lora_name"}` add and remove them while serving. Each name gets its own `LoRARequest` id. The
 engine reads and checks an adapter when it is named (`Engine.add_lora`, the same check a
-request's adapter gets; a bad one is a 400 naming it, or an error at start), so a request for
-it never fails later for that reason; a request for a name nobody serves is OpenAI's 404.
+request's adapter gets; a bad one is a 400 naming it, or an error at start). The engine keeps
+at most `max_cpu_loras` adapters' weights and reads a forgotten one again when a request names
+it, so only a folder changed or removed since can still make that request a 400. A request for
+a name nobody serves is OpenAI's 404.
 `/v1/models` lists the adapters after the base model.
 """
 

@@ -86,12 +86,17 @@ def load(
     started = time.perf_counter()
     path = Path(model)
     name = str(model)
-    if not path.exists() and name in BUILTIN_MODELS:
+    builtin = not path.exists() and name in BUILTIN_MODELS
+    if builtin:
+        keeps_blocks = resolve_quantization(quantization, device, building_group().size) == "auto"
+        # Checked before anything is pulled: under quantization "none" it is read from the
+        # float32 folder converted from its GGUF file.
+        _check_format(load_format, "gguf" if keeps_blocks else "safetensors", name)
         if not is_pulled(name, download_dir):
             pull(name, progress=progress, download_dir=download_dir)
             seconds["pull"] = _lap(started)
         path = gguf_path(name, download_dir)
-        if resolve_quantization(quantization, device, building_group().size) != "auto":
+        if not keeps_blocks:
             convert_started = time.perf_counter()
             fresh = not (model_dir(name, download_dir) / CONVERTED_FOLDER).is_dir()
             path = converted_folder(name, progress=progress, download_dir=download_dir)
@@ -102,12 +107,14 @@ def load(
         native.kernels()  # compiled on a machine's first start, then loaded from the cache
         seconds["kernels"] = _lap(kernels_started)
     weights_started = time.perf_counter()
-    if path.exists():
+    if path.exists() and not builtin:
         _check_format(load_format, "gguf" if path.is_file() else "safetensors", name)
     if path.is_file():
         gguf_model = GGUFModel.open(path, hf_overrides)
         loaded = LoadedModel(
-            model=gguf_model.model(dtype=dtype, device=device, quantization=quantization),
+            model=gguf_model.model(
+                dtype=dtype, device=device, quantization=quantization, download_dir=download_dir
+            ),
             tokenizer=gguf_model.tokenizer(),
             config=gguf_model.config,
             name=name if name in BUILTIN_MODELS else path.stem,
@@ -138,7 +145,7 @@ def _check_format(load_format: str, found: str, name: str) -> None:
     """Refuse a model whose files are not the `load_format` asked for ("auto": any)."""
     if load_format not in ("auto", found):
         held = "a .gguf file" if found == "gguf" else "a Hugging Face folder (safetensors)"
-        raise ValueError(f"load_format {load_format!r}: model {name!r} is {held}")
+        raise ValueError(f"load_format {load_format!r}: model {name!r} is read from {held}")
 
 
 def load_tokenizer(

@@ -87,6 +87,14 @@ def test_a_mapped_load_is_the_repacked_load(tiny_gguf, cache, monkeypatch, qtype
     assert any(isinstance(t, QuantizedTensor) for _, t in mapped)
 
 
+def test_download_dir_holds_the_packed_weights_instead_of_the_cache(tiny_gguf, cache, tmp_path):
+    """vLLM's download_dir takes the model's files, the re-packed cache among them."""
+    path = tiny_gguf("llama", qtype=QType.Q4_0)
+    folder = str(tmp_path / "models")
+    load(path, download_dir=folder, progress=lambda line: None)
+    assert packed.cache_path(path, folder).is_file() and not cache.exists()
+
+
 def test_a_model_loaded_from_the_cache_computes_the_same_logits(tiny_gguf, cache, monkeypatch):
     path = tiny_gguf("qwen2", qtype=QType.Q4_0)
     prompt = random_prompt(20, seed=1)

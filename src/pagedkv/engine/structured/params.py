@@ -36,13 +36,16 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("whitespace_pattern", "structural_tag"):
-            if getattr(self, name) is not None:
-                raise ValueError(
-                    f"structured_outputs.{name} is not supported (JSON is written without free "
-                    "whitespace; one of json, regex, choice, grammar, json_object constrains "
-                    "the whole output)"
-                )
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported: JSON is written "
+                "without free whitespace"
+            )
+        if self.structural_tag is not None:
+            raise ValueError(
+                "structured_outputs.structural_tag is not supported: one of json, regex, "
+                "choice, grammar, json_object constrains the whole output"
+            )
         set_kinds = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(

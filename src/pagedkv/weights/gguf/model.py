@@ -67,18 +67,20 @@ class GGUFModel:
         dtype: torch.dtype | str = "float32",
         device: torch.device | str = "cpu",
         quantization: str = "none",
+        download_dir: str | None = None,
     ) -> DecoderModel:
         """Read the weights one tensor at a time into an eval-mode model.
 
         `quantization` (as `quant.schemes.resolve_quantization` resolves it) "auto" keeps the
         file's quantised blocks as they are (re-packed once into a cache, `packed.py`); "none"
-        dequantises them to `dtype`; "int8"/"int4" re-quantise every projection.
+        dequantises them to `dtype`; "int8"/"int4" re-quantise every projection. The re-packed
+        cache goes under `download_dir` when one is given.
         """
         path = self.file.path
         keep = resolve_quantization(quantization, device, building_group().size) == "auto"
         stream = gguf_tensors(self.file, self.config, keep_quantized=keep)
         if keep:  # re-packed once, then mapped from the cache (`packed.py`)
-            stream = packed_tensors(self.file, stream)
+            stream = packed_tensors(self.file, stream, download_dir)
         tensors = ((path, name, tensor) for name, tensor in stream)
         try:
             return build_model(

@@ -3,11 +3,11 @@
 Keeping a file's quantised blocks means re-packing them into the kernels' layout
 (`quant/gguf_blocks.py`): bytes reordered, each group's scale and min worked out. It loses
 nothing, but it reads and writes every byte, about 1.7 s for a 1B-class file on 2 cores, on
-every start. So the
-first load of a file of at least `MIN_CACHED_BYTES` writes what it re-packed (exactly the
-stream `gguf_tensors(keep_quantized=True)` yields) into one file under
-`cache_dir() / "packed"`, and later loads map that file (`torch.load(mmap=True)`): no byte is
-read before a kernel touches it, and processes serving the same model share its pages.
+every start. So the first load of a file of at least `MIN_CACHED_BYTES` writes what it
+re-packed (exactly the stream `gguf_tensors(keep_quantized=True)` yields) into one file under
+`cache_dir() / "packed"` (under vLLM's `download_dir` when one is given), and later loads map
+that file (`torch.load(mmap=True)`): no byte is read before a kernel touches it, and
+processes serving the same model share its pages.
 
 The cache file is named by the source's absolute path and records a stamp: the source's size,
 mtime and a SHA-256 of its header (metadata and tensor table, `GGUFFile.header_size` bytes),
@@ -41,10 +41,10 @@ _PACKING_CODE = (formats.__file__, gguf_blocks.__file__, gguf_tensor_module.__fi
 Named = tuple[str, Tensor | QuantizedTensor]
 
 
-def cache_path(source: Path) -> Path:
+def cache_path(source: Path, download_dir: str | None = None) -> Path:
     """Where the packed weights of GGUF file `source` are cached."""
     digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:24]
-    return cache_dir() / "packed" / f"{source.stem}-{digest}.pt"
+    return cache_dir(download_dir) / "packed" / f"{source.stem}-{digest}.pt"
 
 
 def stamp(file: GGUFFile) -> dict[str, Any]:
@@ -61,13 +61,15 @@ def stamp(file: GGUFFile) -> dict[str, Any]:
     }
 
 
-def packed_tensors(file: GGUFFile, repack: Iterator[Named]) -> Iterator[Named]:
+def packed_tensors(
+    file: GGUFFile, repack: Iterator[Named], download_dir: str | None = None
+) -> Iterator[Named]:
     """The file's re-packed tensors: mapped from the cache when it is current, else `repack`
     (re-packing the file), whose tensors are then written to the cache for the next load."""
     if file.path.stat().st_size < MIN_CACHED_BYTES:
         yield from repack
         return
-    path = cache_path(file.path)
+    path = cache_path(file.path, download_dir)
     expected = stamp(file)
     cached = _read(path, expected)
     if cached is not None:
