@@ -24,6 +24,7 @@ _ENGINE_NAMES = (
     "BeamSearchParams",
     "LoRARequest",
     "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "Engine",
     "EngineArgs",
     "RequestOutput",

@@ -335,3 +335,20 @@ def test_numpy_scalars_are_the_numbers_they_hold():
     assert {type(i) for i in swept.stop_token_ids + swept.allowed_token_ids} == {int}
     with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         SamplingParams(max_tokens=np.int64(0))
+
+
+def test_guided_decoding_is_structured_outputs_under_its_older_name(llm):
+    """vLLM before 0.10.2: `SamplingParams(guided_decoding=GuidedDecodingParams(...))`. The
+    same constraint, so the same output as `structured_outputs`; both at once is an error."""
+    from pagedkv import GuidedDecodingParams, StructuredOutputsParams
+
+    choices = ["blocks", "pages", "tables"]
+    old = greedy(guided_decoding=GuidedDecodingParams(choice=choices))
+    new = greedy(structured_outputs=StructuredOutputsParams(choice=choices))
+    [by_old, by_new] = llm.generate([PROMPT, PROMPT], [old, new], use_tqdm=False)
+    assert by_old.outputs[0].text == by_new.outputs[0].text and by_old.outputs[0].text in choices
+    with pytest.raises(ValueError, match="structured_outputs or guided_decoding"):
+        greedy(
+            structured_outputs=StructuredOutputsParams(choice=choices),
+            guided_decoding=GuidedDecodingParams(regex="a+"),
+        )

@@ -20,6 +20,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineStats",
+    "GuidedDecodingParams",
     "InvalidCacheSalt",
     "InvalidPriority",
     "InvalidStructuredOutput",
@@ -61,7 +62,20 @@ def __getattr__(name: str) -> Any:
         prompts,
         stats,
     )
+    from pagedkv.engine.structured import params as structured
 
-    modules = (args, beam_search, engine, errors, llm, lora, outputs, params, prompts, stats)
+    modules = (
+        args,
+        beam_search,
+        engine,
+        errors,
+        llm,
+        lora,
+        outputs,
+        params,
+        prompts,
+        stats,
+        structured,
+    )
     module = next(m for m in modules if name in dir(m))
     return getattr(module, name)

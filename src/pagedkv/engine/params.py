@@ -56,6 +56,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # The output must match this JSON schema, regex, choice or grammar (one per request).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name of structured_outputs (with GuidedDecodingParams), read as it.
+    guided_decoding: StructuredOutputsParams | None = None
     # False: token ids only, no text (and no stop strings, whose matching needs the text).
     detokenize: bool = True
     # vLLM's fast-tokenizer path, which ours is, leaves the joins to the tokenizer's decoder,
@@ -122,6 +124,12 @@ class SamplingParams:
             not isinstance(keep, int) or isinstance(keep, bool) or keep == 0 or keep < -1
         ):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}")
+        if self.guided_decoding is not None:
+            if self.structured_outputs not in (None, self.guided_decoding):
+                raise ValueError(
+                    "give structured_outputs or guided_decoding (its older name), not both"
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")

@@ -84,3 +84,8 @@ class StructuredOutputsParams:
         if isinstance(value, dict | list):
             value = json.dumps(value)  # key order kept: it orders the output too
         return f"{self.kind}:{value}"
+
+
+# vLLM's name for the class before 0.10.2, with SamplingParams' `guided_decoding`: older
+# vLLM code imports it, and gets the same constraints.
+GuidedDecodingParams = StructuredOutputsParams
