@@ -352,3 +352,10 @@ def test_guided_decoding_is_structured_outputs_under_its_older_name(llm):
             structured_outputs=StructuredOutputsParams(choice=choices),
             guided_decoding=GuidedDecodingParams(regex="a+"),
         )
+
+
+def test_per_request_logits_processors_are_refused_as_vllms_v1_refuses_them():
+    assert greedy(logits_processors=None).logits_processors is None
+    assert greedy(logits_processors=[]).max_tokens == MAX_TOKENS
+    with pytest.raises(ValueError, match="logits_processors are not supported per request"):
+        greedy(logits_processors=[lambda token_ids, logits: logits])

@@ -65,6 +65,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Carried with the request for code of the caller's own, as vLLM's (nothing here reads it).
     extra_args: dict[str, Any] | None = None
+    # vLLM's field; its V1 engine refuses per-request logits processors, and so does this one.
+    logits_processors: list[Any] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +126,12 @@ class SamplingParams:
             not isinstance(keep, int) or isinstance(keep, bool) or keep == 0 or keep < -1
         ):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}")
+        if self.logits_processors:
+            raise ValueError(
+                "logits_processors are not supported per request (vLLM's V1 engine refuses "
+                "them too): logit_bias, allowed_token_ids, bad_words and structured_outputs "
+                "shape the logits"
+            )
         if self.guided_decoding is not None:
             if self.structured_outputs not in (None, self.guided_decoding):
                 raise ValueError(
