@@ -162,13 +162,15 @@ def test_the_engine_reports_its_kv_dtype_and_block_bytes(engine_zoo, capsys):
         (["--kv-dtype", "fp32"], "auto"),  # auto is float32 on a CPU
     ],
 )
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # mistral: a 16-token sliding window
 def test_plan_and_the_engine_agree_on_blocks_and_concurrency(
-    engine_zoo, capsys, plan_flags, kv_cache_dtype
+    engine_zoo, capsys, plan_flags, kv_cache_dtype, name
 ):
     """Same pool bytes, same KV dtype: `pagedkv plan` and the start-up line state the same
-    block count and the same number of max_model_len requests."""
+    block count and the same number of max_model_len requests (a windowed model's too: the
+    engine keeps the blocks behind its window)."""
     pool_bytes, max_model_len = 3_000_000, 700
-    folder = str(engine_zoo.folder("llama"))
+    folder = str(engine_zoo.folder(name))
     parser = argparse.ArgumentParser()
     plan.add_arguments(parser)
     flags = ["--model", folder, "--pool-gb", str(pool_bytes / 1e9), "--json"]
@@ -178,7 +180,7 @@ def test_plan_and_the_engine_agree_on_blocks_and_concurrency(
 
     engine = make_engine(
         engine_zoo,
-        "llama",
+        name,
         num_gpu_blocks=None,
         kv_cache_memory=pool_bytes,
         kv_cache_dtype=kv_cache_dtype,

@@ -65,11 +65,16 @@ def test_plan_concurrency_is_what_the_memory_allocators_actually_admit():
         slab.reserve("one more", 8192)
 
 
-def test_sliding_window_rows_hold_only_the_window():
+def test_a_sliding_window_model_holds_every_token_as_the_engine_keeps_them():
+    """pagedkv's block table keeps the blocks behind a window: the plan counts them (and
+    agrees with the engine's start-up figure, `test_the_plan_states_what_the_engine_holds`)."""
     spec = KVSpec.from_hf_config(MODEL_PRESETS["mistral-7b"].config)
+    assert spec.sliding_window == 4096
     plan = plan_capacity(spec, PoolBudget.given(10 * GB), [2048, 32_768])
-    assert [row.tokens_held for row in plan.rows] == [2048, 4096]
-    assert plan.longest_request == 32_768  # the context: a window of 4,096 always fits
+    assert [row.tokens_held for row in plan.rows] == [2048, 32_768]
+    per_request = -(-32_768 // 16)
+    assert plan.rows[1].max_concurrency == plan.pool_blocks // per_request
+    assert plan.longest_request == min(plan.pool_blocks * 16, 32_768)
 
 
 def test_longest_request_is_capped_by_pool_and_context():

@@ -72,13 +72,24 @@ def test_gpt2_style_field_names_are_read():
     assert spec.max_model_len == 1024
 
 
-def test_sliding_window_caps_tokens_held_per_request():
+def test_a_sliding_window_is_stated_but_every_token_is_held():
     spec = KVSpec.from_hf_config(MODEL_PRESETS["mistral-7b"].config)
     assert spec.sliding_window == 4096
     assert spec.tokens_held(1000) == 1000
-    assert spec.tokens_held(32_768) == 4096
-    assert spec.bytes_per_request(32_768) == 4096 * 131_072
-    assert spec.blocks_per_request(32_768, 16) == 256
+    assert spec.tokens_held(32_768) == 32_768
+    assert spec.bytes_per_request(32_768) == 32_768 * 131_072
+    assert spec.blocks_per_request(32_768, 16) == 2048
+
+
+def test_layer_types_say_which_layers_are_windowed_in_every_family():
+    """transformers windows only the layers `layer_types` marks "sliding_attention"
+    (gpt-oss, Gemma): a mix of windowed and full layers has no single window."""
+    config = dict(LLAMA_3_8B, model_type="gpt_oss", architectures=["GptOssForCausalLM"])
+    config |= {"sliding_window": 128, "num_hidden_layers": 4}
+    config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    assert KVSpec.from_hf_config(config).sliding_window is None
+    config["layer_types"] = ["sliding_attention"] * 4
+    assert KVSpec.from_hf_config(config).sliding_window == 128
 
 
 def test_sliding_window_is_ignored_when_the_config_disables_it():

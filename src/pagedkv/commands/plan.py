@@ -236,7 +236,11 @@ def _print_plan(
     if spec.max_model_len:
         console.print(f"  context {spec.max_model_len:,} tokens")
     if spec.sliding_window:
-        console.print(f"  sliding window: a request holds at most {spec.sliding_window:,} tokens")
+        console.print(
+            f"  sliding window {spec.sliding_window:,} tokens: pagedkv keeps every token's "
+            "blocks, as these figures do (a server that frees the blocks behind the window "
+            f"holds at most {spec.sliding_window:,} tokens a request)"
+        )
     console.print()
     adapter_bytes = 0 if lora is None else lora.pool_bytes
     if plan.pool.gpu is not None:
@@ -254,8 +258,7 @@ def _print_plan(
         f"  = {plan.pool_tokens:,} tokens = {plan.pool_blocks:,} blocks of {plan.block_size} "
         f"tokens, {format_bytes(spec.bytes_per_block(plan.block_size))} each"
     )
-    if plan.longest_request is not None:
-        console.print(f"  longest single request: {plan.longest_request:,} tokens")
+    console.print(f"  longest single request: {plan.longest_request:,} tokens")
     console.print()
     console.print(_lengths_table(plan))
     if plan.comparison is not None:
@@ -308,9 +311,6 @@ def _lengths_table(plan: CapacityPlan) -> Table:
         if row.beyond_context:
             length += " *"
             notes.add(f"* beyond the model's {plan.spec.max_model_len:,}-token context")
-        if row.tokens_held < row.request_tokens:
-            length += " w"
-            notes.add(f"w holds only its {plan.spec.sliding_window:,}-token window")
         table.add_row(
             length,
             format_bytes(row.bytes_per_request),

@@ -101,7 +101,7 @@ class CapacityPlan:
     pool: PoolBudget
     pool_tokens: int
     pool_blocks: int
-    longest_request: int | None
+    longest_request: int
     rows: list[LengthRow]
     comparison: SlabVersusPaged | None
 
@@ -130,7 +130,7 @@ def plan_capacity(
     """Per-length concurrency in `pool`, and slab-versus-paged when `avg_tokens` is given.
 
     `max_model_len` defaults to the model's context (a longer one is refused); the slab side of
-    the comparison reserves that many tokens (or the sliding window, if smaller) per request.
+    the comparison reserves that many tokens per request.
     """
     bytes_per_block = spec.bytes_per_block(block_size)
     pool_blocks = blocks_in_pool(spec, pool.pool_bytes, block_size)
@@ -147,7 +147,7 @@ def plan_capacity(
         if context is None:
             raise PlanError("--avg-tokens needs --max-model-len: the config names no context")
         comparison = _slab_versus_paged(spec, pool, avg_tokens, context, block_size, pool_blocks)
-    longest = _longest_request(spec, context, block_size, pool_blocks)
+    longest = _longest_request(context, block_size, pool_blocks)
     return CapacityPlan(spec, block_size, pool, pool_tokens, pool_blocks, longest, rows, comparison)
 
 
@@ -158,19 +158,14 @@ def blocks_in_pool(spec: KVSpec, pool_bytes: int, block_size: int) -> int:
 
 def max_concurrency(spec: KVSpec, pool_blocks: int, request_tokens: int, block_size: int) -> int:
     """Requests of `request_tokens` tokens that `pool_blocks` blocks hold at once: each takes
-    the whole blocks its tokens (or its window's) fill."""
+    the whole blocks its tokens fill."""
     return pool_blocks // spec.blocks_per_request(request_tokens, block_size)
 
 
-def _longest_request(
-    spec: KVSpec, context: int | None, block_size: int, pool_blocks: int
-) -> int | None:
-    """The longest single request: capped by the pool and the context; None if by neither."""
-    pool_limit: int | None = pool_blocks * block_size
-    if spec.sliding_window is not None and spec.sliding_window <= pool_blocks * block_size:
-        pool_limit = None  # it never holds more than its window, which fits
-    limits = [limit for limit in (pool_limit, context) if limit is not None]
-    return min(limits) if limits else None
+def _longest_request(context: int | None, block_size: int, pool_blocks: int) -> int:
+    """The longest single request: the pool's tokens, or the context if that is shorter."""
+    pool_tokens = pool_blocks * block_size
+    return pool_tokens if context is None else min(pool_tokens, context)
 
 
 def _length_row(spec: KVSpec, length: int, block_size: int, pool_blocks: int) -> LengthRow:

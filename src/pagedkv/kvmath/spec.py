@@ -8,8 +8,9 @@ Every other KV number in pagedkv (per request, per block, per pool) is derived f
 - multi-head latent attention (DeepSeek-V2/V3) stores one compressed latent of
   `kv_lora_rank` values plus a shared rotary key of `qk_rope_head_dim` values per layer, from
   which both keys and values are rebuilt, so there is no factor 2;
-- a sliding-window model never attends further back than `sliding_window` tokens, so a
-  request holds at most that many tokens, however long it runs.
+- a request holds every one of its tokens, as pagedkv's engine keeps them: a sliding-window
+  model never attends further back than `sliding_window` tokens, but the engine does not free
+  the blocks behind the window (the window is stated, not counted).
 
 Sizes are plain integers of bytes; `GB` is 10^9 bytes and `GiB` 2^30, and `format_bytes`
 prints both because capacity sheets and allocators disagree on which one a "GB" is.
@@ -146,11 +147,11 @@ class KVSpec:
         return block_size * self.bytes_per_token
 
     def tokens_held(self, num_tokens: int) -> int:
-        """Tokens a request of `num_tokens` keeps in cache: all of them, or the window's worth."""
+        """Tokens a request of `num_tokens` keeps in cache: all of them. pagedkv's block table
+        keeps a windowed layer's old tokens too (a server that frees them would hold only
+        `sliding_window` tokens a request; the plan says so beside its figures)."""
         _require_positive("num_tokens", num_tokens, allow_zero=True)
-        if self.sliding_window is None:
-            return num_tokens
-        return min(num_tokens, self.sliding_window)
+        return num_tokens
 
     def bytes_per_request(self, num_tokens: int) -> int:
         """Bytes of KV cache a request of `num_tokens` tokens holds at its longest."""
@@ -301,8 +302,9 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
     The one rule both the planner and the model follow: Llama ignores a stray
     `sliding_window`; Mistral windows every layer; Qwen2 and Qwen3 window only with
     `use_sliding_window`, and then only the layers `layer_types` marks "sliding_attention"
-    (or, without it, the layers from `max_window_layers` on). Raises ConfigError naming the
-    field.
+    (or, without it, the layers from `max_window_layers` on); another family windows the
+    layers its `layer_types` marks, or else every layer unless `use_sliding_window` is false.
+    Raises ConfigError naming the field.
     """
     family = model_family(config)
     full: tuple[int | None, ...] = (None,) * num_layers
@@ -316,11 +318,11 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
         raise ConfigError(f"use_sliding_window must be true or false, got {use_window!r}")
     if family == "mistral":
         return (window,) * num_layers
-    if family != "qwen2":
-        return full if use_window is False else (window,) * num_layers
-    if not use_window:
-        return full
     layer_types = config.get("layer_types")
+    if family != "qwen2" and layer_types is None:
+        return full if use_window is False else (window,) * num_layers
+    if family == "qwen2" and not use_window:
+        return full
     if layer_types is None:
         first = config.get("max_window_layers")
         first = _QWEN2_MAX_WINDOW_LAYERS if first is None else first
