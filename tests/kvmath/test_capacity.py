@@ -35,6 +35,9 @@ def test_pool_of_53_gb_concurrency_per_length():
     assert [row.max_concurrency for row in plan.rows] == [197, 49, 12, 3]
     assert [row.blocks_per_request for row in plan.rows] == [128, 512, 2048, 8192]
     assert [row.beyond_context for row in plan.rows] == [False, False, True, True]
+    served = plan_capacity(LLAMA_3_8B, PoolBudget.given(53 * GB), LENGTHS, max_model_len=2048)
+    assert [row.beyond_context for row in served.rows] == [False, True, True, True]
+    assert served.context == 2048
 
 
 def test_slab_at_8192_against_paged_at_1000_tokens_in_50_gb():

@@ -56,6 +56,16 @@ def test_plan_refuses_ranks_the_heads_cannot_split(capsys):
     assert "8 KV heads are not divisible by tensor_parallel_size (3)" in capsys.readouterr().err
 
 
+def test_plan_refuses_ranks_the_query_heads_cannot_split(capsys):
+    """Qwen2.5-7B: 4 KV heads replicate over 8 ranks, but 28 query heads do not split in 8
+    (vLLM refuses it too; so does the engine's splitter). 4 ranks take 7 each."""
+    argv = ["plan", "--model", "qwen2.5-7b", "--pool-gb", "20", "--tensor-parallel-size"]
+    assert main([*argv, "8"]) == 2
+    message = "28 attention heads are not divisible by tensor_parallel_size (8)"
+    assert message in capsys.readouterr().err
+    assert main([*argv, "4"]) == 0
+
+
 def test_plan_from_a_gpu_counts_each_ranks_share_of_the_weights(capsys):
     argv = ["plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--json"]
     assert main(argv) == 0

@@ -23,7 +23,7 @@ from pagedkv.commands.arguments import (
 from pagedkv.commands.planning_model import resolve_planning_model
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
 from pagedkv.kvmath.lora import LoRAPlan, plan_lora
-from pagedkv.kvmath.parallel import per_rank_spec
+from pagedkv.kvmath.parallel import check_attention_heads, per_rank_spec
 from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset
 from pagedkv.kvmath.spec import (
     DTYPE_BYTES,
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_planning_model(args.model, _kv_dtype(args))
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
+        check_attention_heads(model.config, args.tensor_parallel_size)
         pool = _pool(args, model)
         lora = _lora(args, model, spec)
         if lora is not None:
@@ -310,7 +311,7 @@ def _lengths_table(plan: CapacityPlan) -> Table:
         length = f"{row.request_tokens:,}"
         if row.beyond_context:
             length += " *"
-            notes.add(f"* beyond the model's {plan.spec.max_model_len:,}-token context")
+            notes.add(f"* beyond the {plan.context:,}-token context served (max_model_len)")
         table.add_row(
             length,
             format_bytes(row.bytes_per_request),

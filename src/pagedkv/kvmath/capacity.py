@@ -101,6 +101,7 @@ class CapacityPlan:
     pool: PoolBudget
     pool_tokens: int
     pool_blocks: int
+    context: int | None  # max_model_len served (None: the config names none)
     longest_request: int
     rows: list[LengthRow]
     comparison: SlabVersusPaged | None
@@ -113,6 +114,7 @@ class CapacityPlan:
             "pool": asdict(self.pool),
             "pool_tokens": self.pool_tokens,
             "pool_blocks": self.pool_blocks,
+            "context": self.context,
             "longest_request": self.longest_request,
             "rows": [asdict(row) for row in self.rows],
             "comparison": asdict(self.comparison) if self.comparison else None,
@@ -140,15 +142,17 @@ def plan_capacity(
             f"{block_size:,} tokens is {format_bytes(bytes_per_block)}"
         )
     pool_tokens = pool.pool_bytes // spec.bytes_per_token
-    rows = [_length_row(spec, length, block_size, pool_blocks) for length in lengths]
     context = spec.served_context(max_model_len)
+    rows = [_length_row(spec, length, block_size, pool_blocks, context) for length in lengths]
     comparison = None
     if avg_tokens is not None:
         if context is None:
             raise PlanError("--avg-tokens needs --max-model-len: the config names no context")
         comparison = _slab_versus_paged(spec, pool, avg_tokens, context, block_size, pool_blocks)
     longest = _longest_request(context, block_size, pool_blocks)
-    return CapacityPlan(spec, block_size, pool, pool_tokens, pool_blocks, longest, rows, comparison)
+    return CapacityPlan(
+        spec, block_size, pool, pool_tokens, pool_blocks, context, longest, rows, comparison
+    )
 
 
 def blocks_in_pool(spec: KVSpec, pool_bytes: int, block_size: int) -> int:
@@ -168,7 +172,9 @@ def _longest_request(context: int | None, block_size: int, pool_blocks: int) -> 
     return pool_tokens if context is None else min(pool_tokens, context)
 
 
-def _length_row(spec: KVSpec, length: int, block_size: int, pool_blocks: int) -> LengthRow:
+def _length_row(
+    spec: KVSpec, length: int, block_size: int, pool_blocks: int, context: int | None
+) -> LengthRow:
     if length <= 0:
         raise PlanError(f"request length must be positive, got {length}")
     return LengthRow(
@@ -177,7 +183,7 @@ def _length_row(spec: KVSpec, length: int, block_size: int, pool_blocks: int) ->
         bytes_per_request=spec.bytes_per_request(length),
         blocks_per_request=spec.blocks_per_request(length, block_size),
         max_concurrency=max_concurrency(spec, pool_blocks, length, block_size),
-        beyond_context=spec.max_model_len is not None and length > spec.max_model_len,
+        beyond_context=context is not None and length > context,
     )
 
 

@@ -11,9 +11,10 @@ model itself; a test checks the two agree.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
-from pagedkv.kvmath.spec import ConfigError, KVSpec
+from pagedkv.kvmath.spec import ConfigError, KVSpec, text_config
 
 
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
@@ -42,3 +43,14 @@ def per_rank_spec(spec: KVSpec, tensor_parallel_size: int) -> KVSpec:
     if spec.is_mla or tensor_parallel_size == 1:
         return spec
     return replace(spec, num_kv_heads=kv_heads_per_rank(spec.num_kv_heads, tensor_parallel_size))
+
+
+def check_attention_heads(config: Mapping[str, object] | None, tensor_parallel_size: int) -> None:
+    """The query heads must split evenly too, as the engine's splitter and vLLM require (a
+    `ConfigError` otherwise); a config that does not say how many heads it has passes."""
+    heads = None if config is None else text_config(config).get("num_attention_heads")
+    if isinstance(heads, int) and not isinstance(heads, bool) and heads % tensor_parallel_size:
+        raise ConfigError(
+            f"{heads} attention heads are not divisible by tensor_parallel_size "
+            f"({tensor_parallel_size}): each rank takes an equal share"
+        )

@@ -206,7 +206,7 @@ class KVSpec:
         if not isinstance(config, Mapping):
             source = str(config)
             config = load_config(config)
-        fields = _text_config(config)
+        fields = text_config(config)
         field = _FieldReader(fields, source)
         num_layers = field.positive_int("num_hidden_layers", "n_layer", "num_layers")
         dtype = normalize_dtype(kv_dtype or fields.get("torch_dtype") or fields.get("dtype"))
@@ -357,7 +357,7 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:,.0f} B"
 
 
-def _text_config(config: Mapping[str, object]) -> Mapping[str, object]:
+def text_config(config: Mapping[str, object]) -> Mapping[str, object]:
     """Multimodal configs nest the language model's fields under `text_config`."""
     nested = config.get("text_config")
     if "num_hidden_layers" not in config and isinstance(nested, Mapping):
