@@ -321,9 +321,17 @@ def test_plan_command_sizes_a_gguf_file_as_the_folder_it_was_written_from(
     assert from_file["model"] == path.stem
     assert from_file["spec"] == from_folder["spec"]
     assert from_file["rows"] == from_folder["rows"]
-    # The weights are the file's tensor bytes as stored (gguf's own reader counts them).
-    stored = sum(int(tensor.n_bytes) for tensor in gguf.GGUFReader(path).tensors)
-    assert from_file["pool"]["weight_bytes"] == stored
+    # On a GPU pagedkv loads the weights in bfloat16: the file's values (gguf's own reader
+    # counts them) at 2 bytes each, and the float32 folder's at half its files' size (their
+    # headers aside).
+    values = sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)
+    assert from_file["pool"]["weight_bytes"] == 2 * values
+    assert 0 <= from_folder["pool"]["weight_bytes"] - 2 * values < 16_384
+    # Without --kv-dtype, KV is stored as the model is loaded: bfloat16 on a GPU.
+    assert main(["plan", "--gpu", "l4", "--json", "--model", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["kv_dtype"] == "bf16"
+    assert main(["plan", "--pool-gb", "1", "--json", "--model", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["kv_dtype"] == "fp32"
 
 
 def test_plan_command_names_a_malformed_gguf_file(tmp_path, capsys):

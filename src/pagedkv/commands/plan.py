@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
         model = resolve_planning_model(args.model, _kv_dtype(args))
+        if args.gpu is not None:
+            model = _as_loaded_on_a_gpu(model, kv_dtype_given=_kv_dtype(args) is not None)
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         check_attention_heads(model.config, args.tensor_parallel_size)
         pool = _pool(args, model)
@@ -173,6 +175,20 @@ def _ranks(model: Model, tensor_parallel_size: int) -> dict[str, int]:
         "bytes_per_token_per_rank": spec.bytes_per_token,
         "bytes_per_token_all_ranks": spec.bytes_per_token * tensor_parallel_size,
     }
+
+
+def _as_loaded_on_a_gpu(model: Model, kv_dtype_given: bool) -> Model:
+    """`model` as pagedkv loads it on a GPU, where dtype auto is bfloat16: a float32 checkpoint
+    (or a GGUF file, which reads as one) stores KV and weights in 2 bytes a value, and a GGUF
+    file's quantised blocks are dequantised (there are no GPU kernels for them)."""
+    spec = model.spec
+    if not kv_dtype_given and spec.kv_dtype == "fp32":
+        spec = replace(spec, kv_dtype="bf16")
+    loaded = model.gpu_weight_bytes
+    if loaded is None or loaded == model.weight_bytes:
+        return replace(model, spec=spec)
+    source = f"{model.weight_source}; loaded as bf16 on a GPU: {format_bytes(loaded)}"
+    return replace(model, spec=spec, weight_bytes=loaded, weight_source=source)
 
 
 def _kv_dtype(args: argparse.Namespace) -> str | None:

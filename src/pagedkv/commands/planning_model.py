@@ -8,6 +8,7 @@ plan sizes exactly the model the engine would serve. Only this path imports it.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pagedkv.kvmath.presets import Model, resolve_model
@@ -37,6 +38,7 @@ def resolve_planning_model(name_or_path: str, kv_dtype: str | None = None) -> Mo
         weight_bytes=weight_bytes,
         weight_source=f"{len(file.tensors)} tensors in {path.name}, as stored",
         config=config,
+        gpu_weight_bytes=2 * sum(math.prod(tensor.shape) for tensor in file.tensors.values()),
     )
 
 

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.kvmath.spec import DTYPE_BYTES, ConfigError, KVSpec, MiB, load_config, normalize_dtype
+from pagedkv.kvmath.spec import (
+    DTYPE_BYTES,
+    ConfigError,
+    KVSpec,
+    MiB,
+    config_dtype,
+    load_config,
+)
 
 
 class UnknownPreset(ConfigError):
@@ -59,6 +66,9 @@ class Model:
     weight_bytes: int | None
     weight_source: str
     config: Mapping[str, object] | None = None  # its config.json fields
+    # The weights as a GPU holds them: pagedkv loads them in bfloat16 there (dtype auto), a
+    # float32 checkpoint at half its size, a GGUF file's blocks dequantised. None: unknown.
+    gpu_weight_bytes: int | None = None
 
 
 def _llama(layers, hidden, heads, kv_heads, ffn, vocab, context, dtype="bfloat16", **extra):
@@ -250,6 +260,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
                 f"{DTYPE_BYTES[preset.weight_dtype]} B ({preset.weight_dtype}), published"
             ),
             config=preset.config,
+            gpu_weight_bytes=preset.num_params * DTYPE_BYTES["bf16"],
         )
     path = Path(name_or_path)
     if not path.exists():
@@ -263,17 +274,20 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if shards:
         size = sum(shard.stat().st_size for shard in shards)
-        return Model(name, spec, size, f"{len(shards)} .safetensors file(s) in {path}", config)
+        stored = DTYPE_BYTES[config_dtype(config)]
+        source = f"{len(shards)} .safetensors file(s) in {path}"
+        return Model(name, spec, size, source, config, size * DTYPE_BYTES["bf16"] // stored)
     if _is_mixture_of_experts(config):
         return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint", config)
     num_params = dense_param_count(config)
-    dtype = normalize_dtype(config.get("torch_dtype"))
+    dtype = config_dtype(config)
     return Model(
         name,
         spec,
         num_params * DTYPE_BYTES[dtype],
         f"{num_params / 1e9:,.2f} B params x {DTYPE_BYTES[dtype]} B ({dtype}), counted from config",
         config,
+        num_params * DTYPE_BYTES["bf16"],
     )
 
 

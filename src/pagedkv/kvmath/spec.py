@@ -209,7 +209,7 @@ class KVSpec:
         fields = text_config(config)
         field = _FieldReader(fields, source)
         num_layers = field.positive_int("num_hidden_layers", "n_layer", "num_layers")
-        dtype = normalize_dtype(kv_dtype or fields.get("torch_dtype") or fields.get("dtype"))
+        dtype = normalize_dtype(kv_dtype) if kv_dtype else config_dtype(fields)
         try:
             windows = set(layer_windows(fields, num_layers))
         except ConfigError as error:
@@ -332,6 +332,13 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise ConfigError(f"layer_types must list {num_layers} layer types, got {layer_types!r}")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def config_dtype(config: Mapping[str, object]) -> str:
+    """The dtype a config says its weights are in (`torch_dtype`, or transformers' newer
+    `dtype`), as a `DTYPE_BYTES` key."""
+    fields = text_config(config)
+    return normalize_dtype(fields.get("torch_dtype") or fields.get("dtype"))
 
 
 def normalize_dtype(name: object) -> str:
