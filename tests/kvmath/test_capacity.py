@@ -168,6 +168,34 @@ def test_model_folder_weights_come_from_its_safetensors(tmp_path):
     assert model.spec.bytes_per_token == 131_072
 
 
+def test_one_copy_of_the_weights_is_counted(tmp_path):
+    """Mistral's repositories ship `consolidated.safetensors` beside the Hugging Face shards:
+    the same weights twice. The index names the shards; without one, consolidated is left
+    out unless it is the only file."""
+    (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["mistral-7b"].config))
+    (tmp_path / "consolidated.safetensors").write_bytes(b"x" * 1024)
+    assert resolve_model(str(tmp_path)).weight_bytes == 1024
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 24)
+    assert resolve_model(str(tmp_path)).weight_bytes == 1024
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert resolve_model(str(tmp_path)).weight_bytes == 1000
+
+
+def test_a_pool_given_directly_needs_no_weight_count(tmp_path, capsys):
+    """A multimodal config nests the language model under text_config: its KV is read from
+    there, and a pool given with --pool-gb needs no parameter count."""
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3"}
+    config["text_config"] = dict(MODEL_PRESETS["mistral-7b"].config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = resolve_model(str(tmp_path))
+    assert model.spec.bytes_per_token == 131_072 and model.weight_bytes is None
+    assert main(["plan", "--model", str(tmp_path), "--pool-gb", "10"]) == 0
+    assert main(["plan", "--model", str(tmp_path), "--gpu", "l4"]) == 2
+    assert "give --weights-gb" in capsys.readouterr().err
+
+
 def test_config_file_weights_are_counted_from_the_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(MODEL_PRESETS["mistral-7b"].config))

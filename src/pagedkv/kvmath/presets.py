@@ -271,7 +271,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     config = load_config(path)
     spec = KVSpec.from_hf_config(config, kv_dtype, source=path)
     name = path.name if path.is_dir() else path.parent.name or path.name
-    shards = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    shards = _checkpoint_files(path) if path.is_dir() else []
     if shards:
         size = sum(shard.stat().st_size for shard in shards)
         stored = DTYPE_BYTES[config_dtype(config)]
@@ -279,7 +279,10 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         return Model(name, spec, size, source, config, size * DTYPE_BYTES["bf16"] // stored)
     if _is_mixture_of_experts(config):
         return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint", config)
-    num_params = dense_param_count(config)
+    try:
+        num_params = dense_param_count(config)
+    except ConfigError as error:  # a pool given directly needs no weights
+        return Model(name, spec, None, f"unknown: {error}, and no checkpoint", config)
     dtype = config_dtype(config)
     return Model(
         name,
@@ -289,6 +292,21 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         config,
         num_params * DTYPE_BYTES["bf16"],
     )
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of one copy of the weights: those the index names, else every
+    one but Mistral's `consolidated.safetensors`, a second copy some repositories ship beside
+    the Hugging Face shards."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = load_config(index).get("weight_map")
+        if isinstance(weight_map, Mapping) and weight_map:
+            named = {folder / str(name) for name in weight_map.values()}
+            if all(file.is_file() for file in named):
+                return sorted(named)
+    shards = sorted(folder.glob("*.safetensors"))
+    return [s for s in shards if not s.name.startswith("consolidated")] or shards
 
 
 def dense_param_count(config: Mapping[str, object]) -> int:
