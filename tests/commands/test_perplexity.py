@@ -9,6 +9,7 @@ through its paged cache, asking logits only of the scored positions.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from dataclasses import fields
@@ -87,6 +88,20 @@ def test_window_counts_below_one_are_refused_when_parsed(tmp_path, capsys, flag,
         main(["perplexity", str(text), flag, value])
     assert exit.value.code == 2
     assert f"argument {flag}: must be a positive integer, got {value}" in capsys.readouterr().err
+
+
+def test_a_window_the_model_cannot_hold_is_refused_naming_n_ctx(zoo, tmp_path, capsys) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    with pytest.raises(SystemExit):
+        main(["perplexity", str(text), "--n-ctx", "3"])
+    assert "argument --n-ctx: must be at least 4, got 3" in capsys.readouterr().err
+    context = json.loads((zoo.folder("llama") / "config.json").read_text())
+    context = context["max_position_embeddings"]
+    args = ["perplexity", str(text), "--model", str(zoo.folder("llama"))]
+    assert main([*args, "--n-ctx", str(context + 1)]) == 2
+    expected = f"--n-ctx {context + 1} is beyond the model's context of {context} tokens"
+    assert expected in capsys.readouterr().err
 
 
 def test_command_scores_through_an_fp8_cache(zoo, tmp_path, capsys) -> None:

@@ -46,6 +46,16 @@ ENGINE_FIELDS = frozenset(
 )
 
 
+def window_length(text: str) -> int:
+    """argparse type of --n-ctx: at least 4 tokens (half of a window is context, half scored)."""
+    from pagedkv.commands.arguments import positive_int
+
+    value = positive_int(text)
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"must be at least 4, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The text file, window size and the engine flags perplexity acts on (the others are
     parsed, to be refused by name, but left out of --help)."""
@@ -54,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("file", type=Path, help="UTF-8 text file to score")
     parser.add_argument(
-        "--n-ctx", type=positive_int, default=512, help="tokens per window (default 512)"
+        "--n-ctx",
+        type=window_length,
+        default=512,
+        help="tokens per window, at least 4 (default 512)",
     )
     parser.add_argument(
         "--max-windows", type=positive_int, default=None, help="score only the first N windows"
@@ -108,6 +121,14 @@ def run(args: argparse.Namespace) -> int:
         )
     except STARTUP_ERRORS as error:
         print(f"pagedkv perplexity: {error}", file=sys.stderr)
+        return 2
+    context = loaded.config.max_position_embeddings
+    if args.n_ctx > context:
+        print(
+            f"pagedkv perplexity: --n-ctx {args.n_ctx} is beyond the model's context of "
+            f"{context} tokens (max_position_embeddings)",
+            file=sys.stderr,
+        )
         return 2
     try:
         result = perplexity(
