@@ -304,3 +304,36 @@ def test_qwen3_windows_the_layers_transformers_windows(case):
     theirs = transformers.Qwen3Config(**fields).layer_types
     expected = tuple(4096 if kind == "sliding_attention" else None for kind in theirs)
     assert ModelConfig.from_dict(raw, SOURCE).sliding_windows == expected
+
+
+def test_mistral_windows_follow_transformers_where_the_config_is_silent_or_typed():
+    """The oracle: transformers' own config classes. A Mistral config without the key has
+    MistralConfig's window (4,096); one with `layer_types` (Ministral's) windows only the
+    layers marked sliding."""
+    import transformers
+
+    fields = {key: value for key, value in LLAMA.items() if key != "architectures"}
+    silent = {**LLAMA, "architectures": ["MistralForCausalLM"]}
+    expected = transformers.MistralConfig(**fields).sliding_window
+    assert ModelConfig.from_dict(silent, SOURCE).sliding_windows == (expected,) * 32 == (4096,) * 32
+    kinds = ["sliding_attention", "full_attention"] * 16
+    typed = {**silent, "sliding_window": 512, "layer_types": kinds}
+    theirs = transformers.MinistralConfig(**fields, sliding_window=512, layer_types=kinds)
+    windows = tuple(512 if kind == "sliding_attention" else None for kind in theirs.layer_types)
+    assert ModelConfig.from_dict(typed, SOURCE).sliding_windows == windows
+    _assert_planner_and_model_agree(typed, SOURCE)
+    _assert_planner_and_model_agree(silent, SOURCE)
+
+
+def test_a_qwen3_config_without_head_dim_has_transformers_default():
+    import transformers
+
+    # hidden_size / heads is 64 here: the default is not that.
+    fields = {
+        key: value for key, value in LLAMA.items() if key not in ("architectures", "head_dim")
+    }
+    fields |= {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8}
+    raw = {**fields, "architectures": ["Qwen3ForCausalLM"]}
+    expected = transformers.Qwen3Config(**fields).head_dim
+    assert ModelConfig.from_dict(raw, SOURCE).head_dim == expected == 128
+    _assert_planner_and_model_agree(raw, SOURCE)

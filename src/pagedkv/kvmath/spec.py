@@ -230,7 +230,7 @@ class KVSpec:
             )
         num_heads = field.positive_int("num_attention_heads", "n_head")
         num_kv_heads = field.optional_positive_int("num_key_value_heads") or num_heads
-        head_dim = field.optional_positive_int("head_dim")
+        head_dim = field.optional_positive_int("head_dim") or default_head_dim(fields)
         if head_dim is None:
             hidden = field.positive_int("hidden_size", "n_embd", "d_model")
             if hidden % num_heads:
@@ -285,6 +285,9 @@ _FAMILIES = {
     "Qwen3ForCausalLM": "qwen2",  # Qwen3 windows its layers by Qwen2's rule
 }
 _QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
+_MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig, for a config without the key
+# transformers' head_dim for a config without one, by architecture (else hidden / heads).
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
 
 
 def model_family(config: Mapping[str, object]) -> str | None:
@@ -300,15 +303,17 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
     """The attention window of every layer (None: full attention), as transformers applies it.
 
     The one rule both the planner and the model follow: Llama ignores a stray
-    `sliding_window`; Mistral windows every layer; Qwen2 and Qwen3 window only with
-    `use_sliding_window`, and then only the layers `layer_types` marks "sliding_attention"
-    (or, without it, the layers from `max_window_layers` on); another family windows the
-    layers its `layer_types` marks, or else every layer unless `use_sliding_window` is false.
-    Raises ConfigError naming the field.
+    `sliding_window`; Qwen2 and Qwen3 window only with `use_sliding_window`, and then only the
+    layers `layer_types` marks "sliding_attention" (or, without it, the layers from
+    `max_window_layers` on); Mistral and another family window the layers `layer_types` marks,
+    or else every layer (unless `use_sliding_window` is false). A Mistral config without the
+    key has MistralConfig's window of 4,096 tokens (null: none). Raises ConfigError naming the
+    field.
     """
     family = model_family(config)
     full: tuple[int | None, ...] = (None,) * num_layers
-    window = config.get("sliding_window")
+    default = _MISTRAL_DEFAULT_WINDOW if family == "mistral" else None
+    window = config.get("sliding_window", default)
     if window is None or family == "llama":
         return full
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -316,13 +321,11 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
     use_window = config.get("use_sliding_window")
     if use_window is not None and not isinstance(use_window, bool):
         raise ConfigError(f"use_sliding_window must be true or false, got {use_window!r}")
-    if family == "mistral":
-        return (window,) * num_layers
     layer_types = config.get("layer_types")
-    if family != "qwen2" and layer_types is None:
-        return full if use_window is False else (window,) * num_layers
     if family == "qwen2" and not use_window:
         return full
+    if family != "qwen2" and layer_types is None:
+        return full if use_window is False else (window,) * num_layers
     if layer_types is None:
         first = config.get("max_window_layers")
         first = _QWEN2_MAX_WINDOW_LAYERS if first is None else first
@@ -332,6 +335,15 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
         raise ConfigError(f"layer_types must list {num_layers} layer types, got {layer_types!r}")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def default_head_dim(config: Mapping[str, object]) -> int | None:
+    """The head size transformers gives a config of this architecture that names none (Qwen3:
+    128); None where it is hidden_size / num_attention_heads."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        return _DEFAULT_HEAD_DIM.get(str(architectures[0]))
+    return None
 
 
 def config_dtype(config: Mapping[str, object]) -> str:

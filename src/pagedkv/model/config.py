@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.kvmath.spec import ConfigError, ConfigFileError, layer_windows, read_json_object
+from pagedkv.kvmath.spec import (
+    ConfigError,
+    ConfigFileError,
+    default_head_dim,
+    layer_windows,
+    read_json_object,
+)
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
 from pagedkv.model.registry import architecture_of
 
@@ -72,7 +78,7 @@ class ModelConfig:
                 f"num_attention_heads ({num_heads}) is not a multiple of "
                 f"num_key_value_heads ({num_kv_heads})",
             )
-        head_dim = fields.integer("head_dim", hidden_size // num_heads)
+        head_dim = fields.integer("head_dim", default_head_dim(raw) or hidden_size // num_heads)
         hidden_act = raw.get("hidden_act") or "silu"
         if hidden_act not in architecture.hidden_acts:
             supported = " or ".join(map(repr, architecture.hidden_acts))
