@@ -369,3 +369,15 @@ def test_plan_command_names_a_malformed_gguf_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"pagedkv plan: error: {path}")
     assert len(err.splitlines()) == 1
+
+
+def test_plan_marks_more_requests_than_a_step_runs(capsys):
+    """The concurrency is the memory's; a step runs at most max_num_seqs (the engine's
+    default, which the note quotes), so a row above it says the others wait."""
+    from pagedkv.commands.plan import DEFAULT_MAX_NUM_SEQS
+    from pagedkv.engine.args import EngineArgs
+
+    assert EngineArgs.max_num_seqs == DEFAULT_MAX_NUM_SEQS
+    assert main(["plan", "--model", "llama-3-8b", "--pool-gb", "53", "--lengths", "128,2k"]) == 0
+    out = capsys.readouterr().out
+    assert "3,159 s" in out and "197 s" not in out and "at most max_num_seqs" in out

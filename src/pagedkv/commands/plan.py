@@ -40,6 +40,7 @@ DEFAULT_ACTIVATION_GB = 2.0
 # The terms of `memory x utilization - weights - activations`: they size a pool from --gpu,
 # and mean nothing beside a pool given directly.
 GPU_TERMS = ("gpu_memory_utilization", "weights_gb", "activation_gb")
+DEFAULT_MAX_NUM_SEQS = 256  # the engine's and vLLM's default (a test checks EngineArgs')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -328,11 +329,15 @@ def _lengths_table(plan: CapacityPlan) -> Table:
         if row.beyond_context:
             length += " *"
             notes.add(f"* beyond the {plan.context:,}-token context served (max_model_len)")
+        concurrent = f"{row.max_concurrency:,}"
+        if row.max_concurrency > DEFAULT_MAX_NUM_SEQS:
+            concurrent += " s"
+            notes.add(
+                f"s the memory's figure: a step runs at most max_num_seqs sequences "
+                f"({DEFAULT_MAX_NUM_SEQS} by default), the others wait their turn"
+            )
         table.add_row(
-            length,
-            format_bytes(row.bytes_per_request),
-            f"{row.blocks_per_request:,}",
-            f"{row.max_concurrency:,}",
+            length, format_bytes(row.bytes_per_request), f"{row.blocks_per_request:,}", concurrent
         )
     if notes:
         table.caption = "; ".join(sorted(notes))
