@@ -453,3 +453,32 @@ def test_fused_projection_under_auto_mixes_file_blocks_and_floats():
     floats.load("weight", 1, float_part)
     assert floats.method is DENSE and floats.qweight is None
     assert torch.equal(floats.weight, torch.cat((float_part.repeat(2, 1), float_part)))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_projections_that_cannot_be_quantised_are_named_at_load(tmp_path, caplog, scheme):
+    """Groups of 32 inputs must tile a row: an MLP of 100 leaves each down_proj float, and
+    the load says so (it used to only count them in the start-up line)."""
+    import logging
+
+    import transformers
+
+    from pagedkv.weights.load import load
+    from tests.model.tiny_models import write_tokenizer_files
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    write_tokenizer_files(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.weights.assemble"):
+        model = load(tmp_path, quantization=scheme, progress=lambda line: None).model
+    kept = [m for m in model.modules() if isinstance(m, Linear) and m.method is DENSE]
+    assert [m.in_features for m in kept] == [100, 100]  # each layer's down_proj
+    assert f"quantization {scheme}: 2 projections stay float" in caplog.text
+    assert "[100] are not multiples of 32" in caplog.text

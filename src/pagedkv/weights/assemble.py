@@ -10,6 +10,7 @@ module paths are spelled in a checkpoint. Every expected tensor must arrive exac
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,10 @@ from pagedkv.model.layers.linear import Linear
 from pagedkv.model.registry import ARCHITECTURES
 from pagedkv.parallel.group import building_group
 from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.quantize import GROUP_SIZE
 from pagedkv.quant.schemes import resolve_quantization
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,7 +115,26 @@ def build_model(
     for name in slots:
         if name not in loaded:
             raise MissingTensor(source, name)
+    if quantization in ("int8", "int4"):
+        _warn_of_float_projections(model, quantization)
     return model.eval().requires_grad_(False)
+
+
+def _warn_of_float_projections(model: DecoderModel, quantization: str) -> None:
+    """Say which projections `quantization` could not quantise: groups of `GROUP_SIZE` inputs
+    must tile a row, so a layer whose input size does not stays float (the start-up line
+    counts them; this names why)."""
+    kept = [m for m in model.modules() if isinstance(m, Linear) and m.in_features % GROUP_SIZE]
+    if kept:
+        sizes = sorted({layer.in_features for layer in kept})
+        logger.warning(
+            "quantization %s: %d projections stay float: their input sizes %s are not "
+            "multiples of %d",
+            quantization,
+            len(kept),
+            sizes,
+            GROUP_SIZE,
+        )
 
 
 def checkpoint_slots(model: DecoderModel) -> dict[str, _Slot]:
