@@ -352,6 +352,12 @@ def test_guided_decoding_is_structured_outputs_under_its_older_name(llm):
             structured_outputs=StructuredOutputsParams(choice=choices),
             guided_decoding=GuidedDecodingParams(regex="a+"),
         )
+    # Its `backend` is taken (one grammar engine serves every name), and a constraint set on
+    # `guided_decoding` after construction is the one the request runs with.
+    later = greedy(guided_decoding=GuidedDecodingParams(choice=["x"], backend="xgrammar"))
+    later.guided_decoding = GuidedDecodingParams(choice=choices)
+    [by_later] = llm.generate([PROMPT], later, use_tqdm=False)
+    assert by_later.outputs[0].text == by_new.outputs[0].text
 
 
 def test_per_request_logits_processors_are_refused_as_vllms_v1_refuses_them():

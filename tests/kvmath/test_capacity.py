@@ -161,26 +161,28 @@ def test_gpu_presets_are_driver_reported_mib():
 
 def test_model_folder_weights_come_from_its_safetensors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["llama-3-8b"].config))
-    (tmp_path / "model-1.safetensors").write_bytes(b"x" * 1000)
-    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 24)
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1024)
     model = resolve_model(str(tmp_path))
     assert model.weight_bytes == 1024
     assert model.spec.bytes_per_token == 131_072
 
 
-def test_one_copy_of_the_weights_is_counted(tmp_path):
-    """Mistral's repositories ship `consolidated.safetensors` beside the Hugging Face shards:
-    the same weights twice. The index names the shards; without one, consolidated is left
-    out unless it is the only file."""
+def test_the_weights_counted_are_the_files_the_engine_reads(tmp_path):
+    """The loader reads the shards the index names, else model.safetensors (hf_folder.py):
+    Mistral's `consolidated.safetensors`, a second copy of the weights, is never counted."""
     (tmp_path / "config.json").write_text(json.dumps(MODEL_PRESETS["mistral-7b"].config))
     (tmp_path / "consolidated.safetensors").write_bytes(b"x" * 1024)
-    assert resolve_model(str(tmp_path)).weight_bytes == 1024
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
-    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 24)
-    assert resolve_model(str(tmp_path)).weight_bytes == 1024
-    index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "counted from config" in resolve_model(str(tmp_path)).weight_source
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 24)
+    assert resolve_model(str(tmp_path)).weight_bytes == 24
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        (tmp_path / shard).write_bytes(b"x" * 500)
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
     assert resolve_model(str(tmp_path)).weight_bytes == 1000
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="names shards that are not there: model-00002"):
+        resolve_model(str(tmp_path))
 
 
 def test_a_pool_given_directly_needs_no_weight_count(tmp_path, capsys):
@@ -381,3 +383,12 @@ def test_plan_marks_more_requests_than_a_step_runs(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--pool-gb", "53", "--lengths", "128,2k"]) == 0
     out = capsys.readouterr().out
     assert "3,159 s" in out and "197 s" not in out and "at most max_num_seqs" in out
+
+
+def test_an_fp8_checkpoint_keeps_its_bytes_on_a_gpu(capsys):
+    """Sizing on a GPU narrows wider floats to bfloat16's 2 bytes; an fp8 checkpoint stays
+    1 byte a value (DeepSeek-V3's 671 B parameters: 671 GB, not twice that)."""
+    argv = ["plan", "--model", "deepseek-v3", "--gpu", "h200", "--tensor-parallel-size", "8"]
+    assert main([*argv, "--json"]) == 0
+    pool = json.loads(capsys.readouterr().out)["pool"]
+    assert pool["weight_bytes"] == MODEL_PRESETS["deepseek-v3"].num_params // 8

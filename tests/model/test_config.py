@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedkv.kvmath.families import layer_windows
 from pagedkv.kvmath.presets import MODEL_PRESETS
 from pagedkv.kvmath.spec import KVSpec
 from pagedkv.model.config import ModelConfig, RopeConfig, load_config, read_config
@@ -337,3 +338,37 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default():
     expected = transformers.Qwen3Config(**fields).head_dim
     assert ModelConfig.from_dict(raw, SOURCE).head_dim == expected == 128
     _assert_planner_and_model_agree(raw, SOURCE)
+    named_by_type = {**fields, "model_type": "qwen3"}  # no architectures: the type says Qwen3
+    assert ModelConfig.from_dict(named_by_type, SOURCE).head_dim == 128
+    _assert_planner_and_model_agree(named_by_type, SOURCE)
+
+
+def _transformers_windows(config) -> tuple[int | None, ...]:
+    """Each layer's window as transformers' own config class sets it."""
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    window = config.sliding_window
+    return tuple(window if kind == "sliding_attention" else None for kind in kinds)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "architecture", "extra"),
+    [
+        ("MistralConfig", "MistralForCausalLM", {"use_sliding_window": False}),
+        ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+        ("MinistralConfig", "MinistralForCausalLM", {}),
+        ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 2}),
+        ("Qwen3Config", None, {"use_sliding_window": True, "max_window_layers": 3}),
+        ("Qwen3Config", None, {"use_sliding_window": False}),
+    ],
+)
+def test_windows_are_the_ones_transformers_configs_set(config_class, architecture, extra):
+    """The oracle: transformers' config class built from the same keys (a key left out takes
+    its default: a 4,096-token window where these families have one)."""
+    import transformers
+
+    fields = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, **extra}
+    theirs = getattr(transformers, config_class)(**fields)
+    raw = {**fields, "model_type": theirs.model_type, "intermediate_size": 512, "vocab_size": 300}
+    if architecture is not None:
+        raw["architectures"] = [architecture]
+    assert layer_windows(raw, 4) == _transformers_windows(theirs)

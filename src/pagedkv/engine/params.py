@@ -164,7 +164,10 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
 
     def clone(self) -> SamplingParams:
-        """A checked copy of the fields as they are now (what a request keeps)."""
+        """A checked copy of the fields as they are now (what a request keeps). The older
+        `guided_decoding`, set after construction, is the constraint now, as it was vLLM's."""
+        if self.guided_decoding is not None:
+            return replace(self, structured_outputs=self.guided_decoding, guided_decoding=None)
         return replace(self)
 
     @property

@@ -260,7 +260,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
                 f"{DTYPE_BYTES[preset.weight_dtype]} B ({preset.weight_dtype}), published"
             ),
             config=preset.config,
-            gpu_weight_bytes=preset.num_params * DTYPE_BYTES["bf16"],
+            gpu_weight_bytes=preset.num_params * _gpu_bytes(preset.weight_dtype),
         )
     path = Path(name_or_path)
     if not path.exists():
@@ -276,7 +276,8 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         size = sum(shard.stat().st_size for shard in shards)
         stored = DTYPE_BYTES[config_dtype(config)]
         source = f"{len(shards)} .safetensors file(s) in {path}"
-        return Model(name, spec, size, source, config, size * DTYPE_BYTES["bf16"] // stored)
+        loaded = size * _gpu_bytes(config_dtype(config)) // stored
+        return Model(name, spec, size, source, config, loaded)
     if _is_mixture_of_experts(config):
         return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint", config)
     try:
@@ -290,23 +291,33 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         num_params * DTYPE_BYTES[dtype],
         f"{num_params / 1e9:,.2f} B params x {DTYPE_BYTES[dtype]} B ({dtype}), counted from config",
         config,
-        num_params * DTYPE_BYTES["bf16"],
+        num_params * _gpu_bytes(dtype),
     )
 
 
+def _gpu_bytes(stored: str) -> int:
+    """Bytes a value of a checkpoint stored as `stored` takes on a GPU: bfloat16's 2 for a
+    wider float (dtype auto), as stored for a narrower one (fp8 checkpoints stay 1 byte)."""
+    return min(DTYPE_BYTES[stored], DTYPE_BYTES["bf16"])
+
+
 def _checkpoint_files(folder: Path) -> list[Path]:
-    """The safetensors files of one copy of the weights: those the index names, else every
-    one but Mistral's `consolidated.safetensors`, a second copy some repositories ship beside
-    the Hugging Face shards."""
+    """The safetensors files the engine's loader reads (`weights/hf_folder.py`): the shards
+    `model.safetensors.index.json` names, else `model.safetensors`; none, to count from the
+    config. Other files (Mistral's `consolidated.safetensors`, a second copy of the weights)
+    are not the model's."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = load_config(index).get("weight_map")
-        if isinstance(weight_map, Mapping) and weight_map:
-            named = {folder / str(name) for name in weight_map.values()}
-            if all(file.is_file() for file in named):
-                return sorted(named)
-    shards = sorted(folder.glob("*.safetensors"))
-    return [s for s in shards if not s.name.startswith("consolidated")] or shards
+        if not isinstance(weight_map, Mapping) or not weight_map:
+            raise ConfigError(f"{index}: no 'weight_map' object naming the shards")
+        named = sorted({folder / str(name) for name in weight_map.values()})
+        missing = [file.name for file in named if not file.is_file()]
+        if missing:
+            raise ConfigError(f"{index} names shards that are not there: {', '.join(missing)}")
+        return named
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def dense_param_count(config: Mapping[str, object]) -> int:

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from pagedkv.kvmath.errors import ConfigError
+from pagedkv.kvmath.families import default_head_dim, layer_windows
+
 GB = 10**9
 GiB = 2**30
 MiB = 2**20
@@ -50,10 +53,6 @@ _DTYPE_ALIASES: dict[str, str] = {
 # A config that names no dtype is loaded in fp16 by every serving stack, so that is what it
 # is sized in.
 _DEFAULT_DTYPE = "fp16"
-
-
-class ConfigError(ValueError):
-    """A model config lacks a field KV sizing needs, or holds an impossible value."""
 
 
 class ConfigFileError(ConfigError):
@@ -274,76 +273,6 @@ def read_json_object(path: Path) -> dict[str, object]:
     if not isinstance(data, dict):
         raise ConfigFileError(path, f"expected a JSON object, got {type(data).__name__}")
     return data
-
-
-# Families with their own window rule; any other config (the planner's presets include
-# several) windows every layer when it names a window.
-_FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen2",  # Qwen3 windows its layers by Qwen2's rule
-}
-_QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
-_MISTRAL_DEFAULT_WINDOW = 4096  # transformers' MistralConfig, for a config without the key
-# transformers' head_dim for a config without one, by architecture (else hidden / heads).
-_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
-
-
-def model_family(config: Mapping[str, object]) -> str | None:
-    """`llama`, `mistral`, `qwen2` or another `model_type`, from architectures or model_type."""
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures and architectures[0] in _FAMILIES:
-        return _FAMILIES[architectures[0]]
-    model_type = config.get("model_type")
-    return model_type if isinstance(model_type, str) else None
-
-
-def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | None, ...]:
-    """The attention window of every layer (None: full attention), as transformers applies it.
-
-    The one rule both the planner and the model follow: Llama ignores a stray
-    `sliding_window`; Qwen2 and Qwen3 window only with `use_sliding_window`, and then only the
-    layers `layer_types` marks "sliding_attention" (or, without it, the layers from
-    `max_window_layers` on); Mistral and another family window the layers `layer_types` marks,
-    or else every layer (unless `use_sliding_window` is false). A Mistral config without the
-    key has MistralConfig's window of 4,096 tokens (null: none). Raises ConfigError naming the
-    field.
-    """
-    family = model_family(config)
-    full: tuple[int | None, ...] = (None,) * num_layers
-    default = _MISTRAL_DEFAULT_WINDOW if family == "mistral" else None
-    window = config.get("sliding_window", default)
-    if window is None or family == "llama":
-        return full
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(f"sliding_window must be an integer >= 1, got {window!r}")
-    use_window = config.get("use_sliding_window")
-    if use_window is not None and not isinstance(use_window, bool):
-        raise ConfigError(f"use_sliding_window must be true or false, got {use_window!r}")
-    layer_types = config.get("layer_types")
-    if family == "qwen2" and not use_window:
-        return full
-    if family != "qwen2" and layer_types is None:
-        return full if use_window is False else (window,) * num_layers
-    if layer_types is None:
-        first = config.get("max_window_layers")
-        first = _QWEN2_MAX_WINDOW_LAYERS if first is None else first
-        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-            raise ConfigError(f"max_window_layers must be an integer >= 0, got {first!r}")
-        return tuple(window if i >= first else None for i in range(num_layers))
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
-        raise ConfigError(f"layer_types must list {num_layers} layer types, got {layer_types!r}")
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-
-
-def default_head_dim(config: Mapping[str, object]) -> int | None:
-    """The head size transformers gives a config of this architecture that names none (Qwen3:
-    128); None where it is hidden_size / num_attention_heads."""
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures:
-        return _DEFAULT_HEAD_DIM.get(str(architectures[0]))
-    return None
 
 
 def config_dtype(config: Mapping[str, object]) -> str:

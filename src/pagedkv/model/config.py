@@ -13,13 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.kvmath.spec import (
-    ConfigError,
-    ConfigFileError,
-    default_head_dim,
-    layer_windows,
-    read_json_object,
-)
+from pagedkv.kvmath.families import default_head_dim, layer_windows
+from pagedkv.kvmath.spec import ConfigError, ConfigFileError, read_json_object
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
 from pagedkv.model.registry import architecture_of
 

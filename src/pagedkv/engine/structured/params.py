@@ -86,6 +86,15 @@ class StructuredOutputsParams:
         return f"{self.kind}:{value}"
 
 
-# vLLM's name for the class before 0.10.2, with SamplingParams' `guided_decoding`: older
-# vLLM code imports it, and gets the same constraints.
-GuidedDecodingParams = StructuredOutputsParams
+@dataclass
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's name for the class before 0.10.2 (with SamplingParams' `guided_decoding`), and
+    its `backend` field: older vLLM code builds it, and gets the same constraints. One grammar
+    engine (llguidance) serves whichever backend is named."""
+
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise ValueError(f"guided_decoding.backend must be a string: {self.backend!r}")

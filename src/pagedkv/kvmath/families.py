@@ -1,0 +1,98 @@
+"""How transformers reads a family's config where it leaves things out: each layer's attention
+window and a missing head size.
+
+The one rule both the planner (`spec.KVSpec`) and the model (`model/config.py`) follow, kept
+beside the KV arithmetic with no torch, so the two cannot drift apart. Where a key is absent
+the answer is the transformers config class's default (checked against those classes in the
+tests), not hidden_size / heads or "no window".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pagedkv.kvmath.errors import ConfigError
+
+# Families with their own window rule; any other config (the planner's presets include
+# several) windows every layer when it names a window.
+_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen2",  # Qwen3 windows its layers by Qwen2's rule
+}
+# The same families named by `model_type`, for a config without `architectures`.
+_TYPE_FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "ministral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+}
+_QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
+# transformers' Mistral, Qwen2 and Qwen3 configs window 4,096 tokens when the key is absent.
+_DEFAULT_WINDOW = 4096
+# transformers' head_dim for a config without one, by architecture or model_type (else
+# hidden / heads).
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "qwen3": 128}
+
+
+def model_family(config: Mapping[str, object]) -> str | None:
+    """`llama`, `mistral`, `qwen2` or another `model_type`, from architectures or model_type."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures and architectures[0] in _FAMILIES:
+        return _FAMILIES[architectures[0]]
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        return None
+    return _TYPE_FAMILIES.get(model_type, model_type)
+
+
+def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | None, ...]:
+    """The attention window of every layer (None: full attention), as transformers applies it.
+
+    The one rule both the planner and the model follow: Llama ignores a stray
+    `sliding_window`; Qwen2 and Qwen3 window only with `use_sliding_window`, and then only the
+    layers `layer_types` marks "sliding_attention" (or, without it, the layers from
+    `max_window_layers` on); Mistral (and Ministral) window the layers `layer_types` marks, or
+    else every layer, whatever `use_sliding_window` says; another family windows the layers
+    `layer_types` marks, or else every layer unless `use_sliding_window` is false. Mistral,
+    Qwen2 and Qwen3 configs without the key have transformers' window of 4,096 tokens (null:
+    none). Raises ConfigError naming the field.
+    """
+    family = model_family(config)
+    full: tuple[int | None, ...] = (None,) * num_layers
+    default = _DEFAULT_WINDOW if family in ("mistral", "qwen2") else None
+    window = config.get("sliding_window", default)
+    if window is None or family == "llama":
+        return full
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"sliding_window must be an integer >= 1, got {window!r}")
+    use_window = config.get("use_sliding_window")
+    if use_window is not None and not isinstance(use_window, bool):
+        raise ConfigError(f"use_sliding_window must be true or false, got {use_window!r}")
+    layer_types = config.get("layer_types")
+    if family == "qwen2" and not use_window:
+        return full
+    if family != "qwen2" and layer_types is None:
+        windowless = use_window is False and family != "mistral"
+        return full if windowless else (window,) * num_layers
+    if layer_types is None:
+        first = config.get("max_window_layers")
+        first = _QWEN2_MAX_WINDOW_LAYERS if first is None else first
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError(f"max_window_layers must be an integer >= 0, got {first!r}")
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types must list {num_layers} layer types, got {layer_types!r}")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def default_head_dim(config: Mapping[str, object]) -> int | None:
+    """The head size transformers gives a config of this architecture that names none (Qwen3:
+    128); None where it is hidden_size / num_attention_heads."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures:
+        return _DEFAULT_HEAD_DIM.get(str(architectures[0]))
+    return _DEFAULT_HEAD_DIM.get(str(config.get("model_type")))
