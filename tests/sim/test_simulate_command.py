@@ -36,6 +36,16 @@ def test_json_reports_every_scheme_and_the_sweep(capsys):
     assert out["batch_sizes_left_out"] == []
 
 
+def test_kv_cache_dtype_sizes_the_blocks_as_plan_does(capsys):
+    """vLLM's --kv-cache-dtype, as plan takes it: fp8 halves the tutorial model's fp16
+    block (16 tokens x 512 KiB), so the pool holds twice the blocks."""
+    argv = ["simulate", "--workload", "tutorial", *SMALL, "--json"]
+    assert main([*argv, "--kv-cache-dtype", "fp8"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == 5 * 10**9 // (16 * 256 * 1024)
+    assert main([*argv, "--kv-cache-dtype", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == 596
+
+
 def test_utilisation_is_reported_at_completion_and_at_its_peak_over_time(capsys):
     assert main(["simulate", *SMALL, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

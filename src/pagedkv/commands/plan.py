@@ -20,15 +20,17 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
-from pagedkv.commands.planning_model import resolve_planning_model
+from pagedkv.commands.planning_model import (
+    add_kv_dtype_arguments,
+    kv_dtype_of,
+    resolve_planning_model,
+)
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
 from pagedkv.kvmath.lora import LoRAPlan, plan_lora
 from pagedkv.kvmath.parallel import check_attention_heads, per_rank_spec
 from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset
 from pagedkv.kvmath.spec import (
-    DTYPE_BYTES,
     GB,
-    KV_CACHE_DTYPES,
     ConfigError,
     KVSpec,
     format_bytes,
@@ -50,14 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, a model folder or a .gguf file",
     )
-    kv_dtype = parser.add_mutually_exclusive_group()
-    kv_dtype.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
-    kv_dtype.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help="vLLM's spelling, as the engine takes it: auto (the config's dtype), fp8, "
-        "fp8_e4m3 or fp8_e5m2 (1 byte per value)",
-    )
+    add_kv_dtype_arguments(parser)
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     pool = parser.add_mutually_exclusive_group(required=True)
     pool.add_argument("--pool-gb", type=positive_gb, help="KV pool size in GB (10^9 bytes)")
@@ -118,9 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
-        model = resolve_planning_model(args.model, _kv_dtype(args))
+        model = resolve_planning_model(args.model, kv_dtype_of(args))
         if args.gpu is not None:
-            model = _as_loaded_on_a_gpu(model, kv_dtype_given=_kv_dtype(args) is not None)
+            model = _as_loaded_on_a_gpu(model, kv_dtype_given=kv_dtype_of(args) is not None)
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         check_attention_heads(model.config, args.tensor_parallel_size)
         pool = _pool(args, model)
@@ -190,13 +185,6 @@ def _as_loaded_on_a_gpu(model: Model, kv_dtype_given: bool) -> Model:
         return replace(model, spec=spec)
     source = f"{model.weight_source}; loaded as bf16 on a GPU: {format_bytes(loaded)}"
     return replace(model, spec=spec, weight_bytes=loaded, weight_source=source)
-
-
-def _kv_dtype(args: argparse.Namespace) -> str | None:
-    """The KV dtype asked for under either spelling; None: the config's."""
-    if args.kv_cache_dtype not in (None, "auto"):
-        return args.kv_cache_dtype  # an fp8 name, which KVSpec reads as fp8
-    return args.kv_dtype
 
 
 def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:

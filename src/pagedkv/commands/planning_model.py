@@ -8,11 +8,12 @@ plan sizes exactly the model the engine would serve. Only this path imports it.
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
 from pagedkv.kvmath.presets import Model, resolve_model
-from pagedkv.kvmath.spec import ConfigError, KVSpec
+from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, KVSpec
 
 GGUF_MAGIC = b"GGUF"
 
@@ -51,3 +52,23 @@ def _is_gguf(path: Path) -> bool:
             return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
     except OSError:
         return False
+
+
+def add_kv_dtype_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--kv-dtype` (bytes per value by name) or vLLM's `--kv-cache-dtype`, as the engine
+    takes it: what KV is sized in, for `plan` and `simulate` alike."""
+    kv_dtype = parser.add_mutually_exclusive_group()
+    kv_dtype.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
+    kv_dtype.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="vLLM's spelling, as the engine takes it: auto (the config's dtype), fp8, "
+        "fp8_e4m3 or fp8_e5m2 (1 byte per value)",
+    )
+
+
+def kv_dtype_of(args: argparse.Namespace) -> str | None:
+    """The KV dtype asked for under either spelling; None: the config's."""
+    if args.kv_cache_dtype not in (None, "auto"):
+        return args.kv_cache_dtype  # an fp8 name, which KVSpec reads as fp8
+    return args.kv_dtype

@@ -21,9 +21,13 @@ from pagedkv.commands.arguments import (
     positive_int,
     token_counts,
 )
-from pagedkv.commands.planning_model import resolve_planning_model
+from pagedkv.commands.planning_model import (
+    add_kv_dtype_arguments,
+    kv_dtype_of,
+    resolve_planning_model,
+)
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model
-from pagedkv.kvmath.spec import DTYPE_BYTES, GB, ConfigError, format_bytes
+from pagedkv.kvmath.spec import GB, ConfigError, format_bytes
 from pagedkv.sim.render import (
     Comparison,
     as_json,
@@ -71,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"preset ({', '.join(MODEL_PRESETS)}), config.json, model folder or .gguf file; "
         "default gpt-tutorial for the tutorial workload, llama-3.1-8b otherwise",
     )
-    parser.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="default: the config's")
+    add_kv_dtype_arguments(parser)
     parser.add_argument(
         "--pool-gb", type=positive_gb, default=40.0, help="KV pool in GB (default 40)"
     )
@@ -193,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int]:
     """The model, the request stream and the context it is served with."""
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
-    model = resolve_planning_model(args.model or default_model or "llama-3.1-8b", args.kv_dtype)
+    model = resolve_planning_model(args.model or default_model or "llama-3.1-8b", kv_dtype_of(args))
     if args.trace:
         max_model_len = model.spec.served_context(args.max_model_len)
         if max_model_len is None:
