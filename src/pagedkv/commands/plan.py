@@ -113,9 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
-        model = resolve_planning_model(args.model, kv_dtype_of(args))
+        kv_dtype = kv_dtype_of(args)
+        model = resolve_planning_model(args.model, kv_dtype)
         if args.gpu is not None:
-            model = _as_loaded_on_a_gpu(model, kv_dtype_given=kv_dtype_of(args) is not None)
+            model = _as_loaded_on_a_gpu(model, kv_dtype_given=kv_dtype is not None)
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         check_attention_heads(model.config, args.tensor_parallel_size)
         pool = _pool(args, model)

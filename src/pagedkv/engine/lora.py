@@ -14,8 +14,9 @@ blocks); an adapter a request still uses is never forgotten, so the bound may be
 more are in use. `forget` (the engine's `remove_lora`, the server's unload) drops one as soon
 as no request uses it; a later request naming it reads it again.
 
-Prefix caching is keyed by adapter: a request's cache salt carries its adapter's id, so two
-adapters never share KV blocks, whatever the prompt.
+Prefix caching is keyed by adapter: a request's cache salt carries its adapter's id, name and
+folder, so two adapters never share KV blocks, whatever the prompt (an id given again to
+another adapter after the catalog forgot it included).
 """
 
 from __future__ import annotations

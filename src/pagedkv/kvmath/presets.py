@@ -274,9 +274,9 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     shards = _checkpoint_files(path) if path.is_dir() else []
     if shards:
         size = sum(shard.stat().st_size for shard in shards)
-        stored = DTYPE_BYTES[config_dtype(config)]
+        dtype = config_dtype(config)
         source = f"{len(shards)} .safetensors file(s) in {path}"
-        loaded = size * _gpu_bytes(config_dtype(config)) // stored
+        loaded = size * _gpu_bytes(dtype) // DTYPE_BYTES[dtype]
         return Model(name, spec, size, source, config, loaded)
     if _is_mixture_of_experts(config):
         return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint", config)
