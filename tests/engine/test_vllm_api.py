@@ -102,9 +102,11 @@ def test_chat_takes_a_template_its_kwargs_and_continues_a_final_message(llm):
         llm.chat(messages, GREEDY, use_tqdm=False, continue_final_message=True)
 
 
-def test_chat_content_is_one_string_as_vllms_string_format(llm):
-    """vLLM's `chat_template_content_format`: "auto" and "string" render a list of text parts
-    as their texts joined by newlines (the same prompt as that string); "openai" is refused."""
+def test_chat_content_reaches_the_template_in_vllms_content_format(llm):
+    """vLLM's `chat_template_content_format`: "string" (and "auto", for a template that prints
+    the content) render a list of text parts as their texts joined by newlines, the same
+    prompt as that string; "auto" and "openai" hand a template that loops over the content
+    the parts themselves."""
     parts = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     ]
@@ -115,8 +117,20 @@ def test_chat_content_is_one_string_as_vllms_string_format(llm):
             parts, GREEDY, use_tqdm=False, chat_template_content_format=content_format
         )
         assert output.prompt == expected.prompt and "a\nb" in output.prompt
-    with pytest.raises(ValueError, match="chat_template_content_format must be 'auto' or"):
-        llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="openai")
+    looping = (
+        "{% for m in messages %}{% for p in m['content'] %}<{{ p.text }}>{% endfor %}{% endfor %}"
+    )
+    for content_format in ("auto", "openai"):
+        [output] = llm.chat(
+            parts,
+            GREEDY,
+            use_tqdm=False,
+            chat_template=looping,
+            chat_template_content_format=content_format,
+        )
+        assert output.prompt == "<a><b>"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, s"):
+        llm.chat(parts, GREEDY, use_tqdm=False, chat_template_content_format="parts")
 
 
 def test_tokenization_kwargs_encode_text_prompts_as_told(llm):

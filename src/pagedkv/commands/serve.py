@@ -9,9 +9,11 @@ SIGINT and SIGTERM drain the server (see `pagedkv.server.drain`) and exit 0.
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedkv.commands.arguments import non_negative_float, port, positive_float, positive_int
@@ -30,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedkv.engine import EngineArgs
     from pagedkv.server import ServerConfig
     from pagedkv.server.metrics import DEFAULT_PREFIX, PREFIXES
+    from pagedkv.tokenizer.chat_template import CONTENT_FORMATS
 
     defaults = ServerConfig()
     parser.add_argument(
@@ -125,6 +128,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the name clients pass as `model` (default: the --model argument)",
     )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template of chat completions instead of the model's: a jinja file, or "
+        "the template itself (text with {, } or a new line; \\n and other escapes are read, "
+        "as vLLM reads them); a request's own chat_template still wins",
+    )
+    server.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default=defaults.chat_template_content_format,
+        help="how a message's content reaches the template: 'string' (one string, text parts "
+        "joined by new lines), 'openai' (a list of {type, text} parts) or 'auto' (openai for "
+        "a template that loops over a message's content, as vLLM detects it; default: "
+        "%(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +161,12 @@ def run(args: argparse.Namespace) -> int:
     if args.lora_modules and not args.enable_lora:
         print("pagedkv serve: error: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
+    if args.chat_template is not None:
+        try:
+            args.chat_template = chat_template_text(args.chat_template)
+        except (OSError, ValueError) as error:  # ChatTemplateError is a ValueError
+            print(f"pagedkv serve: error: --chat-template: {error}", file=sys.stderr)
+            return 2
     try:
         listening = bound_socket(args.host, args.port)
     except OSError as error:
@@ -208,7 +234,26 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
     )
+
+
+def chat_template_text(given: str) -> str:
+    """`--chat-template`'s jinja: the file it names, or, where it is no file and reads as
+    jinja (it has `{`, `}` or a new line, as vLLM tells them apart), the text itself with its
+    backslash escapes read. Bad jinja is a `ChatTemplateError` here, before the model loads."""
+    from pagedkv.tokenizer.chat_template import compile_template
+
+    path = Path(given)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif any(mark in given for mark in "{}\n"):
+        text = codecs.decode(given.encode("latin-1", "backslashreplace"), "unicode_escape")
+    else:
+        raise ValueError(f"{given!r} is no file, and no jinja template")
+    compile_template(text)
+    return text
 
 
 def lora_module(text: str) -> LoRAModulePath:

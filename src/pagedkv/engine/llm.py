@@ -178,16 +178,11 @@ class LLM:
         (it needs `add_generation_prompt=False`). `tools` (OpenAI-style function definitions)
         reach the template as its `tools` variable, as vLLM passes them; the answer is text
         (the server's chat completions parse tool calls out of it). Each output's `prompt` is
-        the rendered text. `lora_request` is as `generate`'s. A message's content is rendered
-        as one string (text parts joined by newlines): vLLM's `chat_template_content_format`
-        "string", which its "auto" picks for text-only templates; "openai" (content as a list
-        of parts, for templates of images and audio) is refused.
+        the rendered text. `lora_request` is as `generate`'s. `chat_template_content_format`
+        is vLLM's: a message's content reaches the template as one string ("string": text
+        parts joined by newlines) or as a list of text parts ("openai"); "auto" picks "openai"
+        for a template that loops over a message's content, as vLLM detects it.
         """
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(
-                "chat_template_content_format must be 'auto' or 'string' (content as one "
-                f"string; the models here read text only), got {chat_template_content_format!r}"
-            )
         if not is_sequence(messages):
             raise TypeError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of "
@@ -205,6 +200,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
                 template_kwargs=variables,
+                content_format=chat_template_content_format,
             )
             for conversation in conversations
         ]

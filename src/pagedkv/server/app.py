@@ -72,6 +72,8 @@ class ServerConfig:
     shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # s running requests may go on when stopping
     lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters served from the start
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and unload
+    chat_template: str | None = None  # replaces the model's; a request's replaces this one
+    chat_template_content_format: str = "auto"  # vLLM's: "string", "openai" or "auto"
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -102,6 +104,8 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         adapters=adapters,
         sampling_defaults=engine.sampling_defaults,
         strict_fields=config.strict_fields,
+        chat_template=config.chat_template,
+        chat_template_content_format=config.chat_template_content_format,
     )
     started = now()
 

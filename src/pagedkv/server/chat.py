@@ -99,17 +99,19 @@ def render_conversation(context: ServingContext, request: ChatCompletionRequest)
     """Token ids of the conversation (and tools) plus the assistant's generation prompt, as
     the request's template switches say (vLLM's `add_generation_prompt`,
     `continue_final_message`, `chat_template`, `chat_template_kwargs`, `add_special_tokens`),
-    cut to `truncate_prompt_tokens`."""
+    cut to `truncate_prompt_tokens`. The template is the request's, else the server's
+    `--chat-template`, else the model's."""
     tokenizer = context.tokenizer
-    template = request.chat_template or tokenizer.chat_template
-    messages, variables = render_messages(request, template)
+    chat_template = request.chat_template or context.chat_template
+    messages, variables = render_messages(request, chat_template or tokenizer.chat_template)
     try:
         text = tokenizer.render_chat(
             messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template=request.chat_template,
+            chat_template=chat_template,
             template_kwargs={**(request.chat_template_kwargs or {}), **variables},
+            content_format=context.chat_template_content_format,
         )
     except ChatTemplateError as error:
         raise APIError(400, str(error), param="messages") from error

@@ -275,6 +275,13 @@ class ChatMessage(RequestModel):
             return self.content
         return "\n".join(part.text for part in self.content)
 
+    def template_content(self) -> str | list[dict[str, str]] | None:
+        """The content as the tokenizer takes it, parts kept: the chat template's content
+        format (vLLM's `--chat-template-content-format`) decides how they are joined."""
+        if isinstance(self.content, list):
+            return [part.model_dump() for part in self.content]
+        return self.content
+
 
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""

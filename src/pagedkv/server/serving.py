@@ -60,6 +60,8 @@ class ServingContext:
     # the fields a request leaves out (vLLM's --generation-config auto).
     sampling_defaults: Mapping[str, Any]
     strict_fields: bool = False  # refuse unknown request fields instead of ignoring them
+    chat_template: str | None = None  # --chat-template: replaces the model's (None: keep it)
+    chat_template_content_format: str = "auto"  # vLLM's: how message content reaches it
 
     def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
         """A validated request: known fields, this model, settings that go together. A field

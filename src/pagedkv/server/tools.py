@@ -62,7 +62,7 @@ def render_messages(
     if request.tools:
         prompt = _SYSTEM_PROMPT.format(tools="\n".join(_tool_json(t) for t in request.tools))
         if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}"
+            messages[0]["content"] = f"{request.messages[0].text()}\n\n{prompt}"
         else:
             messages.insert(0, {"role": "system", "content": prompt})
     return messages, {}
@@ -74,7 +74,7 @@ def _role(message: ChatMessage) -> str:
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
-    rendered: dict[str, Any] = {"role": _role(message), "content": message.text()}
+    rendered: dict[str, Any] = {"role": _role(message), "content": message.template_content()}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {
@@ -86,12 +86,16 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
     return rendered
 
 
 def _hermes_message(message: ChatMessage) -> dict[str, Any]:
     if message.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{message.text()}\n</tool_response>"}
+    if not message.tool_calls:  # as given: the content format joins its parts, or not
+        return {"role": _role(message), "content": message.template_content()}
     blocks = [
         f"{CALL_START}\n{json.dumps({'name': c.function.name, 'arguments': _arguments(c)})}\n"
         f"{CALL_END}"

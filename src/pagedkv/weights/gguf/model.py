@@ -2,7 +2,7 @@
 
 One reading of the file serves loading and `convert.py`: metadata -> config.json keys
 (`config.py`), tensors -> dequantised, un-permuted Hugging Face tensors (`tensors.py`),
-tokenizer metadata -> tokenizer files (`tokenizer.py`). A converted folder therefore loads to
+tokenizer metadata -> tokenizer files (`pagedkv.tokenizer`). A converted folder therefore loads to
 exactly the model that loading the GGUF file gives.
 """
 

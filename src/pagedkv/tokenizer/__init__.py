@@ -3,9 +3,8 @@
 Encoding and decoding use `tokenizer.json` through the `tokenizers` library. The ids that end
 generation come from `generation_config.json` (an int or a list), falling back to config.json
 and then to tokenizer_config.json's `eos_token`. The chat template comes from
-tokenizer_config.json or `chat_template.jinja` and is rendered with jinja2 in a sandbox, with
-the same environment transformers gives templates (trimmed blocks, `raise_exception`,
-`tojson`, `strftime_now`), so a Hub template renders the same text here as there.
+tokenizer_config.json or `chat_template.jinja` and is rendered as transformers renders it, with
+each message's content in vLLM's content format (chat_template.py).
 
 The calls users make on a transformers tokenizer (`encode`, `decode`, `batch_decode`,
 `convert_ids_to_tokens`, `get_vocab`, `len()`, `eos_token_id`,
@@ -17,18 +16,22 @@ the generation prompt (transformers' defaults vary by version; pass them to be e
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedkv.model.config import read_json
 from pagedkv.model.errors import ChatTemplateError, MalformedModelFile, ModelFileMissing
+from pagedkv.tokenizer.chat_template import (
+    ENVIRONMENT,
+    compile_template,
+    cut_after_final_message,
+    resolve_content_format,
+    template_message,
+)
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -47,7 +50,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
-        self._template = None if chat_template is None else _ENVIRONMENT.from_string(chat_template)
+        self._template = None if chat_template is None else ENVIRONMENT.from_string(chat_template)
 
     @classmethod
     def from_folder(cls, folder: str | Path, config: Mapping[str, Any] | None = None) -> Tokenizer:
@@ -191,19 +194,22 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> str:
         """Render a conversation (`[{"role": ..., "content": ...}, ...]`) as prompt text.
 
         `chat_template` replaces the model's; `continue_final_message` ends the text inside
         the last message, so the model continues it rather than starting a new turn.
+        `content_format` is vLLM's `chat_template_content_format` (see chat_template.py).
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be True: "
                 "the first continues the last message, the second starts a new one"
             )
-        template = self._template if chat_template is None else _compile(chat_template)
-        if template is None:
+        source = self.chat_template if chat_template is None else chat_template
+        template = self._template if chat_template is None else compile_template(chat_template)
+        if template is None or source is None:
             raise ChatTemplateError(
                 "this model has no chat template (none in tokenizer_config.json "
                 "or chat_template.jinja)"
@@ -216,14 +222,15 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
             **(template_kwargs or {}),
         }
-        rendered = [_template_message(message) for message in messages]
+        content_format = resolve_content_format(content_format, source)
+        rendered = [template_message(message, content_format) for message in messages]
         try:
             text = template.render(messages=rendered, **variables)
         except Exception as error:  # a template is a program: any error is the template's
             raise ChatTemplateError(
                 f"chat template failed: {type(error).__name__}: {error}"
             ) from error
-        return _cut_after_final_message(text, rendered) if continue_final_message else text
+        return cut_after_final_message(text, rendered) if continue_final_message else text
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -259,83 +266,6 @@ def _check_utf8(text: str) -> None:
         what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
         where = f"{what} at character {error.start}"
         raise InvalidText(f"the text is not valid UTF-8: {where}") from None
-
-
-def _template_message(message: object) -> dict[str, Any]:
-    """A message as templates take it: its content one string, as vLLM renders it (None or
-    missing: empty; a list of text parts: their texts joined by newlines). A part that is not
-    text (an image, audio) is refused: the models here read text only."""
-    if not isinstance(message, Mapping) or "role" not in message:
-        raise ValueError(f"a chat message must be a dict with a 'role', got {message!r:.100}")
-    rendered = dict(message)
-    content = rendered.get("content")
-    if content is None:
-        rendered["content"] = ""
-    elif not isinstance(content, str):
-        if not isinstance(content, Sequence):  # (a dict is not one)
-            raise ValueError(
-                "a message's content must be a string or a list of text parts, got "
-                f"{content!r:.100}"
-            )
-        rendered["content"] = "\n".join(_part_text(part) for part in content)
-    return rendered
-
-
-def _part_text(part: object) -> str:
-    """The text of one content part; any other part type is a ValueError naming it."""
-    if not isinstance(part, Mapping) or part.get("type") != "text":
-        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        raise ValueError(f"content part of type {kind!r} is not supported: the model reads text")
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise ValueError(f"a text part needs a string 'text', got {text!r:.100}")
-    return text
-
-
-def _compile(chat_template: str) -> jinja2.Template:
-    try:
-        return _ENVIRONMENT.from_string(chat_template)
-    except jinja2.TemplateSyntaxError as error:
-        raise ChatTemplateError(f"chat_template is not valid jinja: {error}") from error
-
-
-def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
-    """The text up to the end of the last message's content, as transformers cuts it: where
-    the template kept the message as given, just after it; where it trimmed it, after the
-    trimmed content."""
-    final = messages[-1].get("content") if messages else None
-    if not isinstance(final, str) or final.strip() not in text:
-        raise ChatTemplateError(
-            "continue_final_message is set, but the last message's content does not appear "
-            "in the rendered conversation"
-        )
-    start = text.rindex(final.strip())
-    if text[start : start + len(final.lstrip())] == final:
-        return text[: start + len(final.lstrip())]
-    return text[: start + len(final.strip())]
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any
-) -> str:
-    # jinja's own tojson escapes HTML characters, which would change what the model sees.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-_ENVIRONMENT = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-)
-_ENVIRONMENT.filters["tojson"] = _tojson
-_ENVIRONMENT.globals["raise_exception"] = _raise_exception
-_ENVIRONMENT.globals["strftime_now"] = _strftime_now
 
 
 def _load_tokenizer_json(path: Path) -> tokenizers.Tokenizer:
@@ -403,7 +333,7 @@ def _chat_template(source: Path, tokenizer_config: Mapping[str, Any]) -> str | N
     if not isinstance(template, str):
         raise MalformedModelFile(path, f"chat_template must be a string, got {template!r}")
     try:
-        _ENVIRONMENT.parse(template)
+        ENVIRONMENT.parse(template)
     except jinja2.TemplateSyntaxError as error:
         raise MalformedModelFile(path, f"chat_template is not valid jinja: {error}") from error
     return template

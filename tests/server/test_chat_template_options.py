@@ -1,0 +1,75 @@
+"""`serve --chat-template` and `--chat-template-content-format` (vLLM's): the ids a chat
+request runs are transformers' rendering of the template with the messages in the format
+vLLM would hand it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedkv.cli import main
+from pagedkv.commands.serve import chat_template_text
+from pagedkv.model.errors import ChatTemplateError
+from pagedkv.server import ServerConfig
+from tests.test_chat_template import PARTS_TEMPLATE, openai_form, string_form
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "a KV block?"}],
+    },
+]
+
+
+def expected_ids(hf_tokenizer, template: str, messages: list[dict]) -> list[int]:
+    text = hf_tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    return hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("content_format", "form"),
+    [("auto", openai_form), ("openai", openai_form), ("string", string_form)],
+)
+def test_the_server_template_renders_content_in_the_format_given(
+    serve, hf_tokenizer, content_format, form
+) -> None:
+    config = ServerConfig(chat_template=PARTS_TEMPLATE, chat_template_content_format=content_format)
+    server = serve(config, num_gpu_blocks=32, max_model_len=96)
+    answer = server.post("/tokenize", {"messages": MESSAGES}).json()
+    assert answer["tokens"] == expected_ids(hf_tokenizer, PARTS_TEMPLATE, form(MESSAGES))
+    # A request's own template still wins over the server's, its content format read anew
+    # under "auto" (a forced format holds for every template, as vLLM's flag does).
+    own = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    answer = server.post("/tokenize", {"messages": MESSAGES, "chat_template": own}).json()
+    own_form = openai_form if content_format == "openai" else string_form
+    assert answer["tokens"] == expected_ids(hf_tokenizer, own, own_form(MESSAGES))
+
+
+def test_chat_template_is_a_file_or_the_jinja_itself(tmp_path: Path) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(PARTS_TEMPLATE, encoding="utf-8")
+    assert chat_template_text(str(path)) == PARTS_TEMPLATE
+    # As vLLM reads a template given inline, escapes are read (a shell passes \n as is).
+    assert chat_template_text("{{ messages[0]['content'] }}\\n\\tañ\\u00e9") == (
+        "{{ messages[0]['content'] }}\n\tañé"
+    )
+    with pytest.raises(ValueError, match="'no/such.jinja' is no file, and no jinja template"):
+        chat_template_text("no/such.jinja")
+    with pytest.raises(ChatTemplateError, match="not valid jinja"):
+        chat_template_text("{% for m in messages %}")
+
+
+def test_a_bad_chat_template_stops_serve_before_the_model_loads(tmp_path: Path, capsys) -> None:
+    missing = str(tmp_path / "nowhere")  # the model: never reached
+    assert main(["serve", "--model", missing, "--chat-template", "absent.jinja"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv serve: error: --chat-template: 'absent.jinja' is no file")
+    assert "is not a model folder" not in err
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--chat-template-content-format", "parts"])
+    assert exit.value.code == 2
+    assert "invalid choice: 'parts'" in capsys.readouterr().err
