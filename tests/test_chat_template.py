@@ -189,3 +189,51 @@ def test_an_unclosed_generation_block_is_a_syntax_error(folder) -> None:
         tokenizer.render_chat(
             CONVERSATION, chat_template="{% generation %}{{ messages[0].content }}"
         )
+
+
+# How tool-use templates (Qwen2.5's, Hermes') write a past call: its arguments with tojson.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% if m.tool_calls is defined %}{% for call in m.tool_calls %}"
+    "<call>{{ call.function.name }} {{ call.function.arguments | tojson }}</call>"
+    "{% endfor %}{% else %} (no calls){% endif %}\n{% endfor %}"
+)
+
+
+def test_past_tool_calls_reach_the_template_with_object_arguments_as_vllm_hands_them(
+    folder, hf_tokenizer, caplog
+) -> None:
+    """vLLM parses a past call's JSON arguments into an object for the template; none, or
+    text that is no JSON object, becomes {} (a warning, not a failed conversation); an empty
+    list of calls is dropped."""
+
+    def call(arguments):
+        return {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    def assistant(*calls):
+        return {"role": "assistant", "content": None, "tool_calls": list(calls)}
+
+    given = [
+        {"role": "user", "content": "go"},
+        assistant(call('{"city": "Paris", "days": [1, 2]}'), call("")),
+        assistant(call("not json"), call("[1, 2]")),
+        assistant(),
+    ]
+    as_vllm = [
+        {"role": "user", "content": "go"},
+        assistant(call({"city": "Paris", "days": [1, 2]}), call({})),
+        assistant(call({}), call({})),
+        {"role": "assistant", "content": ""},
+    ]
+    tokenizer = Tokenizer.from_folder(folder)
+    rendered = tokenizer.render_chat(
+        given, chat_template=TOOL_TEMPLATE, add_generation_prompt=False
+    )
+    assert rendered == hf_tokenizer.apply_chat_template(
+        string_form(as_vllm), chat_template=TOOL_TEMPLATE, tokenize=False
+    )
+    assert '<call>f {"city": "Paris", "days": [1, 2]}</call>' in rendered
+    assert "no JSON object" in caplog.text
+    assert given[1]["tool_calls"][0]["function"]["arguments"].startswith("{")  # not changed
+    with pytest.raises(ValueError, match="tool_calls entry must be a function call"):
+        tokenizer.render_chat([assistant("f")], chat_template=TOOL_TEMPLATE)

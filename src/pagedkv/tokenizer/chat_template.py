@@ -12,12 +12,14 @@ A message's content reaches the template in one of vLLM's two content formats:
   templates written for images and audio loop over.
 "auto" picks "openai" exactly when the template loops over a message's content, as vLLM's
 detection reads the template's syntax tree; otherwise "string". Only text parts are taken: the
-models here read text.
+models here read text. An assistant's past tool calls reach the template with their arguments
+as objects, not OpenAI's JSON text, as vLLM hands them over.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -31,6 +33,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pagedkv.model.errors import ChatTemplateError
 
 CONTENT_FORMATS = ("auto", "string", "openai")
+
+logger = logging.getLogger(__name__)
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -152,7 +156,38 @@ def template_message(message: object, content_format: str) -> dict[str, Any]:
         rendered["content"] = [{"type": "text", "text": text} for text in texts]
     else:
         rendered["content"] = "\n".join(texts)
+    calls = rendered.get("tool_calls")
+    if rendered["role"] == "assistant" and isinstance(calls, list):
+        if calls:
+            rendered["tool_calls"] = [_with_object_arguments(call) for call in calls]
+        else:  # an empty list keeps templates on the plain assistant path, as vLLM drops it
+            del rendered["tool_calls"]
     return rendered
+
+
+def _with_object_arguments(call: object) -> dict[str, Any]:
+    """A past tool call with its arguments as an object, as vLLM hands them to templates
+    (they write them with tojson): OpenAI's JSON text is parsed; none, or text that is no JSON
+    object, is {} (with a warning), so one bad turn in a history does not fail every later one."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+        raise ValueError(
+            f"an assistant's tool_calls entry must be a function call, got {call!r:.100}"
+        )
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            logger.warning(
+                "the arguments of tool call %r are no JSON object: rendered as {}",
+                function.get("name"),
+            )
+    if not isinstance(arguments, Mapping):
+        arguments = {}
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _texts(content: object) -> Iterator[str]:
