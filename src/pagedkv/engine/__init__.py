@@ -33,6 +33,7 @@ __all__ = [
     "PromptTooLong",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "RequestRejected",
     "RequestTooLarge",
     "SamplingParams",

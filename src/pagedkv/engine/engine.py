@@ -302,7 +302,7 @@ class Engine:
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return a delta for every request that changed."""
+        """Run one scheduled step; report every request that changed, as its output_kind says."""
         started = time.perf_counter()
         output = self.scheduler.schedule()
         self.last_step_num_tokens = output.num_batched_tokens
@@ -322,12 +322,12 @@ class Engine:
                 raise
             raise StepFailed(request_ids, error) from error
         self.last_step_iteration_tokens = prompt_tokens + self._sampled_last_step
-        deltas = [self._delta(request) for request in touched.values()]
-        deltas += [self._delta(request) for request in self._aborted.values()]
+        changed = (*touched.values(), *self._aborted.values())
+        reports = [request.report(self._delta(request)) for request in changed]
         self._aborted.clear()
         self.loras.trim()  # adapters whose last request ended may go
         self._step_seconds += time.perf_counter() - started
-        return deltas
+        return [report for report in reports if report is not None]
 
     def _run(self, output: SchedulerOutput) -> dict[str, Request]:
         """Execute the step and record it; the requests with a delta to report, by id."""

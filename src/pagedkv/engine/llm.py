@@ -19,7 +19,12 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.lora import LoRARequest
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.outputs import (
+    RequestOutput,
+    RequestOutputKind,
+    accumulate,
+    empty_like,
+)
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.prompts import Prompt, PromptDict, as_prompts, is_sequence
 from pagedkv.hub import DEFAULT_MODEL
@@ -50,10 +55,15 @@ class LLM:
     def _params_or_defaults(
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
     ) -> list[SamplingParams]:
-        """One SamplingParams per prompt; none given: the model's defaults for each."""
+        """One SamplingParams per prompt; none given: the model's defaults for each. Each
+        reports deltas, which `_run` joins into whole outputs, whatever its `output_kind`
+        (vLLM's LLM returns whole outputs whatever it says too)."""
         if sampling_params is None:
             return [self.get_default_sampling_params()] * num_prompts
-        return _params_per_prompt(sampling_params, num_prompts)
+        return [
+            params if params.output_kind is RequestOutputKind.DELTA else _as_deltas(params)
+            for params in _params_per_prompt(sampling_params, num_prompts)
+        ]
 
     def generate(
         self,
@@ -245,8 +255,8 @@ class LLM:
                 for delta in engine.step():
                     if delta.request_id not in ours:  # someone else's, added to the engine
                         continue
-                    whole = results.setdefault(delta.request_id, _empty_like(delta))
-                    _accumulate(whole, delta)
+                    whole = results.setdefault(delta.request_id, empty_like(delta))
+                    accumulate(whole, delta)
                     if delta.finished:
                         num_finished += 1
                         progress.advance()
@@ -285,6 +295,12 @@ def _params_per_prompt(
     return listed
 
 
+def _as_deltas(params: SamplingParams) -> SamplingParams:
+    deltas = params.clone()
+    deltas.output_kind = RequestOutputKind.DELTA
+    return deltas
+
+
 def _priority_per_prompt(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
     if priority is None:
         return [0] * num_prompts
@@ -313,45 +329,6 @@ def _one_per_prompt(name: str, values: Sequence[T], num_prompts: int, single: st
             f"{alternative}one per prompt"
         )
     return listed
-
-
-def _empty_like(delta: RequestOutput) -> RequestOutput:
-    return RequestOutput(
-        request_id=delta.request_id,
-        prompt=delta.prompt,
-        prompt_token_ids=delta.prompt_token_ids,
-        outputs=[],
-        finished=False,
-        metrics=delta.metrics,
-        lora_request=delta.lora_request,
-        num_cached_tokens=delta.num_cached_tokens,
-        prompt_logprobs=delta.prompt_logprobs,
-    )
-
-
-def _accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
-    """Add a step's delta to the request's whole output (samples kept in index order)."""
-    by_index = {output.index: output for output in whole.outputs}
-    for piece in delta.outputs:
-        output = by_index.get(piece.index)
-        if output is None:
-            output = CompletionOutput(index=piece.index, text="", token_ids=[])
-            if piece.logprobs is not None:
-                output.logprobs = []
-            by_index[piece.index] = output
-        output.text += piece.text
-        output.token_ids.extend(piece.token_ids)
-        if piece.logprobs is not None and output.logprobs is not None:
-            output.logprobs.extend(piece.logprobs)
-        output.cumulative_logprob = piece.cumulative_logprob
-        output.finish_reason = piece.finish_reason
-        output.stop_reason = piece.stop_reason
-    whole.outputs = [by_index[index] for index in sorted(by_index)]
-    whole.finished = delta.finished
-    whole.metrics = delta.metrics
-    whole.num_cached_tokens = delta.num_cached_tokens
-    if delta.prompt_logprobs is not None:
-        whole.prompt_logprobs = delta.prompt_logprobs
 
 
 class _Progress:

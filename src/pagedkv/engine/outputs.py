@@ -1,19 +1,30 @@
 """What the engine hands back: per-request outputs, per-sample completions, logprobs, timings.
 
 Shapes and names follow vLLM's `RequestOutput` / `CompletionOutput`, so code that reads vLLM
-results reads ours. `Engine.step` returns deltas (only what is new since the last step);
-`LLM.generate` accumulates them into whole outputs.
+results reads ours. `Engine.step` reports a request as its `SamplingParams.output_kind` says
+(vLLM's `RequestOutputKind`): deltas (only what is new since the last step, the engine's
+default), the whole output so far, or the whole output once, when it finishes. `LLM.generate`
+accumulates deltas into whole outputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from pagedkv.engine.lora_request import LoRARequest
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What `Engine.step` reports of a request each step (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # what is new since the last report
+    FINAL_ONLY = 2  # nothing until it finishes, then the whole output
 
 
 @dataclass(frozen=True)
@@ -77,3 +88,66 @@ class RequestOutput:
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
     lora_request: LoRARequest | None = None  # the adapter the request ran with (vLLM's)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's)
+
+
+def empty_like(delta: RequestOutput) -> RequestOutput:
+    """A whole output to accumulate `delta`'s request into: its prompt, no samples yet."""
+    return RequestOutput(
+        request_id=delta.request_id,
+        prompt=delta.prompt,
+        prompt_token_ids=delta.prompt_token_ids,
+        prompt_logprobs=delta.prompt_logprobs,
+        outputs=[],
+        finished=False,
+        metrics=delta.metrics,
+        lora_request=delta.lora_request,
+        num_cached_tokens=delta.num_cached_tokens,
+    )
+
+
+def accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
+    """Add a step's delta to the request's whole output (samples kept in index order)."""
+    by_index = {output.index: output for output in whole.outputs}
+    for piece in delta.outputs:
+        output = by_index.get(piece.index)
+        if output is None:
+            output = CompletionOutput(index=piece.index, text="", token_ids=[])
+            if piece.logprobs is not None:
+                output.logprobs = []
+            by_index[piece.index] = output
+        output.text += piece.text
+        output.token_ids.extend(piece.token_ids)
+        if piece.logprobs is not None and output.logprobs is not None:
+            output.logprobs.extend(piece.logprobs)
+        output.cumulative_logprob = piece.cumulative_logprob
+        output.finish_reason = piece.finish_reason
+        output.stop_reason = piece.stop_reason
+    whole.outputs = [by_index[index] for index in sorted(by_index)]
+    whole.finished = delta.finished
+    whole.metrics = delta.metrics
+    whole.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        whole.prompt_logprobs = delta.prompt_logprobs
+
+
+def report(
+    delta: RequestOutput, kind: RequestOutputKind, whole: RequestOutput | None
+) -> tuple[RequestOutput | None, RequestOutput | None]:
+    """What a step reports of a request given its `delta` and output `kind` (None: nothing
+    this step), and the whole output to keep for its next step (None for deltas). A
+    cumulative report is a copy: later steps do not change what the caller holds."""
+    if kind is RequestOutputKind.DELTA:
+        return delta, None
+    whole = whole or empty_like(delta)
+    accumulate(whole, delta)
+    if kind is RequestOutputKind.FINAL_ONLY and not delta.finished:
+        return None, whole
+    outputs = [
+        replace(
+            output,
+            token_ids=list(output.token_ids),
+            logprobs=None if output.logprobs is None else list(output.logprobs),
+        )
+        for output in whole.outputs
+    ]
+    return replace(whole, outputs=outputs), whole

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pagedkv.engine.outputs import RequestOutputKind
 from pagedkv.engine.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,12 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # vLLM's field; its V1 engine refuses per-request logits processors, and so does this one.
     logits_processors: list[Any] | None = None
+    # What `Engine.step` reports each step (vLLM's RequestOutputKind). The default is the
+    # engine's deltas, where vLLM's is CUMULATIVE; `LLM.generate` returns whole outputs anyway.
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # vLLM's: a shallow copy where a deep one would be slow. A request's params are copied
+    # once when it is added, cheaply, so this changes nothing; accepted so vLLM code runs.
+    skip_clone: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +154,7 @@ class SamplingParams:
             "include_stop_str_in_output",
             "detokenize",
             "spaces_between_special_tokens",
+            "skip_clone",
         ):
             value = getattr(self, name)
             if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
@@ -160,6 +168,13 @@ class SamplingParams:
                 "stop strings need detokenize=True (they are matched in the text), "
                 f"got stop={self.stop!r} with detokenize=False"
             )
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                f"got {self.output_kind!r}"
+            ) from None
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
 

@@ -26,7 +26,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.outputs import FinishReason, RequestMetrics, TokenLogprobs
+from pagedkv.engine.outputs import (
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+    report,
+)
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.spec.acceptance import Acceptance
 from pagedkv.memory.tokens import SequenceTokens
@@ -141,6 +147,13 @@ class Request:
     lora_blocks: int = 0
     holds_adapter: bool = False
     lora_request: LoRARequest | None = None  # as given, reported in its outputs (vLLM's)
+    # Its output so far, kept where params.output_kind reports whole outputs, not deltas.
+    whole_output: RequestOutput | None = None
+
+    def report(self, delta: RequestOutput) -> RequestOutput | None:
+        """A step's `delta` as params.output_kind asks for it (None: nothing this step)."""
+        shown, self.whole_output = report(delta, self.params.output_kind, self.whole_output)
+        return shown
 
     def sequence(self, index: int) -> Sequence:
         """The sample of index `index` (beams come and go, so not always at that position)."""
