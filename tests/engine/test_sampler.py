@@ -3,6 +3,7 @@ draws against softmax(logits / temperature) by a chi-square test with a fixed se
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -29,12 +30,16 @@ from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
 
 VOCAB = 12
+STREAMS = itertools.count(1)  # each sampled row's own stream
 
 
 def row(
     params: SamplingParams, output=(), prompt=(), stop_ids=(), generator=None, vocab=VOCAB
 ) -> SamplingRow:
-    """A row as the engine builds it for a sample with these prompt and output tokens."""
+    """A row as the engine builds it for a sample with these prompt and output tokens; a
+    sampled one without `generator` gets a stream of its own."""
+    if generator is None and not params.greedy:
+        generator = torch.Generator().manual_seed(next(STREAMS))
     counts = TokenCounts.for_prompt(prompt, vocab, "cpu")
     for token_id in output:
         counts.add(token_id)
@@ -138,7 +143,7 @@ def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
 def test_samples_follow_softmax_of_logits_over_temperature(temperature):
     logits = torch.tensor([1.0, 0.2, -0.5, 0.8, -1.2, 0.0])
     params = SamplingParams(temperature=temperature)
-    sampler = Sampler(seed=1)
+    sampler = Sampler()
     counts = torch.zeros(len(logits), dtype=torch.int64)
     for _ in range(6):
         chosen = sampler(logits.repeat(1000, 1), [row(params)] * 1000).token_ids
@@ -158,11 +163,14 @@ def test_a_verified_draft_leaves_the_filtered_distribution_unchanged(draft, top_
     rest): the token that comes out follows the filtered distribution from its definitions."""
     logits = [1.0, 0.9, 0.4, -0.3, -0.6, -1.0, -1.5]
     params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
-    drafted = replace(row(params, vocab=len(logits)), draft_token_id=draft)
-    sampler = Sampler(seed=3)
+    sampler = Sampler()
     counts = torch.zeros(len(logits), dtype=torch.int64)
     for _ in range(6):
-        chosen = sampler(torch.tensor(logits).repeat(1000, 1), [drafted] * 1000).token_ids
+        # Each row its own sample (a row refusing its draft ends its sample's draws).
+        drafted = [
+            replace(row(params, vocab=len(logits)), draft_token_id=draft) for _ in range(1000)
+        ]
+        chosen = sampler(torch.tensor(logits).repeat(1000, 1), drafted).token_ids
         counts += torch.bincount(torch.tensor(chosen), minlength=len(logits))
     probs = oracle_filtered(logits, 1.0, top_k, top_p, min_p)
     kept = [i for i, p in enumerate(probs) if p > 0]
@@ -228,7 +236,7 @@ def test_a_seeded_row_does_not_depend_on_its_batch():
         generator = torch.Generator().manual_seed(7)
         rows = [row(SamplingParams(temperature=1.0)) for _ in range(batch_logits.shape[0])]
         rows[position] = row(params, generator=generator)
-        sampler = Sampler(seed=position)
+        sampler = Sampler()
         return [sampler(batch_logits, rows).token_ids[position] for _ in range(10)]
 
     alone = draw(logits, 0)
@@ -383,7 +391,7 @@ def test_tokens_far_below_the_top_are_drawn_at_their_probability():
     tail = 2**20
     logits = torch.full((25, tail + 1), math.log(1e-8))
     logits[:, 0] = math.log(1 - tail * 1e-8)
-    sampler = Sampler(seed=3)
+    sampler = Sampler()
     rows = [row(SamplingParams(temperature=1.0), vocab=tail + 1)] * 25
     drawn = sum(token_id != 0 for _ in range(80) for token_id in sampler(logits, rows).token_ids)
     assert 8 <= drawn <= 36

@@ -127,6 +127,27 @@ def test_a_seed_gives_the_same_samples_with_speculation(engine_zoo, family: str)
             assert kept > 0, "the model drafting for itself has some of its drafts kept"
 
 
+@pytest.mark.parametrize("case", ["batched", "swap"])
+def test_the_engine_seed_gives_the_same_unseeded_samples_with_speculation(
+    engine_zoo, case: str
+) -> None:
+    """Sampling without a request seed (n = 2, in a crowd of seeded, unseeded and greedy
+    requests) draws from a stream the engine's seed and the sample's place in the order
+    samples were made give it, one draw per token emitted: the same tokens and logprobs with
+    drafts as without, however many drafts the step-time-driven rule chose to verify (with one
+    stream shared by every row, the drafts verified changed what every later row drew)."""
+    model = str(engine_zoo.folder("llama"))
+    params = SamplingParams(
+        n=2, temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, logprobs=2
+    )
+    seed, settings = CASES[case]
+    expected = busy_run(model, params, others=6, seed=seed, **settings)[0]
+    for spec in (NGRAM, draft_model(model)):
+        got, stats = spec_busy(model, params, spec, case)
+        assert got == expected, f"{spec}: {case}"
+        assert stats.num_draft_tokens > 0
+
+
 # Every setting that changes a position's logits or stops a sample, each checked per
 # position of a run of drafts (the draft model drafts from raw logits, so these refuse some).
 PER_POSITION = {

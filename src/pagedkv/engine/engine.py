@@ -139,13 +139,15 @@ class Engine:
             drafter = NgramDrafter(speculative)
         self.executor = StepExecutor(
             self.runner,
-            Sampler(args.seed, device=self.device),
+            Sampler(),
             self.tokenizer,
             drafter=drafter,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         )
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size)
-        self._samples = SampleFactory(self.tokenizer, self.config.vocab_size, self.device)
+        self._samples = SampleFactory(
+            self.tokenizer, self.config.vocab_size, self.device, args.seed
+        )
         self._limits = Limits(
             vocab_size=self.config.vocab_size,
             max_model_len=self.max_model_len,
@@ -155,8 +157,7 @@ class Engine:
             max_logprobs=self.config.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
         )
         self._requests: dict[str, Request] = {}
-        # Aborted requests whose final delta the next step reports, by id.
-        self._aborted: dict[str, Request] = {}
+        self._aborted: dict[str, Request] = {}  # by id: aborts whose last delta is unreported
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -322,8 +323,7 @@ class Engine:
                 raise
             raise StepFailed(request_ids, error) from error
         self.last_step_iteration_tokens = prompt_tokens + self._sampled_last_step
-        changed = (*touched.values(), *self._aborted.values())
-        reports = [request.report(self._delta(request)) for request in changed]
+        reports = [r.report(self._delta(r)) for r in (*touched.values(), *self._aborted.values())]
         self._aborted.clear()
         self.loras.trim()  # adapters whose last request ended may go
         self._step_seconds += time.perf_counter() - started

@@ -9,8 +9,9 @@ penalties (repetition on prompt and output, presence and frequency on output), m
 temperature and filtered by min_p, top_k and top_p before sampling.
 
 Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which picks token `i`
-with probability `probs[i]`. A request with a seed draws its noise from its own generator, so
-its tokens do not depend on what else is in the batch.
+with probability `probs[i]`. Every sampled row draws its noise from its sample's own generator
+(seeded by the request's seed, else by the engine's seed and the sample's place in the order
+samples were made: `samples.py`), so its tokens do not depend on what else is in the batch.
 
 A row may verify a speculative draft (`SamplingRow.draft_token_id`): its settings are those of
 the sample as if the drafts before it had been kept. Every row draws its token as it would
@@ -66,7 +67,7 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int
     stop_token_ids: Sequence[int]  # stop_token_ids + eos ids: what min_tokens masks
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # the sample's own stream (None: a greedy sample)
     counts: TokenCounts | None = None  # kept when the params use penalties
     output_tail: Sequence[int] = ()  # the last output tokens, as many as bad words need
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's bad words, as tokens
@@ -123,9 +124,6 @@ class SamplerOutput:
 class Sampler:
     """Chooses next tokens for a batch of rows with per-row settings."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
-        self._generator = torch.Generator(device=device).manual_seed(seed)
-
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of float32 `logits [len(rows), vocab]`."""
         constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
@@ -139,7 +137,7 @@ class Sampler:
         _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
         _apply_min_tokens(logits, rows)
-        chosen = _choose(logits, rows, self._generator)
+        chosen = _choose(logits, rows)
         token_ids = chosen.tolist()
         return SamplerOutput(
             token_ids,
@@ -230,7 +228,7 @@ def _mask(logits: Tensor, row_ids: list[int], token_ids: list[int]) -> None:
         ] = float("-inf")
 
 
-def _choose(logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:
+def _choose(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """Each row's token."""
     sampled = [index for index, row in enumerate(rows) if not row.params.greedy]
     if len(sampled) < len(rows):
@@ -242,14 +240,15 @@ def _choose(logits: Tensor, rows: Sequence[SamplingRow], generator: torch.Genera
         subset = [rows[i] for i in sampled]
         temperature = torch.tensor([row.params.temperature for row in subset], device=logits.device)
         probs = _filtered_probs(logits[index] / temperature[:, None], subset)
-        chosen[index] = argmax(probs / _noise(probs, subset, generator))
+        chosen[index] = argmax(probs / _noise(probs, subset))
     return chosen
 
 
-def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> Tensor:
-    """Exp(1) noise for each row of `probs`, a seeded sample's from its own generator, one draw
-    per token the sample emits: its rows after one whose draft it refuses (rows whose tokens
-    are never read) draw nothing from it, so the generator advances as in plain decoding.
+def _noise(probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Exp(1) noise for each row of `probs` from its sample's generator, one draw per token the
+    sample emits: its rows after one whose draft it refuses (rows whose tokens are never read)
+    draw nothing (their noise is 1), so the generator advances as in plain decoding, however
+    many drafts a step verifies.
 
     Drawn as -log(U), U uniform on [2^-53, 1) in float64: torch's `exponential_` draws the same
     distribution about 4x slower on the CPU (25 against 7 ms for 32 rows of a 49,152-token
@@ -258,10 +257,12 @@ def _noise(probs: Tensor, rows: Sequence[SamplingRow], generator: torch.Generato
     make E's smallest values 6e-8 apart, and tokens below ~1e-7 would almost never be drawn.
     E lies in [1.1e-16, 36.7]: never 0 (0 / 0 would be NaN, which argmax takes as the
     maximum)."""
-    noise = _exponential(torch.empty_like(probs), generator)
+    noise = torch.ones_like(probs)
     refused: set[int] = set()  # the generators of samples that refused a draft this step
     for position, row in enumerate(rows):
-        if row.generator is None or id(row.generator) in refused:
+        if row.generator is None:
+            raise ValueError("a sampled row needs its sample's generator")
+        if id(row.generator) in refused:
             continue
         _exponential(noise[position], row.generator)
         draft = row.draft_token_id

@@ -1,15 +1,22 @@
 """A request's samples as the engine starts them: each one's tokens, seeded generator, penalty
 counts, detokenizer and grammar state.
 
-Sample i of a seeded request draws from a stream of its own (the seed spread by a large odd
-stride), so the n samples differ and the request stays reproducible. A request that asked for
-no text (`detokenize=False`) gets no detokenizer: its samples make token ids only.
+Every sample that samples draws from a stream of its own, so its tokens do not depend on
+what else the engine runs or on how many drafts a step verifies. Sample i of a seeded request
+takes the seed spread by a large odd stride, so the n samples differ and the request stays
+reproducible. A sample of a request with no seed takes the engine's seed mixed with the
+sample's number in the order samples were made (splitmix64, a bijection: every number its own
+stream), so an engine `seed` makes a whole run reproducible, as vLLM's does, speculation or
+not. A greedy sample draws nothing and gets no generator. A request that asked for no text
+(`detokenize=False`) gets no detokenizer: its samples make token ids only.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,11 +35,14 @@ SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
 @dataclass(frozen=True)
 class SampleFactory:
     """What every new sample of this engine needs: the tokenizer its text comes from, the
-    vocabulary its penalty counts cover, the device of its generator and counts."""
+    vocabulary its penalty counts cover, the device of its generator and counts, and the
+    engine's seed with the count of unseeded samples made so far."""
 
     tokenizer: Tokenizer
     vocab_size: int
     device: torch.device
+    seed: int = 0
+    _unseeded: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
 
     def new(
         self,
@@ -46,6 +56,9 @@ class SampleFactory:
         generator = None
         if params.seed is not None:
             seed = (params.seed + index * SAMPLE_SEED_STRIDE) % 2**64
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        elif not params.greedy:
+            seed = _splitmix64(self.seed + (next(self._unseeded) + 1) * SAMPLE_SEED_STRIDE)
             generator = torch.Generator(device=self.device).manual_seed(seed)
         tokens = SequenceTokens((request_id, index), token_ids)
         counts = None
@@ -66,3 +79,12 @@ class SampleFactory:
             counts=counts,
             grammar=None if grammar is None else grammar.new_state(),
         )
+
+
+def _splitmix64(state: int) -> int:
+    """SplitMix64's output for `state` (taken mod 2^64): a bijection that scatters nearby
+    states, so consecutive sample numbers give unrelated streams."""
+    z = state % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
