@@ -27,6 +27,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from pagedkv.engine import LLM, Engine, EngineArgs, SamplingParams
 from pagedkv.engine.spec.acceptance import FIRST_PAUSE_STEPS, Acceptance, StepCost
+from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.engine.spec.draft_model import _PROBES
 from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.hub import DEFAULT_MODEL
 from tests.conftest import TinyZoo
@@ -420,6 +422,31 @@ def test_bad_speculative_configs_are_refused_at_start(config: Any, message: str)
         EngineArgs(model="unused", speculative_config=config)
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (SpeculativeConfig("eagle", 3), "method 'eagle' is not supported"),
+        (SpeculativeConfig("ngram", 0), "num_speculative_tokens must be an integer >= 1"),
+        (
+            SpeculativeConfig("ngram", 3, prompt_lookup_min=4, prompt_lookup_max=2),
+            r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)",
+        ),
+        (SpeculativeConfig("ngram", 3, 0, 0), "prompt_lookup_min must be an integer >= 1"),
+        (SpeculativeConfig("ngram", 3, model="m"), "takes no model"),
+        (SpeculativeConfig("draft_model", 3), "needs a model"),
+    ],
+)
+def test_a_speculative_config_built_by_hand_is_checked_as_its_dict(config, message) -> None:
+    """EngineArgs takes a SpeculativeConfig as well as vLLM's dict: the same checks apply
+    (an unchecked one ran 'eagle' as n-gram, and a lookup of 0 failed the first step)."""
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="unused", speculative_config=config)
+    good = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=2)
+    assert EngineArgs(model="unused", speculative_config=good).speculative == good
+    drafted = SpeculativeConfig("draft_model", 2, model="m")
+    assert EngineArgs(model="unused", speculative_config=drafted).speculative == drafted
+
+
 def test_vllm_spellings_and_defaults() -> None:
     """vLLM's older `{"model": "ngram"}` (and the method with the model vLLM fills in for it),
     a JSON string as `--speculative-config` passes it, and vLLM's defaults for the lookup sizes
@@ -450,6 +477,39 @@ def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: 
     tokenizer.save(str(other / "tokenizer.json"))
     with pytest.raises(ValueError, match="draft model needs the model's tokenizer"):
         Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(other))))
+
+
+def test_a_draft_model_with_its_tokens_at_other_ids_is_refused(engine_zoo, tmp_path: Path) -> None:
+    """Same size, same split of the probe texts, but two tokens trade ids: its drafts would
+    mean other tokens, so it is refused naming a token that moved."""
+    target = engine_zoo.folder("llama")
+    swapped = tmp_path / "swapped-ids"
+    shutil.copytree(target, swapped)
+    data = json.loads((swapped / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    probed = {  # the ids of the texts the check also tokenizes: none of them may move
+        token_id
+        for text in _PROBES
+        for token_id in Tokenizer.from_file(str(target / "tokenizer.json")).encode(text).ids
+    }
+    first, second = [token for token in sorted(vocab, key=vocab.get) if vocab[token] not in probed][
+        -2:
+    ]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    named = min(first, second)  # the first that moved, by name
+    with pytest.raises(ValueError, match=f"gives {named!r} another id than the model"):
+        Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(swapped))))
+
+
+def test_a_draft_folder_that_is_no_model_is_named_as_the_draft(engine_zoo, tmp_path: Path) -> None:
+    """A folder that exists but holds no model is the draft's fault, named as such (it read
+    as the served model's missing config.json)."""
+    target = engine_zoo.folder("llama")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=rf"^speculative_config model '{empty}': .*config.json"):
+        Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(empty))))
 
 
 def test_a_draft_model_that_is_not_there_is_named_as_the_draft(engine_zoo, tmp_path: Path) -> None:

@@ -42,8 +42,10 @@ class SpeculativeConfig:
     ) -> SpeculativeConfig | None:
         """A config from vLLM's dict (or its JSON text, as `--speculative-config` takes it);
         None for None. Raise ValueError naming the key or value that is wrong."""
-        if raw is None or isinstance(raw, SpeculativeConfig):
-            return raw
+        if raw is None:
+            return None
+        if isinstance(raw, SpeculativeConfig):  # built by hand: checked as its dict would be
+            raw = raw._as_mapping()
         if isinstance(raw, str):
             try:
                 raw = json.loads(raw)
@@ -117,6 +119,19 @@ class SpeculativeConfig:
             if name in raw:
                 raise ValueError(f"speculative_config {name} applies to method 'ngram' only")
         return cls("draft_model", k, model=model)
+
+    def _as_mapping(self) -> dict[str, Any]:
+        """vLLM's dict of this config: what `parse` reads."""
+        raw: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.model is not None:
+            raw["model"] = self.model
+        if self.method != "draft_model":
+            raw["prompt_lookup_min"] = self.prompt_lookup_min
+            raw["prompt_lookup_max"] = self.prompt_lookup_max
+        return raw
 
     def describe(self) -> str:
         """One line for the start-up report."""

@@ -11,6 +11,7 @@ from pagedkv.engine.spec.drafter import DraftRequest, SeqId
 from pagedkv.hub import UnknownModelName
 from pagedkv.memory.adapters import AdapterChanges
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.errors import ModelError
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.load import LoadedModel, load
 from pagedkv.worker.runner import ModelRunner
@@ -127,6 +128,8 @@ def load_draft_model(
         )
     except UnknownModelName as error:  # its message alone reads as if the model were wrong
         raise ValueError(f"speculative_config model: {error}") from error
+    except ModelError as error:  # a file of the draft's: named as the draft's
+        raise ValueError(f"speculative_config model {config.model!r}: {error}") from error
     context = draft.config.max_position_embeddings
     if context < max_model_len:
         raise ValueError(
@@ -135,13 +138,20 @@ def load_draft_model(
             "max_model_len or pick a draft with a longer context"
         )
     sizes = (draft.config.vocab_size, draft.tokenizer.vocab_size)
-    if sizes != (target.vocab_size, tokenizer.vocab_size) or any(
-        draft.tokenizer.encode(text) != tokenizer.encode(text) for text in _PROBES
-    ):
+    if sizes != (target.vocab_size, tokenizer.vocab_size):
         raise ValueError(
             f"speculative_config model {config.model!r} has a vocabulary of {sizes[1]} tokens "
-            f"({sizes[0]} ids) and the model {tokenizer.vocab_size} ({target.vocab_size}) or "
-            "tokenizes differently: a draft model needs the model's tokenizer"
+            f"({sizes[0]} ids) and the model {tokenizer.vocab_size} ({target.vocab_size}): a "
+            "draft model needs the model's tokenizer"
+        )
+    ids, draft_ids = tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    shared = ids.keys() & draft_ids.keys()  # added tokens one of them lacks do not count
+    moved = sorted(token for token in shared if ids[token] != draft_ids[token])
+    if moved or any(draft.tokenizer.encode(text) != tokenizer.encode(text) for text in _PROBES):
+        what = f"gives {moved[0]!r} another id" if moved else "tokenizes text differently"
+        raise ValueError(
+            f"speculative_config model {config.model!r} {what} than the model: a draft model "
+            "needs the model's tokenizer (its token ids would mean other tokens)"
         )
     return draft
 
