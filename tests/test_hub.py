@@ -14,7 +14,7 @@ from pagedkv import hub
 from pagedkv.cli import main
 from pagedkv.engine import Engine, EngineArgs, SamplingParams
 from pagedkv.hub import BuiltinModel, PullFailed, UnknownModelName, cache_dir, gguf_path, pull
-from pagedkv.weights.load import load
+from pagedkv.weights.load import CONVERTED_FOLDER, load
 
 NAME = "tiny-test"
 MEMBER = "tiny_pkg/tiny.gguf"
@@ -115,7 +115,7 @@ def test_cache_location_precedence(monkeypatch, tmp_path):
 def test_load_by_name_pulls_and_converts_once(registry, monkeypatch):
     first = load(NAME, quantization="none", progress=lambda line: None)
     assert first.name == NAME
-    assert first.path == cache_dir() / NAME / "hf"
+    assert first.path == cache_dir() / NAME / CONVERTED_FOLDER
     assert (first.path / "model.safetensors").is_file()
 
     def no_conversion(*args):
@@ -127,6 +127,21 @@ def test_load_by_name_pulls_and_converts_once(registry, monkeypatch):
     assert len(registry.calls) == 1
 
 
+def test_a_conversion_by_other_code_is_made_again_and_removed(registry, monkeypatch):
+    """The float folder is named by a digest of the conversion code: one an earlier pagedkv
+    left (its old name "hf", or another digest) is not served; it is converted anew from the
+    GGUF file and the stale folder removed."""
+    stale = [cache_dir() / NAME / "hf", cache_dir() / NAME / "hf-000000000000"]
+    for folder in stale:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    loaded = load(NAME, quantization="none", progress=lambda line: None)
+    assert loaded.path == cache_dir() / NAME / CONVERTED_FOLDER
+    assert CONVERTED_FOLDER.startswith("hf-") and CONVERTED_FOLDER != "hf-000000000000"
+    assert (loaded.path / "model.safetensors").is_file()
+    assert not any(folder.exists() for folder in stale)
+
+
 def test_the_default_path_reads_the_gguf_file_and_makes_no_float_folder(registry, monkeypatch):
     def no_conversion(*args):
         raise AssertionError("the default path converted the GGUF file")
@@ -134,7 +149,7 @@ def test_the_default_path_reads_the_gguf_file_and_makes_no_float_folder(registry
     monkeypatch.setattr("pagedkv.weights.load.convert_gguf", no_conversion)
     engine = Engine(EngineArgs(model=NAME, num_gpu_blocks=16))  # quantization "auto"
     assert load(NAME).path == gguf_path(NAME)
-    assert not (cache_dir() / NAME / "hf").exists()
+    assert not (cache_dir() / NAME / CONVERTED_FOLDER).exists()
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
     while engine.has_unfinished():
         engine.step()
@@ -161,7 +176,7 @@ def test_download_dir_is_where_built_in_models_are_pulled_and_read(registry, tmp
     while engine.has_unfinished():
         engine.step()
     converted = load(NAME, quantization="none", download_dir=str(folder))
-    assert converted.path == folder / NAME / "hf" and len(registry.calls) == 1
+    assert converted.path == folder / NAME / CONVERTED_FOLDER and len(registry.calls) == 1
     assert not (cache_dir() / NAME).exists()
 
 

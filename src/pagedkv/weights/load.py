@@ -7,9 +7,11 @@ A built-in model is pulled on first use. Under quantization "auto" (the default)
 file is read directly and its blocks kept as they are (no float32 copy is ever made; re-packed
 once into a memory-mapped cache, `gguf/packed.py`); asked for float weights ("none"), it is
 converted once into a float32 Hugging Face folder beside the file, so later starts read
-safetensors instead of dequantising again. A `.gguf` path given directly is read the same way
-under "auto"; under "none" it is dequantised on every load: caching a float32 copy of an
-arbitrary, possibly multi-gigabyte file is a choice `pagedkv convert` leaves to the user.
+safetensors instead of dequantising again (the folder is named by a digest of the conversion
+code, so a newer pagedkv converts again and removes the old folder). A `.gguf` path given
+directly is read the same way under "auto"; under "none" it is dequantised on every load:
+caching a float32 copy of an arbitrary, possibly multi-gigabyte file is a choice `pagedkv
+convert` leaves to the user.
 
 What loading spent is kept by phase (`LoadedModel.seconds`) for the engine's start-up line: a
 first start that compiles the CPU kernels or pulls the model should say so, not just be slow.
@@ -18,6 +20,8 @@ first start that compiles the CPU kernels or pulls the model should say so, not 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -35,11 +39,23 @@ from pagedkv.model.errors import ConvertTargetExists
 from pagedkv.parallel.group import building_group
 from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights import gguf as gguf_package
 from pagedkv.weights.gguf.convert import convert_gguf
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.hf_folder import load_model
 
-CONVERTED_FOLDER = "hf"  # inside a built-in model's cache folder
+
+def _conversion_stamp() -> str:
+    """A digest of the code that turns a GGUF file into a folder (every module of
+    `weights/gguf`): a conversion made by other code is made again, not served stale."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(gguf_package.__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+# Inside a built-in model's cache folder, named by the code that converted it.
+CONVERTED_FOLDER = f"hf-{_conversion_stamp()}"
 
 
 @dataclass(frozen=True)
@@ -193,4 +209,7 @@ def converted_folder(
     # ConvertTargetExists: another process converted it meanwhile; its folder is as good.
     with contextlib.suppress(ConvertTargetExists):
         convert_gguf(gguf_file, folder)
+    for stale in folder.parent.glob("hf*"):  # earlier code's conversions (or its old name)
+        if stale.is_dir() and stale != folder:
+            shutil.rmtree(stale, ignore_errors=True)
     return folder

@@ -8,7 +8,7 @@ import pytest
 from pagedkv.weights.gguf.file import GGUFFile
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.gguf.tokenizer import tokenizer_files
-from tests.weights.gguf.writer import write_gguf
+from tests.weights.gguf.writer import tokenizer_metadata, write_gguf
 
 UNKNOWN, CONTROL, USER_DEFINED, BYTE, NORMAL = 2, 3, 4, 6, 1
 # A hand-made SentencePiece vocabulary: pieces and scores (higher merges first).
@@ -96,7 +96,10 @@ def test_control_tokens_are_special_and_user_defined_tokens_are_text(tmp_path):
         ("gpt-2", ["Ġ12345", "Ġok"]),
         ("smollm", ["Ġ", "1", "2", "3", "4", "5", "Ġok"]),
         ("llama-bpe", ["Ġ", "123", "45", "Ġok"]),
+        ("llama-v3", ["Ġ", "123", "45", "Ġok"]),  # llama.cpp's other names of Llama 3's rules
+        ("falcon3", ["Ġ", "123", "45", "Ġok"]),
         ("qwen2", ["Ġ", "1", "2", "3", "4", "5", "Ġok"]),
+        ("deepseek-r1-qwen", ["Ġ", "1", "2", "3", "4", "5", "Ġok"]),
     ],
 )
 def test_pre_tokenisers_split_digits_like_llama_cpp(tiny_gguf, pre, pieces):
@@ -108,3 +111,51 @@ def test_pre_tokenisers_split_digits_like_llama_cpp(tiny_gguf, pre, pieces):
 def test_eos_ids_gather_eos_eot_and_eom(tiny_gguf):
     path = tiny_gguf("llama", metadata={"tokenizer.ggml.eot_token_id": 0})
     assert GGUFModel.open(path).tokenizer().eos_token_ids == (2, 0)
+
+
+def _with_tokens(zoo, pre: str, extra: dict[str, int], **keys) -> dict:
+    """The tiny llama's vocabulary as GGUF metadata under pre-tokeniser `pre`, with `extra`
+    tokens (text -> token type) appended and `keys` set."""
+    metadata = tokenizer_metadata(zoo.folder("llama") / "tokenizer.json", pre=pre)
+    metadata["tokenizer.ggml.tokens"] = [*metadata["tokenizer.ggml.tokens"], *extra]
+    metadata["tokenizer.ggml.token_type"] = [
+        *metadata["tokenizer.ggml.token_type"],
+        *extra.values(),
+    ]
+    return metadata | keys
+
+
+def test_generation_ends_on_the_tokens_llama_cpp_finds_by_their_text(zoo, tiny_gguf):
+    """A Llama 3.1 Instruct file names only <|eot_id|> as eos; llama.cpp also ends on
+    <|eom_id|> and <|end_of_text|> (as the model's generation_config lists), found by their
+    text, and not on other control tokens. The file's own ids come first."""
+    extra = {"<|end_of_text|>": CONTROL, "<|eom_id|>": CONTROL, "<|eot_id|>": CONTROL}
+    extra |= {"<|start_header_id|>": CONTROL, "<|endoftext|>": NORMAL}
+    metadata = _with_tokens(zoo, "llama-bpe", extra)
+    tokens = metadata["tokenizer.ggml.tokens"]
+    metadata["tokenizer.ggml.eos_token_id"] = tokens.index("<|eot_id|>")
+    tokenizer = GGUFModel.open(tiny_gguf("llama", metadata=metadata)).tokenizer()
+    ends = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|endoftext|>")
+    assert tokenizer.eos_token_ids == tuple(tokens.index(text) for text in ends)
+    assert tokenizer.eos_token_id == tokens.index("<|eot_id|>")
+
+
+def test_llama3_vocabularies_take_a_word_they_hold_whole_before_any_merge(zoo, tiny_gguf):
+    """llama.cpp's ignore_merges for Llama 3's pre-tokeniser names (Llama 3's tokenizer.json
+    sets it too): a word the vocabulary holds is one token even where no merge chain builds
+    it; other pre-tokenisers merge as BPE does. Llama 3's names also add BOS when the file
+    does not say (llama.cpp's default), other byte-level ones do not."""
+    for pre in ("llama-bpe", "gpt-2"):
+        metadata = _with_tokens(
+            zoo, pre, {"Ġzebra": NORMAL}, **{"tokenizer.ggml.add_bos_token": None}
+        )
+        tokens = metadata["tokenizer.ggml.tokens"]
+        tokenizer = GGUFModel.open(tiny_gguf("llama", metadata=metadata)).tokenizer()
+        ids = tokenizer.encode("a zebra")
+        whole = tokens.index("Ġzebra") in ids
+        assert whole == (pre == "llama-bpe"), (pre, [tokens[i] for i in ids])
+        assert (ids[0] == tokenizer.bos_token_id) == (pre == "llama-bpe")
+        assert tokenizer.decode(ids) == "a zebra"
+    said = _with_tokens(zoo, "llama-bpe", {}, **{"tokenizer.ggml.add_bos_token": False})
+    unsaid = GGUFModel.open(tiny_gguf("llama", metadata=said)).tokenizer()
+    assert unsaid.encode("a") == unsaid.encode("a", add_special_tokens=False)

@@ -158,7 +158,8 @@ def test_converted_folder_tokenises_the_same_in_transformers(ours):
 
 def test_special_tokens_and_eos(ours):
     tokenizer = ours.tokenizer
-    assert tokenizer.eos_token_ids == (2,)
+    # <|im_end|> (the file's eos), then <|endoftext|>, which llama.cpp ends on too.
+    assert tokenizer.eos_token_ids == (2, 0)
     assert tokenizer.special_tokens["bos_token"] == "<|im_start|>"
     assert tokenizer.special_tokens["eos_token"] == "<|im_end|>"
     assert tokenizer.encode("<|im_start|>user<|im_end|>") == [1, 4093, 2]

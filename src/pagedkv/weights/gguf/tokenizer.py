@@ -42,6 +42,10 @@ def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+# Names llama.cpp gives Llama 3's rules (src/llama-vocab.cpp): its regex, a word the vocabulary
+# holds whole taken whole before any merge (`ignore_merges`, as Llama 3's tokenizer.json sets
+# it), and a BOS unless the file says otherwise.
+_LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
 _PRE_TOKENIZERS = {
     "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
@@ -52,10 +56,28 @@ _PRE_TOKENIZERS = {
             pre_tokenizers.ByteLevel(add_prefix_space=False),
         ]
     ),
-    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_REGEX),
-    "llama3": lambda: _split_then_bytes(_LLAMA3_REGEX),
+    **{name: lambda: _split_then_bytes(_LLAMA3_REGEX) for name in _LLAMA3_NAMES},
     "qwen2": lambda: _split_then_bytes(_QWEN2_REGEX),
+    "deepseek-r1-qwen": lambda: _split_then_bytes(_QWEN2_REGEX),  # DeepSeek-R1-Distill-Qwen
 }
+
+# Tokens that end generation wherever a vocabulary holds them, beside the eos, eot and eom ids
+# the file names: llama.cpp's list (it finds them by their text, since converted files seldom
+# name them), and what these models' own generation configs list (Llama 3.1's <|eom_id|> and
+# <|end_of_text|>, Qwen's <|endoftext|>).
+END_OF_GENERATION = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<EOT>",
+    "_<EOT>",
+    "<end_of_utterance>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +105,8 @@ def tokenizer_files(file: GGUFFile) -> TokenizerFiles:
     }
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(file, tokens)
-        add_bos = file.boolean("tokenizer.ggml.add_bos_token", False)
+        llama3 = file.string("tokenizer.ggml.pre", "gpt-2") in _LLAMA3_NAMES
+        add_bos = file.boolean("tokenizer.ggml.add_bos_token", llama3)
     elif kind == "llama":
         unk = ids["unknown"]
         tokenizer = _sentencepiece_bpe(file, tokens, types, None if unk is None else tokens[unk])
@@ -106,7 +129,9 @@ def tokenizer_files(file: GGUFFile) -> TokenizerFiles:
             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, ids["bos"])],
         )
-    eos_ids = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
+    named = [i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None]
+    spelled = [i for i, token in enumerate(tokens) if token in END_OF_GENERATION]
+    eos_ids = list(dict.fromkeys([*named, *spelled]))
     tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,
@@ -149,7 +174,7 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
             raise MalformedModelFile(file.path, f"merge {merge!r} is not two tokens")
         merges.append((left, right))
     vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = tokenizers.Tokenizer(models.BPE(vocab, merges))
+    tokenizer = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_NAMES))
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     if pre == "qwen2":
