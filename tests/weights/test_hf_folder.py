@@ -19,6 +19,7 @@ from pagedkv.model.errors import (
     UnsupportedModel,
 )
 from pagedkv.weights.hf_folder import load_model
+from pagedkv.weights.load import load
 from pagedkv.worker.kv_cache import KVCache
 from tests.model.tiny_models import random_prompt
 from tests.weights.gguf.writer import folder_weights
@@ -220,8 +221,12 @@ def test_index_may_not_point_outside_the_folder(sharded_copy, tmp_path, where):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool])
-def test_integer_weights_are_rejected_not_cast(llama_copy, dtype):
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+)
+def test_integer_and_fp8_weights_are_rejected_not_cast(llama_copy, dtype):
+    """Codes of a pre-quantised checkpoint (integers, or fp8 whose scales live in other
+    tensors) cast to float would be plausible-looking wrong weights."""
     path = llama_copy / "model.safetensors"
     weights = load_file(path)
     weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"], dtype=dtype)
@@ -229,7 +234,19 @@ def test_integer_weights_are_rejected_not_cast(llama_copy, dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     with pytest.raises(MalformedModelFile) as raised:
         load_model(llama_copy)
-    assert str(raised.value).endswith(
-        f"model.safetensors: tensor 'model.norm.weight' has dtype {dtype_name}, "
-        "expected a floating-point weight"
+    assert f"model.safetensors: tensor 'model.norm.weight' has dtype {dtype_name}, " in str(
+        raised.value
     )
+    assert "pre-quantised checkpoints are not read" in str(raised.value)
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "compressed-tensors"])
+def test_a_pre_quantised_checkpoint_is_refused_by_its_quantization_config(llama_copy, method):
+    """A config.json whose quantization_config names a method (its float weights may hold
+    pre-scaled values) is refused naming the method, before any weight is read."""
+    config_path = llama_copy / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": method}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=f"quant_method '{method}'.*not read"):
+        load(str(llama_copy))

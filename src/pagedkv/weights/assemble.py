@@ -103,12 +103,17 @@ def build_model(
             )
         if tuple(tensor.shape) != slot.shape:
             raise TensorShapeMismatch(path, name, slot.shape, tuple(tensor.shape))
-        if not isinstance(tensor, QuantizedTensor) and not tensor.is_floating_point():
-            # Casting would turn quantized or corrupt data into plausible-looking weights.
+        if not isinstance(tensor, QuantizedTensor) and (
+            not tensor.is_floating_point() or tensor.element_size() == 1
+        ):
+            # Casting would turn quantized (integer or fp8, stored with scales elsewhere) or
+            # corrupt data into plausible-looking weights.
             raise MalformedModelFile(
                 path,
                 f"tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
-                "expected a floating-point weight",
+                "expected a float32, bfloat16 or float16 weight (pre-quantised checkpoints "
+                "are not read: load the float one, quantised here with quantization int8 or "
+                "int4, or a GGUF file)",
             )
         slot.load(tensor)
         loaded.add(name)
