@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedkv.model.errors import MalformedModelFile
 from pagedkv.weights.gguf.file import GGUFFile
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.gguf.tokenizer import tokenizer_files
@@ -159,3 +160,23 @@ def test_llama3_vocabularies_take_a_word_they_hold_whole_before_any_merge(zoo, t
     said = _with_tokens(zoo, "llama-bpe", {}, **{"tokenizer.ggml.add_bos_token": False})
     unsaid = GGUFModel.open(tiny_gguf("llama", metadata=said)).tokenizer()
     assert unsaid.encode("a") == unsaid.encode("a", add_special_tokens=False)
+
+
+def test_a_merge_of_no_token_and_more_tokens_than_ids_are_malformed_files(zoo, tiny_gguf):
+    """A merge naming a token the vocabulary lacks, and a vocabulary of more tokens than the
+    model's embedding rows (as llama.cpp refuses it; the extra ids would fail only once
+    reached), are errors naming the file and the key."""
+    bad_merge = _with_tokens(zoo, "gpt-2", {})
+    bad_merge["tokenizer.ggml.merges"] = [*bad_merge["tokenizer.ggml.merges"], "Ġqqq zz"]
+    with pytest.raises(MalformedModelFile, match=r"\.gguf: tokenizer\.ggml\.merges: .*qqq"):
+        GGUFModel.open(tiny_gguf("llama", metadata=bad_merge)).tokenizer()
+    rows = GGUFModel.open(tiny_gguf("llama")).config.vocab_size
+    extra = {f"<extra_{i}>": NORMAL for i in range(rows + 1 - 300)}
+    too_many = _with_tokens(zoo, "gpt-2", extra)
+    count = len(too_many["tokenizer.ggml.tokens"])
+    assert count == rows + 1
+    with pytest.raises(
+        MalformedModelFile,
+        match=f"tokenizer.ggml.tokens has {count} tokens, more than the model's {rows} ids",
+    ):
+        GGUFModel.open(tiny_gguf("llama", metadata=too_many))

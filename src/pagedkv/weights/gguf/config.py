@@ -82,12 +82,22 @@ def _per_model(file: GGUFFile, key: str, default: int | None = None) -> int:
 
 
 def _vocab_size(file: GGUFFile, arch: str) -> int:
+    """The model's ids; a vocabulary of more tokens is refused (as llama.cpp refuses it): the
+    ids past the embedding's rows would fail only once a prompt or a sample reached them."""
     if file.has(f"{arch}.vocab_size"):
-        return file.integer(f"{arch}.vocab_size")
-    embedding = file.tensors.get("token_embd.weight")
-    if embedding is None:
-        raise MalformedModelFile(file.path, "tensor 'token_embd.weight' is missing")
-    return int(embedding.shape[-1])  # GGUF lists dimensions innermost first
+        size = file.integer(f"{arch}.vocab_size")
+    else:
+        embedding = file.tensors.get("token_embd.weight")
+        if embedding is None:
+            raise MalformedModelFile(file.path, "tensor 'token_embd.weight' is missing")
+        size = int(embedding.shape[-1])  # GGUF lists dimensions innermost first
+    tokens = file.value("tokenizer.ggml.tokens", [])
+    if isinstance(tokens, list) and len(tokens) > size:
+        raise MalformedModelFile(
+            file.path,
+            f"tokenizer.ggml.tokens has {len(tokens)} tokens, more than the model's {size} ids",
+        )
+    return size
 
 
 def _rope_scaling(file: GGUFFile, arch: str, theta: float, head_dim: int) -> dict[str, Any] | None:

@@ -174,7 +174,11 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
             raise MalformedModelFile(file.path, f"merge {merge!r} is not two tokens")
         merges.append((left, right))
     vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_NAMES))
+    try:
+        model = models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_NAMES)
+    except Exception as error:  # tokenizers raises a bare Exception (a merge of no token)
+        raise MalformedModelFile(file.path, f"tokenizer.ggml.merges: {error}") from error
+    tokenizer = tokenizers.Tokenizer(model)
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     if pre == "qwen2":
