@@ -14,7 +14,7 @@ smallest margin at every cut it makes; each case asserts that margin is wide bef
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -44,10 +44,10 @@ class RefBeam:
     finish_reason: str = "length"
 
 
-def score_length(beam: RefBeam, num_prompt: int, eos: int) -> int:
+def score_length(beam: RefBeam, num_prompt: int, eos: Collection[int]) -> int:
     """The length a beam's score divides by: prompt and output, a final EOS not counted."""
     length = num_prompt + len(beam.token_ids)
-    return length - 1 if beam.token_ids and beam.token_ids[-1] == eos else length
+    return length - 1 if beam.token_ids and beam.token_ids[-1] in eos else length
 
 
 def gap(ranked: list[float], cut: int, scales: list[float] | None = None) -> float:
@@ -61,11 +61,14 @@ def gap(ranked: list[float], cut: int, scales: list[float] | None = None) -> flo
 
 
 def reference_beam_search(
-    next_logprobs: NextLogprobs, prompt: list[int], params: BeamSearchParams, eos: int = EOS
+    next_logprobs: NextLogprobs,
+    prompt: list[int],
+    params: BeamSearchParams,
+    eos: Collection[int] = (EOS,),
 ) -> tuple[list[RefBeam], float]:
     """vLLM's beam search over `next_logprobs`; the best beams, and the smallest margin of
     any cut made (the 2W candidates of a beam, the W beams kept, the answer's order), in
-    logprob units."""
+    logprob units. A beam ends on any of the model's `eos` ids."""
     width, num_prompt, penalty = params.beam_width, len(prompt), params.length_penalty
 
     def scale(beam: RefBeam) -> float:
@@ -87,7 +90,7 @@ def reference_beam_search(
             top = zip(ranked.indices.tolist(), ranked.values.tolist(), strict=True)
             for token, logprob in list(top)[: 2 * width]:
                 extended = RefBeam(beam.token_ids + [token], beam.cumulative_logprob + logprob)
-                if token == eos and not params.ignore_eos:
+                if token in eos and not params.ignore_eos:
                     extended.finish_reason = "stop"
                     completed.append(extended)
                 else:
@@ -396,7 +399,7 @@ def test_the_builtin_model_equals_the_reference(builtin_hf_model):
         return logits[0, -1].double().log_softmax(-1)
 
     llm = LLM(DEFAULT_MODEL, quantization="none", num_gpu_blocks=256)
-    [eos] = llm.get_tokenizer().eos_token_ids
+    eos = llm.get_tokenizer().eos_token_ids
     prompt = llm.get_tokenizer().encode_chat(
         [{"role": "user", "content": "Write a haiku about memory."}]
     )
