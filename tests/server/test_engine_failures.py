@@ -62,6 +62,31 @@ def test_a_step_failure_fails_only_the_requests_it_names(server: RunningServer) 
     wait_until(lambda: all_blocks_free(server))
 
 
+def test_a_failure_of_one_prompt_stops_the_others_of_its_response(serve) -> None:
+    """A step fails one prompt of a two-prompt completion: the response is a 500, and the
+    other prompt's request is aborted, not left running to max_tokens for nobody."""
+    server = serve(num_gpu_blocks=128, max_num_seqs=1)  # the second prompt waits its turn
+    engine = server.app.state.engine_loop.engine
+    real_step = engine.step
+    failed: list[str] = []
+
+    def step_failing_the_first_prompt():
+        first = [request_id for request_id in engine._requests if request_id.endswith("-0")]
+        if not failed and first and len(engine._requests) == 2:
+            failed.extend(first)
+            engine.abort(first[0])  # as the engine does with a failed step's requests
+            raise StepFailed(first, RuntimeError("simulated fault"))
+        return real_step()
+
+    engine.step = step_failing_the_first_prompt
+    body = {"prompt": ["Paged attention", "Hello world"], "max_tokens": 400, "ignore_eos": True}
+    with server.http() as http:
+        response = http.post("/v1/completions", json=body)
+    assert failed and response.status_code == 500
+    wait_until(lambda: not engine.has_unfinished() and all_blocks_free(server))
+    assert engine.stats.generation_tokens_total < 400  # the second prompt did not run on
+
+
 def test_a_dead_engine_thread_turns_health_and_requests_into_503(serve) -> None:
     server = serve(num_gpu_blocks=128)  # its own: this test leaves its server unable to serve
     engine_loop = server.app.state.engine_loop

@@ -158,11 +158,12 @@ class Generation:
         """Every choice's deltas as they arrive, until all requests have finished."""
         while self._unfinished:
             item = await self._outputs.get()
-            if isinstance(item, ShuttingDown):
-                self._unfinished.clear()
-                raise shutting_down(str(item))
-            if isinstance(item, EngineFailed):
-                self._unfinished.clear()
+            if isinstance(item, (ShuttingDown, EngineFailed)):
+                # The response fails whole: its other prompts' requests stop too, not run on
+                # for nobody holding blocks.
+                self.close()
+                if isinstance(item, ShuttingDown):
+                    raise shutting_down(str(item))
                 raise APIError(500, str(item), type="server_error")
             output: RequestOutput = item
             base = self._prompt_index[output.request_id] * self.n
