@@ -202,6 +202,20 @@ def test_stats_count_prompt_and_generated_tokens(engine_zoo):
     assert stats.kv_usage == 0.0
 
 
+def test_the_queue_gauges_count_requests_whatever_their_samples(engine_zoo):
+    """Running, waiting and swapped count requests alike (an n = 4 request is one of each),
+    so their sum is the number of requests in flight."""
+    engine = make_engine(engine_zoo, "llama", max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, n=4, temperature=1.0)
+    for request_id in ("first", "second"):
+        engine.add_request(request_id, random_prompt(9, seed=3), params)
+    engine.step()  # the first takes the four seats; the second waits for them
+    stats = engine.stats
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (1, 1, 0)
+    for _ in run_to_completion(engine):
+        pass
+
+
 def test_chat_renders_the_template_and_answers_each_conversation(llm):
     conversations = [
         [{"role": "user", "content": "Hello world"}],

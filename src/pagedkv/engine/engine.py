@@ -398,7 +398,7 @@ class Engine:
         # At least a second: right after a burst the span is tiny and the rate meaningless.
         span = max(now - self._recent_tokens[0][0], 1.0) if self._recent_tokens else 1.0
         return EngineStats(
-            num_running=sum(len(r.live_sequences) for r in self.scheduler.running),
+            num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting,
             num_swapped=len(self.scheduler.swapped),
             num_swap_preemptions=self.scheduler.num_swap_preemptions,

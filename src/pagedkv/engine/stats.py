@@ -18,6 +18,8 @@ from pagedkv.memory import KVCacheManager
 class EngineStats:
     """Queues, KV memory and throughput at one moment (counters since start-up)."""
 
+    # Requests (a request's n samples or beams count once) in each queue, one unit for all
+    # three so that their sum means something on a dashboard.
     num_running: int
     num_waiting: int
     num_swapped: int
