@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from pagedkv.server import ServerConfig
@@ -35,3 +37,20 @@ def test_request_over_max_waiting_gets_503_with_retry_after(server: RunningServe
     with server.client() as client:
         completion = client.completions.create(model=model, prompt="Hi", max_tokens=2)
     assert completion.usage.completion_tokens >= 1
+
+
+def test_a_burst_on_an_idle_server_fills_the_batch_before_anything_waits(serve) -> None:
+    """Four seats and room for two to wait: six requests arriving together are all admitted,
+    however their arrivals and the steps interleave (requests running take seats, and only
+    those beyond the free seats wait); counting every request not yet stepped as waiting
+    refused from the third on."""
+    server = serve(ServerConfig(max_waiting=2), num_gpu_blocks=256, max_num_seqs=4)
+    body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+
+    def post(_: int) -> int:
+        with server.http() as http:
+            return http.post("/v1/completions", json=body).status_code
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        assert list(pool.map(post, range(6))) == [200] * 6
+    wait_until(lambda: all_blocks_free(server))

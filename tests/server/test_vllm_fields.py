@@ -44,7 +44,7 @@ def strict_server(serve) -> RunningServer:
 
 @pytest.fixture(scope="module")
 def small_queue_server(serve) -> RunningServer:
-    return serve(ServerConfig(max_waiting=2), num_gpu_blocks=64)
+    return serve(ServerConfig(max_waiting=2), num_gpu_blocks=64, max_num_seqs=2)
 
 
 def stream_events(server: RunningServer, path: str, body: dict) -> list[dict]:
@@ -523,11 +523,16 @@ def test_strict_fields_refuses_unknown_fields(
 # 4. A request larger than the waiting queue
 
 
-def test_more_prompts_than_max_waiting_is_400_not_503(small_queue_server: RunningServer) -> None:
-    response = small_queue_server.post("/v1/completions", {"prompt": ["a", "b", "c"]})
+def test_more_prompts_than_seats_and_waiting_room_is_400_not_503(
+    small_queue_server: RunningServer,
+) -> None:
+    """Two seats (--max-num-seqs) and two waiting (--max-waiting): five prompts could never
+    be queued at once; four can."""
+    response = small_queue_server.post("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"]})
     assert response.status_code == 400, response.text
     assert "--max-waiting" in response.json()["error"]["message"]
-    assert small_queue_server.post("/v1/completions", {"prompt": ["a", "b"]}).status_code == 200
+    four = small_queue_server.post("/v1/completions", {"prompt": ["a", "b", "c", "d"]})
+    assert four.status_code == 200
 
 
 # 5. Logprobs in real bytes and characters

@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-waiting",
         type=positive_int,
         default=DEFAULT_MAX_WAITING,
-        help="answer 503 + Retry-After once this many requests wait (default: %(default)s)",
+        help="answer 503 + Retry-After once this many requests wait beyond the batch's free "
+        "seats (--max-num-seqs) (default: %(default)s)",
     )
     server.add_argument(
         "--strict-fields",

@@ -133,7 +133,6 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._kv_dirty = True
         self._last_frame = 0.0
-        self._added_since_stats = 0
         self._drained: _Drain | None = None  # engine thread only
         self.failure: str | None = None  # why the engine thread stopped serving, if it did
         self.draining = False  # set (on the event loop) once `drain` has been called
@@ -261,7 +260,6 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._step()
                 self.stats = self.engine.stats
-                self._added_since_stats = 0
                 self._maybe_publish_frame()
                 self._notify_if_drained()
         except Exception as error:  # a bug outside engine.step(): nothing can run any more
@@ -324,9 +322,7 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         if self.max_waiting is not None:
-            # Every request added since the last step is still waiting; reading the published
-            # stats avoids recomputing them (they walk every block table) once per add.
-            num_waiting = self.stats.num_waiting + self._added_since_stats
+            num_waiting = self._queued()
             if num_waiting >= self.max_waiting:
                 _resolve(
                     command.route.loop,
@@ -349,9 +345,17 @@ class EngineLoop:
             _resolve(command.route.loop, command.done, error=error)
             return
         self._routes[command.request_id] = command.route
-        self._added_since_stats += 1
         self._kv_dirty = True
         _resolve(command.route.loop, command.done, result=None)
+
+    def _queued(self) -> int:
+        """Requests waiting beyond the batch's free seats (`max_num_seqs` less the samples
+        running): a burst on an idle server fills the batch before any of it counts as
+        waiting. Read on the engine thread, from the scheduler's queues as they are now."""
+        scheduler = self.engine.scheduler
+        running = sum(len(request.live_sequences) for request in scheduler.running)
+        seats = max(0, self.engine.args.max_num_seqs - running)
+        return max(0, scheduler.num_waiting - seats)
 
     def _step(self) -> None:
         try:

@@ -97,15 +97,17 @@ class Generation:
         cannot hold it (a default, or the model's recommended cap, is cut to the room
         instead, by the engine).
 
-        More prompts than may ever wait at once is a 400: a 503 would have the client retry
-        a request that can never be admitted.
+        More prompts than may ever be queued at once (the batch's seats, then --max-waiting)
+        is a 400: a 503 would have the client retry a request that can never be admitted.
         """
         max_waiting = self.engine_loop.max_waiting
-        if max_waiting is not None and len(prompts) > max_waiting:
+        seats = self.engine_loop.engine.args.max_num_seqs
+        if max_waiting is not None and len(prompts) > seats + max_waiting:
             raise APIError(
                 400,
-                f"{len(prompts)} prompts in one request, but at most {max_waiting} may wait "
-                "(--max-waiting)",
+                f"{len(prompts)} prompts in one request, but at most {seats + max_waiting} may "
+                f"be queued at once (--max-num-seqs {seats} running, --max-waiting "
+                f"{max_waiting} waiting)",
                 param="prompt",
             )
         max_model_len = self.engine_loop.engine.max_model_len
