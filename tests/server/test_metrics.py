@@ -201,6 +201,10 @@ def test_per_request_histograms_add_up_to_the_requests_sent(
     n_after = scrape(server)
     generated = value(n_after, "pagedkv:request_generation_tokens_sum")
     assert generated - value(after, "pagedkv:request_generation_tokens_sum") == 12
+    # vLLM's request_max_num_generation_tokens: the longest sample's, 3 then 4.
+    longest = "pagedkv:request_max_num_generation_tokens_sum"
+    assert value(after, longest) - value(before, longest) == 3
+    assert value(n_after, longest) - value(after, longest) == 4
     phases = ["request_queue_time_seconds", "request_prefill_time_seconds"]
     phases.append("request_decode_time_seconds")
     assert all(delta(f"{phase}_count") == 1 for phase in phases)

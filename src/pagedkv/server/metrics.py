@@ -88,6 +88,10 @@ class ServerMetrics:
         self.request_generation_tokens = tokens(
             "request_generation_tokens", "Generated tokens of each finished request."
         )
+        self.request_max_num_generation_tokens = tokens(
+            "request_max_num_generation_tokens",
+            "Generated tokens of each finished request's longest sample.",
+        )
         self.request_queue_time = latency(
             "request_queue_time_seconds", "Time from arrival to the first scheduled step."
         )
@@ -190,6 +194,7 @@ class ServerMetrics:
         self.request_success.labels(self.model_name, reason).inc()
         self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
         self.request_generation_tokens.labels(self.model_name).observe(generation_tokens)
+        self.request_max_num_generation_tokens.labels(self.model_name).observe(num_output_tokens)
         scheduled = metrics.first_scheduled_time
         if scheduled is None or metrics.first_token_time is None or metrics.finished_time is None:
             return  # aborted before its first token: no latency to speak of
