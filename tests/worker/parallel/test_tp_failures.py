@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 
 from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine.errors import StepFailed
+from pagedkv.model.errors import MalformedModelFile
 from pagedkv.worker.parallel import ranks
 from pagedkv.worker.parallel.errors import WorkerFailed
 
@@ -135,6 +137,20 @@ def test_bad_sizes_are_refused_with_the_numbers(folder):
     # 4 query heads cannot be split across 3 ranks (vLLM requires the same divisibility).
     with pytest.raises(ValueError, match=r"4 heads .*not divisible by tensor_parallel_size \(3\)"):
         start(folder, tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_broken_model_file_is_one_line_from_each_worker(folder, tmp_path, capfd):
+    """Every rank fails to read a truncated checkpoint alike: rank 0 raises the model error,
+    each worker says it in one line (a traceback per worker repeated it), none is left."""
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(MalformedModelFile, match="model.safetensors"):
+        start(broken)
+    err = capfd.readouterr().err
+    assert "pagedkv worker (rank 1): " in err and "Traceback" not in err
     assert multiprocessing.active_children() == []
 
 

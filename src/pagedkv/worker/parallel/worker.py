@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from pagedkv.model.errors import ModelError
 from pagedkv.parallel.group import TPGroup
 from pagedkv.worker.kv_budget import kv_pool
 from pagedkv.worker.parallel.link import Link
@@ -36,7 +37,8 @@ def run_worker(
     link.start_heartbeat()
     try:
         _serve(link)
-    except ValueError as error:  # a configuration every rank refuses alike: one line, no trace
+    except (ValueError, ModelError) as error:  # a configuration or a model file every rank
+        # refuses alike (rank 0 reports it too): one line, no trace
         link.report_error(f"{type(error).__name__}: {error}")
         print(f"pagedkv worker (rank {rank}): {error}", file=sys.stderr)
         raise SystemExit(1) from None
