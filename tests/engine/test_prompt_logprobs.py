@@ -110,5 +110,13 @@ def test_more_prompt_logprobs_than_max_logprobs_is_refused(engine_zoo):
     ):
         engine.add_request("a", PROMPT, SamplingParams(prompt_logprobs=6))
     assert not engine.has_unfinished()
+    # -1 (vLLM's every token) names what was asked and the setting that allows it.
+    vocab = engine.config.vocab_size
+    with pytest.raises(
+        TooManyLogprobs,
+        match=rf"logprobs=-1 \(every token: {vocab}\), .* at most 5 \(max_logprobs; "
+        "max_logprobs=-1 when",
+    ):
+        engine.add_request("b", PROMPT, SamplingParams(logprobs=-1))
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-2)

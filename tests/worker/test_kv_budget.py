@@ -45,6 +45,15 @@ def test_a_block_count_wins_over_a_byte_budget(zoo, per_block):
     assert (budget.num_gpu_blocks, budget.bytes_per_block) == (7, per_block)
 
 
+def test_the_start_up_line_counts_whole_requests_or_says_less_than_one(zoo):
+    """max_model_len 1024 is 64 blocks a request: 130 blocks hold 2; a pool sized to a
+    short request (as `generate` sizes its own) holds less than one, said so, not "0"."""
+    two = kv_budget(replace(DEFAULTS, num_gpu_blocks=130), zoo.ours("llama")).describe(1024)
+    assert two.endswith("max concurrency at max_model_len (1024 tokens): 2 requests")
+    few = kv_budget(replace(DEFAULTS, num_gpu_blocks=3), zoo.ours("llama")).describe(1024)
+    assert few.endswith("; less than one request at max_model_len (1024 tokens)")
+
+
 def test_a_byte_budget_gives_the_whole_blocks_it_holds(zoo, per_block):
     request = replace(DEFAULTS, kv_cache_memory=10 * per_block + per_block - 1, swap_space_gb=0.5)
     budget = kv_budget(request, zoo.ours("llama"))

@@ -108,11 +108,12 @@ def check_request(
     """
     _check_vocabulary(params, limits.vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
-        if getattr(params, name) == -1:  # vLLM's: every token (params is the engine's copy)
+        every_token = getattr(params, name) == -1
+        if every_token:  # vLLM's: every token (params is the engine's copy)
             setattr(params, name, limits.vocab_size)
         count = getattr(params, name)
         if count is not None and count > limits.max_logprobs:
-            raise TooManyLogprobs(name, count, limits.max_logprobs)
+            raise TooManyLogprobs(name, count, limits.max_logprobs, every_token)
     num_prompt = len(token_ids)
     if num_prompt >= limits.max_model_len:
         raise PromptTooLong(num_prompt, limits.max_model_len)

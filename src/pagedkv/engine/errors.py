@@ -102,10 +102,14 @@ class TooManySamples(RequestRejected):
 class TooManyLogprobs(RequestRejected):
     """The request asks for more logprobs per token than the engine's max_logprobs."""
 
-    def __init__(self, name: str, logprobs: int, max_logprobs: int) -> None:
+    def __init__(
+        self, name: str, logprobs: int, max_logprobs: int, every_token: bool = False
+    ) -> None:
+        asked = f"{name}=-1 (every token: {logprobs})" if every_token else f"{name} is {logprobs}"
+        remedy = "max_logprobs=-1" if every_token else "raise max_logprobs"
         super().__init__(
-            f"{name} is {logprobs}, but the engine allows at most {max_logprobs} "
-            "(max_logprobs; raise it when starting the engine)"
+            f"{asked}, but the engine allows at most {max_logprobs} (max_logprobs; "
+            f"{remedy} when starting the engine)"
         )
         self.param = name  # the SamplingParams field: logprobs or prompt_logprobs
 

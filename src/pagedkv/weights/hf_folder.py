@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from pagedkv.model.config import ModelConfig, load_config, read_json
+from pagedkv.model.config import ModelConfig, read_config, read_json
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import (
     MalformedModelFile,
     MissingTensor,
     ModelFileMissing,
+    UnsupportedModel,
 )
 from pagedkv.weights.assemble import build_model
 
@@ -43,7 +45,9 @@ def load_model(
     """
     folder = Path(folder)
     if config is None:
-        config = load_config(folder)
+        raw = read_config(folder)
+        check_not_prequantised(raw, folder / "config.json")
+        config = ModelConfig.from_dict(raw, folder / "config.json")
     return build_model(
         config,
         _checkpoint_tensors(folder),
@@ -52,6 +56,21 @@ def load_model(
         device=device,
         quantization=quantization,
     )
+
+
+def check_not_prequantised(raw_config: dict[str, Any], source: Path) -> None:
+    """Refuse a checkpoint stored quantised (GPTQ, AWQ, fp8, bitsandbytes...): its tensors
+    are codes and scales that pagedkv does not read, and some (fp8) would load as floats
+    silently wrong."""
+    quantization = raw_config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UnsupportedModel(
+            source,
+            f"quantization_config (quant_method {method!r}): pre-quantised checkpoints are not "
+            "read; load the float checkpoint (quantised here with quantization int8 or int4) "
+            "or a GGUF file",
+        )
 
 
 def _checkpoint_tensors(folder: Path) -> Iterator[tuple[Path, str, Tensor]]:

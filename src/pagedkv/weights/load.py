@@ -35,14 +35,14 @@ from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, 
 from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config, with_overrides
 from pagedkv.model.decoder import DecoderModel
-from pagedkv.model.errors import ConvertTargetExists, UnsupportedModel
+from pagedkv.model.errors import ConvertTargetExists
 from pagedkv.parallel.group import building_group
 from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights import gguf as gguf_package
 from pagedkv.weights.gguf.convert import convert_gguf
 from pagedkv.weights.gguf.model import GGUFModel
-from pagedkv.weights.hf_folder import load_model
+from pagedkv.weights.hf_folder import check_not_prequantised, load_model
 
 
 def _conversion_stamp() -> str:
@@ -140,7 +140,7 @@ def load(
     elif path.is_dir():
         # Parsed once: the model and the eos ids both read it.
         raw_config, source = with_overrides(read_config(path), hf_overrides, path / "config.json")
-        _check_not_prequantised(raw_config, source)
+        check_not_prequantised(raw_config, source)
         config = ModelConfig.from_dict(raw_config, source)
         loaded = LoadedModel(
             model=load_model(
@@ -196,21 +196,6 @@ def load_tokenizer(
 
 def _lap(started: float) -> float:
     return time.perf_counter() - started
-
-
-def _check_not_prequantised(raw_config: dict[str, Any], source: Path) -> None:
-    """Refuse a checkpoint stored quantised (GPTQ, AWQ, fp8, bitsandbytes...): its tensors
-    are codes and scales that pagedkv does not read, and some (fp8) would load as floats
-    silently wrong."""
-    quantization = raw_config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise UnsupportedModel(
-            source,
-            f"quantization_config (quant_method {method!r}): pre-quantised checkpoints are not "
-            "read; load the float checkpoint (quantised here with quantization int8 or int4) "
-            "or a GGUF file",
-        )
 
 
 def converted_folder(

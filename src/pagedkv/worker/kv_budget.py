@@ -76,11 +76,16 @@ class KVCacheConfig:
         draft = ""
         if self.draft_bytes_per_block:
             draft = f", {format_bytes(self.draft_bytes_per_block)} of it the draft model's"
+        concurrency = (
+            f"max concurrency at max_model_len ({max_model_len} tokens): {fit} requests"
+            if fit
+            else f"less than one request at max_model_len ({max_model_len} tokens)"
+        )
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
             f"of {self.kv_dtype_name} ({gib:.2f} GiB, "
-            f"{format_bytes(self.bytes_per_block)} per block{draft}){on_each_rank}; max "
-            f"concurrency at max_model_len ({max_model_len} tokens): {fit} requests"
+            f"{format_bytes(self.bytes_per_block)} per block{draft}){on_each_rank}; "
+            f"{concurrency}"
         )
 
 
