@@ -77,7 +77,9 @@ def main() -> None:
     tokenizer = llm.engine.tokenizer
     prompts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Describe person number {i} as a JSON object."}]
+            [{"role": "user", "content": f"Describe person number {i} as a JSON object."}],
+            add_generation_prompt=True,
+            tokenize=False,
         )
         for i in range(args.num_requests)
     ]

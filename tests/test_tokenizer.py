@@ -171,7 +171,7 @@ def test_hugging_face_call_forms_give_what_transformers_gives(folder, hf_tokeniz
     hf_ids = hf_tokenizer.apply_chat_template(
         CONVERSATION, add_generation_prompt=True, return_dict=True
     )["input_ids"]
-    assert tokenizer.apply_chat_template(CONVERSATION, tokenize=True) == hf_ids
+    assert tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True) == hf_ids
     for source in (text, TEXTS):  # one text, a batch (each its own length, unpadded)
         for special in (True, False):
             ours, theirs = (
@@ -184,6 +184,34 @@ def test_hugging_face_call_forms_give_what_transformers_gives(folder, hf_tokeniz
         tokenizer(text, "a second text")  # transformers' text_pair: not supported
 
 
+def test_apply_chat_template_takes_transformers_defaults_and_forms(folder, hf_tokenizer):
+    """Called as vLLM-era code calls the HF tokenizer vLLM returns: token ids and no
+    generation prompt by default, return_dict's input_ids and attention_mask, a list of
+    conversations giving a list, tools as the template's variable; tensor options refused."""
+    tokenizer = Tokenizer.from_folder(folder)
+
+    def theirs(conversation, **options):
+        return hf_tokenizer.apply_chat_template(conversation, return_dict=False, **options)
+
+    assert tokenizer.apply_chat_template(CONVERSATION) == theirs(CONVERSATION)
+    assert tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True) == theirs(
+        CONVERSATION, add_generation_prompt=True
+    )
+    as_dict = tokenizer.apply_chat_template(CONVERSATION, return_dict=True)
+    expected = hf_tokenizer.apply_chat_template(CONVERSATION, return_dict=True)
+    assert as_dict["input_ids"] == expected["input_ids"]
+    assert as_dict.attention_mask == expected["attention_mask"]
+    batch = [CONVERSATION, CONVERSATION[:2]]
+    assert tokenizer.apply_chat_template(batch, tokenize=False) == theirs(batch, tokenize=False)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    template = "{{ tools[0].function.name }}|{{ messages[0].content }}"
+    assert tokenizer.apply_chat_template(
+        CONVERSATION, tools, chat_template=template, tokenize=False
+    ) == theirs(CONVERSATION, tools=tools, chat_template=template, tokenize=False)
+    with pytest.raises(ValueError, match="does not take return_tensors"):
+        tokenizer.apply_chat_template(CONVERSATION, return_tensors="pt")
+
+
 def test_continue_final_message_and_a_given_template_render_as_transformers(folder, hf_tokenizer):
     tokenizer = Tokenizer.from_folder(folder)
     partial = [*CONVERSATION[:2], {"role": "assistant", "content": "A map from  "}]
@@ -193,12 +221,14 @@ def test_continue_final_message_and_a_given_template_render_as_transformers(fold
         partial, tokenize=False, add_generation_prompt=False, continue_final_message=True
     )
     assert tokenizer.apply_chat_template(
-        CONVERSATION, chat_template=CUSTOM_TEMPLATE, tail="end"
+        CONVERSATION, chat_template=CUSTOM_TEMPLATE, tokenize=False, tail="end"
     ) == hf_tokenizer.apply_chat_template(
         CONVERSATION, chat_template=CUSTOM_TEMPLATE, tokenize=False, tail="end"
     )
     with pytest.raises(ValueError, match="continue_final_message .* add_generation_prompt"):
-        tokenizer.apply_chat_template(partial, continue_final_message=True)
+        tokenizer.apply_chat_template(
+            partial, add_generation_prompt=True, continue_final_message=True
+        )
 
 
 def test_content_parts_render_as_vllm_joins_them(folder):

@@ -7,11 +7,11 @@ tokenizer_config.json or `chat_template.jinja` and is rendered as transformers r
 each message's content in vLLM's content format (chat_template.py).
 
 The calls users make on a transformers tokenizer (`encode`, `decode`, `batch_decode`,
-`convert_ids_to_tokens`, `get_vocab`, `len()`, `eos_token_id`,
-`apply_chat_template(..., tokenize=False, add_generation_prompt=True)`) work here with
-transformers' keywords, since `LLM.get_tokenizer()` returns this object. Two defaults stay
-the engine's: `decode` skips special tokens, and `apply_chat_template` returns text ending in
-the generation prompt (transformers' defaults vary by version; pass them to be explicit).
+`convert_ids_to_tokens`, `convert_tokens_to_ids`, `get_vocab`, `len()`, the special tokens and
+their ids, `apply_chat_template`) work here with
+transformers' keywords, since `LLM.get_tokenizer()` returns this object. `decode` skips
+special tokens (the engine's default); `apply_chat_template` has transformers 4's defaults
+(token ids, no generation prompt), which the code written for vLLM's tokenizer assumes.
 """
 
 from __future__ import annotations
@@ -139,6 +139,20 @@ class Tokenizer:
             return self.tokenizer.id_to_token(ids)
         return [self.tokenizer.id_to_token(token_id) for token_id in ids]
 
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        """Each vocabulary entry's id (None for one not in it), as transformers gives it."""
+        if isinstance(tokens, str):
+            return self.tokenizer.token_to_id(tokens)
+        return [self.tokenizer.token_to_id(token) for token in tokens]
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """The ids of the special tokens (control tokens, bos/eos/unk/pad), in id order."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        ids = {i for i, token in added.items() if token.special}
+        ids.update(self.tokenizer.token_to_id(token) for token in self.special_tokens.values())
+        return sorted(ids - {None})
+
     def get_vocab(self) -> dict[str, int]:
         """Vocabulary entry -> id, added tokens included (transformers' call)."""
         return self.tokenizer.get_vocab(with_added_tokens=True)
@@ -146,6 +160,22 @@ class Tokenizer:
     def __len__(self) -> int:
         """The vocabulary's size with added tokens, as `len()` of a transformers tokenizer."""
         return self.vocab_size
+
+    @property
+    def bos_token(self) -> str | None:
+        """The beginning-of-sequence token, None when the model names none."""
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        """The end-of-sequence token, None when the model names none."""
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding token's id, None when the model names none."""
+        pad_token = self.special_tokens.get("pad_token")
+        return None if pad_token is None else self.tokenizer.token_to_id(pad_token)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -165,26 +195,56 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        conversation: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
+        conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
         *,
-        tokenize: bool = False,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        add_generation_prompt: bool = False,
         continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
         **kwargs: Any,
-    ) -> str | list[int]:
-        """The conversation's text, or its token ids with tokenize=True (transformers' call).
+    ) -> Any:
+        """transformers' call with its defaults (as transformers 4 gives them, which vLLM-era
+        code assumes): the conversation's token ids, or its text with tokenize=False; with
+        return_dict, `input_ids` and `attention_mask`. A list of conversations gives a list.
 
-        `kwargs` are extra template variables (vLLM's chat_template_kwargs).
+        `tools` and `documents` reach the template as its variables, as do `kwargs` (vLLM's
+        chat_template_kwargs). transformers' padding, truncation and tensor options are
+        refused by name: the answers here are plain lists.
         """
+        asked = sorted(name for name in _TENSOR_OPTIONS if kwargs.get(name))
+        if asked:
+            raise ValueError(f"apply_chat_template does not take {', '.join(asked)} here")
+        variables = {key: value for key, value in kwargs.items() if key not in _TENSOR_OPTIONS}
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None:
+                variables[name] = [dict(item) for item in value]
+        if conversation and all(_is_message_list(item) for item in conversation):
+            return [
+                self.apply_chat_template(
+                    item,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=tokenize,
+                    return_dict=return_dict,
+                    **variables,
+                )
+                for item in conversation
+            ]
         text = self.render_chat(
-            conversation,
+            conversation,  # type: ignore[arg-type]
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
-            template_kwargs=kwargs,
+            template_kwargs=variables,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return Encoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
 
     def render_chat(
         self,
@@ -255,6 +315,22 @@ class InvalidText(ValueError):
     """Text holding a lone surrogate, which no UTF-8 bytes spell: how Python keeps bytes that
     were not UTF-8 (in argv, stdin, or a JSON escape such as \\udcff). The tokenizer reads
     only real text."""
+
+
+# transformers' apply_chat_template options about padded tensors, which have no meaning here.
+_TENSOR_OPTIONS = (
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
+
+
+def _is_message_list(value: object) -> bool:
+    """A list of messages (dicts), as opposed to one message or a list of conversations."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
 def _check_utf8(text: str) -> None:

@@ -178,4 +178,9 @@ def test_chat_template_renders_as_transformers(ours, hf_tokenizer, add_generatio
         expected = hf_tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        assert ours.tokenizer.apply_chat_template(messages, add_generation_prompt) == expected
+        assert (
+            ours.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            == expected
+        )
