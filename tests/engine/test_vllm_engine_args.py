@@ -63,6 +63,17 @@ def test_vllms_defaults_and_names_are_taken_as_ours(engine_zoo):
     )
     assert (args.quantization, args.enable_prefix_caching) == ("auto", True)
     assert args.enable_chunked_prefill is True
+    # vLLM's EngineArgs leaves these None to pick them at start (its spec_decode example
+    # passes max_num_seqs=None): the engine's own defaults, as if not given.
+    picked = EngineArgs(
+        model="unused", block_size=None, max_num_seqs=None, max_num_batched_tokens=None
+    )
+    default = EngineArgs(model="unused")
+    assert (picked.block_size, picked.max_num_seqs, picked.max_num_batched_tokens) == (
+        default.block_size,
+        default.max_num_seqs,
+        default.max_num_batched_tokens,
+    )
     assert EngineArgs(model="unused", dtype=torch.float16).resolved_dtype == "float16"
     assert EngineArgs(model="unused", dtype=torch.bfloat16).resolved_dtype == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -140,7 +151,9 @@ def test_logprobs_minus_one_is_every_token_as_vllms(engine_zoo):
     assert [len(p) for p in deltas[-1].outputs[0].logprobs] == [vocab_size]
     prompt = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None)
     assert [len(p) for p in prompt[1:]] == [vocab_size, vocab_size]
-    with pytest.raises(RequestRejected, match=f"logprobs is {vocab_size}, .*at most 20"):
+    with pytest.raises(
+        RequestRejected, match=rf"logprobs=-1 \(every token: {vocab_size}\), .*at most 20"
+    ):
         make_engine(engine_zoo, "llama").add_request("r", [5, 6], SamplingParams(logprobs=-1))
     with pytest.raises(ValueError, match="logprobs must be >= 0, got -2"):
         SamplingParams(logprobs=-2)

@@ -60,7 +60,7 @@ class EngineArgs:
     """Model, memory and scheduling settings of one engine (vLLM's names)."""
 
     model: str = DEFAULT_MODEL
-    block_size: int = 16
+    block_size: int | None = 16  # None, vLLM's default: 16
     num_gpu_blocks: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None
@@ -69,8 +69,8 @@ class EngineArgs:
     swap_space_gb: float = 1.0
     swap_space: float | None = None
     enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = 256  # None, vLLM's default: 256
+    max_num_batched_tokens: int | None = 2048  # None, vLLM's default: 2048
     max_model_len: int | None = None
     preemption_mode: str | None = None
     scheduling_policy: str = "fcfs"
@@ -107,13 +107,17 @@ class EngineArgs:
         if self.seed is None:
             self.seed = 0
         # vLLM's defaults of these are None (detect from the checkpoint; prefix caching and
-        # chunked prefill on), and its dtype may be a torch.dtype: the same settings here.
+        # chunked prefill on; its block size and batch limits), and its dtype may be a
+        # torch.dtype: the same settings here.
         if self.quantization is None:
             self.quantization = "auto"
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = True
         if self.enable_chunked_prefill is None:
             self.enable_chunked_prefill = True
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is None:  # vLLM's "pick for me": this engine's default
+                setattr(self, name, type(self).__dataclass_fields__[name].default)
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
             self.dtype = str(self.dtype).removeprefix("torch.")
         if not isinstance(self.generation_config, str | os.PathLike):
