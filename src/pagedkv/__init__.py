@@ -26,6 +26,7 @@ _ENGINE_NAMES = (
     "StructuredOutputsParams",
     "GuidedDecodingParams",
     "Engine",
+    "LLMEngine",
     "EngineArgs",
     "RequestOutput",
     "CompletionOutput",

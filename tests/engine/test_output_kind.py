@@ -104,7 +104,7 @@ def test_generate_returns_whole_outputs_whatever_the_kind(engine_zoo) -> None:
 
 def test_output_kind_takes_vllms_values_and_names_a_bad_one() -> None:
     assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
-    assert SamplingParams().output_kind is RequestOutputKind.DELTA
+    assert SamplingParams().output_kind is None  # the engine's way: Engine deltas
     assert SamplingParams(skip_clone=True).skip_clone is True
     with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind .* got 7"):
         SamplingParams(output_kind=7)

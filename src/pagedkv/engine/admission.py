@@ -9,8 +9,9 @@ cannot know when it is made.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.engine.errors import (
     EmptyPrompt,
@@ -40,12 +41,30 @@ class Limits:
     max_logprobs: int
 
 
+def encode_with(
+    tokenizer: Tokenizer, text: str, tokenization_kwargs: Mapping[str, Any]
+) -> list[int]:
+    """`text`'s ids as vLLM's `tokenization_kwargs` ask (`add_special_tokens` only)."""
+    unknown = sorted(set(tokenization_kwargs) - {"add_special_tokens"})
+    if unknown:
+        raise ValueError(f"tokenization_kwargs takes add_special_tokens only, got {unknown}")
+    add = tokenization_kwargs.get("add_special_tokens", True)
+    if not isinstance(add, bool):
+        raise ValueError(f"tokenization_kwargs add_special_tokens must be a bool, got {add!r}")
+    return tokenizer.encode(text, add_special_tokens=add)
+
+
 def tokenize(
     tokenizer: Tokenizer, prompt: str | Sequence[int], vocab_size: int
 ) -> tuple[str | None, list[int]]:
     """The prompt's text (None when given as ids) and token ids, each id checked. A prompt
     with no tokens is refused; an empty text that the tokenizer gives a BOS token is not,
     as vLLM's (the model then writes from the start of a document)."""
+    if isinstance(prompt, Mapping):
+        raise TypeError(
+            "Engine.add_request takes a prompt as text or token ids; vLLM's prompt dicts "
+            "({'prompt': ...}, {'prompt_token_ids': ...}) are LLMEngine's and LLM's forms"
+        )
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)
         if not token_ids:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from pagedkv.engine.admission import encode_with
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
@@ -61,7 +62,7 @@ class LLM:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * num_prompts
         return [
-            params if params.output_kind is RequestOutputKind.DELTA else _as_deltas(params)
+            params if params.output_kind in (None, RequestOutputKind.DELTA) else _as_deltas(params)
             for params in _params_per_prompt(sampling_params, num_prompts)
         ]
 
@@ -101,14 +102,8 @@ class LLM:
 
     def _encoded(self, prompts: list[Prompt], kwargs: Mapping[str, Any]) -> list[Prompt]:
         """Text prompts as token ids, encoded with `kwargs` (`add_special_tokens` only)."""
-        unknown = sorted(set(kwargs) - {"add_special_tokens"})
-        if unknown:
-            raise ValueError(f"tokenization_kwargs takes add_special_tokens only, got {unknown}")
-        add = kwargs.get("add_special_tokens", True)
-        if not isinstance(add, bool):
-            raise ValueError(f"tokenization_kwargs add_special_tokens must be a bool, got {add!r}")
-        encode = self.engine.tokenizer.encode
-        return [encode(p, add_special_tokens=add) if isinstance(p, str) else p for p in prompts]
+        tokenizer = self.engine.tokenizer
+        return [encode_with(tokenizer, p, kwargs) if isinstance(p, str) else p for p in prompts]
 
     def beam_search(
         self,

@@ -2,8 +2,9 @@
 
 Shapes and names follow vLLM's `RequestOutput` / `CompletionOutput`, so code that reads vLLM
 results reads ours. `Engine.step` reports a request as its `SamplingParams.output_kind` says
-(vLLM's `RequestOutputKind`): deltas (only what is new since the last step, the engine's
-default), the whole output so far, or the whole output once, when it finishes. `LLM.generate`
+(vLLM's `RequestOutputKind`): deltas (only what is new since the last step, `Engine`'s
+default), the whole output so far (`LLMEngine`'s default, as vLLM's), or the whole output
+once, when it finishes. `LLM.generate`
 accumulates deltas into whole outputs.
 """
 
@@ -131,12 +132,13 @@ def accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
 
 
 def report(
-    delta: RequestOutput, kind: RequestOutputKind, whole: RequestOutput | None
+    delta: RequestOutput, kind: RequestOutputKind | None, whole: RequestOutput | None
 ) -> tuple[RequestOutput | None, RequestOutput | None]:
-    """What a step reports of a request given its `delta` and output `kind` (None: nothing
-    this step), and the whole output to keep for its next step (None for deltas). A
-    cumulative report is a copy: later steps do not change what the caller holds."""
-    if kind is RequestOutputKind.DELTA:
+    """What a step reports of a request given its `delta` and output `kind` (None: the
+    engine's deltas) -- None: nothing this step -- and the whole output to keep for its next
+    step (None for deltas). A cumulative report is a copy: later steps do not change what
+    the caller holds."""
+    if kind in (None, RequestOutputKind.DELTA):
         return delta, None
     whole = whole or empty_like(delta)
     accumulate(whole, delta)

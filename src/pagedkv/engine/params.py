@@ -68,9 +68,10 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     # vLLM's field; its V1 engine refuses per-request logits processors, and so does this one.
     logits_processors: list[Any] | None = None
-    # What `Engine.step` reports each step (vLLM's RequestOutputKind). The default is the
-    # engine's deltas, where vLLM's is CUMULATIVE; `LLM.generate` returns whole outputs anyway.
-    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # What a step reports of the request (vLLM's RequestOutputKind). None, the default: as the
+    # engine reports, `Engine.step` deltas and `LLMEngine.step` (vLLM's) CUMULATIVE, vLLM's
+    # default; `LLM.generate` returns whole outputs whatever it says.
+    output_kind: RequestOutputKind | None = None
     # vLLM's: a shallow copy where a deep one would be slow. A request's params are copied
     # once when it is added, cheaply, so this changes nothing; accepted so vLLM code runs.
     skip_clone: bool = False
@@ -169,7 +170,8 @@ class SamplingParams:
                 f"got stop={self.stop!r} with detokenize=False"
             )
         try:
-            self.output_kind = RequestOutputKind(self.output_kind)
+            if self.output_kind is not None:
+                self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
             raise ValueError(
                 "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "

@@ -1,0 +1,103 @@
+"""LLMEngine: vLLM's engine-level names over `Engine`, so a vLLM `LLMEngine` loop runs as it
+does there (`from pagedkv import LLMEngine, EngineArgs`).
+
+The loop vLLM's examples write is `LLMEngine.from_engine_args(args)`, `add_request(id,
+prompt, params)` with a prompt string or dict, then `step()` until
+`has_unfinished_requests()` is false, printing each `RequestOutput` once it is `finished`.
+That loop reads whole outputs: vLLM's `SamplingParams.output_kind` defaults to CUMULATIVE,
+while `Engine.step` reports deltas. So a request added here whose params leave output_kind
+unset (None) is reported CUMULATIVE, as vLLM's; a set one is honoured. `arrival_time` is
+vLLM's wall-clock `time.time()`, turned into the monotonic clock the engine's latencies use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from pagedkv.engine.admission import encode_with
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.beam_search import BeamSearchParams
+from pagedkv.engine.engine import Engine
+from pagedkv.engine.lora import LoRARequest
+from pagedkv.engine.outputs import RequestOutputKind
+from pagedkv.engine.params import SamplingParams
+from pagedkv.engine.prompts import PromptDict, as_prompt
+from pagedkv.tokenizer import Tokenizer
+
+
+class LLMEngine(Engine):
+    """`Engine` with vLLM's `LLMEngine` methods and its CUMULATIVE default."""
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        usage_context: object = None,
+        stat_loggers: object = None,
+        enable_multiprocessing: bool = False,
+    ) -> LLMEngine:
+        """vLLM's constructor; usage reporting, stat loggers and multiprocessing change no
+        output, so they are taken and left."""
+        return cls(engine_args)
+
+    def add_request(  # type: ignore[override]  # vLLM's signature, Engine's keywords after
+        self,
+        request_id: str,
+        prompt: str | SequenceOf[int] | PromptDict,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        *,
+        cache_salt: str | None = None,
+        beam_search: BeamSearchParams | None = None,
+    ) -> None:
+        """vLLM's add_request: a prompt string, token ids or prompt dict (its `cache_salt`
+        read); `arrival_time` in time.time() seconds; `tokenization_kwargs` takes
+        `add_special_tokens` for a text prompt. `trace_headers` (tracing) change no output."""
+        if isinstance(prompt, Mapping):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            prompt = as_prompt(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None and tokenization_kwargs:
+            prompt = encode_with(self.tokenizer, text, tokenization_kwargs)
+        params = params if params is not None else self.default_sampling_params()
+        if params.output_kind is None:
+            params = params.clone()
+            params.output_kind = RequestOutputKind.CUMULATIVE
+        if arrival_time is not None:
+            arrival_time = time.monotonic() - max(0.0, time.time() - arrival_time)
+        super().add_request(
+            request_id,
+            prompt,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            arrival_time=arrival_time,
+            beam_search=beam_search,
+            lora_request=lora_request,
+        )
+        if text is not None and tokenization_kwargs:
+            self._requests[request_id].prompt = text  # reported as given, as vLLM's
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or several (vLLM's takes either)."""
+        for each in [request_id] if isinstance(request_id, str) else list(request_id):
+            self.abort(each)
+
+    def has_unfinished_requests(self) -> bool:
+        """vLLM's name of `has_unfinished`."""
+        return self.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests not finished yet (waiting, running or swapped)."""
+        return len(self._requests)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer (transformers' calls; see `pagedkv.tokenizer`)."""
+        return self.tokenizer
