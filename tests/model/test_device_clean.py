@@ -17,8 +17,8 @@ import torch
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.torch_backend import paged_attention
+from pagedkv.model.config import load_config
 from pagedkv.model.registry import ARCHITECTURES
-from pagedkv.weights.hf_folder import load_config
 from pagedkv.worker.kv_cache import KVCache
 
 
