@@ -25,6 +25,7 @@ from pagedkv.engine.sampler import (
     sampling_row,
     token_logprobs,
 )
+from pagedkv.engine.samples import unseeded_stream
 from pagedkv.memory.tokens import SequenceTokens
 from tests.engine.conftest import make_llm
 from tests.model.tiny_models import random_prompt
@@ -422,3 +423,17 @@ def test_argmax_takes_the_first_largest_and_nan_above_all(rows: list[list[float]
     expected = [first_largest(row.tolist()) for row in values]
     assert argmax(values).tolist() == expected
     assert int(argmax(values[0])) == expected[0]
+
+
+def test_unseeded_samples_never_share_a_cpu_stream():
+    """The CPU generator keeps 32 bits of a seed (seeds 2^32 apart give one stream), so the
+    unseeded samples' seeds are a bijection of their numbers into 32 bits: 2^17 numbers, 2^17
+    streams, under each engine seed, and another engine seed gives other streams."""
+    same = [torch.Generator().manual_seed(s).initial_seed() for s in (5, 5 + 2**32)]
+    draws = [torch.rand(4, generator=torch.Generator().manual_seed(s)) for s in (5, 5 + 2**32)]
+    assert same[0] != same[1] and torch.equal(draws[0], draws[1])
+    count = 2**17
+    for engine_seed in (0, 1, 2**40 + 7):
+        seeds = [unseeded_stream(engine_seed, number) for number in range(count)]
+        assert len(set(seeds)) == count and max(seeds) < 2**32
+    assert unseeded_stream(0, 5) != unseeded_stream(1, 5)

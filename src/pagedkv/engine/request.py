@@ -69,7 +69,7 @@ class Sequence:
     num_prompt_tokens: int
     num_computed: int = 0  # leading tokens whose KV is written: the scheduler's count
     detokenizer: IncrementalDetokenizer | None = None  # the engine's; the simulator makes no text
-    generator: torch.Generator | None = None  # per-sample RNG when the request has a seed
+    generator: torch.Generator | None = None  # its own random stream (None: greedy)
     counts: TokenCounts | None = None  # what its penalties read, when the request has any
     grammar: GrammarState | None = None  # its place in the request's structured output
     # Speculative decoding: drafts its next step verifies (their slots reserved), and how

@@ -5,10 +5,10 @@ Every sample that samples draws from a stream of its own, so its tokens do not d
 what else the engine runs or on how many drafts a step verifies. Sample i of a seeded request
 takes the seed spread by a large odd stride, so the n samples differ and the request stays
 reproducible. A sample of a request with no seed takes the engine's seed mixed with the
-sample's number in the order samples were made (splitmix64, a bijection: every number its own
-stream), so an engine `seed` makes a whole run reproducible, as vLLM's does, speculation or
-not. A greedy sample draws nothing and gets no generator. A request that asked for no text
-(`detokenize=False`) gets no detokenizer: its samples make token ids only.
+sample's number in the order samples were made (`unseeded_stream`: no two numbers below 2^32
+share a stream), so an engine `seed` makes a whole run reproducible, as vLLM's does,
+speculation or not. A greedy sample draws nothing and gets no generator. A request that
+asked for no text (`detokenize=False`) gets no detokenizer: its samples make token ids only.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class SampleFactory:
             seed = (params.seed + index * SAMPLE_SEED_STRIDE) % 2**64
             generator = torch.Generator(device=self.device).manual_seed(seed)
         elif not params.greedy:
-            seed = _splitmix64(self.seed + (next(self._unseeded) + 1) * SAMPLE_SEED_STRIDE)
+            seed = unseeded_stream(self.seed, next(self._unseeded))
             generator = torch.Generator(device=self.device).manual_seed(seed)
         tokens = SequenceTokens((request_id, index), token_ids)
         counts = None
@@ -81,10 +81,18 @@ class SampleFactory:
         )
 
 
-def _splitmix64(state: int) -> int:
-    """SplitMix64's output for `state` (taken mod 2^64): a bijection that scatters nearby
-    states, so consecutive sample numbers give unrelated streams."""
-    z = state % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return z ^ (z >> 31)
+def unseeded_stream(engine_seed: int, number: int) -> int:
+    """The seed of the `number`-th unseeded sample's stream under `engine_seed`: 32 bits, as
+    the CPU's generator (an mt19937) keeps only the low 32 bits of a seed, so that no two
+    numbers below 2^32 share a stream (a 64-bit mix cut to 32 bits would, after some 77,000
+    samples, with even odds). The number, offset by a mix of the engine's seed, goes through
+    murmur3's 32-bit finaliser, a bijection that scatters consecutive numbers."""
+    z = (_fmix32(engine_seed % 2**32 ^ (engine_seed >> 32) % 2**32) + number) % 2**32
+    return _fmix32(z)
+
+
+def _fmix32(z: int) -> int:
+    """murmur3's finaliser: a bijection of 32-bit integers."""
+    z = ((z ^ (z >> 16)) * 0x85EBCA6B) % 2**32
+    z = ((z ^ (z >> 13)) * 0xC2B2AE35) % 2**32
+    return z ^ (z >> 16)
