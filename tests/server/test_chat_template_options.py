@@ -57,6 +57,8 @@ def test_chat_template_is_a_file_or_the_jinja_itself(tmp_path: Path) -> None:
     assert chat_template_text("{{ messages[0]['content'] }}\\n\\tañ\\u00e9") == (
         "{{ messages[0]['content'] }}\n\tañé"
     )
+    long_inline = "{{ messages[0]['content'] }}" + "{# a comment #}" * 40  # > 255 characters
+    assert chat_template_text(long_inline) == long_inline
     with pytest.raises(ValueError, match="'no/such.jinja' is no file, and no jinja template"):
         chat_template_text("no/such.jinja")
     with pytest.raises(ChatTemplateError, match="not valid jinja"):

@@ -246,9 +246,12 @@ def chat_template_text(given: str) -> str:
     backslash escapes read. Bad jinja is a `ChatTemplateError` here, before the model loads."""
     from pagedkv.tokenizer.chat_template import compile_template
 
-    path = Path(given)
-    if path.is_file():
-        text = path.read_text(encoding="utf-8")
+    try:
+        named_file = Path(given).is_file()
+    except OSError:  # a long inline template is no file name (ENAMETOOLONG), as vLLM takes it
+        named_file = False
+    if named_file:
+        text = Path(given).read_text(encoding="utf-8")
     elif any(mark in given for mark in "{}\n"):
         text = codecs.decode(given.encode("latin-1", "backslashreplace"), "unicode_escape")
     else:

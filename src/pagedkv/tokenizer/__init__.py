@@ -27,8 +27,10 @@ from pagedkv.model.config import read_json
 from pagedkv.model.errors import ChatTemplateError, MalformedModelFile, ModelFileMissing
 from pagedkv.tokenizer.chat_template import (
     ENVIRONMENT,
+    TENSOR_OPTIONS,
     compile_template,
     cut_after_final_message,
+    is_conversation,
     resolve_content_format,
     template_message,
 )
@@ -214,14 +216,14 @@ class Tokenizer:
         chat_template_kwargs). transformers' padding, truncation and tensor options are
         refused by name: the answers here are plain lists.
         """
-        asked = sorted(name for name in _TENSOR_OPTIONS if kwargs.get(name))
+        asked = sorted(name for name in TENSOR_OPTIONS if kwargs.get(name))
         if asked:
             raise ValueError(f"apply_chat_template does not take {', '.join(asked)} here")
-        variables = {key: value for key, value in kwargs.items() if key not in _TENSOR_OPTIONS}
+        variables = {key: value for key, value in kwargs.items() if key not in TENSOR_OPTIONS}
         for name, value in (("tools", tools), ("documents", documents)):
             if value is not None:
                 variables[name] = [dict(item) for item in value]
-        if conversation and all(_is_message_list(item) for item in conversation):
+        if conversation and all(is_conversation(item) for item in conversation):
             return [
                 self.apply_chat_template(
                     item,
@@ -240,6 +242,7 @@ class Tokenizer:
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             template_kwargs=variables,
+            content_format=None,  # the messages as given, as transformers renders them
         )
         if not tokenize:
             return text
@@ -254,13 +257,14 @@ class Tokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
-        content_format: str = "auto",
+        content_format: str | None = "auto",
     ) -> str:
         """Render a conversation (`[{"role": ..., "content": ...}, ...]`) as prompt text.
 
         `chat_template` replaces the model's; `continue_final_message` ends the text inside
         the last message, so the model continues it rather than starting a new turn.
-        `content_format` is vLLM's `chat_template_content_format` (see chat_template.py).
+        `content_format` is vLLM's `chat_template_content_format` (see chat_template.py);
+        None hands the template the messages as given, as transformers does.
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError(
@@ -282,7 +286,8 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
             **(template_kwargs or {}),
         }
-        content_format = resolve_content_format(content_format, source)
+        if content_format is not None:
+            content_format = resolve_content_format(content_format, source)
         rendered = [template_message(message, content_format) for message in messages]
         try:
             text = template.render(messages=rendered, **variables)
@@ -315,22 +320,6 @@ class InvalidText(ValueError):
     """Text holding a lone surrogate, which no UTF-8 bytes spell: how Python keeps bytes that
     were not UTF-8 (in argv, stdin, or a JSON escape such as \\udcff). The tokenizer reads
     only real text."""
-
-
-# transformers' apply_chat_template options about padded tensors, which have no meaning here.
-_TENSOR_OPTIONS = (
-    "padding",
-    "truncation",
-    "max_length",
-    "return_tensors",
-    "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-)
-
-
-def _is_message_list(value: object) -> bool:
-    """A list of messages (dicts), as opposed to one message or a list of conversations."""
-    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
 def _check_utf8(text: str) -> None:

@@ -144,12 +144,16 @@ def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
     return keyed and _reads(node.node, name)
 
 
-def template_message(message: object, content_format: str) -> dict[str, Any]:
+def template_message(message: object, content_format: str | None) -> dict[str, Any]:
     """A message as templates take it, its content in `content_format` ("string" or
-    "openai"; None or missing content is "" or no parts). A part that is not text (an image,
-    audio) is refused: the models here read text only."""
+    "openai"; None or missing content is "" or no parts) and its past tool calls' arguments
+    as objects, as vLLM hands them over; with no format (None), as given, as transformers
+    hands it. A part that is not text (an image, audio) is refused: the models here read
+    text only."""
     if not isinstance(message, Mapping) or "role" not in message:
         raise ValueError(f"a chat message must be a dict with a 'role', got {message!r:.100}")
+    if content_format is None:
+        return dict(message)
     rendered = dict(message)
     texts = list(_texts(rendered.get("content")))
     if content_format == "openai":
@@ -228,3 +232,20 @@ def cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) ->
     if text[start : start + len(final.lstrip())] == final:
         return text[: start + len(final.lstrip())]
     return text[: start + len(final.strip())]
+
+
+# transformers' apply_chat_template options about padded tensors, which have no meaning here.
+TENSOR_OPTIONS = (
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
+
+
+def is_conversation(value: object) -> bool:
+    """Whether `value` is a conversation (a list of messages), not one message (a dict):
+    what tells a list of conversations from one conversation."""
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
