@@ -71,7 +71,29 @@ def test_a_bad_chat_template_stops_serve_before_the_model_loads(tmp_path: Path, 
     err = capsys.readouterr().err
     assert err.startswith("pagedkv serve: error: --chat-template: 'absent.jinja' is no file")
     assert "is not a model folder" not in err
+    assert main(["serve", "--model", missing, "--chat-template", "{% for m in messages %}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv serve: error: --chat-template: chat_template is not valid jinja")
+    assert "Traceback" not in err
     with pytest.raises(SystemExit) as exit:
         main(["serve", "--chat-template-content-format", "parts"])
     assert exit.value.code == 2
     assert "invalid choice: 'parts'" in capsys.readouterr().err
+
+
+def test_vllms_api_key_variable_is_read_when_pagedkv_s_is_not_set(monkeypatch) -> None:
+    """A ported deployment that sets VLLM_API_KEY still requires the key (it ran open)."""
+    import argparse
+
+    from pagedkv.commands import serve
+
+    def default_key() -> str | None:
+        parser = argparse.ArgumentParser()
+        serve.add_arguments(parser)
+        return parser.parse_args([]).api_key
+
+    monkeypatch.delenv("PAGEDKV_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert default_key() == "from-vllm"
+    monkeypatch.setenv("PAGEDKV_API_KEY", "ours")
+    assert default_key() == "ours"

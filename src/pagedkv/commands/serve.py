@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pagedkv.server.adapters import LoRAModulePath
 
 API_KEY_ENV = "PAGEDKV_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # a ported deployment's key is still required
 DEFAULT_MAX_WAITING = 512
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 
@@ -49,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     server.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV})",
+        default=os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
+        f"else vLLM's ${VLLM_API_KEY_ENV})",
     )
     server.add_argument(
         "--max-waiting",
@@ -152,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from pagedkv.engine import Engine, EngineArgs
     from pagedkv.engine.errors import STARTUP_ERRORS
+    from pagedkv.model.errors import ChatTemplateError
     from pagedkv.server import build_app, build_server
     from pagedkv.server.errors import APIError
 
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         try:
             args.chat_template = chat_template_text(args.chat_template)
-        except (OSError, ValueError) as error:  # ChatTemplateError is a ValueError
+        except (OSError, ValueError, ChatTemplateError) as error:
             print(f"pagedkv serve: error: --chat-template: {error}", file=sys.stderr)
             return 2
     try:
