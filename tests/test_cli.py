@@ -63,3 +63,50 @@ def test_serve_on_a_port_in_use_fails_before_loading_the_model(tmp_path: Path, c
     err = capsys.readouterr().err
     assert err.startswith(f"pagedkv serve: error: cannot listen on 127.0.0.1 port {port}: ")
     assert "in use" in err and missing not in err
+
+
+def serve_args(argv: list[str]):
+    """`pagedkv serve ARGV` parsed as the command line reads it (vLLM's spellings made ours)."""
+    import argparse
+
+    from pagedkv.cli import vllm_spellings
+    from pagedkv.commands import serve
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    serve.add_arguments(parser)
+    return parser.parse_args(vllm_spellings(argv))
+
+
+def test_vllms_spellings_of_flags_are_read_as_vllm_reads_them() -> None:
+    """vLLM's parser takes underscores in flag names, -tp and -q, and token counts such as
+    32k (decimal) or 32K (binary); a value is never rewritten."""
+    args = serve_args(
+        [
+            "--gpu_memory_utilization=0.5",
+            "--max_num_batched_tokens",
+            "4k",
+            "-tp",
+            "2",
+            "-q=int8",
+            "--max-model-len",
+            "32K",
+            "--served-model-name",
+            "my_model",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--disable-log-requests",
+            "--uvicorn-log-level",
+            "warning",
+        ]
+    )
+    assert (args.gpu_memory_utilization, args.max_num_batched_tokens) == (0.5, 4000)
+    assert (args.tensor_parallel_size, args.quantization) == (2, "int8")
+    assert args.max_model_len == 32 * 1024 and args.served_model_name == "my_model"
+    assert args.uvicorn_log_level == "warning"
+    assert serve_args(["--max-model-len", "25.6k"]).max_model_len == 25600
+    for bad in ("1.5K", "lots"):
+        with pytest.raises(SystemExit):
+            serve_args(["--max-model-len", bad])
+    with pytest.raises(SystemExit):
+        serve_args(["--tool-call-parser", "llama3_json"])  # only Hermes calls are read

@@ -30,7 +30,7 @@ COMMANDS: dict[str, str] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the chosen subcommand."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = vllm_spellings(sys.argv[1:] if argv is None else argv)
     # No abbreviated flags: with ~40 engine flags a prefix such as --n is ambiguous or, worse,
     # silently means another flag.
     parser = argparse.ArgumentParser(
@@ -52,6 +52,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # named by the command's own usage, not the top level's
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return _command_module(args.command).run(args)
+
+
+# vLLM's short options, as its command line takes them.
+SHORT_OPTIONS = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+
+
+def vllm_spellings(argv: list[str]) -> list[str]:
+    """The command line with vLLM's other spellings made ours, as vLLM's own parser reads
+    them: `--max_num_seqs` is `--max-num-seqs` (the option's name only, never its value), and
+    `-tp` / `-q` are `--tensor-parallel-size` / `--quantization`."""
+    spelled = []
+    for arg in argv:
+        name, equals, value = arg.partition("=")
+        if name in SHORT_OPTIONS:
+            name = SHORT_OPTIONS[name]
+        elif name.startswith("--") and len(name) > 2:
+            name = "--" + name[2:].replace("_", "-")
+        spelled.append(name + equals + value)
+    return spelled
 
 
 def _command_module(name: str):

@@ -132,6 +132,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the name clients pass as `model` (default: the --model argument)",
     )
     server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice 'auto'; accepted: tool calls are always read here "
+        "(Hermes style, <tool_call>{...}</tool_call>)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=("hermes",),
+        default="hermes",
+        help="how tool calls are read from the output: vLLM's 'hermes' parser, the one "
+        "here (default: %(default)s)",
+    )
+    server.add_argument(
+        "--enable-log-requests",
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        help="vLLM's request logging switches; accepted: requests' contents are never logged "
+        "here (only their fields the server ignores)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default="info",
+        help="uvicorn's log level (default: %(default)s)",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEMPLATE",
@@ -194,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         port_bound = listening.getsockname()[1]  # --port 0: the port the system chose
         print(f"page map: http://{args.host}:{port_bound}/", file=sys.stderr)
-        server = build_server(app, host=args.host, port=port_bound, log_level="info")
+        server = build_server(
+            app, host=args.host, port=port_bound, log_level=args.uvicorn_log_level
+        )
         try:
             server.run(sockets=[listening])
         finally:

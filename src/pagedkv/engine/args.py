@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedkv.engine.args_help import FIELD_HELP
+from pagedkv.engine.args_help import FIELD_HELP, human_readable_int
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
@@ -406,8 +406,8 @@ _CLI_TYPES = {
     "threads": int,
     "max_logprobs": int,
     "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "max_model_len": int,
+    "max_num_batched_tokens": human_readable_int,
+    "max_model_len": human_readable_int,
     "tensor_parallel_size": int,
     "max_loras": int,
     "max_cpu_loras": int,

@@ -1,9 +1,13 @@
-"""What each EngineArgs field means, as `--help` prints it for its flag.
+"""What each EngineArgs field means, as `--help` prints it for its flag, and how a flag's
+token count is read (`human_readable_int`, vLLM's `32k`).
 
 Kept apart from `args.py` so the dataclass and its checks read on one screen;
 `EngineArgs.add_cli_args` looks every field up here, so a field without its line fails every
 command's parser.
 """
+
+import argparse
+import re
 
 FIELD_HELP = {
     "model": "Hugging Face folder, .gguf file or built-in model name",
@@ -75,3 +79,19 @@ FIELD_HELP = {
     "compilation_config": "accepted as vLLM's (a level or JSON), to no effect: pagedkv "
     "compiles no graphs",
 }
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's token counts on the command line: `32768`, or with a suffix, decimal in lower
+    case (`25.6k` is 25,600) and binary in upper case (`32K` is 32,768, whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r} (e.g. 32768, 32k, 32K)")
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a decimal takes a decimal suffix (k, m, g, t), not {suffix!r}"
+        )
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1 if suffix else 0)
