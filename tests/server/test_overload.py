@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagedkv.server import ServerConfig
-from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+from tests.server.conftest import RunningServer, all_blocks_free, slow_down, wait_until
 
 LONG = {"max_tokens": 1000, "stream": True, "extra_body": {"ignore_eos": True}}
 
@@ -53,4 +53,22 @@ def test_a_burst_on_an_idle_server_fills_the_batch_before_anything_waits(serve) 
 
     with ThreadPoolExecutor(max_workers=6) as pool:
         assert list(pool.map(post, range(6))) == [200] * 6
+    wait_until(lambda: all_blocks_free(server))
+
+
+def test_a_waiting_request_takes_as_many_seats_as_its_samples(serve) -> None:
+    """Four seats, room for one to wait, requests of n = 4: the first takes the batch, the
+    second waits, and the others are refused, however arrivals and steps interleave (they
+    were admitted while each counted as one seat)."""
+    server = serve(ServerConfig(max_waiting=1), num_gpu_blocks=256, max_num_seqs=4)
+    slow_down(server, 0.2)  # the first runs for over a second: all five arrive meanwhile
+    body = {"prompt": "Hello", "max_tokens": 6, "ignore_eos": True, "n": 4}
+
+    def post(_: int) -> int:
+        with server.http() as http:
+            return http.post("/v1/completions", json=body).status_code
+
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        codes = sorted(pool.map(post, range(5)))
+    assert codes == [200, 200, 503, 503, 503]
     wait_until(lambda: all_blocks_free(server))

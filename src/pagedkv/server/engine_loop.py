@@ -48,7 +48,8 @@ class Overloaded(Exception):
 
     def __init__(self, num_waiting: int, max_waiting: int) -> None:
         super().__init__(
-            f"server overloaded: {num_waiting} requests waiting, --max-waiting is {max_waiting}"
+            f"server overloaded: {num_waiting} requests waiting beyond the batch's free seats, "
+            f"--max-waiting is {max_waiting}"
         )
 
 
@@ -349,13 +350,19 @@ class EngineLoop:
         _resolve(command.route.loop, command.done, result=None)
 
     def _queued(self) -> int:
-        """Requests waiting beyond the batch's free seats (`max_num_seqs` less the samples
-        running): a burst on an idle server fills the batch before any of it counts as
-        waiting. Read on the engine thread, from the scheduler's queues as they are now."""
+        """Requests that wait beyond the batch's free seats: `max_num_seqs` less the samples
+        running and swapped out (those come back first), taken by the waiting requests in the
+        order they will be tried, each by its samples (n, or a beam search's beams); a
+        request still compiling its grammar waits. So a burst on an idle server fills the
+        batch before any of it counts as waiting. Read on the engine thread."""
         scheduler = self.engine.scheduler
-        running = sum(len(request.live_sequences) for request in scheduler.running)
-        seats = max(0, self.engine.args.max_num_seqs - running)
-        return max(0, scheduler.num_waiting - seats)
+        held = [*scheduler.running, *scheduler.swapped]
+        seats = self.engine.args.max_num_seqs - sum(len(r.live_sequences) for r in held)
+        queued = len(scheduler.compiling)
+        for request in scheduler.waiting:
+            seats -= request.params.n if request.beam is None else request.beam.params.beam_width
+            queued += seats < 0
+        return queued
 
     def _step(self) -> None:
         try:

@@ -102,12 +102,14 @@ class Generation:
         """
         max_waiting = self.engine_loop.max_waiting
         seats = self.engine_loop.engine.args.max_num_seqs
-        if max_waiting is not None and len(prompts) > seats + max_waiting:
+        samples = params.n if beam_search is None else beam_search.beam_width
+        room = seats // samples + (max_waiting or 0)
+        if max_waiting is not None and len(prompts) > room:
             raise APIError(
                 400,
-                f"{len(prompts)} prompts in one request, but at most {seats + max_waiting} may "
-                f"be queued at once (--max-num-seqs {seats} running, --max-waiting "
-                f"{max_waiting} waiting)",
+                f"{len(prompts)} prompts in one request, but at most {room} may be queued at "
+                f"once ({samples} samples each: --max-num-seqs {seats} running, then "
+                f"--max-waiting {max_waiting} waiting)",
                 param="prompt",
             )
         max_model_len = self.engine_loop.engine.max_model_len
