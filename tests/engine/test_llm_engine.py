@@ -80,8 +80,9 @@ def test_prompt_forms_salts_and_tokenization_kwargs(engine) -> None:
     assert outputs["bare"].prompt_token_ids == tokenizer.encode("Paged attention", False)
     assert outputs["bare"].prompt == outputs["text"].prompt == "Paged attention"
     assert engine._requests == {}  # every request ended
-    with pytest.raises(ValueError, match="tokenization_kwargs takes add_special_tokens only"):
-        engine.add_request("bad", "x", params, tokenization_kwargs={"truncation": True})
+    for prompt in ("x", [5, 6]):  # checked whatever the prompt's form
+        with pytest.raises(ValueError, match="tokenization_kwargs takes add_special_tokens"):
+            engine.add_request("bad", prompt, params, tokenization_kwargs={"truncation": True})
 
 
 def test_arrival_time_is_vllms_wall_clock_and_aborts_take_a_list(engine) -> None:
@@ -92,6 +93,7 @@ def test_arrival_time_is_vllms_wall_clock_and_aborts_take_a_list(engine) -> None
     engine.step()
     assert engine.get_num_unfinished_requests() == 2
     engine.abort_request(["early", "other"])
+    assert engine.get_num_unfinished_requests() == 2  # until a step reports the aborts
     reports = {o.request_id: o for o in engine.step()}
     assert not engine.has_unfinished_requests()
     assert {o.finish_reason for r in reports.values() for o in r.outputs} == {"abort"}

@@ -63,12 +63,13 @@ def test_each_kind_reports_what_the_deltas_of_the_same_steps_add_up_to(engine) -
             assert whole(report) == joined(deltas)  # the same steps' deltas, joined
             assert report.finished == deltas[-1].finished
             cumulative.append(report)
-            held.append(whole(report))
+            held.append((whole(report), report.metrics.finished_time))
         if "final" in by_id:
             finals.append(by_id["final"])
     assert len(cumulative) == len(deltas) > 2
     # Reports already handed out are copies: later steps did not grow them.
-    assert [whole(report) for report in cumulative] == held
+    assert [(whole(r), r.metrics.finished_time) for r in cumulative] == held
+    assert held[0][1] is None and held[-1][1] is not None
     [final] = finals
     assert final.finished and whole(final) == joined(deltas)
     assert [o.finish_reason for o in final.outputs] == ["length", "length"]

@@ -64,8 +64,9 @@ class LLMEngine(Engine):
             cache_salt = prompt.get("cache_salt", cache_salt)
             prompt = as_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
-        if text is not None and tokenization_kwargs:
-            prompt = encode_with(self.tokenizer, text, tokenization_kwargs)
+        if tokenization_kwargs:  # checked whatever the prompt; it changes only a text's ids
+            ids = encode_with(self.tokenizer, text or "", tokenization_kwargs)
+            prompt = prompt if text is None else ids
         params = params if params is not None else self.default_sampling_params()
         if params.output_kind is None:
             params = params.clone()
@@ -95,8 +96,9 @@ class LLMEngine(Engine):
         return self.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
-        """Requests not finished yet (waiting, running or swapped)."""
-        return len(self._requests)
+        """Requests not finished yet (waiting, running or swapped), aborted ones included
+        until a step reports them, as `has_unfinished_requests` counts them."""
+        return len(self._requests) + len(self._aborted)
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer (transformers' calls; see `pagedkv.tokenizer`)."""

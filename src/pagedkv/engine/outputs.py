@@ -152,4 +152,4 @@ def report(
         )
         for output in whole.outputs
     ]
-    return replace(whole, outputs=outputs), whole
+    return replace(whole, outputs=outputs, metrics=replace(whole.metrics)), whole

@@ -164,15 +164,16 @@ def template_message(message: object, content_format: str | None) -> dict[str, A
     if rendered["role"] == "assistant" and isinstance(calls, list):
         if calls:
             rendered["tool_calls"] = [_with_object_arguments(call) for call in calls]
-        else:  # an empty list keeps templates on the plain assistant path, as vLLM drops it
+        else:  # an empty list keeps templates on the plain assistant path (Llama 3.1's fails)
             del rendered["tool_calls"]
     return rendered
 
 
 def _with_object_arguments(call: object) -> dict[str, Any]:
-    """A past tool call with its arguments as an object, as vLLM hands them to templates
-    (they write them with tojson): OpenAI's JSON text is parsed; none, or text that is no JSON
-    object, is {} (with a warning), so one bad turn in a history does not fail every later one."""
+    """A past tool call with its arguments as vLLM hands them to templates (they write them
+    with tojson): OpenAI's JSON text parsed; an object kept; none is {}; anything else, or
+    text that is no JSON object, is {} with a warning (vLLM's rule: templates expect a
+    mapping), so one bad turn in a history does not fail every later one."""
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or call.get("type", "function") != "function":
         raise ValueError(
@@ -183,13 +184,13 @@ def _with_object_arguments(call: object) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):
-            logger.warning(
-                "the arguments of tool call %r are no JSON object: rendered as {}",
-                function.get("name"),
-            )
-    if not isinstance(arguments, Mapping):
+            arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif not isinstance(arguments, Mapping):
+        logger.warning(
+            "the arguments of tool call %r are no JSON object: rendered as {}", function.get("name")
+        )
         arguments = {}
     return {**call, "function": {**function, "arguments": arguments}}
 
