@@ -237,3 +237,20 @@ def test_past_tool_calls_reach_the_template_with_object_arguments_as_vllm_hands_
     assert given[1]["tool_calls"][0]["function"]["arguments"].startswith("{")  # not changed
     with pytest.raises(ValueError, match="tool_calls entry must be a function call"):
         tokenizer.render_chat([assistant("f")], chat_template=TOOL_TEMPLATE)
+
+
+@pytest.mark.parametrize("content", ["", "  ", None, []])
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_continuing_a_final_message_with_no_text_is_refused_alike(folder, content, content_format):
+    """Continuing an empty last message: one clear error in either format (the string form
+    returned the whole rendered text, the parts form said the text did not appear)."""
+    tokenizer = Tokenizer.from_folder(folder)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    with pytest.raises(ChatTemplateError, match="last message has no text to continue"):
+        tokenizer.render_chat(
+            messages,
+            chat_template=STRING_TEMPLATE,
+            add_generation_prompt=False,
+            continue_final_message=True,
+            content_format=content_format,
+        )

@@ -434,6 +434,10 @@ def test_bad_speculative_configs_are_refused_at_start(config: Any, message: str)
         (SpeculativeConfig("ngram", 3, 0, 0), "prompt_lookup_min must be an integer >= 1"),
         (SpeculativeConfig("ngram", 3, model="m"), "takes no model"),
         (SpeculativeConfig("draft_model", 3), "needs a model"),
+        (
+            SpeculativeConfig("draft_model", 3, prompt_lookup_min=2, model="m"),
+            "prompt_lookup_min applies to method 'ngram' only",
+        ),
     ],
 )
 def test_a_speculative_config_built_by_hand_is_checked_as_its_dict(config, message) -> None:

@@ -224,7 +224,11 @@ def cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) ->
     final = messages[-1].get("content") if messages else None
     if isinstance(final, list):
         final = final[-1]["text"] if final else None
-    if not isinstance(final, str) or final.strip() not in text:
+    if not isinstance(final, str) or not final.strip():
+        raise ChatTemplateError(
+            "continue_final_message is set, but the last message has no text to continue"
+        )
+    if final.strip() not in text:
         raise ChatTemplateError(
             "continue_final_message is set, but the last message's content does not appear "
             "in the rendered conversation"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shutil
 import sys
 import time
@@ -50,7 +51,8 @@ def _conversion_stamp() -> str:
     `weights/gguf`): a conversion made by other code is made again, not served stale."""
     digest = hashlib.sha256()
     for source in sorted(Path(gguf_package.__file__).parent.glob("*.py")):
-        digest.update(source.read_bytes())
+        if source.name != "packed.py":  # the blocks' cache, which no conversion uses
+            digest.update(source.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -212,5 +214,10 @@ def converted_folder(
         convert_gguf(gguf_file, folder)
     for stale in folder.parent.glob("hf*"):  # earlier code's conversions (or its old name)
         if stale.is_dir() and stale != folder:
-            shutil.rmtree(stale, ignore_errors=True)
+            # Renamed first, atomically: no reader ever meets a half-removed folder by a
+            # name it would load.
+            hidden = stale.with_name(f".{stale.name}.stale-{os.getpid()}")
+            with contextlib.suppress(OSError):
+                stale.rename(hidden)
+                shutil.rmtree(hidden, ignore_errors=True)
     return folder

@@ -128,9 +128,9 @@ class SpeculativeConfig:
         }
         if self.model is not None:
             raw["model"] = self.model
-        if self.method != "draft_model":
-            raw["prompt_lookup_min"] = self.prompt_lookup_min
-            raw["prompt_lookup_max"] = self.prompt_lookup_max
+        lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.method != "draft_model" or lookup != (DEFAULT_PROMPT_LOOKUP,) * 2:
+            raw["prompt_lookup_min"], raw["prompt_lookup_max"] = lookup  # a draft model's refused
         return raw
 
     def describe(self) -> str:

@@ -46,6 +46,8 @@ def _split_then_bytes(regex: str) -> pre_tokenizers.PreTokenizer:
 # holds whole taken whole before any merge (`ignore_merges`, as Llama 3's tokenizer.json sets
 # it), and a BOS unless the file says otherwise.
 _LLAMA3_NAMES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+# Qwen2's rules (its regex, NFC-normalised text), and DeepSeek-R1-Distill-Qwen's name for them.
+_QWEN2_NAMES = ("qwen2", "deepseek-r1-qwen")
 _PRE_TOKENIZERS = {
     "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
@@ -57,8 +59,7 @@ _PRE_TOKENIZERS = {
         ]
     ),
     **{name: lambda: _split_then_bytes(_LLAMA3_REGEX) for name in _LLAMA3_NAMES},
-    "qwen2": lambda: _split_then_bytes(_QWEN2_REGEX),
-    "deepseek-r1-qwen": lambda: _split_then_bytes(_QWEN2_REGEX),  # DeepSeek-R1-Distill-Qwen
+    **{name: lambda: _split_then_bytes(_QWEN2_REGEX) for name in _QWEN2_NAMES},
 }
 
 # Tokens that end generation wherever a vocabulary holds them, beside the eos, eot and eom ids
@@ -181,7 +182,7 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
     tokenizer = tokenizers.Tokenizer(model)
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
-    if pre == "qwen2":
+    if pre in _QWEN2_NAMES:
         tokenizer.normalizer = normalizers.NFC()
     return tokenizer
 
