@@ -102,7 +102,7 @@ def test_vllms_spellings_of_flags_are_read_as_vllm_reads_them() -> None:
     )
     assert (args.gpu_memory_utilization, args.max_num_batched_tokens) == (0.5, 4000)
     assert (args.tensor_parallel_size, args.quantization) == (2, "int8")
-    assert args.max_model_len == 32 * 1024 and args.served_model_name == "my_model"
+    assert args.max_model_len == 32 * 1024 and args.served_model_name == ["my_model"]
     assert args.uvicorn_log_level == "warning"
     assert serve_args(["--max-model-len", "25.6k"]).max_model_len == 25600
     for bad in ("1.5K", "lots"):

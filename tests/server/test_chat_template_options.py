@@ -97,3 +97,21 @@ def test_vllms_api_key_variable_is_read_when_pagedkv_s_is_not_set(monkeypatch) -
     assert default_key() == "from-vllm"
     monkeypatch.setenv("PAGEDKV_API_KEY", "ours")
     assert default_key() == "ours"
+
+
+def test_every_served_model_name_is_answered_and_the_first_reported(serve) -> None:
+    """vLLM's --served-model-name with several names: /v1/models lists each, a request may
+    name any, a response reports the first; another name is a 404. On the command line the
+    names after the flag are all names (the model is not taken from among them)."""
+    from tests.test_cli import serve_args
+
+    args = serve_args(["--model", "m", "--served-model-name", "first", "second"])
+    assert (args.model, args.served_model_name) == ("m", ["first", "second"])
+    server = serve(ServerConfig(model_name="first", model_aliases=("second",)), num_gpu_blocks=32)
+    with server.http() as http:
+        listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
+    assert listed == ["first", "second"]
+    body = {"model": "second", "prompt": "Hello", "max_tokens": 2}
+    answer = server.post("/v1/completions", body)
+    assert answer.status_code == 200 and answer.json()["model"] == "first"
+    assert server.post("/v1/completions", body | {"model": "third"}).status_code == 404

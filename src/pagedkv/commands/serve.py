@@ -128,8 +128,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the name clients pass as `model` (default: the --model argument)",
+        metavar="NAME",
+        help="the names clients pass as `model`, as vLLM's: every one is answered, the first "
+        "is the one responses report (default: the --model argument)",
     )
     server.add_argument(
         "--enable-auto-tool-choice",
@@ -255,7 +258,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if allowed_hosts is None and args.host in LOOPBACK_ADDRESSES:
         allowed_hosts = LOOPBACK_HOSTS
     return ServerConfig(
-        model_name=args.served_model_name,
+        model_name=args.served_model_name[0] if args.served_model_name else None,
+        model_aliases=tuple(args.served_model_name[1:] if args.served_model_name else ()),
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         strict_fields=args.strict_fields,

@@ -69,8 +69,9 @@ def parse_lora_module(text: str) -> LoRAModulePath:
 class ServedAdapters:
     """Adapter names -> their `LoRARequest`s."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, aliases: tuple[str, ...] = ()) -> None:
         self.model_name = model_name
+        self.aliases = aliases  # other names of the base model (vLLM's extra served names)
         self.by_name: dict[str, LoRARequest] = {}
         self._next_id = 1
 
@@ -110,7 +111,7 @@ class ServedAdapters:
     def request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model (or no name); 404
         for a name nobody serves."""
-        if not model or model == self.model_name:
+        if not model or model == self.model_name or model in self.aliases:
             return None
         lora = self.by_name.get(model)
         if lora is None:
@@ -125,7 +126,7 @@ class ServedAdapters:
         return lora
 
     def _check_free(self, name: str) -> None:
-        if name == self.model_name or name in self.by_name:
+        if name == self.model_name or name in self.aliases or name in self.by_name:
             raise APIError(400, f"the name '{name}' is already served", param="lora_name")
 
 

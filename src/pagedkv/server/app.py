@@ -61,6 +61,7 @@ class ServerConfig:
     """Server options that are not engine options."""
 
     model_name: str | None = None  # the name clients pass as `model`; default: the engine's
+    model_aliases: tuple[str, ...] = ()  # other names answered for it (listed, never reported)
     api_key: str | None = None
     max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
     strict_fields: bool = False  # unknown request fields: 400 instead of a log line
@@ -85,7 +86,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         model_name, lambda: engine_loop.stats, engine.max_model_len, config.metrics_prefix
     )
     engine_loop.metrics = metrics
-    adapters = ServedAdapters(model_name)
+    adapters = ServedAdapters(model_name, config.model_aliases)
     for module in config.lora_modules:  # a bad one stops the start, naming it
         lora = adapters.new(module.name, module.path, module.base_model_name)
         try:
@@ -146,11 +147,15 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         ARRIVAL_TIME.set(time.monotonic())
         return await create_chat_completion(context, request)
 
-    card = ModelCard(id=model_name, created=started, max_model_len=engine.max_model_len)
+    base = [
+        ModelCard(id=name, created=started, max_model_len=engine.max_model_len)
+        for name in (model_name, *config.model_aliases)
+    ]
 
     def cards() -> list[ModelCard]:
-        """The base model, then each served LoRA adapter (vLLM's `root` and `parent`)."""
-        return [card] + [
+        """The base model under each of its names, then each served LoRA adapter (vLLM's
+        `root` and `parent`)."""
+        return base + [
             ModelCard(
                 id=name,
                 created=started,
