@@ -115,3 +115,25 @@ def test_every_served_model_name_is_answered_and_the_first_reported(serve) -> No
     answer = server.post("/v1/completions", body)
     assert answer.status_code == 200 and answer.json()["model"] == "first"
     assert server.post("/v1/completions", body | {"model": "third"}).status_code == 404
+
+
+def test_the_response_role_names_a_new_turn_and_a_continued_message_keeps_its_own(serve) -> None:
+    """vLLM's --response-role: a reply starting a new turn takes it, whole and streamed; a
+    reply continuing the last message (no generation prompt) takes that message's role."""
+    import json
+
+    server = serve(ServerConfig(response_role="bot"), num_gpu_blocks=32)
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    assert server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["role"] == (
+        "bot"
+    )
+    streamed = server.post("/v1/chat/completions", body | {"stream": True}).text
+    first = json.loads(streamed.split("data: ")[1])
+    assert first["choices"][0]["delta"]["role"] == "bot"
+    continued = body | {
+        "messages": [*body["messages"], {"role": "assistant", "content": "Hi"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    answer = server.post("/v1/chat/completions", continued).json()
+    assert answer["choices"][0]["message"]["role"] == "assistant"

@@ -170,6 +170,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as vLLM reads them); a request's own chat_template still wins",
     )
     server.add_argument(
+        "--response-role",
+        default=defaults.response_role,
+        help="the role of a chat reply that starts a new turn (add_generation_prompt), as "
+        "vLLM's; a reply that continues the last message takes its role (default: "
+        "%(default)s)",
+    )
+    server.add_argument(
         "--chat-template-content-format",
         choices=CONTENT_FORMATS,
         default=defaults.chat_template_content_format,
@@ -273,6 +280,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
+        response_role=args.response_role,
     )
 
 

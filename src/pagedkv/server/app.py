@@ -75,6 +75,7 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and unload
     chat_template: str | None = None  # replaces the model's; a request's replaces this one
     chat_template_content_format: str = "auto"  # vLLM's: "string", "openai" or "auto"
+    response_role: str = "assistant"  # vLLM's --response-role
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -107,6 +108,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         strict_fields=config.strict_fields,
         chat_template=config.chat_template,
         chat_template_content_format=config.chat_template_content_format,
+        response_role=config.response_role,
     )
     started = now()
 

@@ -90,7 +90,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     await generation.start([prompt], params, request, beams, max_tokens)
     completion = _ChatCompletion(context, request, generation)
     last = request.messages[-1]
-    if request.echo and last.role == "assistant":  # vLLM's: only a message of the reply's role
+    if request.echo and last.role == completion.role:  # vLLM's: a message of the reply's role
         completion.echoed = last.text()
     return await completion.respond(raw)
 
@@ -135,6 +135,14 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
     choice_type = _Choice
     echoed = ""  # with vLLM's `echo`: the last (assistant) message, leading each reply
 
+    @property
+    def role(self) -> str:
+        """The reply's role, as vLLM's: the server's `--response-role` for a new turn, the
+        last message's own when the reply continues it (no generation prompt)."""
+        if self.request.add_generation_prompt:
+            return self.context.response_role
+        return self.request.messages[-1].role
+
     def _opening(self) -> list[str]:
         """A role-only delta per choice, as OpenAI's streams begin (with `echo`, the last
         message's content in it); with return_token_ids the first also carries the prompt's
@@ -144,7 +152,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             self._chunk(
                 [
                     ChatChunkChoice(
-                        index=index, delta=ChatDelta(role="assistant", content=self.echoed)
+                        index=index, delta=ChatDelta(role=self.role, content=self.echoed)
                     )
                 ],
                 usage=self._choice_usage(index) if self._usage_in_every_chunk else None,
@@ -214,10 +222,13 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         Only the output is read for calls; an echoed message leads the content (vLLM's)."""
         text = "".join(choice.text)
         if not self._uses_tools:
-            return AssistantMessage(content=self.echoed + text), choice.finish_reason
+            message = AssistantMessage(role=self.role, content=self.echoed + text)
+            return message, choice.finish_reason
         parsed = parse_output(self.request, text)
         content = self.echoed + (parsed.content or "") if self.echoed else parsed.content
-        message = AssistantMessage(content=content, tool_calls=parsed.tool_calls or None)
+        message = AssistantMessage(
+            role=self.role, content=content, tool_calls=parsed.tool_calls or None
+        )
         return message, self._finish_reason(choice.finish_reason, bool(parsed.tool_calls))
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:

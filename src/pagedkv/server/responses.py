@@ -138,7 +138,7 @@ class AssistantMessage(BaseModel):
     unless the model wrote text before them). Without calls `tool_calls` is left out, as
     vLLM leaves it (clients read None)."""
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the server's --response-role, or a continued message's own
     content: str | None
     tool_calls: list[ToolCall] | None = None
 
@@ -178,7 +178,7 @@ class ChatCompletionResponse(WithTokenIds):
 class ChatDelta(BaseModel):
     """What one stream chunk adds to a choice's message: only the fields it sets are sent."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
