@@ -152,6 +152,8 @@ def test_tokenization_kwargs_encode_text_prompts_as_told(llm):
         llm.generate(text, GREEDY, tokenization_kwargs={"truncation": True})
     with pytest.raises(ValueError, match="add_special_tokens must be a bool, got 'false'"):
         llm.generate(text, GREEDY, tokenization_kwargs={"add_special_tokens": "false"})
+    with pytest.raises(ValueError, match="add_special_tokens only"):  # checked for ids too
+        llm.generate([bare], GREEDY, tokenization_kwargs={"truncation": True})
 
 
 def test_detokenize_false_gives_the_same_tokens_without_text(llm):

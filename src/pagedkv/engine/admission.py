@@ -41,17 +41,16 @@ class Limits:
     max_logprobs: int
 
 
-def encode_with(
-    tokenizer: Tokenizer, text: str, tokenization_kwargs: Mapping[str, Any]
-) -> list[int]:
-    """`text`'s ids as vLLM's `tokenization_kwargs` ask (`add_special_tokens` only)."""
+def special_tokens_flag(tokenization_kwargs: Mapping[str, Any]) -> bool:
+    """vLLM's `tokenization_kwargs`, checked whatever the prompts: whether a text prompt is
+    encoded with the tokenizer's special tokens (`add_special_tokens`, the one key taken)."""
     unknown = sorted(set(tokenization_kwargs) - {"add_special_tokens"})
     if unknown:
         raise ValueError(f"tokenization_kwargs takes add_special_tokens only, got {unknown}")
     add = tokenization_kwargs.get("add_special_tokens", True)
     if not isinstance(add, bool):
         raise ValueError(f"tokenization_kwargs add_special_tokens must be a bool, got {add!r}")
-    return tokenizer.encode(text, add_special_tokens=add)
+    return add
 
 
 def tokenize(

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from pagedkv.engine.admission import encode_with
+from pagedkv.engine.admission import special_tokens_flag
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
@@ -102,8 +102,9 @@ class LLM:
 
     def _encoded(self, prompts: list[Prompt], kwargs: Mapping[str, Any]) -> list[Prompt]:
         """Text prompts as token ids, encoded with `kwargs` (`add_special_tokens` only)."""
-        tokenizer = self.engine.tokenizer
-        return [encode_with(tokenizer, p, kwargs) if isinstance(p, str) else p for p in prompts]
+        add = special_tokens_flag(kwargs)
+        encode = self.engine.tokenizer.encode
+        return [encode(p, add_special_tokens=add) if isinstance(p, str) else p for p in prompts]
 
     def beam_search(
         self,

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-from pagedkv.engine.admission import encode_with
+from pagedkv.engine.admission import special_tokens_flag
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams
 from pagedkv.engine.engine import Engine
@@ -65,8 +65,9 @@ class LLMEngine(Engine):
             prompt = as_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
         if tokenization_kwargs:  # checked whatever the prompt; it changes only a text's ids
-            ids = encode_with(self.tokenizer, text or "", tokenization_kwargs)
-            prompt = prompt if text is None else ids
+            add = special_tokens_flag(tokenization_kwargs)
+            if text is not None:
+                prompt = self.tokenizer.encode(text, add_special_tokens=add)
         params = params if params is not None else self.default_sampling_params()
         if params.output_kind is None:
             params = params.clone()

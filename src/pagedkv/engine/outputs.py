@@ -4,8 +4,7 @@ Shapes and names follow vLLM's `RequestOutput` / `CompletionOutput`, so code tha
 results reads ours. `Engine.step` reports a request as its `SamplingParams.output_kind` says
 (vLLM's `RequestOutputKind`): deltas (only what is new since the last step, `Engine`'s
 default), the whole output so far (`LLMEngine`'s default, as vLLM's), or the whole output
-once, when it finishes. `LLM.generate`
-accumulates deltas into whole outputs.
+once, when it finishes. `LLM.generate` accumulates deltas into whole outputs.
 """
 
 from __future__ import annotations

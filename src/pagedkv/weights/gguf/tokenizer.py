@@ -105,9 +105,9 @@ def tokenizer_files(file: GGUFFile) -> TokenizerFiles:
         for role in ("bos", "eos", "unknown", "padding", "eot", "eom")
     }
     if kind == "gpt2":
-        tokenizer = _byte_level_bpe(file, tokens)
-        llama3 = file.string("tokenizer.ggml.pre", "gpt-2") in _LLAMA3_NAMES
-        add_bos = file.boolean("tokenizer.ggml.add_bos_token", llama3)
+        pre = file.string("tokenizer.ggml.pre", "gpt-2")
+        tokenizer = _byte_level_bpe(file, tokens, pre)
+        add_bos = file.boolean("tokenizer.ggml.add_bos_token", pre in _LLAMA3_NAMES)
     elif kind == "llama":
         unk = ids["unknown"]
         tokenizer = _sentencepiece_bpe(file, tokens, types, None if unk is None else tokens[unk])
@@ -160,9 +160,9 @@ def _string_list(file: GGUFFile, key: str) -> list[str]:
     return value
 
 
-def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
-    """GPT-2 style BPE over bytes mapped to printable characters, with merges from the file."""
-    pre = file.string("tokenizer.ggml.pre", "gpt-2")
+def _byte_level_bpe(file: GGUFFile, tokens: list[str], pre: str) -> tokenizers.Tokenizer:
+    """GPT-2 style BPE over bytes mapped to printable characters, with merges from the file,
+    split as pre-tokeniser `pre` (`tokenizer.ggml.pre`) says."""
     if pre not in _PRE_TOKENIZERS:
         supported = ", ".join(_PRE_TOKENIZERS)
         raise UnsupportedModel(
