@@ -152,9 +152,9 @@ def template_message(message: object, content_format: str | None) -> dict[str, A
     text only."""
     if not isinstance(message, Mapping) or "role" not in message:
         raise ValueError(f"a chat message must be a dict with a 'role', got {message!r:.100}")
-    if content_format is None:
-        return dict(message)
     rendered = dict(message)
+    if content_format is None:
+        return rendered
     texts = list(_texts(rendered.get("content")))
     if content_format == "openai":
         rendered["content"] = [{"type": "text", "text": text} for text in texts]
