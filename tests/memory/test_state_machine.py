@@ -318,6 +318,19 @@ class MemoryRules(RuleBasedStateMachine):
             seq.swapped = False
 
     @rule()
+    def reset_prefix_cache(self):
+        """vLLM's reset: refused while a sequence holds blocks; done, nothing cached is left
+        (device or tier), so the allocate rule's check that a hit is a prefix computed
+        earlier then means computed since the reset."""
+        reset = self.manager.reset_prefix_cache()
+        assert reset == (not self.model)
+        if reset:
+            event("the prefix cache was reset")
+            self.computed_prefixes.clear()
+            assert not any(map(self.manager.is_cached, range(self.manager.num_gpu_blocks)))
+            assert self.manager.offload_stats.num_blocks == 0
+
+    @rule()
     def end_step(self):
         self._run_step_plan()
 

@@ -47,6 +47,12 @@ class LLM:
         """The model's tokenizer (encode, decode, chat template)."""
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, on the device and in the host tier, so the next call's
+        prompts are computed whole (vLLM's, for benchmarks of cold prompts). True: between
+        calls no request holds blocks."""
+        return self.engine.manager.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
         generation_config.json over SamplingParams' defaults (vLLM's; `generation_config=

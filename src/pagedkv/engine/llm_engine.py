@@ -101,6 +101,11 @@ class LLMEngine(Engine):
         until a step reports them, as `has_unfinished_requests` counts them."""
         return len(self._requests) + len(self._aborted)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (device and host tier); False while requests hold
+        blocks, as vLLM's."""
+        return self.manager.reset_prefix_cache()
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer (transformers' calls; see `pagedkv.tokenizer`)."""
         return self.tokenizer

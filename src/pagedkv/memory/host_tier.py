@@ -103,6 +103,10 @@ class HostTier:
                 del self._entries[block_hash]
                 self._free_ids.append(host_id)
 
+    def clear(self) -> None:
+        """Drop every entry; the lookup and hit counts go on."""
+        self.forget({host_id for host_id, _ in self._entries.values()})
+
     @property
     def stats(self) -> HostTierStats:
         return HostTierStats(len(self._entries), self._queries, self._hits)

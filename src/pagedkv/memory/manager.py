@@ -348,6 +348,17 @@ class KVCacheManager:
         else:
             self._pool.release(reversed(seq.blocks))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, on the device and in the host tier, so the next prompts
+        compute everything again: what a benchmark of cold prompts, or a change of weights,
+        needs. Refused (False, nothing changed) while any sequence holds blocks, as vLLM's is:
+        their blocks would be cached again as they finish."""
+        if self._seqs:
+            return False
+        self._pool.uncache([block for block in self._pool.blocks if block.block_hash is not None])
+        self._tier.clear()
+        return True
+
     def trim(self, seq_id: SeqId, num_tokens: int) -> None:
         """Keep slots for the first `num_tokens` tokens only: blocks wholly past them go back
         to the pool, last first.
