@@ -9,6 +9,7 @@ import logging
 import math
 import re
 import threading
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -461,3 +462,22 @@ def test_logprobs_are_over_what_the_grammar_allows(llm):
         finite = [entry.logprob for entry in position.values() if entry.logprob > float("-inf")]
         assert position[token_id].logprob > float("-inf")
         assert sum(math.exp(value) for value in finite) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("regex", "ascii_class", "lure"),
+    [(r"\d{3}-\d{4}", r"[0-9]{3}-[0-9]{4}", "０١٢३"), (r"\w{6}", r"[0-9a-zA-Z_]{6}", "éßж")],
+)
+def test_regex_classes_are_javascripts_as_in_json_schema_patterns(llm, regex, ascii_class, lure):
+    """ECMA-262's classes, as vLLM's default backend (xgrammar) reads a regex: `\\d` is [0-9],
+    `\\w` [0-9a-zA-Z_]. The tokens of non-ASCII digits or letters are pushed far up by a logit
+    bias, so any class that admits them would be taken; the JSON-schema pattern agrees."""
+    lure_ids = set(llm.get_tokenizer().encode(lure, add_special_tokens=False))
+    pattern = {"type": "string", "pattern": f"^{regex}$"}
+    params = [
+        replace(constrained(seed, n=4, **kind), logit_bias=dict.fromkeys(lure_ids, 30.0))
+        for seed, kind in enumerate([{"regex": regex}, {"json": pattern}])
+    ]
+    regex_out, json_out = (o.outputs for o in llm.generate([[5, 6, 7]] * 2, params, use_tqdm=False))
+    assert all(re.fullmatch(ascii_class, s.text) for s in regex_out)
+    assert all(re.fullmatch(ascii_class, json.loads(s.text)) for s in json_out)

@@ -144,8 +144,10 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             )
         elif kind == "choice":
             spec = llguidance.grammar_from("choice", json.dumps(params.choice))
-        else:  # regex, or grammar: Lark or GBNF text
-            spec = llguidance.grammar_from(kind, getattr(params, kind))
+        elif kind == "regex":
+            spec = llguidance.grammar_from("lark", regex_grammar(params.regex))
+        else:  # grammar: Lark or GBNF text
+            spec = llguidance.grammar_from(kind, params.grammar)
     except ValueError as error:
         raise InvalidStructuredOutput(kind, str(error)) from error
     except RecursionError as error:  # a schema nested past Python's stack
@@ -154,6 +156,14 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     if error:
         raise InvalidStructuredOutput(kind, error)
     return spec
+
+
+def regex_grammar(regex: str) -> str:
+    r"""A regex constraint as Lark, its classes read as JavaScript's (ECMA-262), as vLLM's
+    default backend (xgrammar) and JSON Schema's `pattern` read them: `\d` is [0-9] and `\w`
+    [0-9a-zA-Z_]. llguidance's own regex reads them as Unicode's, so `\d{3}` let a model
+    write fullwidth or Arabic-Indic digits."""
+    return f"start: /{llguidance.regex_to_lark(regex, 'dw')}/"
 
 
 def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
