@@ -217,8 +217,13 @@ def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> Ro
     factor = fields.number("factor", positive=True)
     if scaling == "linear":
         return RopeConfig(theta=theta, scaling=scaling, factor=factor)
-    # llama3: the pre-training context may sit inside the rope dict, at top level, or be absent.
-    original = top.integer("original_max_position_embeddings", max_position_embeddings)
+    # llama3: the pre-training context may sit at top level, inside the rope dict, or be absent
+    # (max_position_embeddings then). The top level wins where both are, as in transformers,
+    # whose rope setup writes it over the dict's (Phi-3 checkpoints keep theirs there).
+    original = top.integer(
+        "original_max_position_embeddings",
+        fields.integer("original_max_position_embeddings", max_position_embeddings),
+    )
     low_freq_factor = fields.number("low_freq_factor", positive=True)
     high_freq_factor = fields.number("high_freq_factor", positive=True)
     if high_freq_factor <= low_freq_factor:
@@ -234,9 +239,7 @@ def _rope(raw: dict[str, Any], top: _Fields, max_position_embeddings: int) -> Ro
         factor=factor,
         low_freq_factor=low_freq_factor,
         high_freq_factor=high_freq_factor,
-        original_max_position_embeddings=fields.integer(
-            "original_max_position_embeddings", original
-        ),
+        original_max_position_embeddings=original,
     )
 
 
