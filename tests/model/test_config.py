@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,10 @@ from pagedkv.kvmath.presets import MODEL_PRESETS
 from pagedkv.kvmath.spec import KVSpec
 from pagedkv.model.config import ModelConfig, RopeConfig, load_config, read_config
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
+from pagedkv.weights.hf_folder import load_model
 from pagedkv.worker.kv_cache import bytes_per_block
-from tests.model.tiny_models import TINY_MODELS
+from tests.model.logits import hf_prompt_logits, our_prompt_logits
+from tests.model.tiny_models import TINY_MODELS, build_model_folder, random_prompt
 
 SOURCE = Path("model/config.json")
 LLAMA = {
@@ -343,6 +346,39 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default():
     _assert_planner_and_model_agree(named_by_type, SOURCE)
 
 
+@pytest.mark.parametrize(
+    ("config_class", "architecture"),
+    [
+        ("LlamaConfig", "LlamaForCausalLM"),
+        ("MistralConfig", "MistralForCausalLM"),
+        ("MistralConfig", None),
+        ("Qwen2Config", "Qwen2ForCausalLM"),
+        ("Qwen3Config", "Qwen3ForCausalLM"),
+        ("Qwen3Config", None),
+    ],
+)
+def test_keys_left_out_take_transformers_class_defaults(config_class, architecture):
+    """The oracle: transformers' config class built from the same keys. KV heads, head size
+    and context left out of config.json are its defaults (Mistral's 8 KV heads and 131,072
+    positions, Qwen's 32 and 32,768), not the query heads or Llama's 2,048; the planner
+    reads the same."""
+    import transformers
+
+    fields = {"num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 32}
+    theirs = getattr(transformers, config_class)(**fields)
+    raw = {**fields, "model_type": theirs.model_type, "intermediate_size": 512, "vocab_size": 300}
+    if architecture is not None:
+        raw["architectures"] = [architecture]
+    ours = ModelConfig.from_dict(raw, SOURCE)
+    head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // 32
+    assert (ours.num_kv_heads, ours.head_dim, ours.max_position_embeddings) == (
+        theirs.num_key_value_heads,
+        head_dim,
+        theirs.max_position_embeddings,
+    )
+    _assert_planner_and_model_agree(raw, SOURCE)
+
+
 def _transformers_windows(config) -> tuple[int | None, ...]:
     """Each layer's window as transformers' own config class sets it."""
     kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
@@ -372,3 +408,20 @@ def test_windows_are_the_ones_transformers_configs_set(config_class, architectur
     if architecture is not None:
         raw["architectures"] = [architecture]
     assert layer_windows(raw, 4) == _transformers_windows(theirs)
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3"])
+def test_bias_switches_a_family_does_not_read_are_ignored_as_transformers_ignores_them(
+    name, tmp_path
+):
+    """`attention_bias` and `mlp_bias` written into a config whose transformers class has no
+    such bias (Mistral: both; Qwen2, Qwen3: `mlp_bias`; Qwen2 always biases q/k/v): the
+    checkpoint transformers saves has no bias tensors and loads; ours must load it and give
+    transformers' own logits."""
+    spec = TINY_MODELS[name]
+    spec = replace(spec, config={**spec.config, "attention_bias": True, "mlp_bias": True})
+    folder = build_model_folder(name, tmp_path / name, spec=spec)
+    assert json.loads((folder / "config.json").read_text())["mlp_bias"] is True
+    prompt = random_prompt(20, seed=5)
+    ours = our_prompt_logits(load_model(folder), prompt)
+    torch.testing.assert_close(ours, hf_prompt_logits(folder, prompt), rtol=1e-4, atol=1e-4)

@@ -7,11 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedkv.attention.batch import ForwardBatch, SequenceInput
 from pagedkv.model.config import RopeConfig, load_config
 from pagedkv.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from pagedkv.weights.hf_folder import load_model
-from pagedkv.worker.kv_cache import KVCache
+from tests.model.logits import hf_prompt_logits, our_prompt_logits
 from tests.model.tiny_models import TINY_MODELS, build_model_folder, random_prompt
 
 LLAMA31 = RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192)  # Llama 3.1 8B's published values
@@ -82,8 +81,6 @@ def test_a_top_level_pretraining_context_wins_over_the_rope_dicts_as_in_transfor
     """A config.json with `original_max_position_embeddings` both at top level (64) and in
     its Llama 3 rope dict (32): transformers' rope setup takes the top level's (Phi-3 keeps
     its there), so the logits must be those of 64, transformers' own output the oracle."""
-    import transformers
-
     llama3 = TINY_MODELS["llama3"]
     spec = replace(
         llama3, legacy_rope={**llama3.legacy_rope, "original_max_position_embeddings": 64}
@@ -91,11 +88,5 @@ def test_a_top_level_pretraining_context_wins_over_the_rope_dicts_as_in_transfor
     folder = build_model_folder("llama3", tmp_path / "both", spec=spec)
     assert load_config(folder).rope.original_max_position_embeddings == 64
     prompt = random_prompt(48, seed=3)  # past 64 / 4 tokens: the scaled wavelengths matter
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = hf(torch.tensor([prompt])).logits[0]
-    model = load_model(folder)
-    cache = KVCache.for_model(model, block_size=16, num_blocks=3)
-    batch = ForwardBatch.build([SequenceInput(prompt, 0, [0, 1, 2], num_logits=48)], 16)
-    ours = model(batch, cache)
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+    ours = our_prompt_logits(load_model(folder), prompt)
+    torch.testing.assert_close(ours, hf_prompt_logits(folder, prompt), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,5 @@
 """How transformers reads a family's config where it leaves things out: each layer's attention
-window and a missing head size.
+window, and a missing head size, KV head count or context.
 
 The one rule both the planner (`spec.KVSpec`) and the model (`model/config.py`) follow, kept
 beside the KV arithmetic with no torch, so the two cannot drift apart. Where a key is absent
@@ -33,9 +33,24 @@ _TYPE_FAMILIES = {
 _QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
 # transformers' Mistral, Qwen2 and Qwen3 configs window 4,096 tokens when the key is absent.
 _DEFAULT_WINDOW = 4096
-# transformers' head_dim for a config without one, by architecture or model_type (else
-# hidden / heads).
-_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "qwen3": 128}
+# What transformers' config class of an architecture (or model_type) gives a key config.json
+# leaves out, where that is not the generic rule: head_dim hidden / heads, num_key_value_heads
+# as many as the query heads, max_position_embeddings Llama's 2,048 (unknown to the planner).
+_MISTRAL = {"num_key_value_heads": 8, "max_position_embeddings": 131072}
+_QWEN2 = {"num_key_value_heads": 32, "max_position_embeddings": 32768}
+_QWEN3 = {**_QWEN2, "head_dim": 128}
+_CLASS_DEFAULTS: dict[str, dict[str, int]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "llama": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": _MISTRAL,
+    "mistral": _MISTRAL,
+    "MinistralForCausalLM": _MISTRAL,
+    "ministral": _MISTRAL,
+    "Qwen2ForCausalLM": _QWEN2,
+    "qwen2": _QWEN2,
+    "Qwen3ForCausalLM": _QWEN3,
+    "qwen3": _QWEN3,
+}
 
 
 def model_family(config: Mapping[str, object]) -> str | None:
@@ -89,10 +104,13 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
-def default_head_dim(config: Mapping[str, object]) -> int | None:
-    """The head size transformers gives a config of this architecture that names none (Qwen3:
-    128); None where it is hidden_size / num_attention_heads."""
+def class_default(config: Mapping[str, object], key: str) -> int | None:
+    """What transformers' config class of this architecture gives `key` (`head_dim`,
+    `num_key_value_heads`, `max_position_embeddings`) when config.json names none: Qwen3's head
+    size 128, Mistral's 8 KV heads; None where that is the generic rule."""
     architectures = config.get("architectures")
     if isinstance(architectures, list) and architectures:
-        return _DEFAULT_HEAD_DIM.get(str(architectures[0]))
-    return _DEFAULT_HEAD_DIM.get(str(config.get("model_type")))
+        name = str(architectures[0])
+    else:
+        name = str(config.get("model_type"))
+    return _CLASS_DEFAULTS.get(name, {}).get(key)

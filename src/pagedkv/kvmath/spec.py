@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pagedkv.kvmath.errors import ConfigError
-from pagedkv.kvmath.families import default_head_dim, layer_windows
+from pagedkv.kvmath.families import class_default, layer_windows
 
 GB = 10**9
 GiB = 2**30
@@ -216,7 +216,9 @@ class KVSpec:
         # One block table serves every layer, so a request keeps all its tokens unless every
         # layer forgets the same ones.
         window = windows.pop() if len(windows) == 1 else None
-        max_len = field.optional_positive_int("max_position_embeddings", "n_positions")
+        max_len = field.optional_positive_int(
+            "max_position_embeddings", "n_positions"
+        ) or class_default(fields, "max_position_embeddings")
         kv_lora_rank = field.optional_positive_int("kv_lora_rank")
         if kv_lora_rank is not None:
             return cls(
@@ -228,8 +230,12 @@ class KVSpec:
                 max_model_len=max_len,
             )
         num_heads = field.positive_int("num_attention_heads", "n_head")
-        num_kv_heads = field.optional_positive_int("num_key_value_heads") or num_heads
-        head_dim = field.optional_positive_int("head_dim") or default_head_dim(fields)
+        num_kv_heads = (
+            field.optional_positive_int("num_key_value_heads")
+            or class_default(fields, "num_key_value_heads")
+            or num_heads
+        )
+        head_dim = field.optional_positive_int("head_dim") or class_default(fields, "head_dim")
         if head_dim is None:
             hidden = field.positive_int("hidden_size", "n_embd", "d_model")
             if hidden % num_heads:

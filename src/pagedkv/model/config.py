@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.kvmath.families import default_head_dim, layer_windows
+from pagedkv.kvmath.families import class_default, layer_windows
 from pagedkv.kvmath.spec import ConfigError, ConfigFileError, read_json_object
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
 from pagedkv.model.registry import architecture_of
@@ -66,14 +66,18 @@ class ModelConfig:
         architecture = architecture_of(raw, source)
         num_heads = fields.integer("num_attention_heads")
         hidden_size = fields.integer("hidden_size")
-        num_kv_heads = fields.integer("num_key_value_heads", num_heads)
+        num_kv_heads = fields.integer(
+            "num_key_value_heads", class_default(raw, "num_key_value_heads") or num_heads
+        )
         if num_heads % num_kv_heads:
             raise MalformedModelFile(
                 source,
                 f"num_attention_heads ({num_heads}) is not a multiple of "
                 f"num_key_value_heads ({num_kv_heads})",
             )
-        head_dim = fields.integer("head_dim", default_head_dim(raw) or hidden_size // num_heads)
+        head_dim = fields.integer(
+            "head_dim", class_default(raw, "head_dim") or hidden_size // num_heads
+        )
         hidden_act = raw.get("hidden_act") or "silu"
         if hidden_act not in architecture.hidden_acts:
             supported = " or ".join(map(repr, architecture.hidden_acts))
@@ -81,8 +85,11 @@ class ModelConfig:
                 source, f"hidden_act {hidden_act!r} (only {supported} is supported)"
             )
         num_layers = fields.integer("num_hidden_layers")
-        max_position_embeddings = fields.integer("max_position_embeddings", 2048)
-        attention_bias = fields.boolean("attention_bias", False)
+        max_position_embeddings = fields.integer(
+            "max_position_embeddings", class_default(raw, "max_position_embeddings") or 2048
+        )
+        switches = architecture.bias_switches
+        attention_bias = "attention_bias" in switches and fields.boolean("attention_bias", False)
         return cls(
             architecture=architecture.name,
             vocab_size=fields.integer("vocab_size"),
@@ -98,7 +105,7 @@ class ModelConfig:
             # Qwen2 always biases q/k/v and never o; elsewhere attention_bias covers all four.
             qkv_bias=architecture.qkv_bias_always or attention_bias,
             o_bias=attention_bias and not architecture.qkv_bias_always,
-            mlp_bias=fields.boolean("mlp_bias", False),
+            mlp_bias="mlp_bias" in switches and fields.boolean("mlp_bias", False),
             tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
             sliding_windows=_sliding_windows(raw, source, num_layers),
         )

@@ -31,6 +31,9 @@ class Architecture:
     model_type: str  # config.json `model_type`
     model_class_path: str  # "module:Class" of the DecoderModel subclass that runs it
     qkv_bias_always: bool = False  # q/k/v biased whatever `attention_bias` says (o never)
+    # The config.json bias switches its transformers class reads; one it does not read (Mistral's
+    # layers have no biases, whatever a config says) is ignored, as transformers ignores it.
+    bias_switches: tuple[str, ...] = ("attention_bias", "mlp_bias")
     gguf_arch: str | None = None  # llama.cpp's `general.architecture`, when it has files
     # GGUF per-layer tensor names (`blk.N.<name>`) beyond the Llama set, -> checkpoint module.
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
@@ -64,6 +67,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             model_type="mistral",
             model_class_path="pagedkv.model.llama:LlamaModel",
             fused_decode=True,
+            bias_switches=(),
         ),
         Architecture(
             name="Qwen2ForCausalLM",
@@ -71,12 +75,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             model_class_path="pagedkv.model.llama:LlamaModel",
             fused_decode=True,
             qkv_bias_always=True,
+            bias_switches=(),
             gguf_arch="qwen2",
         ),
         Architecture(
             name="Qwen3ForCausalLM",
             model_type="qwen3",
             model_class_path="pagedkv.model.qwen3:Qwen3Model",
+            bias_switches=("attention_bias",),
             gguf_arch="qwen3",
             gguf_layer_tensors={
                 "attn_q_norm": "self_attn.q_norm",
