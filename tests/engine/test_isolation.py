@@ -99,21 +99,9 @@ def test_an_extreme_request_neither_fails_nor_changes_its_neighbour(engine, norm
                     together[delta.request_id][1] += output.logprobs or []
                 if output.finish_reason is not None:
                     finish_reasons[delta.request_id].add(output.finish_reason)
-    assert together["normal"][0] == alone[0]
-    # A batch of two runs other matmul shapes than one alone: logprobs agree to float32 noise.
-    assert same_logprobs(together["normal"][1], alone[1])
+    # Batch invariance: the neighbour's tokens and logprobs are the ones it has alone, exactly.
+    assert together["normal"] == alone
     assert finish_reasons["normal"] == {"length"}
     assert finish_reasons["extreme"] <= {"length", "stop"} and finish_reasons["extreme"]
     assert all(0 <= token < VOCAB_SIZE for token in together["extreme"][0])
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
-
-
-def same_logprobs(ours: list[dict], theirs: list[dict]) -> bool:
-    """The same tokens and ranks at every position, and logprobs equal to 1e-4."""
-    if [list(p) for p in ours] != [list(p) for p in theirs]:
-        return False
-    return all(
-        a.rank == b.rank and a.logprob == pytest.approx(b.logprob, abs=1e-4)
-        for mine, other in zip(ours, theirs, strict=True)
-        for a, b in zip(mine.values(), other.values(), strict=True)
-    )

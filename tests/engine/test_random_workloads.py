@@ -3,28 +3,43 @@
 Each scenario is a seeded random schedule of requests arriving between steps and aborts of
 requests in flight, over a pool small enough to preempt. After every step the memory
 invariants hold; at the end every request ended exactly once, every sample that was not
-aborted produced exactly max_tokens tokens (ignore_eos), and every block is free.
+aborted produced exactly max_tokens tokens (ignore_eos), and every block is free. The seeds
+together must reach what the scenarios are for: preemption by swap and by recompute, and
+aborts of running, waiting and swapped-out requests.
 """
 
 from __future__ import annotations
 
 import random
-
-import pytest
+from collections import Counter
 
 from pagedkv.engine import RequestTooLarge, SamplingParams
 from tests.engine.conftest import make_engine
 from tests.model.tiny_models import random_prompt
 
+SEEDS = range(24)
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_workload_loses_nothing_and_frees_everything(engine_zoo, seed):
+
+def test_random_workloads_lose_nothing_free_everything_and_reach_every_case(engine_zoo):
+    reached: Counter[str] = Counter()
+    for seed in SEEDS:
+        try:
+            reached += run_workload(engine_zoo, seed)
+        except AssertionError as error:
+            raise AssertionError(f"workload seed {seed}: {error}") from error
+    cases = ("swap", "recompute", "abort running", "abort waiting", "abort swapped")
+    assert all(reached[case] for case in cases), reached
+
+
+def run_workload(engine_zoo, seed: int) -> Counter[str]:
+    """One seeded scenario, checked; the preemptions and aborts it reached."""
+    reached: Counter[str] = Counter()
     rng = random.Random(seed)
     block_size = rng.choice([4, 16])
     engine = make_engine(
         engine_zoo,
         rng.choice(["llama", "mistral", "qwen2"]),
-        num_gpu_blocks=rng.choice([160, 320, 640]) // block_size,  # 160 to 640 tokens
+        num_gpu_blocks=rng.choice([96, 160, 320]) // block_size,  # 96 to 320 tokens
         block_size=block_size,
         preemption_mode=rng.choice(["swap", "recompute"]),
         enable_prefix_caching=rng.random() < 0.5,
@@ -57,8 +72,13 @@ def test_random_workload_loses_nothing_and_frees_everything(engine_zoo, seed):
                 continue
             requested[request_id] = params
         in_flight = [r for r in requested if r not in finished and r not in aborted]
-        if in_flight and rng.random() < 0.03:
-            victim = rng.choice(in_flight)
+        # A request is swapped out for a few steps at most: aborts find it there more often.
+        swapped = [request.request_id for request in engine.scheduler.swapped]
+        if in_flight and rng.random() < (0.3 if swapped else 0.03):
+            victim = rng.choice(swapped or in_flight)
+            for state in ("running", "waiting", "swapped"):
+                queue = getattr(engine.scheduler, state)
+                reached[f"abort {state}"] += any(r.request_id == victim for r in queue)
             engine.abort(victim)
             aborted.add(victim)
             engine.manager.check_invariants()
@@ -81,3 +101,7 @@ def test_random_workload_loses_nothing_and_frees_everything(engine_zoo, seed):
             assert tokens[(request_id, index)] == params.max_tokens
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
     assert engine.manager.num_free_cpu_blocks == engine.manager.num_cpu_blocks
+    stats = engine.stats
+    reached["swap"] += stats.num_swap_preemptions
+    reached["recompute"] += stats.num_recompute_preemptions
+    return reached
