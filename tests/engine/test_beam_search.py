@@ -295,6 +295,45 @@ def test_preemption_and_a_busy_batch_leave_the_beams_unchanged(engine_zoo, setti
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
 
 
+def test_a_search_swapped_out_between_its_beams_rows_comes_back(engine_zoo):
+    """Four tokens a step for three beams and a sampled pair: a search is swapped out after
+    some beams computed their row and before the others did; swapped in, the computed ones
+    wait (no chunk: a step of an empty chunk failed and aborted everyone in it), and the
+    search still ends as the reference's, the neighbour as alone."""
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    prompt = random_prompt(20, seed=77)
+    neighbour = SamplingParams(n=2, temperature=0.0, max_tokens=40, ignore_eos=True)
+    settings = dict(block_size=4, max_num_batched_tokens=4, enable_prefix_caching=False)
+    engine = make_engine(engine_zoo, "llama", num_gpu_blocks=24, preemption_mode="swap", **settings)
+    engine.add_request("neighbour", [106], neighbour)
+    results = {}
+    for step in range(400):
+        if step == 19:
+            engine.add_request("beams", prompt, beam_search=params)
+        for delta in engine.step():
+            results.setdefault(delta.request_id, []).append(delta)
+        engine.manager.check_invariants()
+        if not engine.has_unfinished():
+            break
+    assert engine.stats.num_swap_preemptions > 0
+    [beams] = results["beams"]
+    expected = expected_beams(engine_zoo, "llama", prompt, params)
+    assert [o.token_ids for o in beams.outputs] == [without_eos(b) for b in expected]
+    alone = make_engine(engine_zoo, "llama", num_gpu_blocks=64, **settings)
+    alone.add_request("neighbour", [106], neighbour)
+    assert tokens_by_sample(run_to_completion(alone)) == tokens_by_sample([results["neighbour"]])
+
+
+def tokens_by_sample(steps) -> dict[int, list[int]]:
+    """Each sample's tokens over a run's deltas."""
+    tokens: dict[int, list[int]] = {}
+    for deltas in steps:
+        for delta in deltas:
+            for output in delta.outputs:
+                tokens.setdefault(output.index, []).extend(output.token_ids)
+    return tokens
+
+
 def test_a_search_stepped_through_the_engine_has_one_delta(engine_zoo):
     """docs/beam-search.md: code stepping the engine gets one delta, when the search ends."""
     engine = make_engine(engine_zoo, "llama")

@@ -329,14 +329,18 @@ class Scheduler:
         return True
 
     def _start(self, request: Request, step: _Step, allocations: list[Allocation]) -> None:
-        """A request that just got its blocks runs from this step on: every live sample gets
-        a chunk now (its `allocations` when it was just admitted, one per sample)."""
+        """A request that just got its blocks runs from this step on: every live sample with
+        tokens to compute gets a chunk now (its `allocations` when it was just admitted, one
+        per sample). A swapped-in beam search may have none for some beams: computed before
+        the swap, they wait for the others' rows, as `_schedule_running` leaves them."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         seqs = request.live_sequences
         for index, seq in enumerate(seqs):
             # The caller checked a token per sample fits: keep one for each sample after this.
             num_new = min(self._num_to_compute(seq), step.budget - (len(seqs) - 1 - index))
+            if num_new <= 0:
+                continue
             allocation = allocations[index] if allocations else self._allocate(seq, num_new)
             assert allocation is not None, "the caller checked that the request's blocks fit"
             step.output.chunks.append(
