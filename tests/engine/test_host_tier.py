@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine import LLM, EngineArgs, SamplingParams
 from tests.engine.conftest import make_engine, run_to_completion
 from tests.model.tiny_models import random_prompt
 
@@ -95,3 +95,11 @@ def test_the_builtin_model_answers_the_same_with_the_tier(tmp_path):
         results.append(run_chats(llm.engine, turns))
     assert results[1][0] == results[0][0]
     assert results[1][1] < results[0][1]
+
+
+def test_a_tier_without_the_prefix_cache_is_refused_by_name():
+    """The tier holds evicted prefix-cache blocks: with the cache off it would only take host
+    RAM (sized and counted against the host's limit) and never be read."""
+    with pytest.raises(ValueError, match="kv_offloading_size .* needs enable_prefix_caching"):
+        EngineArgs(model="unused", kv_offloading_size=1.0, enable_prefix_caching=False)
+    assert EngineArgs(model="unused", enable_prefix_caching=False).kv_offloading_size == 0

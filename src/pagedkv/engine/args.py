@@ -6,7 +6,8 @@ cannot drift apart. vLLM's names for settings we already had are accepted too: `
 for `swap_space_gb`, `num_gpu_blocks_override` for `num_gpu_blocks` and
 `kv_cache_memory_bytes` for `kv_cache_memory`; when given, vLLM's
 name wins (a command may set our name's default and a user pass vLLM's flag), and it is
-written into our name, which the engine reads.
+written into our name, which the engine reads. Past 400 lines on purpose: each field's check
+sits here beside it, the one place that says what every knob may be.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ class EngineArgs:
             raise ValueError("give at most one of num_gpu_blocks and kv_cache_memory")
         _gib("swap_space_gb", self.swap_space_gb)
         _gib("kv_offloading_size", self.kv_offloading_size)
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size is the prefix cache's host tier: it needs "
+                "enable_prefix_caching (or leave it 0)"
+            )
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES} or None, "
