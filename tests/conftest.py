@@ -16,6 +16,10 @@ from pagedkv.weights.hf_folder import load_model
 from tests.model.tiny_models import TINY_MODELS, build_model_folder
 from tests.weights.gguf.writer import write_model_gguf
 
+# The least lead of transformers' greedy choice over the runner-up a greedy comparison takes:
+# twice the 1e-4 our float32 logits are held to against transformers'.
+GREEDY_MARGIN = 2e-4
+
 
 class TinyZoo:
     """Folders built once per session; models and oracle outputs loaded on first use."""
@@ -48,12 +52,21 @@ class TinyZoo:
 
     @cache  # noqa: B019
     def hf_greedy(self, name: str, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        """transformers `generate(do_sample=False)` new tokens for one unpadded prompt."""
+        """transformers `generate(do_sample=False)` new tokens for one unpadded prompt, checked
+        to hinge on no near-tie: at every step the best logit leads the next by more than
+        twice the 1e-4 our logits are held to, so the comparison cannot flip on rounding."""
         with torch.no_grad():
             out = self.hf(name).generate(
-                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        return out[0, len(prompt) :].tolist()
+        for step, scores in enumerate(out.scores):
+            best, second = scores[0].topk(2).values.tolist()
+            assert best - second > GREEDY_MARGIN, f"{name}: a near-tie at step {step}"
+        return out.sequences[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from pagedkv.bench.model_1b import SHAPE, write_model_1b
-from pagedkv.hub import DEFAULT_MODEL, PullFailed, pull
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.gguf.tensors import gguf_tensors
 
@@ -20,11 +19,8 @@ SMALL = SHAPE | {"block_count": 2, "embedding_length": 64, "feed_forward_length"
 
 
 @pytest.fixture(scope="module")
-def builtin() -> GGUFModel:
-    try:
-        return GGUFModel.open(pull(DEFAULT_MODEL, progress=lambda line: None))
-    except PullFailed as error:
-        pytest.skip(f"the built-in model (its tokenizer) could not be pulled: {error}")
+def builtin(builtin_gguf) -> GGUFModel:
+    return GGUFModel.open(builtin_gguf)
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0], ids=lambda t: t.name)

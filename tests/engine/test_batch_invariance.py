@@ -251,7 +251,7 @@ def test_random_batches(
 
 
 @pytest.mark.slow
-def test_the_builtin_model() -> None:
+def test_the_builtin_model(builtin_gguf) -> None:
     """The built-in model (SmolLM2-135M-Instruct, kept quantised): the same chat twice through
     `LLM.chat` gives the same answer, the second served from the prefix cache (the case this
     guarantee was written for), and the target request's answer in small chunks, beside a

@@ -576,7 +576,7 @@ def every_draft_verified(
 
 
 @pytest.mark.slow
-def test_the_builtin_model_copies_faster_with_the_same_answer(monkeypatch) -> None:
+def test_the_builtin_model_copies_faster_with_the_same_answer(builtin_gguf, monkeypatch) -> None:
     """The built-in model quoting a passage back: n-gram drafts are mostly kept (the point of
     prompt lookup), and the answer is the one without speculation, tokens and logprobs. A step's
     cost is pinned to rows being free, so every draft is verified whatever this machine's

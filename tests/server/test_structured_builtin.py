@@ -26,7 +26,7 @@ MESSAGES = [{"role": "user", "content": "Give me an example as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def builtin():
+def builtin(builtin_gguf):
     server = start_server(DEFAULT_MODEL, num_gpu_blocks=512)  # type: ignore[arg-type]
     with server.client() as client:
         yield client, client.models.list().data[0].id
