@@ -241,7 +241,7 @@ def test_random_batches(
         max_num_batched_tokens=budget,
         preemption_mode=preemption,
         enable_prefix_caching=prefix_caching,
-        kv_offloading_size=0.01 if host_tier else 0.0,
+        kv_offloading_size=0.01 if host_tier and prefix_caching else 0.0,
         quantization=quantization,
     )
     for params in (GREEDY, SEEDED):

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+from tests.server.conftest import HANG_GUARD_S, RunningServer, all_blocks_free, wait_until
 
 LONG = {"max_tokens": 1000, "stream": True, "extra_body": {"ignore_eos": True}}
 
@@ -50,7 +50,7 @@ def test_the_waiting_request_with_the_lowest_priority_value_runs_first(
         )
         next(iter(stream))
         admitted.append(priority)
-        closing[priority].wait(timeout=30)
+        closing[priority].wait(timeout=HANG_GUARD_S)
         stream.close()
 
     with priority_server.client() as client:
@@ -62,15 +62,15 @@ def test_the_waiting_request_with_the_lowest_priority_value_runs_first(
             thread = threading.Thread(target=ask, args=(client, model, priority))
             thread.start()
             threads.append(thread)
-            wait_until(lambda n=queued: num_waiting(priority_server) == n, timeout=10.0)
+            wait_until(lambda n=queued: num_waiting(priority_server) == n)
         blocker.close()
         for count in (1, 2, 3):
-            wait_until(lambda n=count: len(admitted) == n, timeout=10.0)
+            wait_until(lambda n=count: len(admitted) == n)
             closing[admitted[-1]].set()
         for thread in threads:
-            thread.join(timeout=30)
+            thread.join(timeout=HANG_GUARD_S)
     assert admitted == [0, 3, 5]
-    wait_until(lambda: all_blocks_free(priority_server), timeout=5.0)
+    wait_until(lambda: all_blocks_free(priority_server))
 
 
 def test_priority_under_fcfs_is_a_400_naming_the_value_and_the_policy(
@@ -93,7 +93,7 @@ def test_priority_under_fcfs_is_a_400_naming_the_value_and_the_policy(
             "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": 0}
         )
         assert response.status_code == 200
-    wait_until(lambda: all_blocks_free(fcfs_server), timeout=5.0)
+    wait_until(lambda: all_blocks_free(fcfs_server))
 
 
 def test_a_priority_that_is_not_an_integer_is_a_400(priority_server: RunningServer) -> None:
