@@ -5,9 +5,22 @@ would otherwise surface later as an OverflowError or a silently wrong answer."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 from pagedkv.kvmath.spec import GB
+
+
+def string_list(text: str) -> list[str]:
+    """argparse type: a JSON list of strings, as vLLM's list flags take them
+    (`--allowed-origins '["https://a.example"]'`)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagedkv.commands.arguments import non_negative_float, port, positive_float, positive_int
+from pagedkv.commands.arguments import (
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+    string_list,
+)
 
 if TYPE_CHECKING:
     from pagedkv.server import ServerConfig
@@ -80,6 +86,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST",
         help="answer only requests whose Host header names one of these (any port), against "
         "DNS rebinding (default: localhost 127.0.0.1 [::1] when --host is loopback, else any)",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        type=string_list,
+        default=list(defaults.allowed_origins),
+        metavar="JSON",
+        help="origins whose web pages may call the API (CORS), a JSON list as vLLM's, e.g. "
+        "'[\"https://ui.example\"]' or '[\"*\"]'; none by default (vLLM's is any: a "
+        "server answering any origin lets any page the user opens drive it)",
+    )
+    server.add_argument(
+        "--allowed-methods",
+        type=string_list,
+        default=list(defaults.allowed_methods),
+        metavar="JSON",
+        help="methods those pages may use (default: %(default)s)",
+    )
+    server.add_argument(
+        "--allowed-headers",
+        type=string_list,
+        default=list(defaults.allowed_headers),
+        metavar="JSON",
+        help="headers those pages may send (default: %(default)s)",
+    )
+    server.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let those pages send cookies and HTTP authentication (CORS credentials)",
     )
     server.add_argument(
         "--max-connections",
@@ -281,6 +315,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
     )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import (
     FileResponse,
     JSONResponse,
@@ -76,6 +77,12 @@ class ServerConfig:
     chat_template: str | None = None  # replaces the model's; a request's replaces this one
     chat_template_content_format: str = "auto"  # vLLM's: "string", "openai" or "auto"
     response_role: str = "assistant"  # vLLM's --response-role
+    # Origins whose web pages may call the API (CORS); none by default, unlike vLLM's "*": a
+    # local server answering any origin lets any page the user opens drive it.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
@@ -135,6 +142,16 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         allowed_hosts=config.allowed_hosts,
         router=app.router,  # its routes, added below, are read per request
     )
+    if config.allowed_origins:
+        # Outermost: a browser's preflight carries no API key, so it is answered here, and the
+        # refusals inside still carry the headers a page needs to read them.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )
     install_error_handlers(app)
 
     v1 = APIRouter(prefix="/v1")

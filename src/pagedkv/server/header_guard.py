@@ -37,7 +37,8 @@ class HeaderGuard:
     The content type matters because a web page may POST `text/plain`, form-encoded or untyped
     bodies to any address, the local server included, without the browser asking the server
     first (a CORS "simple request"); only `application/json` makes the browser ask, and this
-    server never says yes, so requiring it keeps other sites from driving the API.
+    server says yes only to the origins `--allowed-origins` names, so requiring it keeps other
+    sites from driving the API.
     """
 
     def __init__(
