@@ -101,3 +101,27 @@ def test_generation_config_names_a_folder_holding_one(engine_zoo, tmp_path) -> N
     assert llm.engine.sampling_defaults == {"min_p": 0.2}
     with pytest.raises(ValueError, match="no generation_config.json there"):
         make_llm(engine_zoo, "llama", generation_config=str(tmp_path / "missing"))
+
+
+def test_override_generation_config_sets_keys_over_the_file_as_given(engine_zoo, tmp_path) -> None:
+    """vLLM's `override_generation_config`: its keys over the file's diff, values as given
+    (top_p 1.0 too, transformers' default), over nothing with generation_config="vllm"."""
+    folder = with_generation_config(engine_zoo, tmp_path, {"temperature": 0.7, "top_k": 20})
+    override = {"temperature": 0.5, "top_p": 1.0, "max_new_tokens": 7}
+    merged = small_llm(folder, override_generation_config=override).engine.sampling_defaults
+    assert merged == {"temperature": 0.5, "top_k": 20, "top_p": 1.0, "max_tokens": 7}
+    alone = small_llm(folder, generation_config="vllm", override_generation_config='{"top_k": 3}')
+    assert alone.get_default_sampling_params() == SamplingParams(top_k=3)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"presence_penalty": 0.5}, "'presence_penalty' not taken"),
+        ({"temperature": -1.0}, "override_generation_config: temperature"),
+        ("[1]", "override_generation_config must be a JSON object"),
+    ],
+)
+def test_a_bad_override_is_refused_at_start_naming_it(engine_zoo, override, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_llm(engine_zoo, override_generation_config=override)

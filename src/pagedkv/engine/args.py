@@ -18,9 +18,11 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from pagedkv.engine.args_help import FIELD_HELP, human_readable_int
+from pagedkv.engine.generation_defaults import sampling_defaults
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
@@ -96,6 +98,7 @@ class EngineArgs:
     tokenizer: str | None = None
     generation_config: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None
+    override_generation_config: dict[str, Any] | str | None = None
     download_dir: str | None = None
     load_format: str = "auto"
     tokenizer_mode: str = "auto"
@@ -214,6 +217,9 @@ class EngineArgs:
                 f"{self.tensor_parallel_size}"
             )
         self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
+        self.override_generation_config = _json_object(
+            "override_generation_config", self.override_generation_config
+        )
         _check_vllm_loading(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         speculative = self.speculative_config
@@ -268,6 +274,13 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offloading_size=self.kv_offloading_size,
             host_ranks=self.tensor_parallel_size,
+        )
+
+    def sampling_defaults(self, model_path: Path) -> dict[str, Any]:
+        """SamplingParams keywords the model at `model_path` recommends (`generation_config`),
+        with `override_generation_config` over them."""
+        return sampling_defaults(
+            self.generation_config, model_path, self.override_generation_config
         )
 
     def load_spec(self) -> LoadSpec:

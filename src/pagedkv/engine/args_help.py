@@ -66,6 +66,8 @@ FIELD_HELP = {
     "(the server's /metrics has them)",
     "generation_config": "where default sampling settings come from: auto (the model folder's "
     "generation_config.json, as vLLM reads it), vllm (none), or a folder holding one",
+    "override_generation_config": "default sampling settings over the generation config's, "
+    'as JSON (vLLM\'s; e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\')',
     "hf_overrides": 'config.json keys to replace, as JSON (e.g. \'{"max_position_embeddings": '
     "4096}'); a GGUF file's metadata is read as the same keys",
     "download_dir": "folder built-in models are pulled into and read from (default: the "

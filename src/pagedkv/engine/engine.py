@@ -31,7 +31,6 @@ from pagedkv.engine.beam_search import BeamSearchParams, BeamState
 from pagedkv.engine.errors import DuplicateRequest, StepFailed
 from pagedkv.engine.executor import StepExecutor
 from pagedkv.engine.generation_defaults import describe as describe_defaults
-from pagedkv.engine.generation_defaults import sampling_defaults
 from pagedkv.engine.invariance import invariance_line
 from pagedkv.engine.lora import LoRACatalog, LoRARequest, lora_cache_salt
 from pagedkv.engine.outputs import RequestMetrics, RequestOutput
@@ -87,7 +86,7 @@ class Engine:
             )
         self.max_model_len = served_context(args.max_model_len, self.config.max_position_embeddings)
         # SamplingParams keywords the model's generation_config.json recommends (vLLM's "auto").
-        self.sampling_defaults = sampling_defaults(args.generation_config, loaded.path)
+        self.sampling_defaults = args.sampling_defaults(loaded.path)
         speculative = args.speculative
         draft = None
         if speculative is not None and speculative.method == "draft_model":

@@ -8,7 +8,8 @@ each field a server request leaves out. Only values that differ from transformer
 defaults count (vLLM reads `GenerationConfig.to_diff_dict()`), and `max_new_tokens` is
 `max_tokens`. A folder without the file gives the same keys of its config.json, where older
 checkpoints kept them (vLLM's `GenerationConfig.from_model_config` fallback). `"vllm"` ignores
-both; any other value names a folder holding a generation_config.json.
+both; any other value names a folder holding a generation_config.json. vLLM's
+`override_generation_config` sets keys over either, as given.
 """
 
 from __future__ import annotations
@@ -32,9 +33,35 @@ _TRANSFORMERS_DEFAULTS: dict[str, object] = {
 }
 
 
-def sampling_defaults(generation_config: str, model_path: Path) -> dict[str, Any]:
-    """SamplingParams keywords the model's generation config sets (empty: none), checked by
-    SamplingParams itself so a bad file fails at start-up, naming it."""
+def sampling_defaults(
+    generation_config: str, model_path: Path, override: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """SamplingParams keywords the model's generation config sets (empty: none), with vLLM's
+    `override_generation_config` over them (its values as given, transformers' defaults
+    included); checked by SamplingParams itself, so a bad file or override fails at start-up,
+    naming it."""
+    from_file = _from_file(generation_config, model_path)
+    if not override:
+        return from_file
+    unknown = sorted(set(override) - set(_TRANSFORMERS_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config: {', '.join(map(repr, unknown))} not taken (it sets "
+            f"{', '.join(_TRANSFORMERS_DEFAULTS)})"
+        )
+    given = {
+        "max_tokens" if key == "max_new_tokens" else key: value
+        for key, value in override.items()
+        if value is not None
+    }
+    try:
+        SamplingParams(**given)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"override_generation_config: {error}") from None
+    return {**from_file, **given}
+
+
+def _from_file(generation_config: str, model_path: Path) -> dict[str, Any]:
     if generation_config == "vllm":
         return {}
     folder = model_path if generation_config == "auto" else Path(generation_config)
@@ -67,7 +94,7 @@ def describe(defaults: dict[str, Any]) -> str:
     """The start-up line naming the defaults in force (vLLM warns about them likewise)."""
     settings = ", ".join(f"{key} {value}" for key, value in defaults.items())
     return (
-        f"sampling defaults from the model's {FILE_NAME} (or config.json), for requests given no "
-        f"SamplingParams and server fields left out: {settings} "
-        "(generation_config='vllm' ignores them)"
+        f"sampling defaults from the model's {FILE_NAME} (or config.json) and "
+        "override_generation_config, for requests given no SamplingParams and server fields "
+        f"left out: {settings} (generation_config='vllm' ignores the file)"
     )
