@@ -195,3 +195,37 @@ def test_seed_and_device_are_checked_when_the_args_are_made():
     missing = f"cuda:{torch.cuda.device_count()}"  # one past the last, on any machine
     with pytest.raises(ValueError, match="sees no such CUDA device"):
         EngineArgs(model="unused", device=missing)
+
+
+@pytest.mark.parametrize(
+    ("flags", "note"),
+    [
+        (["--structured-outputs-config", '{"backend": "xgrammar"}'], "not 'xgrammar'"),
+        (["--guided-decoding-backend", "outlines"], "not 'outlines'"),
+        (["--structured-outputs-config", '{"backend": "guidance"}'], None),
+        (["--structured-outputs-config", '{"disable_any_whitespace": true}'], None),
+    ],
+)
+def test_vllms_structured_output_backends_are_taken_with_a_note(flags, note, capsys) -> None:
+    """vLLM's backends ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer", from
+    its StructuredOutputsConfig) are taken; one other than llguidance's ("guidance") is noted,
+    since outputs are held by llguidance whatever it names."""
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    EngineArgs.from_cli_args(parser.parse_args(flags))
+    printed = capsys.readouterr().err
+    assert (note in printed) if note else "structured outputs" not in printed
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(guided_decoding_backend="xgrammars"), "backend 'xgrammars' is not one of vLLM's"),
+        (dict(structured_outputs_config={"reasoning": 1}), "'reasoning' not taken"),
+        (dict(structured_outputs_config={"disable_fallback": 1}), "must be true or false"),
+        (dict(structured_outputs_config="backend=xgrammar"), "is not valid JSON"),
+    ],
+)
+def test_bad_structured_output_settings_are_refused_by_name(settings, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model="unused", **settings)

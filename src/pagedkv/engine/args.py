@@ -6,14 +6,13 @@ cannot drift apart. vLLM's names for settings we already had are accepted too: `
 for `swap_space_gb`, `num_gpu_blocks_override` for `num_gpu_blocks` and
 `kv_cache_memory_bytes` for `kv_cache_memory`; when given, vLLM's
 name wins (a command may set our name's default and a user pass vLLM's flag), and it is
-written into our name, which the engine reads. Past 400 lines on purpose: each field's check
-sits here beside it, the one place that says what every knob may be.
+written into our name, which the engine reads. vLLM's keywords that mean nothing new here are
+checked in `vllm_keywords.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -26,6 +25,7 @@ from pagedkv.engine.generation_defaults import sampling_defaults
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.engine.vllm_keywords import check_vllm_keywords, json_object
 from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.kvmath.spec import KV_CACHE_DTYPES
 from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
@@ -44,9 +44,6 @@ DTYPE_SPELLINGS = {
 PREEMPTION_MODES = ("swap", "recompute")
 # vLLM's load_format values for what pagedkv reads: auto (by the path), a Hugging Face folder's
 # safetensors, a GGUF file.
-LOAD_FORMATS = ("auto", "safetensors", "gguf")
-TOKENIZER_MODES = ("auto", "hf")
-
 # On/off fields: a --flag and a --no-flag each.
 _BOOLEAN_FIELDS = (
     "enable_prefix_caching",
@@ -106,6 +103,8 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     cpu_offload_gb: float = 0.0
     compilation_config: int | dict[str, Any] | str | None = None
+    structured_outputs_config: dict[str, Any] | str | None = None
+    guided_decoding_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -216,11 +215,11 @@ class EngineArgs:
                 "enable_lora is not supported with tensor_parallel_size "
                 f"{self.tensor_parallel_size}"
             )
-        self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
-        self.override_generation_config = _json_object(
+        self.hf_overrides = json_object("hf_overrides", self.hf_overrides)
+        self.override_generation_config = json_object(
             "override_generation_config", self.override_generation_config
         )
-        _check_vllm_loading(self)
+        check_vllm_keywords(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         speculative = self.speculative_config
         if self.tensor_parallel_size > 1 and speculative and speculative.method == "draft_model":
@@ -347,52 +346,6 @@ def _gib(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a number >= 0 (GiB), got {value!r}")
     if not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0 (GiB), got {value!r}")
-
-
-def _json_object(name: str, value: object) -> dict[str, Any] | None:
-    """`value` as a dict: given as one, or as JSON text (a command-line flag); None stays."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{name} is not valid JSON: {error}") from None
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
-    return value
-
-
-def _check_vllm_loading(args: EngineArgs) -> None:
-    """vLLM's loading keywords: the values that mean what pagedkv does pass, the others are
-    refused by name (pagedkv fetches nothing from a hub, reads tokenizer.json with the
-    tokenizers library and keeps every weight on its device)."""
-    if args.load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
-    if args.tokenizer_mode not in TOKENIZER_MODES:
-        raise ValueError(
-            f"tokenizer_mode must be one of {TOKENIZER_MODES} (both read tokenizer.json with "
-            f"the tokenizers library), got {args.tokenizer_mode!r}"
-        )
-    for name in ("revision", "tokenizer_revision"):
-        if getattr(args, name) is not None:
-            raise ValueError(
-                f"{name} {getattr(args, name)!r}: pagedkv loads local folders, .gguf files and "
-                "built-in models, which have no revisions (leave it None)"
-            )
-    if args.cpu_offload_gb != 0:
-        raise ValueError(
-            f"cpu_offload_gb {args.cpu_offload_gb!r} is not supported: the weights stay on "
-            f"{args.device} (leave it 0)"
-        )
-    compilation = args.compilation_config
-    if isinstance(compilation, str):
-        compilation = (
-            int(compilation)
-            if compilation.isdigit()
-            else _json_object("compilation_config", compilation)
-        )
-    if not isinstance(compilation, int | dict | None) or isinstance(compilation, bool):
-        raise ValueError(f"compilation_config must be a level (int) or a dict, got {compilation!r}")
-    args.compilation_config = compilation
 
 
 def _check_device(device: object) -> None:

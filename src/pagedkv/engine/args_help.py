@@ -80,6 +80,9 @@ FIELD_HELP = {
     "cpu_offload_gb": "accepted as vLLM's when 0: the weights stay on the device",
     "compilation_config": "accepted as vLLM's (a level or JSON), to no effect: pagedkv "
     "compiles no graphs",
+    "structured_outputs_config": "vLLM's, as JSON: backend (outputs are held by llguidance, "
+    "vLLM's 'guidance', whichever is named) and its switches, which change nothing here",
+    "guided_decoding_backend": "vLLM's older name of structured_outputs_config's backend",
 }
 
 

@@ -1,0 +1,100 @@
+"""vLLM's engine keywords that port a deployment but mean nothing new here: the values that
+mean what pagedkv does pass, a backend pagedkv does not have is noted, and the rest are refused
+by name (pagedkv fetches nothing from a hub, reads tokenizer.json with the tokenizers library,
+keeps every weight on its device, compiles no graphs and holds structured outputs with
+llguidance).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+TOKENIZER_MODES = ("auto", "hf")
+# vLLM's structured-output backends, and the switches of its StructuredOutputsConfig that
+# change nothing here: JSON is written without free whitespace whatever they say, objects are
+# closed as `engine/structured/grammar.py` says, and nothing falls back to another library.
+STRUCTURED_BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+_STRUCTURED_SWITCHES = (
+    "disable_any_whitespace",
+    "disable_fallback",
+    "disable_additional_properties",
+)
+
+
+def json_object(name: str, value: object) -> dict[str, Any] | None:
+    """`value` as a dict: given as one, or as JSON text (a command-line flag); None stays."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
+    return value
+
+
+def check_vllm_keywords(args: Any) -> None:
+    """Check vLLM's loading, compilation and structured-output keywords of `args` (an
+    EngineArgs, which imports this module), as the module says; JSON given as text is read
+    into the field."""
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
+    if args.tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(
+            f"tokenizer_mode must be one of {TOKENIZER_MODES} (both read tokenizer.json with "
+            f"the tokenizers library), got {args.tokenizer_mode!r}"
+        )
+    for name in ("revision", "tokenizer_revision"):
+        if getattr(args, name) is not None:
+            raise ValueError(
+                f"{name} {getattr(args, name)!r}: pagedkv loads local folders, .gguf files and "
+                "built-in models, which have no revisions (leave it None)"
+            )
+    if args.cpu_offload_gb != 0:
+        raise ValueError(
+            f"cpu_offload_gb {args.cpu_offload_gb!r} is not supported: the weights stay on "
+            f"{args.device} (leave it 0)"
+        )
+    compilation = args.compilation_config
+    if isinstance(compilation, str):
+        compilation = (
+            int(compilation)
+            if compilation.isdigit()
+            else json_object("compilation_config", compilation)
+        )
+    if not isinstance(compilation, int | dict | None) or isinstance(compilation, bool):
+        raise ValueError(f"compilation_config must be a level (int) or a dict, got {compilation!r}")
+    args.compilation_config = compilation
+    _check_structured_outputs(args)
+
+
+def _check_structured_outputs(args: Any) -> None:
+    """vLLM's structured-output settings: its switches, and any backend it names, which
+    pagedkv notes and holds outputs with llguidance (vLLM's "guidance") all the same: the
+    constraints mean the same whichever library applies them."""
+    config = json_object("structured_outputs_config", args.structured_outputs_config) or {}
+    unknown = sorted(set(config) - set(_STRUCTURED_SWITCHES) - {"backend"})
+    if unknown:
+        raise ValueError(
+            f"structured_outputs_config: {', '.join(map(repr, unknown))} not taken (it takes "
+            f"backend, {', '.join(_STRUCTURED_SWITCHES)})"
+        )
+    for switch in _STRUCTURED_SWITCHES:
+        if not isinstance(config.get(switch, False), bool):
+            raise ValueError(f"structured_outputs_config: {switch} must be true or false")
+    args.structured_outputs_config = config
+    backend = config.get("backend", args.guided_decoding_backend) or "auto"
+    if backend not in STRUCTURED_BACKENDS:
+        raise ValueError(
+            f"structured outputs backend {backend!r} is not one of vLLM's "
+            f"({', '.join(STRUCTURED_BACKENDS)})"
+        )
+    if backend not in ("auto", "guidance"):
+        print(
+            f"structured outputs: held by llguidance (vLLM's 'guidance'), not {backend!r}, "
+            "with the same constraints",
+            file=sys.stderr,
+        )
