@@ -6,6 +6,8 @@ import json
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -24,12 +26,14 @@ from pagedkv.model.errors import (
 from pagedkv.model.rope import inverse_frequencies
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.assemble import checkpoint_state
+from pagedkv.weights.gguf.config import _llama3_scaling
 from pagedkv.weights.gguf.convert import convert_gguf
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.hf_folder import load_model
 from pagedkv.weights.load import load
+from tests.model.logits import our_prompt_logits
 from tests.model.tiny_models import random_prompt
-from tests.weights.gguf.writer import folder_weights
+from tests.weights.gguf.writer import folder_weights, write_model_gguf
 
 
 def _state(model) -> dict[str, torch.Tensor]:
@@ -221,17 +225,25 @@ def test_float32_metadata_reads_as_the_decimal_it_was_written_from(tiny_gguf, tm
     assert json.loads((folder / "config.json").read_text())["rms_norm_eps"] == 1e-6
 
 
-def _llama3_divisors_by_hand(theta: float, head_dim: int, factor: float) -> np.ndarray:
-    """llama.cpp's converter loop for Llama 3 scaling (low 1, high 4, 8,192-token context)."""
+def _llama3_divisors_by_hand(
+    theta: float,
+    head_dim: int,
+    factor: float,
+    context: int = 8192,
+    low: float = 1.0,
+    high: float = 4.0,
+) -> np.ndarray:
+    """llama.cpp's converter loop for Llama 3 scaling (published: low 1, high 4, 8,192-token
+    context; it writes any config's own)."""
     divisors = []
     for i in range(0, head_dim, 2):
         wavelen = 2 * math.pi * theta ** (i / head_dim)
-        if wavelen < 8192 / 4:
+        if wavelen < context / high:
             divisors.append(1.0)
-        elif wavelen > 8192 / 1:
+        elif wavelen > context / low:
             divisors.append(factor)
         else:
-            smooth = (8192 / wavelen - 1) / (4 - 1)
+            smooth = (context / wavelen - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(divisors, dtype=np.float32)
 
@@ -248,9 +260,57 @@ def test_llama3_rope_freqs_tensor_becomes_llama3_scaling(tiny_gguf):
     assert gguf_model.model().lm_head is not None  # the extra tensor is not taken for a weight
 
 
+@pytest.mark.parametrize(
+    ("theta", "head_dim", "context", "low", "high"),
+    [
+        (500000.0, 16, 32, 1.0, 4.0),  # no blended frequency: between 6.3 and 32.5 tokens
+        (500000.0, 16, 100, 1.0, 4.0),  # one blended: 32.5 tokens
+        (10000.0, 128, 4096, 1.0, 4.0),  # several
+        (500000.0, 128, 131072, 2.0, 8.0),  # several, another low and high
+    ],
+)
+def test_rope_freqs_of_any_llama3_context_give_the_same_frequencies(
+    theta, head_dim, context, low, high
+):
+    """A file converted from a config of another original context is read as llama.cpp reads
+    it: each frequency over its stored divisor."""
+    divisors = _llama3_divisors_by_hand(theta, head_dim, 8.0, context, low, high)
+    file = SimpleNamespace(
+        path=Path("model.gguf"), tensors={"rope_freqs.weight": SimpleNamespace(data=divisors)}
+    )
+    scaling = _llama3_scaling(file, theta, head_dim)
+    rope = RopeConfig(
+        theta,
+        "llama3",
+        scaling["factor"],
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
+    plain = inverse_frequencies(RopeConfig(theta=theta), head_dim)
+    scaled = inverse_frequencies(rope, head_dim)
+    torch.testing.assert_close(scaled, plain / torch.from_numpy(divisors), rtol=1e-5, atol=0)
+
+
+def test_the_tiny_llama3_converted_as_llama_cpp_does_gives_transformers_logits(zoo, tmp_path):
+    """The tiny `llama3` model (a 32-token original context) written as llama.cpp's converter
+    writes it, its scaling only in rope_freqs.weight: transformers' logits of the folder."""
+    rope = json.loads((zoo.folder("llama3") / "config.json").read_text())["rope_scaling"]
+    assert rope["original_max_position_embeddings"] == 32
+    divisors = _llama3_divisors_by_hand(500000.0, 16, rope["factor"], 32)
+    path = write_model_gguf(
+        tmp_path / "llama3.gguf",
+        zoo.folder("llama3"),
+        extra_tensors={"rope_freqs.weight": divisors},
+    )
+    prompt = random_prompt(48, seed=9)
+    ours = our_prompt_logits(GGUFModel.open(path).model(), prompt)
+    torch.testing.assert_close(ours, zoo.hf_logits("llama3", prompt), rtol=1e-4, atol=1e-4)
+
+
 def test_rope_freqs_of_another_scheme_are_refused(tiny_gguf):
     divisors = _llama3_divisors_by_hand(10000.0, 16, 8.0)
     divisors[0] = 2.0
     path = tiny_gguf("llama", extra_tensors={"rope_freqs.weight": divisors})
-    with pytest.raises(UnsupportedModel, match="rope_freqs.weight is not Llama 3 scaling"):
+    with pytest.raises(UnsupportedModel, match="rope_freqs.weight is not Llama 3 scaling of any"):
         GGUFModel.open(path)

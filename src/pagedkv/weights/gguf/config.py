@@ -113,9 +113,11 @@ def _rope_scaling(file: GGUFFile, arch: str, theta: float, head_dim: int) -> dic
 
 def _llama3_scaling(file: GGUFFile, theta: float, head_dim: int) -> dict[str, Any] | None:
     """Llama 3.1+ files carry their rope scaling only as `rope_freqs.weight`, one divisor per
-    frequency. Every published Llama 3.x uses low 1, high 4 and an 8,192-token original
-    context, varying only the factor (the largest divisor): rebuild those parameters and check
-    they reproduce the tensor, else refuse rather than run with the wrong positions.
+    frequency, which llama.cpp applies as they are. Every published Llama 3.x uses low 1, high
+    4 and an 8,192-token original context, varying only the factor (the largest divisor); a
+    file converted from another config (a smaller model, a longer context) gets the parameters
+    that reproduce its divisors (`_fitted`). Divisors no Llama 3 parameters give are refused
+    rather than run with the wrong positions.
     """
     tensor = file.tensors.get("rope_freqs.weight")
     if tensor is None:
@@ -125,22 +127,55 @@ def _llama3_scaling(file: GGUFFile, theta: float, head_dim: int) -> dict[str, An
         raise MalformedModelFile(
             file.path, f"rope_freqs.weight must hold {head_dim // 2} positive divisors"
         )
-    scaling = {
-        "rope_type": "llama3",
-        "factor": float(stored.max()),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    if scaling["factor"] == 1.0:
+    factor = float(stored.max())
+    if factor == 1.0:
         return None
-    if not np.allclose(llama3_divisors(scaling, theta, head_dim), stored, rtol=1e-5):
-        raise UnsupportedModel(
-            file.path,
-            "rope_freqs.weight is not Llama 3 scaling with low_freq_factor 1, high_freq_factor "
-            f"4 and an 8192-token original context (factor {scaling['factor']})",
-        )
-    return scaling
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    for low, high, context in ((1.0, 4.0, 8192), _fitted(stored, factor, wavelen)):
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": round(context),
+        }
+        if high > low > 0 and np.allclose(
+            llama3_divisors(scaling, theta, head_dim), stored, rtol=1e-5
+        ):
+            return scaling
+    raise UnsupportedModel(
+        file.path, f"rope_freqs.weight is not Llama 3 scaling of any context (factor {factor})"
+    )
+
+
+def _fitted(stored: np.ndarray, factor: float, wavelen: np.ndarray) -> tuple[float, float, float]:
+    """(low, high, context) giving these divisors. Frequencies of wavelength below
+    context / high keep divisor 1, those above context / low take the factor, and between
+    them a frequency keeps the share `(context / wavelen - low) / (high - low)` of its
+    unscaled value. Scaling low, high and context together changes none of that, so the
+    context is taken as a whole number and low and high follow: from the line through the
+    blended shares where there are two or more, at high = 4 x low (as published) with one,
+    and from the gap between the unscaled and scaled wavelengths with none."""
+    share = (1 / stored - 1 / factor) / (1 - 1 / factor)
+    blended = (share > 1e-6) & (share < 1 - 1e-6)
+    if blended.sum() >= 2:
+        slope, intercept = np.polyfit(1 / wavelen[blended], share[blended], 1)
+        if intercept >= 0:
+            return 0.0, 0.0, 0.0  # no low > 0 gives this line: refused by the caller
+        context = max(1, round(slope / -intercept))  # low 1, near enough
+        low = -intercept * context / slope
+        return low, low + context / slope, context
+    if blended.sum() == 1:
+        [length], [part] = wavelen[blended], share[blended]
+        context = max(1, round(length * (3 * part + 1)))  # low 1, near enough
+        low = context / (length * (3 * part + 1))
+        return low, 4 * low, context
+    shortest = float(wavelen[share <= 1e-6].min())  # the factor's own divisor is there
+    unscaled = wavelen[share >= 1 - 1e-6]
+    longest = float(unscaled.max()) if unscaled.size else shortest / 2
+    gap = (shortest - longest) / 4
+    context = max(1, round(shortest))
+    return context / (shortest - gap), context / (longest + gap), context
 
 
 def llama3_divisors(scaling: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
