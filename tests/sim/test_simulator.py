@@ -38,9 +38,10 @@ def test_paged_holds_whole_blocks_of_each_requests_tokens():
     timeline = result.timeline
     # KV held per step: r0 3,4 (done: its 2nd token is sampled), r1 2,3,4,5 (done).
     assert timeline.state == [5, 7, 4, 5]
-    # Blocks: r0 1,1 and r1 1,1,1,2 -> empty slots in last blocks 1+2, 0+1, 0, 3.
-    assert timeline.internal == [3, 1, 0, 3]
-    assert timeline.reservation == [0] * 4
+    # Blocks: r0 1,1 and r1 1,1,1,2 -> empty slots in last blocks 1+2, 0+1, 0, 3. Up to its
+    # final 4 (r0) and 5 (r1) KV tokens a request still writes them; past that, never.
+    assert timeline.reservation == [3, 1, 0, 0]
+    assert timeline.internal == [0, 0, 0, 3]
     assert timeline.running == [2, 2, 1, 1]
     # At their last steps r0 holds 4 tokens in 4 slots, r1 5 in 8.
     assert (result.final_tokens, result.final_held) == (9, 12)
@@ -50,7 +51,8 @@ def test_paged_holds_whole_blocks_of_each_requests_tokens():
     # Step by step: 5/8, 7/8, 4/4, 5/8; the fullest is step 2, not any request's end.
     assert summary.peak_utilisation_over_time == pytest.approx(1.0)
     assert summary.finished_per_1000_steps == pytest.approx(1000 * 2 / 4)
-    assert summary.internal_fragmentation == pytest.approx(7 / (16 * 4))
+    assert summary.internal_fragmentation == pytest.approx(3 / (16 * 4))
+    assert summary.reservation_waste == pytest.approx(4 / (16 * 4))
 
 
 def test_slab_at_max_model_len_reserves_the_whole_context():
@@ -128,7 +130,10 @@ def test_forked_samples_share_the_prompt_until_copy_on_write():
     # Step 0: the prompt, one sequence. Step 1: each sample writes its first token; two copy
     # the shared last block on write (the third now owns it): 4 + 3x3 stored, 21 held.
     assert timeline.state == [6, 13]
-    assert timeline.internal == [2, 3]
+    # Final length 7 KV tokens: at step 0 one of the prompt's 2 empty slots is still to be
+    # written; at step 1 the three samples' empty slots never will be.
+    assert timeline.reservation == [1, 0]
+    assert timeline.internal == [1, 3]
     assert timeline.shared == [0, 8]
     assert result.stats["cow_copies"] == 2
     assert (result.final_tokens, result.final_held) == (13, 16)

@@ -196,7 +196,7 @@ def print_report(comparison: Comparison) -> None:
         console,
         ", ".join(list(SCHEME_LABELS.values())[:2]),
         ", ".join(list(SCHEME_LABELS.values())[2:]) + " (prefix caching, forks)",
-        "utilisation = token state / held KV memory; mean = over every step;",
+        "utilisation = token state / held KV memory; mean = sums over every step;",
         "  at completion = each request at its largest; peak = the fullest step",
         "waste, saved by sharing = time-averaged share of the pool",
         f"(d): {stats['prefix_hit_tokens']:,} of {stats['prefix_queried_tokens']:,} prompt "
@@ -208,7 +208,7 @@ def print_report(comparison: Comparison) -> None:
         console,
         "each batch arrives at once into a pool of batch x max_model_len tokens",
         "at completion = each request at its largest: token state / memory held then;",
-        "mean = averaged over every step",
+        "mean = token state / memory held, both summed over every step",
         *_left_out_notes(comparison),
     )
     sharing = comparison.sharing

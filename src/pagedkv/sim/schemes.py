@@ -46,9 +46,10 @@ class MemoryState:
 
     `state` slots hold a token's KV; `reservation` slots are held for tokens their request
     will still write; `internal` slots are held but will never be written (a slab's
-    over-reservation, a paged block's unfilled tail); `external` slots are free yet unusable
-    by the request waiting for memory, because no hole is large enough. `shared` counts the
-    slots sharing saves: tokens of several sequences stored once.
+    over-reservation, the part of a paged request's last block past its final length);
+    `external` slots are free yet unusable by the request waiting for memory, because no hole
+    is large enough. `shared` counts the slots sharing saves: tokens of several sequences
+    stored once.
     """
 
     state: int
@@ -184,11 +185,15 @@ class PagedScheme(Scheme):
     def measure(self) -> MemoryState:
         held = (self.manager.num_gpu_blocks - self.manager.num_free_blocks) * self.block_size
         seqs = self.manager.seq_ids
-        unfilled = self._unfilled_slots(seqs)
+        unfilled, never_written = self._unfilled_slots(seqs)
         logical = sum(self.manager.num_tokens(seq) for seq in seqs)
         state = held - unfilled
         return MemoryState(
-            state, reservation=0, internal=unfilled, external=0, shared=logical - state
+            state,
+            reservation=unfilled - never_written,
+            internal=never_written,
+            external=0,
+            shared=logical - state,
         )
 
     def footprint(self, request: WorkloadRequest) -> tuple[int, int]:
@@ -210,15 +215,19 @@ class PagedScheme(Scheme):
         stats = self.manager.stats
         return {**asdict(stats), "prefix_hit_rate": stats.prefix_hit_rate}
 
-    def _unfilled_slots(self, seqs: list[SeqId]) -> int:
-        """Empty slots in last blocks; a last block shared by forks is counted once."""
-        unfilled: dict[object, int] = {}
+    def _unfilled_slots(self, seqs: list[SeqId]) -> tuple[int, int]:
+        """Empty slots in last blocks, and those of them the sequence will never write (past
+        its final length); a last block shared by forks is counted once."""
+        unfilled: dict[object, tuple[int, int]] = {}
         for seq in seqs:
-            remainder = self.manager.num_tokens(seq) % self.block_size
+            num_tokens = self.manager.num_tokens(seq)
+            remainder = num_tokens % self.block_size
             if remainder:
                 key = self.manager.block_table(seq)[-1] if self.sharing else seq
-                unfilled[key] = self.block_size - remainder
-        return sum(unfilled.values())
+                empty = self.block_size - remainder
+                still_written = final_kv_tokens(self.requests[seq[0]]) - num_tokens
+                unfilled[key] = empty, empty - min(empty, max(0, still_written))
+        return sum(e for e, _ in unfilled.values()), sum(n for _, n in unfilled.values())
 
 
 class SlabMemory:
