@@ -199,8 +199,8 @@ def test_unknown_name_lists_the_builtin_models():
 def test_pull_command(registry, capsys):
     assert main(["pull", NAME]) == 0
     assert f"{NAME}: ready in {cache_dir() / NAME / 'hf'}" in capsys.readouterr().out
-    assert main(["pull", "no-such-model"]) == 1
-    assert "pagedkv pull: 'no-such-model' is not" in capsys.readouterr().err
+    assert main(["pull", "no-such-model"]) == 2  # bad input, as every command exits
+    assert "pagedkv pull: 'no-such-model' is not a built-in model" in capsys.readouterr().err
 
 
 def test_convert_command(tiny_gguf, tmp_path, capsys):

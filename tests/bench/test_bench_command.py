@@ -193,3 +193,11 @@ def test_bad_input_is_one_line_naming_it_before_or_instead_of_a_run(
     line = captured.err.strip().splitlines()[-1]  # after the engine's start-up lines, if any
     assert line.startswith("pagedkv bench: ") and named in line
     assert "tok/s" not in captured.out  # nothing was measured
+
+
+def test_two_kv_budgets_are_refused(tiny_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-tokens and --num-gpu-blocks each set every system's budget: given both, one would
+    be dropped without a word."""
+    flags = ["--kv-tokens", "100", "--num-gpu-blocks", "3", "--systems", "pagedkv"]
+    assert main(["bench", "--model", str(tiny_folder), *flags]) == 2
+    assert "not both" in capsys.readouterr().err

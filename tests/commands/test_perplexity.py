@@ -79,6 +79,15 @@ def test_text_shorter_than_a_window_is_an_error(zoo, tmp_path, capsys) -> None:
     assert "fewer than one window of n_ctx 64" in capsys.readouterr().err
 
 
+def test_a_file_that_is_no_utf8_text_is_named(zoo, tmp_path, capsys) -> None:
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"ok \x80\x81")
+    for path, reason in ((binary, "not UTF-8 text"), (tmp_path / "none.txt", "cannot read it")):
+        code = main(["perplexity", str(path), "--model", str(zoo.folder("llama"))])
+        assert code == 2
+        assert f"pagedkv perplexity: {path}: {reason}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--n-ctx", "--max-windows"])
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_window_counts_below_one_are_refused_when_parsed(tmp_path, capsys, flag, value) -> None:

@@ -92,7 +92,7 @@ def test_duplicate_request_ids_are_rejected(engine_zoo):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("temperature", -0.5, "temperature must be in"),
+        ("temperature", -0.5, r"temperature must be >= 0.0, got"),  # inf is refused too
         ("top_p", 0.0, "top_p must be in"),
         ("top_p", 1.5, "top_p must be in"),
         ("top_k", -2, "top_k must be"),

@@ -29,6 +29,14 @@ def test_pool_of_53_gb_holds_about_404k_tokens_of_llama_3_8b():
     assert plan.pool_blocks == 53 * GB // (16 * 131_072) == 25_272
 
 
+def test_a_request_holds_whole_blocks_of_its_tokens():
+    """100 tokens in blocks of 7: 15 blocks, 105 slots of 131,072 B, what the pool gives it."""
+    plan = plan_capacity(LLAMA_3_8B, PoolBudget.given(10 * GB), [100], block_size=7)
+    [row] = plan.rows
+    assert (row.blocks_per_request, row.bytes_per_request) == (15, 105 * 131_072)
+    assert row.max_concurrency == 10 * GB // (7 * 131_072) // 15 == 726
+
+
 def test_pool_of_53_gb_concurrency_per_length():
     plan = plan_capacity(LLAMA_3_8B, PoolBudget.given(53 * GB), LENGTHS)
     # 25,272 blocks over 128, 512, 2,048 and 8,192 blocks per request.

@@ -41,4 +41,4 @@ def test_adapters_larger_than_the_pool_are_a_one_line_error(capsys):
     argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "0.1", "--lora-rank", "64"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("pagedkv plan: error:") and "LoRA adapters of rank 64" in err
+    assert err.startswith("pagedkv plan: error:") and "1 LoRA adapter of rank 64 takes" in err

@@ -26,6 +26,8 @@ from pagedkv.engine import EngineArgs
 from pagedkv.engine.errors import STARTUP_ERRORS
 from pagedkv.worker.threads import physical_cores
 
+DEFAULT_KV_TOKENS = 8192  # every system's KV budget unless --kv-tokens or --num-gpu-blocks
+
 
 def run_benchmark(config: BenchConfig, out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every workload; print the tables; return the figures (JSON-ready)."""
@@ -72,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-tokens",
         type=positive_int,
-        default=8192,
-        help="KV budget in tokens for every system (default: 8192; --num-gpu-blocks wins "
-        "for pagedkv)",
+        default=None,
+        help="KV budget in tokens for every system, whole blocks of --block-size (default: "
+        f"{DEFAULT_KV_TOKENS}; or give --num-gpu-blocks)",
     )
     parser.add_argument("--num-prompts", type=positive_int, help="override the workload's count")
     parser.add_argument(
@@ -173,7 +175,10 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
             "size it with --kv-tokens or --num-gpu-blocks"
         )
     if engine_args.num_gpu_blocks is None:
-        engine_args.num_gpu_blocks = max(1, args.kv_tokens // engine_args.block_size)
+        kv_tokens = args.kv_tokens or DEFAULT_KV_TOKENS
+        engine_args.num_gpu_blocks = max(1, kv_tokens // engine_args.block_size)
+    elif args.kv_tokens is not None:
+        raise ValueError("give --kv-tokens or --num-gpu-blocks, not both: each sets the budget")
     return BenchConfig(
         engine_args=engine_args,
         hf_folder=str(folder),
@@ -200,9 +205,10 @@ def _models(model: str, seed: int) -> tuple[str, Path, str]:
     from pagedkv.weights.load import converted_folder
 
     if path.suffix == ".gguf":
-        raise SystemExit(
-            "pagedkv bench: give a built-in name or a folder (`pagedkv convert` a .gguf first), "
-            "so transformers loads the same weights"
+        raise ValueError(
+            f"{model}: the benchmark reads a model's config.json and transformers loads its "
+            "folder: `pagedkv convert` the .gguf to a folder first (a built-in name is "
+            "converted on its own)"
         )
     return model, converted_folder(model), model
 

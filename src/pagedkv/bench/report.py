@@ -177,7 +177,7 @@ def _goals(
         f"outside-forward share {where} <= {GOAL_OUTSIDE_FORWARD:.0%}: {verdict} ({share:.1%})"
     )
     if workload.spec != WORKLOADS.get(workload.name):
-        return "goals (set for the issue's workload, not this overridden one): " + "; ".join(
+        return "goals (set for the named workload, not these overridden lengths): " + "; ".join(
             verdicts
         )
     return "goals: " + "; ".join(verdicts)

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine_args = EngineArgs.from_cli_args(args)
-        text = args.file.read_text(encoding="utf-8")
+        text = _read_text(args.file)
         torch.set_num_threads(engine_args.threads or physical_cores())
         loaded = load(
             engine_args.model,
@@ -265,3 +265,13 @@ def score_window(
         nll -= log_probs.gather(1, targets.unsqueeze(1)).sum().item()
         count += num_logits
     return nll, count
+
+
+def _read_text(path: Path) -> str:
+    """The file's UTF-8 text; a ValueError naming the file otherwise."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it ({error.strerror or error})") from None

@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         if lora is not None:
             if lora.pool_bytes >= pool.pool_bytes:
                 raise ConfigError(
-                    f"{lora.max_loras} LoRA adapters of rank {lora.rank} take "
+                    f"{lora.max_loras} LoRA adapter{'s' if lora.max_loras > 1 else ''} of rank "
+                    f"{lora.rank} take{'' if lora.max_loras > 1 else 's'} "
                     f"{format_bytes(lora.pool_bytes)}, the whole KV pool is "
                     f"{format_bytes(pool.pool_bytes)}"
                 )
@@ -234,9 +235,14 @@ def _print_plan(
     )
     console.print(f"  = {spec.formula()}")
     if per_rank:
+        # A latent (MLA) cache has no KV heads: every rank holds the whole latent.
+        heads = (
+            f"{ranks['kv_heads_per_rank']} of {model.spec.num_kv_heads} KV heads per rank"
+            if model.spec.num_kv_heads
+            else "the whole latent KV on every rank"
+        )
         console.print(
-            f"  tensor parallel over {ranks['tensor_parallel_size']} ranks: "
-            f"{ranks['kv_heads_per_rank']} of {model.spec.num_kv_heads} KV heads per rank, "
+            f"  tensor parallel over {ranks['tensor_parallel_size']} ranks: {heads}, "
             f"{ranks['bytes_per_token_all_ranks']:,} B per token on all ranks together; the "
             "pool and capacity below are one rank's, and every rank holds the same blocks"
         )
@@ -262,8 +268,9 @@ def _print_plan(
             f"({format_bytes(lora.pool_bytes)}) when all are resident, the rest for KV:"
         )
     console.print(
-        f"  = {plan.pool_tokens:,} tokens = {plan.pool_blocks:,} blocks of {plan.block_size} "
-        f"tokens, {format_bytes(spec.bytes_per_block(plan.block_size))} each"
+        f"  = {plan.pool_tokens:,} tokens, in {plan.pool_blocks:,} whole blocks of "
+        f"{plan.block_size} tokens ({plan.pool_blocks * plan.block_size:,} tokens)\n"
+        f"  one block: {format_bytes(spec.bytes_per_block(plan.block_size))}"
     )
     console.print(f"  longest single request: {plan.longest_request:,} tokens")
     console.print()

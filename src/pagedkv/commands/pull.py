@@ -33,10 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Pull (and convert) the model; print each step; exit 1 with the reason on failure."""
-    from pagedkv.hub import HubError, pull
+    """Pull (and convert) the model; print each step; exit 2 for a name that is no built-in
+    model, 1 with the reason when the pull fails."""
+    from pagedkv.hub import BUILTIN_MODELS, HubError, pull
     from pagedkv.model.errors import ModelError
 
+    if args.name not in BUILTIN_MODELS:
+        print(
+            f"pagedkv pull: {args.name!r} is not a built-in model (built-in: "
+            f"{', '.join(BUILTIN_MODELS)}); a folder or a .gguf file needs no pull",
+            file=sys.stderr,
+        )
+        return 2
     try:
         path = pull(args.name, force=args.force)
         if not args.no_convert:

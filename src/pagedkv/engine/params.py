@@ -279,6 +279,10 @@ def _check_number(
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        low = "-inf" if minimum is None else minimum
-        high = "inf" if maximum is None else maximum
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        if maximum is None:
+            bound = f">= {minimum}"
+        elif minimum is None:
+            bound = f"<= {maximum}"
+        else:
+            bound = f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
