@@ -68,7 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="built-in request mix (default tutorial)",
     )
     source.add_argument(
-        "--trace", type=Path, help="JSONL: prompt_len, output_len[, prefix_id, prefix_len, n]"
+        "--trace",
+        type=Path,
+        help="JSONL: prompt_len, output_len[, prefix_id, prefix_len, n, max_tokens] (max_tokens, "
+        "what (b) reserves past the prompt: the rest of max_model_len when left out)",
     )
     parser.add_argument(
         "--model",
