@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from pagedkv.cli import main
@@ -58,3 +59,12 @@ def test_the_serving_demo_sizes_its_pool_from_kv_cache_memory_when_given(capsys,
     argv = ["demo", "--model", str(folder), "--max-tokens", "4", "--kv-cache-memory", "800000"]
     assert main(argv) == 0
     assert "every block is free again, invariants hold" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags", [["--model", "elsewhere"], ["--max-tokens", "5"], ["--num-gpu-blocks", "8"]]
+)
+def test_memory_walkthrough_refuses_flags_it_has_nothing_to_act_on(flags, capsys):
+    """A flag silently ignored reads as one that acted: --memory runs no model."""
+    assert main(["demo", "--memory", *flags]) == 2
+    assert f"{flags[0]} does not apply to --memory" in capsys.readouterr().err

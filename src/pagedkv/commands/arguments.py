@@ -115,3 +115,26 @@ def _bytes_fit(gigabytes: float, text: str) -> float:
     if not math.isfinite(gigabytes * GB):
         raise argparse.ArgumentTypeError(f"too large a size: {text} GB")
     return gigabytes
+
+
+def engine_flags_given(
+    args: argparse.Namespace,
+    keep: frozenset[str] = frozenset(),
+    defaults: dict[str, object] | None = None,
+) -> list[str]:
+    """The engine flags outside `keep` that the command line set off their defaults (the
+    field's, or the command's own in `defaults`), as typed: a switched-off boolean as
+    `--no-...`. A command refuses them where they have nothing to act on, since a flag
+    silently ignored reads as one that acted. The parsed values are compared, not an
+    `EngineArgs`, whose aliases (`--swap-space`) also change the field they alias."""
+    from dataclasses import fields
+
+    from pagedkv.engine.args import EngineArgs, cli_flag
+
+    defaults = defaults or {}
+    return [
+        cli_flag(field.name, negated=getattr(args, field.name) is False)
+        for field in fields(EngineArgs)
+        if field.name not in keep
+        and getattr(args, field.name) != defaults.get(field.name, field.default)
+    ]

@@ -14,6 +14,8 @@ import sys
 # share, and requests sometimes give way. --num-gpu-blocks overrides it.
 DEMO_NUM_GPU_BLOCKS = 64
 DEMO_SWAP_SPACE_GB = 0.25
+DEMO_MAX_TOKENS = 96
+DEMO_TEMPERATURE = 0.7
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,11 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="walk through the memory manager step by step instead (no model)",
     )
-    parser.add_argument("--max-tokens", type=int, default=96, help="default: %(default)s")
+    parser.add_argument(
+        "--max-tokens", type=int, default=DEMO_MAX_TOKENS, help="default: %(default)s"
+    )
     parser.add_argument(
         "--temperature",
         type=float,
-        default=0.7,
+        default=DEMO_TEMPERATURE,
         help="for the requests with two samples; the others are greedy (default: %(default)s)",
     )
     EngineArgs.add_cli_args(parser)
@@ -39,8 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the serving demo, or the memory walk-through with --memory."""
     if args.memory:
+        from pagedkv.commands.arguments import engine_flags_given
         from pagedkv.commands.memory_walkthrough import run_walkthrough
 
+        given = engine_flags_given(args, defaults={"swap_space_gb": DEMO_SWAP_SPACE_GB})
+        given += ["--max-tokens"] if args.max_tokens != DEMO_MAX_TOKENS else []
+        given += ["--temperature"] if args.temperature != DEMO_TEMPERATURE else []
+        if given:
+            print(
+                f"pagedkv demo: {', '.join(given)} do{'es' if len(given) == 1 else ''} not "
+                "apply to --memory (it walks through the memory manager alone, with no model)",
+                file=sys.stderr,
+            )
+            return 2
         return run_walkthrough()
     from rich.console import Console
 

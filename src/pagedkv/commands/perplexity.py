@@ -91,12 +91,13 @@ def run(args: argparse.Namespace) -> int:
     """Score the file and print perplexity, tokens scored and speed."""
     import torch
 
+    from pagedkv.commands.arguments import engine_flags_given
     from pagedkv.engine.args import EngineArgs, cli_flag
     from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
     from pagedkv.worker.threads import physical_cores
 
-    refused = refused_flags(args)
+    refused = engine_flags_given(args, keep=ENGINE_FIELDS)
     if refused:
         used = ", ".join(cli_flag(f.name) for f in fields(EngineArgs) if f.name in ENGINE_FIELDS)
         print(
@@ -153,19 +154,6 @@ def run(args: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads"
     )
     return 0
-
-
-def refused_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags outside `ENGINE_FIELDS` that the command line set off their defaults,
-    as typed (a switched-off boolean as `--no-...`). The parsed values are compared, not an
-    `EngineArgs`, whose aliases (`--swap-space`) also change the field they alias."""
-    from pagedkv.engine.args import EngineArgs, cli_flag
-
-    return [
-        cli_flag(field.name, negated=getattr(args, field.name) is False)
-        for field in fields(EngineArgs)
-        if field.name not in ENGINE_FIELDS and getattr(args, field.name) != field.default
-    ]
 
 
 @dataclass(frozen=True)
