@@ -213,4 +213,6 @@ def test_convert_command(tiny_gguf, tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     assert main(["convert", str(source), str(tmp_path / "a_file" / "out")]) == 1  # not a folder
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith("pagedkv convert: ") and "a_file" in line
+    assert line.startswith(f"pagedkv convert: cannot write {tmp_path / 'a_file' / 'out'}: ")
+    assert main(["convert", str(source), str(tmp_path / "a_file")]) == 1  # a file, no folder
+    assert f"{tmp_path / 'a_file'}: is a file (choose a new folder)" in capsys.readouterr().err

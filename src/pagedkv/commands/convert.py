@@ -36,8 +36,15 @@ def run(args: argparse.Namespace) -> int:
         if not source.exists() and args.source in BUILTIN_MODELS:
             source = pull(args.source)
         folder = convert_gguf(source, args.folder)
-    except (ModelError, HubError, OSError) as error:  # OSError: a target it cannot write
+    except (ModelError, HubError) as error:
         print(f"pagedkv convert: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # a target it cannot write
+        print(
+            f"pagedkv convert: cannot write {args.folder}: {error.strerror or error}"
+            f"{f' ({error.filename})' if error.filename else ''}",
+            file=sys.stderr,
+        )
         return 1
     print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
     return 0

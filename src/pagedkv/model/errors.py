@@ -88,5 +88,6 @@ class ConvertTargetExists(ModelError):
     """A conversion would overwrite a folder that already holds files."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(f"{path}: already exists and is not empty (choose a new folder)")
+        what = "is a file" if path.is_file() else "already exists and is not empty"
+        super().__init__(f"{path}: {what} (choose a new folder)")
         self.path = path
