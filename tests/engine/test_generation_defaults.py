@@ -112,6 +112,9 @@ def test_override_generation_config_sets_keys_over_the_file_as_given(engine_zoo,
     assert merged == {"temperature": 0.5, "top_k": 20, "top_p": 1.0, "max_tokens": 7}
     alone = small_llm(folder, generation_config="vllm", override_generation_config='{"top_k": 3}')
     assert alone.get_default_sampling_params() == SamplingParams(top_k=3)
+    # vLLM merges, then drops nulls: a null takes the file's value away.
+    removed = small_llm(folder, override_generation_config={"temperature": None})
+    assert removed.engine.sampling_defaults == {"top_k": 20}
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ def test_a_reset_makes_a_seen_prompt_compute_again(engine_zoo, served_from) -> N
     warm, again = cached_and_answer(llm)
     assert (cold, warm) == (0, (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE)
     assert llm.engine.manager.offload_stats.hits == (warm // BLOCK_SIZE if tier else 0)
-    assert llm.reset_prefix_cache()
+    assert llm.reset_prefix_cache(reset_running_requests=True)  # vLLM's keyword: none run
     assert cached_and_answer(llm) == (0, answer) and again == answer
     assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_gpu_blocks
 

@@ -11,7 +11,7 @@ import torch
 
 from pagedkv.kvmath.families import layer_windows
 from pagedkv.kvmath.presets import MODEL_PRESETS
-from pagedkv.kvmath.spec import KVSpec
+from pagedkv.kvmath.spec import ConfigError, KVSpec
 from pagedkv.model.config import ModelConfig, RopeConfig, load_config, read_config
 from pagedkv.model.errors import MalformedModelFile, ModelFileMissing, UnsupportedModel
 from pagedkv.weights.hf_folder import load_model
@@ -377,6 +377,41 @@ def test_keys_left_out_take_transformers_class_defaults(config_class, architectu
         theirs.max_position_embeddings,
     )
     _assert_planner_and_model_agree(raw, SOURCE)
+
+
+def test_the_class_of_defaults_is_the_model_types_as_transformers_picks_it():
+    """A config naming `MistralForCausalLM` with `model_type` "llama" is a LlamaConfig to
+    transformers (AutoConfig goes by the type): its defaults, not Mistral's."""
+    import transformers
+
+    fields = {"num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 32}
+    raw = {**fields, "model_type": "llama", "architectures": ["MistralForCausalLM"]}
+    raw |= {"intermediate_size": 512, "vocab_size": 300}
+    theirs = transformers.AutoConfig.for_model("llama", **fields)
+    ours = ModelConfig.from_dict(raw, SOURCE)
+    assert (ours.num_kv_heads, ours.max_position_embeddings) == (
+        theirs.num_key_value_heads,
+        theirs.max_position_embeddings,
+    )
+    _assert_planner_and_model_agree(raw, SOURCE)
+
+
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused_by_both():
+    """Qwen2Config's default of 32 KV heads over 14 query heads: the error says where the 32
+    comes from, and the planner refuses the config too."""
+    raw = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "hidden_size": 896,
+        "num_attention_heads": 14,
+        "intermediate_size": 512,
+        "vocab_size": 300,
+    }
+    with pytest.raises(MalformedModelFile, match=r"\(32, its config class default"):
+        ModelConfig.from_dict(raw, SOURCE)
+    with pytest.raises(ConfigError, match="14 is not a multiple of num_key_value_heads 32"):
+        KVSpec.from_hf_config(raw)
 
 
 def _transformers_windows(config) -> tuple[int | None, ...]:

@@ -42,8 +42,6 @@ DTYPE_SPELLINGS = {
     "half": "float16",
 }
 PREEMPTION_MODES = ("swap", "recompute")
-# vLLM's load_format values for what pagedkv reads: auto (by the path), a Hugging Face folder's
-# safetensors, a GGUF file.
 # On/off fields: a --flag and a --no-flag each.
 _BOOLEAN_FIELDS = (
     "enable_prefix_caching",

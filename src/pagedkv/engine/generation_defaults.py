@@ -38,8 +38,8 @@ def sampling_defaults(
 ) -> dict[str, Any]:
     """SamplingParams keywords the model's generation config sets (empty: none), with vLLM's
     `override_generation_config` over them (its values as given, transformers' defaults
-    included); checked by SamplingParams itself, so a bad file or override fails at start-up,
-    naming it."""
+    included; a null removes the file's); checked by SamplingParams itself, so a bad file or
+    override fails at start-up, naming it."""
     from_file = _from_file(generation_config, model_path)
     if not override:
         return from_file
@@ -49,16 +49,16 @@ def sampling_defaults(
             f"override_generation_config: {', '.join(map(repr, unknown))} not taken (it sets "
             f"{', '.join(_TRANSFORMERS_DEFAULTS)})"
         )
-    given = {
-        "max_tokens" if key == "max_new_tokens" else key: value
-        for key, value in override.items()
-        if value is not None
-    }
+    # vLLM merges, then drops what is null: a null takes the file's value away.
+    merged = dict(from_file)
+    for key, value in override.items():
+        merged["max_tokens" if key == "max_new_tokens" else key] = value
+    merged = {key: value for key, value in merged.items() if value is not None}
     try:
-        SamplingParams(**given)
+        SamplingParams(**merged)
     except (TypeError, ValueError) as error:
         raise ValueError(f"override_generation_config: {error}") from None
-    return {**from_file, **given}
+    return merged
 
 
 def _from_file(generation_config: str, model_path: Path) -> dict[str, Any]:

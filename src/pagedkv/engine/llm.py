@@ -47,10 +47,13 @@ class LLM:
         """The model's tokenizer (encode, decode, chat template)."""
         return self.engine.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """Forget every cached prefix, on the device and in the host tier, so the next call's
         prompts are computed whole (vLLM's, for benchmarks of cold prompts). True: between
-        calls no request holds blocks."""
+        calls no request holds blocks, so vLLM's `reset_running_requests` has none to act on,
+        and `reset_connector` no KV connector (pagedkv has none)."""
         return self.engine.manager.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+# vLLM's load_format values for what pagedkv reads: auto (by the path), a Hugging Face folder's
+# safetensors, a GGUF file.
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 TOKENIZER_MODES = ("auto", "hf")
 # vLLM's structured-output backends, and the switches of its StructuredOutputsConfig that

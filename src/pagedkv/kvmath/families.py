@@ -105,12 +105,14 @@ def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | 
 
 
 def class_default(config: Mapping[str, object], key: str) -> int | None:
-    """What transformers' config class of this architecture gives `key` (`head_dim`,
-    `num_key_value_heads`, `max_position_embeddings`) when config.json names none: Qwen3's head
-    size 128, Mistral's 8 KV heads; None where that is the generic rule."""
+    """What transformers' config class gives `key` (`head_dim`, `num_key_value_heads`,
+    `max_position_embeddings`) when config.json names none: Qwen3's head size 128, Mistral's 8
+    KV heads; None where that is the generic rule. The class is the `model_type`'s, as
+    transformers and vLLM pick it (the architecture only where the type is unknown here)."""
+    model_type = str(config.get("model_type"))
+    if model_type in _CLASS_DEFAULTS:
+        return _CLASS_DEFAULTS[model_type].get(key)
     architectures = config.get("architectures")
     if isinstance(architectures, list) and architectures:
-        name = str(architectures[0])
-    else:
-        name = str(config.get("model_type"))
-    return _CLASS_DEFAULTS.get(name, {}).get(key)
+        return _CLASS_DEFAULTS.get(str(architectures[0]), {}).get(key)
+    return None

@@ -235,6 +235,11 @@ class KVSpec:
             or class_default(fields, "num_key_value_heads")
             or num_heads
         )
+        if num_heads % num_kv_heads:  # grouped-query attention shares each KV head evenly
+            raise ConfigError(
+                f"{source}: num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
         head_dim = field.optional_positive_int("head_dim") or class_default(fields, "head_dim")
         if head_dim is None:
             hidden = field.positive_int("hidden_size", "n_embd", "d_model")

@@ -70,10 +70,12 @@ class ModelConfig:
             "num_key_value_heads", class_default(raw, "num_key_value_heads") or num_heads
         )
         if num_heads % num_kv_heads:
+            default = raw.get("num_key_value_heads") is None
             raise MalformedModelFile(
                 source,
                 f"num_attention_heads ({num_heads}) is not a multiple of "
-                f"num_key_value_heads ({num_kv_heads})",
+                f"num_key_value_heads ({num_kv_heads}"
+                f"{', its config class default: the config names none' if default else ''})",
             )
         head_dim = fields.integer(
             "head_dim", class_default(raw, "head_dim") or hidden_size // num_heads

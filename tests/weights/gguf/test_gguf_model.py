@@ -265,6 +265,7 @@ def test_llama3_rope_freqs_tensor_becomes_llama3_scaling(tiny_gguf):
     [
         (500000.0, 16, 32, 1.0, 4.0),  # no blended frequency: between 6.3 and 32.5 tokens
         (500000.0, 16, 100, 1.0, 4.0),  # one blended: 32.5 tokens
+        (10000.0, 32, 100, 1.0, 2.0),  # one blended, high 2 x low: no room for 4
         (10000.0, 128, 4096, 1.0, 4.0),  # several
         (500000.0, 128, 131072, 2.0, 8.0),  # several, another low and high
     ],

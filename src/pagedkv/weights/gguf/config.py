@@ -154,8 +154,8 @@ def _fitted(stored: np.ndarray, factor: float, wavelen: np.ndarray) -> tuple[flo
     them a frequency keeps the share `(context / wavelen - low) / (high - low)` of its
     unscaled value. Scaling low, high and context together changes none of that, so the
     context is taken as a whole number and low and high follow: from the line through the
-    blended shares where there are two or more, at high = 4 x low (as published) with one,
-    and from the gap between the unscaled and scaled wavelengths with none."""
+    blended shares where there are two or more, from the one share and the gaps beside it
+    with one, and from the gap between the unscaled and scaled wavelengths with none."""
     share = (1 / stored - 1 / factor) / (1 - 1 / factor)
     blended = (share > 1e-6) & (share < 1 - 1e-6)
     if blended.sum() >= 2:
@@ -165,14 +165,22 @@ def _fitted(stored: np.ndarray, factor: float, wavelen: np.ndarray) -> tuple[flo
         context = max(1, round(slope / -intercept))  # low 1, near enough
         low = -intercept * context / slope
         return low, low + context / slope, context
-    if blended.sum() == 1:
-        [length], [part] = wavelen[blended], share[blended]
-        context = max(1, round(length * (3 * part + 1)))  # low 1, near enough
-        low = context / (length * (3 * part + 1))
-        return low, 4 * low, context
     shortest = float(wavelen[share <= 1e-6].min())  # the factor's own divisor is there
     unscaled = wavelen[share >= 1 - 1e-6]
-    longest = float(unscaled.max()) if unscaled.size else shortest / 2
+    longest = float(unscaled.max()) if unscaled.size else 0.0
+    if blended.sum() == 1:
+        # At low 1 the share fixes context = length x (1 + part x (high - 1)): high 4, as
+        # published, where that keeps the cut-offs context / high and context in the gaps
+        # beside the blended wavelength; else halfway to the largest high that does.
+        [length], [part] = wavelen[blended], share[blended]
+        most = 1 + (shortest / length - 1) / part  # context below the shortest scaled
+        if longest > length * part:  # context / high above the longest unscaled
+            most = min(most, (1 - part) / (longest / length - part))
+        high = 4.0 if most > 4 else (1 + most) / 2
+        exact = length * (1 + part * (high - 1))
+        context = max(1, round(exact))
+        return context / exact, high * context / exact, context
+    longest = longest or shortest / 2
     gap = (shortest - longest) / 4
     context = max(1, round(shortest))
     return context / (shortest - gap), context / (longest + gap), context
