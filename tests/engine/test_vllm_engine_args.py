@@ -224,8 +224,9 @@ def test_vllms_structured_output_backends_are_taken_with_a_note(flags, note, cap
         (dict(structured_outputs_config={"reasoning": 1}), "'reasoning' not taken"),
         (dict(structured_outputs_config={"disable_fallback": 1}), "must be true or false"),
         (dict(structured_outputs_config="backend=xgrammar"), "is not valid JSON"),
+        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode 'processed_logprobs' is not"),
     ],
 )
-def test_bad_structured_output_settings_are_refused_by_name(settings, message) -> None:
+def test_bad_vllm_output_settings_are_refused_by_name(settings, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="unused", **settings)

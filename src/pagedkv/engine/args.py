@@ -102,6 +102,7 @@ class EngineArgs:
     cpu_offload_gb: float = 0.0
     compilation_config: int | dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
+    logprobs_mode: str = "raw_logprobs"
     guided_decoding_backend: str | None = None
 
     def __post_init__(self) -> None:

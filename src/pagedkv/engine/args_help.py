@@ -82,6 +82,8 @@ FIELD_HELP = {
     "compiles no graphs",
     "structured_outputs_config": "vLLM's, as JSON: backend (outputs are held by llguidance, "
     "vLLM's 'guidance', whichever is named) and its switches, which change nothing here",
+    "logprobs_mode": "vLLM's; raw_logprobs only: logprobs are the model's own, before "
+    "penalties, temperature and top-k/top-p",
     "guided_decoding_backend": "vLLM's older name of structured_outputs_config's backend",
 }
 

@@ -141,18 +141,21 @@ def take_outputs(request: Request) -> list[CompletionOutput]:
 def _find_stop_string(
     seq: Sequence, stop_strings: tuple[str, ...], previous_length: int, include: bool
 ) -> None:
-    """Cut the text before (or after, to `include` it) the earliest stop string that ends in
-    the new text (each searched from where it could first end there, as vLLM's: an
-    occurrence that ended in older text, inside min_tokens, does not count)."""
-    best: tuple[int, str] | None = None
+    """Cut the text before (or after, to `include` it) the stop string that completes first
+    in the new text, ties going to the stop list's order, as vLLM's: what adding the text a
+    character at a time would stop on, however many tokens a step added (speculation adds
+    several). Each is searched from where it could first end there: an occurrence that
+    ended in older text, inside min_tokens, does not count."""
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
     for stop in stop_strings:
         position = seq.text.find(stop, max(0, previous_length - len(stop) + 1))
-        if position != -1 and (best is None or position < best[0]):
-            best = (position, stop)
+        if position != -1 and (best is None or position + len(stop) < best[0]):
+            best = (position + len(stop), position, stop)
     if best is not None:
-        seq.text = seq.text[: best[0] + (len(best[1]) if include else 0)]
+        end, start, stop = best
+        seq.text = seq.text[: end if include else start]
         seq.finish_reason = "stop"
-        seq.stop_reason = best[1]
+        seq.stop_reason = stop
 
 
 def _finish(seq: Sequence, reason: str, stop_reason: int | None) -> None:

@@ -70,6 +70,11 @@ def check_vllm_keywords(args: Any) -> None:
     if not isinstance(compilation, int | dict | None) or isinstance(compilation, bool):
         raise ValueError(f"compilation_config must be a level (int) or a dict, got {compilation!r}")
     args.compilation_config = compilation
+    if args.logprobs_mode != "raw_logprobs":
+        raise ValueError(
+            f"logprobs_mode {args.logprobs_mode!r} is not supported: logprobs are the model's "
+            "own, before penalties, temperature and top-k/top-p (vLLM's 'raw_logprobs')"
+        )
     _check_structured_outputs(args)
 
 
