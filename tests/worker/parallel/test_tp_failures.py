@@ -127,6 +127,49 @@ def test_a_worker_death_while_idle_is_noticed_without_a_step(folder, short_timeo
     llm.engine.shutdown()
 
 
+def test_a_worker_that_dies_before_joining_is_named_before_the_join(
+    folder, short_timeout, monkeypatch
+):
+    """A spawned worker killed while it starts (a crash on import, the OOM killer) is named
+    as soon as its process has exited: rank 0 never enters the group's join, which would only
+    give up after the collective timeout."""
+    from multiprocessing.context import SpawnProcess
+
+    from pagedkv.worker.parallel.link import Link
+
+    started = SpawnProcess.start
+
+    def start_then_kill(process):
+        started(process)
+        os.kill(process.pid, signal.SIGKILL)
+
+    joins = []
+    join = Link.start_group
+    monkeypatch.setattr(SpawnProcess, "start", start_then_kill)
+    monkeypatch.setattr(Link, "start_group", lambda link: joins.append(link) or join(link))
+    with pytest.raises(WorkerFailed, match="rank 1 failed: its process .* code -9"):
+        start(folder)
+    assert joins == []
+    assert multiprocessing.active_children() == []
+
+
+def test_a_store_port_in_use_is_one_clear_error(folder, monkeypatch):
+    """Rank 0 under torchrun's environment with MASTER_PORT already taken: an OSError naming
+    the address and the variables (a 20-line DistNetworkError before), nothing left behind."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        environment = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+        for name, value in {**environment, "RANK": "0", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(OSError, match=f"store at 127.0.0.1:{port} .*MASTER_PORT.*in use"):
+            start(folder)
+    assert multiprocessing.active_children() == []
+
+
 def test_bad_sizes_are_refused_with_the_numbers(folder):
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(folder), tensor_parallel_size=0)

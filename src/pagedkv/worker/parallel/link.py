@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 _TIMEOUT_KEY = "pagedkv/timeout_s"
 _DEVICE_KEY = "pagedkv/device_type"
+_ARRIVED_KEY = "pagedkv/arrived/{rank}"  # set by a worker that reached the store
+ARRIVAL_POLL_S = 0.05
 HEARTBEAT_S = 0.5  # how often a worker's heartbeat counter moves
 STORE_WAIT_S = 600.0  # how long a worker waits for rank 0's store and timeout to appear
 
@@ -108,14 +111,21 @@ class Link:
         self.size = size
         self.host = host
         wait = timedelta(seconds=timeout_s if timeout_s is not None else STORE_WAIT_S)
-        self.store = dist.TCPStore(
-            host,
-            port,
-            size,
-            is_master=rank == 0 and host_store,
-            timeout=wait,
-            wait_for_workers=False,
-        )
+        try:
+            self.store = dist.TCPStore(
+                host,
+                port,
+                size,
+                is_master=rank == 0 and host_store,
+                timeout=wait,
+                wait_for_workers=False,
+            )
+        except dist.DistNetworkError as error:  # a port in use, a host it cannot reach
+            where = "host" if rank == 0 and host_store else "reach"
+            raise OSError(
+                f"tensor-parallel rank {rank} cannot {where} the group's store at {host}:{port} "
+                f"(MASTER_ADDR, MASTER_PORT): {error}"
+            ) from None
         self.port = self.store.port
         if rank == 0:
             self.store.set(_DEVICE_KEY, str(device_type))
@@ -127,6 +137,21 @@ class Link:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self._backend = "nccl" if device_type == "cuda" else "gloo"
+
+    def arrive(self) -> None:
+        """A worker: say it reached the store, before it joins the group."""
+        self.store.set(_ARRIVED_KEY.format(rank=self.rank), "1")
+
+    def await_arrivals(self, check: Callable[[], None]) -> None:
+        """Rank 0: wait for every worker to reach the store, calling `check` meanwhile (it
+        raises for a spawned worker that died: one that crashed while importing, or was
+        killed for memory, is named at once rather than after the group's join times out).
+        Gives up silently after the collective timeout: the join then fails and says why."""
+        keys = [_ARRIVED_KEY.format(rank=rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            check()
+            time.sleep(ARRIVAL_POLL_S)
 
     def start_group(self) -> None:
         """Join the process group (every rank must call it; it waits for them all)."""

@@ -146,6 +146,8 @@ class TensorParallelRanks(SingleRank):
             )
         ranks = cls(spec, link, processes)
         try:
+            if processes:
+                link.await_arrivals(ranks._check_processes)
             link.start_group()
             link.send(spec)
         except Exception as error:

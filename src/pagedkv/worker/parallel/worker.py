@@ -33,6 +33,7 @@ def run_worker(
     link = Link(
         host=host, port=port, rank=rank, size=size, local_rank=local_rank, host_store=host_store
     )
+    link.arrive()
     link.start_group()
     link.start_heartbeat()
     try:
