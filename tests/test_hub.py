@@ -216,3 +216,6 @@ def test_convert_command(tiny_gguf, tmp_path, capsys):
     assert line.startswith(f"pagedkv convert: cannot write {tmp_path / 'a_file' / 'out'}: ")
     assert main(["convert", str(source), str(tmp_path / "a_file")]) == 1  # a file, no folder
     assert f"{tmp_path / 'a_file'}: is a file (choose a new folder)" in capsys.readouterr().err
+    long_name = tmp_path / ("x" * 300 + ".gguf")  # no file system takes such a name
+    assert main(["convert", str(long_name), str(tmp_path / "out2")]) == 1
+    assert f"pagedkv convert: cannot read {long_name}: " in capsys.readouterr().err

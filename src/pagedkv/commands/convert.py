@@ -31,20 +31,17 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.weights.gguf.convert import convert_gguf
 
     start = time.perf_counter()
+    source = Path(args.source)
     try:
-        source = Path(args.source)
-        if not source.exists() and args.source in BUILTIN_MODELS:
+        if args.source in BUILTIN_MODELS and not source.is_file():
             source = pull(args.source)
         folder = convert_gguf(source, args.folder)
     except (ModelError, HubError) as error:
         print(f"pagedkv convert: {error}", file=sys.stderr)
         return 1
-    except OSError as error:  # a target it cannot write
-        print(
-            f"pagedkv convert: cannot write {args.folder}: {error.strerror or error}"
-            f"{f' ({error.filename})' if error.filename else ''}",
-            file=sys.stderr,
-        )
+    except OSError as error:  # the source it cannot read, or a target it cannot write
+        side = f"read {source}" if error.filename == str(source) else f"write {args.folder}"
+        print(f"pagedkv convert: cannot {side}: {error.strerror or error}", file=sys.stderr)
         return 1
     print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -9,7 +9,7 @@ defaults count (vLLM reads `GenerationConfig.to_diff_dict()`), and `max_new_toke
 `max_tokens`. A folder without the file gives the same keys of its config.json, where older
 checkpoints kept them (vLLM's `GenerationConfig.from_model_config` fallback). `"vllm"` ignores
 both; any other value names a folder holding a generation_config.json. vLLM's
-`override_generation_config` sets keys over either, as given.
+`override_generation_config` sets keys over either, as given (a null takes one away).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from pagedkv.model.errors import ConvertTargetExists
@@ -45,7 +46,10 @@ def convert_gguf(path: str | Path, folder: str | Path) -> Path:
 
 def _write_folder(gguf_model: GGUFModel, folder: Path) -> None:
     weights = dict(gguf_tensors(gguf_model.file, gguf_model.config))
-    save_file(weights, folder / SINGLE_FILE, metadata={"format": "pt"})
+    try:
+        save_file(weights, folder / SINGLE_FILE, metadata={"format": "pt"})
+    except SafetensorError as error:  # safetensors' own type for a failed write (a full disk)
+        raise OSError(f"{folder / SINGLE_FILE}: {error}") from None
     del weights
     files = gguf_model.tokenizer_files
     files.tokenizer.save(str(folder / "tokenizer.json"))

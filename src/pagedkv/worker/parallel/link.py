@@ -124,7 +124,7 @@ class Link:
             where = "host" if rank == 0 and host_store else "reach"
             raise OSError(
                 f"tensor-parallel rank {rank} cannot {where} the group's store at {host}:{port} "
-                f"(MASTER_ADDR, MASTER_PORT): {error}"
+                f"(MASTER_ADDR, MASTER_PORT under torchrun): {error}"
             ) from None
         self.port = self.store.port
         if rank == 0:
