@@ -219,3 +219,20 @@ def test_convert_command(tiny_gguf, tmp_path, capsys):
     long_name = tmp_path / ("x" * 300 + ".gguf")  # no file system takes such a name
     assert main(["convert", str(long_name), str(tmp_path / "out2")]) == 1
     assert f"pagedkv convert: cannot read {long_name}: " in capsys.readouterr().err
+
+
+def test_convert_says_a_failed_write_in_one_line(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """safetensors reports a write it could not finish (a full disk) as its own error type:
+    one line naming the target, and no half-written folder."""
+    from safetensors import SafetensorError
+
+    from pagedkv.weights.gguf import convert
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(convert, "save_file", full_disk)
+    assert main(["convert", str(tiny_gguf("llama")), str(tmp_path / "out")]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"pagedkv convert: cannot write {tmp_path / 'out'}: ")
+    assert "No space left on device" in line and not (tmp_path / "out").exists()
