@@ -110,3 +110,13 @@ def test_vllms_spellings_of_flags_are_read_as_vllm_reads_them() -> None:
             serve_args(["--max-model-len", bad])
     with pytest.raises(SystemExit):
         serve_args(["--tool-call-parser", "llama3_json"])  # only Hermes calls are read
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench", "demo"])
+def test_an_engine_value_refused_is_named_by_the_flag_typed(command, capsys) -> None:
+    """The engine's checks name its fields; a command says the flag the user typed."""
+    needs = {"generate": ["--prompt", "hi"], "serve": ["--port", "0"]}.get(command, [])
+    assert main([command, *needs, "--num-gpu-blocks", "0", "--max-num-seqs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-gpu-blocks must be a positive integer, got 0" in err
+    assert "num_gpu_blocks" not in err

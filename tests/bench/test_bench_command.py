@@ -175,7 +175,7 @@ def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path
     ("flags", "named"),
     [
         (["--kv-cache-memory", "10000000"], "--kv-cache-memory"),
-        (["--max-model-len", "100000"], "max_model_len 100000"),
+        (["--max-model-len", "100000"], "--max-model-len 100000"),
         (["--prompt-len", "2000", "2000"], "prompt has 2000 tokens"),
         (["--json", "/no/such/dir/figures.json"], "/no/such/dir/figures.json"),
         (["--systems", "bogus"], "bogus"),

@@ -23,6 +23,7 @@ from pagedkv.bench.results import EngineFigures, RunResult
 from pagedkv.bench.systems import SYSTEM_TITLES, SYSTEMS, BenchConfig, Systems
 from pagedkv.bench.workloads import WORKLOADS, make_workload
 from pagedkv.engine import EngineArgs
+from pagedkv.engine.args import flag_error
 from pagedkv.engine.errors import STARTUP_ERRORS
 from pagedkv.worker.threads import physical_cores
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         config = _config(args, systems)
         report = run_benchmark(config)
     except STARTUP_ERRORS as error:  # a bad flag, model or workload (a prompt too long): one line
-        print(f"pagedkv bench: {error}", file=sys.stderr)
+        print(f"pagedkv bench: {flag_error(error)}", file=sys.stderr)
         return 2
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=_json_default))

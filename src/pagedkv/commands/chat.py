@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.commands.sampling_args import sampling_params_from_args
     from pagedkv.engine import Engine, EngineArgs
     from pagedkv.engine.admission import check_truncation
+    from pagedkv.engine.args import flag_error
     from pagedkv.engine.errors import STARTUP_ERRORS
 
     try:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         # A --truncate-prompt-tokens past the context would refuse every turn: refuse it now.
         check_truncation(params, engine.max_model_len)
     except STARTUP_ERRORS as error:
-        print(f"pagedkv chat: {error}", file=sys.stderr)
+        print(f"pagedkv chat: {flag_error(error)}", file=sys.stderr)
         return 2
     if engine.tokenizer.chat_template is None:
         print(f"pagedkv chat: {engine.model_name} has no chat template", file=sys.stderr)

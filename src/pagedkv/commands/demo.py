@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedkv.commands.serving_demo import run_serving_demo
     from pagedkv.engine import Engine, EngineArgs
+    from pagedkv.engine.args import flag_error
     from pagedkv.engine.errors import STARTUP_ERRORS
 
     console = Console()
@@ -72,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(engine_args)
         return run_serving_demo(engine, args.max_tokens, args.temperature, console)
     except STARTUP_ERRORS as error:
-        print(f"pagedkv demo: {error}", file=sys.stderr)
+        print(f"pagedkv demo: {flag_error(error)}", file=sys.stderr)
         return 2

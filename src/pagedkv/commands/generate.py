@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, stream the completion, report speed on stderr."""
     from pagedkv.commands.sampling_args import sampling_params_from_args
     from pagedkv.engine import Engine, EngineArgs
+    from pagedkv.engine.args import flag_error
     from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     except STARTUP_ERRORS as error:
         if engine is not None:
             engine.shutdown()
-        print(f"pagedkv generate: {error}", file=sys.stderr)
+        print(f"pagedkv generate: {flag_error(error)}", file=sys.stderr)
         return 2
     try:
         return _stream(engine, params)

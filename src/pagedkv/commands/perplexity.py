@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pagedkv.commands.arguments import engine_flags_given
-    from pagedkv.engine.args import EngineArgs, cli_flag
+    from pagedkv.engine.args import EngineArgs, cli_flag, flag_error
     from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.weights.load import load
     from pagedkv.worker.threads import physical_cores
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda line: print(line, file=sys.stderr),
         )
     except STARTUP_ERRORS as error:
-        print(f"pagedkv perplexity: {error}", file=sys.stderr)
+        print(f"pagedkv perplexity: {flag_error(error)}", file=sys.stderr)
         return 2
     context = loaded.config.max_position_embeddings
     if args.n_ctx > context:

@@ -224,6 +224,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from pagedkv.engine import Engine, EngineArgs
+    from pagedkv.engine.args import flag_error
     from pagedkv.engine.errors import STARTUP_ERRORS
     from pagedkv.model.errors import ChatTemplateError
     from pagedkv.server import build_app, build_server
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = Engine(EngineArgs.from_cli_args(args))
         except STARTUP_ERRORS as error:
-            print(f"pagedkv serve: error: {error}", file=sys.stderr)
+            print(f"pagedkv serve: error: {flag_error(error)}", file=sys.stderr)
             return 2
         try:
             app = build_app(engine, server_config(args))

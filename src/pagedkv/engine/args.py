@@ -340,6 +340,17 @@ def cli_flag(field_name: str, *, negated: bool = False) -> str:
     return ("--no-" if negated else "--") + field_name.replace("_", "-")
 
 
+def flag_error(error: Exception) -> str:
+    """A start-up error as the command line says it: a message that begins with a field's
+    name begins with its flag instead (`num_gpu_blocks must be ...` reads
+    `--num-gpu-blocks must be ...`), the spelling the user typed."""
+    text = str(error)
+    name = text.split(" ", 1)[0]
+    if name in {field.name for field in fields(EngineArgs)}:
+        return cli_flag(name) + text[len(name) :]
+    return text
+
+
 def _gib(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number >= 0 (GiB), got {value!r}")
