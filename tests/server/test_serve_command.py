@@ -35,8 +35,8 @@ def test_a_bad_model_or_engine_flag_is_one_line_and_exit_2(tmp_path: Path, capsy
     missing = str(tmp_path / "nowhere")
     cases = [
         (["serve", "--model", missing], "is not a model folder"),
-        (["serve", "--num-gpu-blocks", "0"], "num_gpu_blocks must be a positive integer"),
-        (["serve", "--speculative-config", "{bad"], "speculative_config is not valid JSON"),
+        (["serve", "--num-gpu-blocks", "0"], "--num-gpu-blocks must be a positive integer"),
+        (["serve", "--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
         (["bench", "--model", missing], "is not a model folder"),
     ]
     for argv, message in cases:
