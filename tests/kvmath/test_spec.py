@@ -24,8 +24,8 @@ def test_llama_3_8b_default_dtype_is_the_configs_bf16_same_size():
 
 def test_llama_3_8b_8k_tokens_is_1_gib_and_128k_is_16_gib():
     spec = KVSpec.from_hf_config(LLAMA_3_8B, kv_dtype="fp16")
-    assert spec.bytes_per_request(8 * 1024) == 1 * GiB
-    assert spec.bytes_per_request(128 * 1024) == 16 * GiB
+    assert spec.bytes_per_request(8 * 1024, 16) == 1 * GiB
+    assert spec.bytes_per_request(128 * 1024, 16) == 16 * GiB
 
 
 @pytest.mark.parametrize(("dtype", "size"), [("fp32", 4), ("fp16", 2), ("bf16", 2), ("fp8", 1)])
@@ -77,7 +77,7 @@ def test_a_sliding_window_is_stated_but_every_token_is_held():
     assert spec.sliding_window == 4096
     assert spec.tokens_held(1000) == 1000
     assert spec.tokens_held(32_768) == 32_768
-    assert spec.bytes_per_request(32_768) == 32_768 * 131_072
+    assert spec.bytes_per_request(32_768, 16) == 32_768 * 131_072
     assert spec.blocks_per_request(32_768, 16) == 2048
 
 
@@ -147,7 +147,7 @@ def test_unknown_dtype_and_indivisible_hidden_size_are_errors():
 
 def test_negative_token_count_is_an_error():
     with pytest.raises(ConfigError, match="num_tokens"):
-        KVSpec.from_hf_config(LLAMA_3_8B).bytes_per_request(-1)
+        KVSpec.from_hf_config(LLAMA_3_8B).bytes_per_request(-1, 16)
 
 
 def test_format_bytes_prints_decimal_and_binary_units():

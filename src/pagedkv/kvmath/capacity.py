@@ -180,9 +180,7 @@ def _length_row(
     return LengthRow(
         request_tokens=length,
         tokens_held=spec.tokens_held(length),
-        # What the request holds in the pool: whole blocks.
-        bytes_per_request=spec.blocks_per_request(length, block_size)
-        * spec.bytes_per_block(block_size),
+        bytes_per_request=spec.bytes_per_request(length, block_size),
         blocks_per_request=spec.blocks_per_request(length, block_size),
         max_concurrency=max_concurrency(spec, pool_blocks, length, block_size),
         beyond_context=context is not None and length > context,

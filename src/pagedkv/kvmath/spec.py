@@ -152,9 +152,10 @@ class KVSpec:
         _require_positive("num_tokens", num_tokens, allow_zero=True)
         return num_tokens
 
-    def bytes_per_request(self, num_tokens: int) -> int:
-        """Bytes of KV cache a request of `num_tokens` tokens holds at its longest."""
-        return self.tokens_held(num_tokens) * self.bytes_per_token
+    def bytes_per_request(self, num_tokens: int, block_size: int) -> int:
+        """Bytes of KV cache a request of `num_tokens` tokens holds at its longest: the whole
+        blocks of `block_size` tokens its tokens fill."""
+        return self.blocks_per_request(num_tokens, block_size) * self.bytes_per_block(block_size)
 
     def blocks_per_request(self, num_tokens: int, block_size: int) -> int:
         """Paged blocks a request of `num_tokens` holds: its tokens rounded up to whole blocks."""
