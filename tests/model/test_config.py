@@ -460,3 +460,20 @@ def test_bias_switches_a_family_does_not_read_are_ignored_as_transformers_ignore
     prompt = random_prompt(20, seed=5)
     ours = our_prompt_logits(load_model(folder), prompt)
     torch.testing.assert_close(ours, hf_prompt_logits(folder, prompt), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [5, 7, 64])
+def test_an_odd_head_dim_is_refused_as_transformers_refuses_it(head_dim):
+    """Rotary embeddings turn pairs of a head's values, so an odd head cannot be rotated:
+    transformers' config class refuses it, and so do we, rather than running it wrong."""
+    import transformers
+
+    raw = {**LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim}
+    fields = {key: value for key, value in raw.items() if key != "architectures"}
+    try:
+        transformers.LlamaConfig(**fields)
+    except Exception:  # noqa: BLE001  # its validator's error type varies by version
+        with pytest.raises(UnsupportedModel, match=f"head_dim {head_dim} is odd"):
+            ModelConfig.from_dict(raw, SOURCE)
+    else:
+        assert ModelConfig.from_dict(raw, SOURCE).head_dim == head_dim

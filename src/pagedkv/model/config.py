@@ -80,6 +80,11 @@ class ModelConfig:
         head_dim = fields.integer(
             "head_dim", class_default(raw, "head_dim") or hidden_size // num_heads
         )
+        if head_dim % 2:
+            # RoPE turns pairs of a head's values; transformers refuses an odd head the same way.
+            raise UnsupportedModel(
+                source, f"head_dim {head_dim} is odd (rotary embeddings rotate pairs of values)"
+            )
         hidden_act = raw.get("hidden_act") or "silu"
         if hidden_act not in architecture.hidden_acts:
             supported = " or ".join(map(repr, architecture.hidden_acts))
