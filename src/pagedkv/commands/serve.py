@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedkv.engine import EngineArgs
     from pagedkv.server import ServerConfig
     from pagedkv.server.metrics import DEFAULT_PREFIX, PREFIXES
+    from pagedkv.server.tls import CERT_REQS
     from pagedkv.tokenizer.chat_template import CONTENT_FORMATS
 
     defaults = ServerConfig()
@@ -59,6 +60,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
         f"else vLLM's ${VLLM_API_KEY_ENV})",
+    )
+    server.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="FILE",
+        help="serve HTTPS with this certificate (PEM; it may hold the key too), as vLLM's",
+    )
+    server.add_argument(
+        "--ssl-keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)"
+    )
+    server.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="CA certificates that client certificates are checked against (PEM)",
+    )
+    server.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=sorted(CERT_REQS),
+        default=0,
+        help="client certificates: "
+        + ", ".join(f"{value} {name}" for value, name in sorted(CERT_REQS.items()))
+        + " (Python's ssl numbers, as vLLM's; default: %(default)s)",
     )
     server.add_argument(
         "--max-waiting",
@@ -229,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.model.errors import ChatTemplateError
     from pagedkv.server import build_app, build_server
     from pagedkv.server.errors import APIError
+    from pagedkv.server.tls import TLSConfigError, TLSFiles
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -243,6 +269,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, ChatTemplateError) as error:
             print(f"pagedkv serve: error: --chat-template: {error}", file=sys.stderr)
             return 2
+    tls = TLSFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    try:
+        tls.check()
+    except TLSConfigError as error:
+        print(f"pagedkv serve: error: {error}", file=sys.stderr)
+        return 2
     try:
         listening = bound_socket(args.host, args.port)
     except OSError as error:
@@ -265,9 +297,14 @@ def run(args: argparse.Namespace) -> int:
             engine.shutdown()
             return 2
         port_bound = listening.getsockname()[1]  # --port 0: the port the system chose
-        print(f"page map: http://{args.host}:{port_bound}/", file=sys.stderr)
+        scheme = "https" if tls.enabled else "http"
+        print(f"page map: {scheme}://{args.host}:{port_bound}/", file=sys.stderr)
         server = build_server(
-            app, host=args.host, port=port_bound, log_level=args.uvicorn_log_level
+            app,
+            host=args.host,
+            port=port_bound,
+            log_level=args.uvicorn_log_level,
+            **tls.uvicorn_options(),
         )
         try:
             server.run(sockets=[listening])

@@ -1,0 +1,155 @@
+"""`pagedkv serve` over HTTPS with vLLM's `--ssl-*` flags: certificates made here by the
+`openssl` command (a CA, a server certificate for 127.0.0.1 and a client certificate it
+signs), checked by the standard library's TLS client, which is independent of the server."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from pagedkv.cli import main
+from tests.server.conftest import HANG_GUARD_S, free_port
+
+STARTUP_TIMEOUT_S = 60.0
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca.pem/key, server.pem/key (for 127.0.0.1, signed by the CA), client.pem/key (signed
+    by the CA) and other.pem/key (self-signed, no relation to the CA)."""
+    folder = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
+
+    def make(name: str, subject: str, *extra: str) -> None:
+        command = ["openssl", "req", "-x509", *ec, "-subj", subject, *extra]
+        command += ["-keyout", str(folder / f"{name}.key"), "-out", str(folder / f"{name}.pem")]
+        subprocess.run(command, check=True, capture_output=True)
+
+    make("ca", "/CN=pagedkv test CA")
+    signed = ["-CA", str(folder / "ca.pem"), "-CAkey", str(folder / "ca.key")]
+    make("server", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", *signed)
+    make("client", "/CN=client", *signed)
+    make("other", "/CN=other")
+    return folder
+
+
+def serve(tiny_model: Path, port: int, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
+    command += ["--port", str(port), "--num-gpu-blocks", "64", "--swap-space-gb", "0.01", *flags]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def stop(server: subprocess.Popen) -> str:
+    server.send_signal(signal.SIGINT)
+    output = server.communicate(timeout=30)[0].decode()
+    assert server.returncode == 0, output
+    return output
+
+
+def wait_for_health(url: str, server: subprocess.Popen, context: ssl.SSLContext) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.communicate()[0].decode()
+        try:
+            if httpx2.get(f"{url}/health", verify=context, timeout=2).status_code == 200:
+                return
+        except httpx2.TransportError:
+            time.sleep(0.2)
+    raise AssertionError(f"pagedkv serve did not answer /health within {STARTUP_TIMEOUT_S} s")
+
+
+def client_context(pki: Path, certificate: str | None = None) -> ssl.SSLContext:
+    """A TLS client trusting only the test CA, presenting `certificate` if named."""
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    if certificate is not None:
+        context.load_cert_chain(pki / f"{certificate}.pem", pki / f"{certificate}.key")
+    return context
+
+
+def test_serve_answers_https_with_its_certificate_and_not_plain_http(tiny_model, pki) -> None:
+    port = free_port()
+    server = serve(
+        tiny_model,
+        port,
+        *("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")),
+    )
+    url = f"https://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, server, client_context(pki))
+        body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+        response = httpx2.post(
+            f"{url}/v1/completions", json=body, verify=client_context(pki), timeout=HANG_GUARD_S
+        )
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx2.TransportError):  # the port speaks TLS only
+            httpx2.get(f"http://127.0.0.1:{port}/health", timeout=HANG_GUARD_S)
+        with pytest.raises(httpx2.TransportError, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusting = ssl.create_default_context(cafile=str(pki / "other.pem"))
+            httpx2.get(f"{url}/health", verify=untrusting, timeout=HANG_GUARD_S)
+    finally:
+        output = stop(server)
+    assert f"page map: https://127.0.0.1:{port}/" in output
+
+
+def test_client_certificates_signed_by_the_ca_are_required_when_asked(tiny_model, pki) -> None:
+    port = free_port()
+    server = serve(
+        tiny_model,
+        port,
+        *("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")),
+        *("--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED))),
+    )
+    url = f"https://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, server, client_context(pki, "client"))
+        for refused in (None, "other"):  # no certificate; one the CA did not sign
+            with pytest.raises(httpx2.TransportError):
+                response = httpx2.get(
+                    f"{url}/health", verify=client_context(pki, refused), timeout=HANG_GUARD_S
+                )
+                response.read()
+    finally:
+        stop(server)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ssl-certfile", "{missing}"], "--ssl-certfile: cannot load the key and certificate"),
+        (
+            ["--ssl-certfile", "{pki}/server.pem", "--ssl-keyfile", "{pki}/other.key"],
+            "--ssl-certfile / --ssl-keyfile: cannot load the key and certificate",
+        ),
+        (["--ssl-keyfile", "{pki}/server.key"], "--ssl-keyfile need --ssl-certfile"),
+        (
+            ["--ssl-certfile", "{pki}/server.pem", "--ssl-keyfile", "{pki}/server.key"]
+            + ["--ssl-cert-reqs", "2"],
+            "--ssl-cert-reqs 2 (CERT_REQUIRED) checks client certificates, and needs "
+            "--ssl-ca-certs",
+        ),
+        (
+            ["--ssl-certfile", "{pki}/server.pem", "--ssl-keyfile", "{pki}/server.key"]
+            + ["--ssl-ca-certs", "{missing}"],
+            "--ssl-ca-certs: cannot load",
+        ),
+    ],
+)
+def test_bad_tls_flags_are_one_line_before_the_model_loads(flags, message, pki, tmp_path, capsys):
+    """The model named does not exist: the TLS error comes first, before any loading."""
+    argv = ["serve", "--model", str(tmp_path / "no-model")]
+    argv += [flag.format(pki=pki, missing=tmp_path / "missing.pem") for flag in flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv serve: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
