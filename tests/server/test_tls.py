@@ -26,20 +26,34 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs o
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca.pem/key, server.pem/key (for 127.0.0.1, signed by the CA), client.pem/key (signed
-    by the CA) and other.pem/key (self-signed, no relation to the CA)."""
+    by the CA) and other.pem/key (self-signed, no relation to the CA). Requests signed with
+    `x509 -req`, which OpenSSL 1.1 has too, with the extensions strict verification asks for."""
     folder = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
-    def make(name: str, subject: str, *extra: str) -> None:
-        command = ["openssl", "req", "-x509", *ec, "-subj", subject, *extra]
-        command += ["-keyout", str(folder / f"{name}.key"), "-out", str(folder / f"{name}.pem")]
-        subprocess.run(command, check=True, capture_output=True)
+    def openssl(*arguments: str) -> None:
+        subprocess.run(["openssl", *arguments], check=True, capture_output=True)
 
-    make("ca", "/CN=pagedkv test CA")
-    signed = ["-CA", str(folder / "ca.pem"), "-CAkey", str(folder / "ca.key")]
-    make("server", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", *signed)
-    make("client", "/CN=client", *signed)
-    make("other", "/CN=other")
+    def request(name: str, subject: str) -> list[str]:
+        """A new key and a request (or, with -x509, a self-signed certificate) for it."""
+        return ["req", *key, "-subj", subject, "-keyout", str(folder / f"{name}.key")]
+
+    ca = ["-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=keyCertSign"]
+    for name, extensions in (("ca", ca), ("other", [])):  # other: no relation to the CA
+        self_signed = ["-x509", "-days", "2", "-out", str(folder / f"{name}.pem"), *extensions]
+        openssl(*request(name, f"/CN=pagedkv test {name}"), *self_signed)
+    for name, usage in (("server", "serverAuth"), ("client", "clientAuth")):
+        csr, extensions = folder / f"{name}.csr", folder / f"{name}.ext"
+        extensions.write_text(
+            f"basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage={usage}\n"
+            "authorityKeyIdentifier=keyid\nsubjectAltName=IP:127.0.0.1\n"
+        )
+        openssl(*request(name, f"/CN={name}"), "-new", "-out", str(csr))
+        openssl(
+            *("x509", "-req", "-in", str(csr), "-days", "2", "-out", str(folder / f"{name}.pem")),
+            *("-CA", str(folder / "ca.pem"), "-CAkey", str(folder / "ca.key")),
+            *("-CAcreateserial", "-extfile", str(extensions)),
+        )
     return folder
 
 
