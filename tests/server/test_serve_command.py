@@ -90,6 +90,29 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
         output = server.communicate(timeout=30)[0].decode()
     assert server.returncode == 0, output
     assert f"http://127.0.0.1:{port}/" in output  # where the page map is
+    assert '"POST /v1/completions HTTP/1.1" 200' in output  # uvicorn's access log
+
+
+def test_disable_uvicorn_access_log_leaves_requests_unlogged(tiny_model: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
+    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
+    command += ["--disable-uvicorn-access-log"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(url, server)
+        body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+        response = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
+        assert response.status_code == 200
+    finally:
+        server.send_signal(signal.SIGINT)
+        output = server.communicate(timeout=30)[0].decode()
+    assert server.returncode == 0, output
+    assert "Uvicorn running" in output or "Application startup complete" in output
+    assert "HTTP/1.1" not in output, output
 
 
 def _wait_for_health(url: str, server: subprocess.Popen) -> None:

@@ -221,6 +221,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (default: %(default)s)",
     )
     server.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="log no line per HTTP request (uvicorn's access log), as vLLM's",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEMPLATE",
@@ -304,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=port_bound,
             log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
             **tls.uvicorn_options(),
         )
         try:
