@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx2
@@ -113,6 +115,46 @@ def test_disable_uvicorn_access_log_leaves_requests_unlogged(tiny_model: Path) -
     assert server.returncode == 0, output
     assert "Uvicorn running" in output or "Application startup complete" in output
     assert "HTTP/1.1" not in output, output
+
+
+def test_behind_a_proxy_path_prefix_the_page_map_and_redirects_resolve(tiny_model: Path) -> None:
+    """A reverse proxy serves the server under /llm and strips the prefix: the browser's URLs,
+    resolved against the page's /llm/ as URL resolution does, must reach the server once
+    stripped, and a redirect must point back under /llm."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
+    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
+    command += ["--root-path", "/llm"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(url, server)
+        page = httpx2.get(f"{url}/", timeout=HANG_GUARD_S).text
+        script = httpx2.get(f"{url}/static/pagemap.js", timeout=HANG_GUARD_S).text
+        links = re.findall(r'(?:href|src)="([^"]+)"', page) + re.findall(
+            r'fetch\("([^"]+)"', script
+        )
+        assert {"css", "js", "stream"} <= {
+            link.rsplit("/", 1)[-1].rsplit(".", 1)[-1] for link in links
+        }
+        for link in links:
+            seen = urllib.parse.urljoin("https://proxy.example/llm/", link)
+            if not seen.startswith("https://proxy.example/"):
+                continue  # data: URLs
+            path = urllib.parse.urlsplit(seen).path
+            assert path.startswith("/llm/"), f"{link} leaves the proxy's prefix"
+            with httpx2.stream("GET", url + path.removeprefix("/llm"), timeout=HANG_GUARD_S) as got:
+                assert got.status_code == 200, link
+        for path in ("/v1/models/", "/health/"):  # redirected to the path without its "/"
+            moved = httpx2.get(url + path, timeout=HANG_GUARD_S)
+            assert moved.status_code in (307, 308)
+            assert urllib.parse.urlsplit(moved.headers["location"]).path == "/llm" + path[:-1]
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=30)
+    assert server.returncode == 0
 
 
 def _wait_for_health(url: str, server: subprocess.Popen) -> None:

@@ -221,6 +221,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (default: %(default)s)",
     )
     server.add_argument(
+        "--root-path",
+        default="",
+        metavar="PATH",
+        help="the path prefix a reverse proxy serves this server under and strips (e.g. /llm), "
+        "as vLLM's: redirects then carry it (the page map's links are relative, so it works "
+        "behind such a proxy either way)",
+    )
+    server.add_argument(
         "--disable-uvicorn-access-log",
         action="store_true",
         help="log no line per HTTP request (uvicorn's access log), as vLLM's",
@@ -310,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
             port=port_bound,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
+            root_path=args.root_path,
             **tls.uvicorn_options(),
         )
         try:

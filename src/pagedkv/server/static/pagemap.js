@@ -5,7 +5,8 @@
 // Canvases rather than one element per block, so 10,000+ blocks stay smooth; a delta frame
 // repaints only its blocks. LoRA adapters' weights live in runs of GPU blocks: striped, a colour
 // per adapter, named in the tooltip and on the run's first block. The stream is read with fetch(), not EventSource, because
-// EventSource cannot send the Authorization header a server with --api-key needs.
+// EventSource cannot send the Authorization header a server with --api-key needs. Every URL is
+// relative to the page, so the map also works behind a reverse proxy's path prefix.
 
 const COLORS = {
   free: "#242c3a",
@@ -348,7 +349,7 @@ async function follow() {
   const key = sessionStorage.getItem(KEY_STORAGE);
   if (key) headers.Authorization = `Bearer ${key}`;
   try {
-    const response = await fetch("/v1/kv/stream", { headers });
+    const response = await fetch("v1/kv/stream", { headers });
     if (response.status === 401) {
       status.textContent = "needs an API key";
       status.className = "status error";
