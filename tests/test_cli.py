@@ -87,6 +87,9 @@ def test_vllms_spellings_of_flags_are_read_as_vllm_reads_them() -> None:
             "4k",
             "-tp",
             "2",
+            "-pp",
+            "1",
+            "-dp=1",
             "-q=int8",
             "--max-model-len",
             "32K",
@@ -102,6 +105,7 @@ def test_vllms_spellings_of_flags_are_read_as_vllm_reads_them() -> None:
     )
     assert (args.gpu_memory_utilization, args.max_num_batched_tokens) == (0.5, 4000)
     assert (args.tensor_parallel_size, args.quantization) == (2, "int8")
+    assert (args.pipeline_parallel_size, args.data_parallel_size) == (1, 1)
     assert args.max_model_len == 32 * 1024 and args.served_model_name == ["my_model"]
     assert args.uvicorn_log_level == "warning"
     assert serve_args(["--max-model-len", "25.6k"]).max_model_len == 25600

@@ -55,13 +55,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # vLLM's short options, as its command line takes them.
-SHORT_OPTIONS = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+SHORT_OPTIONS = {
+    "-tp": "--tensor-parallel-size",
+    "-pp": "--pipeline-parallel-size",
+    "-dp": "--data-parallel-size",
+    "-q": "--quantization",
+}
 
 
 def vllm_spellings(argv: list[str]) -> list[str]:
     """The command line with vLLM's other spellings made ours, as vLLM's own parser reads
     them: `--max_num_seqs` is `--max-num-seqs` (the option's name only, never its value), and
-    `-tp` / `-q` are `--tensor-parallel-size` / `--quantization`."""
+    `-tp`, `-pp`, `-dp` and `-q` are `--tensor-parallel-size`, `--pipeline-parallel-size`,
+    `--data-parallel-size` and `--quantization`."""
     spelled = []
     for arg in argv:
         name, equals, value = arg.partition("=")

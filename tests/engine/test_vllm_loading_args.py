@@ -112,6 +112,8 @@ def test_load_format_must_match_the_models_files(engine_zoo, tiny_gguf):
         ({"tokenizer_revision": "v1"}, r"tokenizer_revision 'v1'"),
         ({"cpu_offload_gb": 4}, r"cpu_offload_gb 4 is not supported"),
         ({"compilation_config": [3]}, r"compilation_config must be a level \(int\) or a dict"),
+        ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size 2 is not supported"),
+        ({"data_parallel_size": 4}, r"data_parallel_size 4 is not supported"),
     ],
 )
 def test_vllm_values_pagedkv_cannot_honour_are_refused_by_name(keywords, message):
@@ -123,6 +125,7 @@ def test_vllm_values_that_mean_what_pagedkv_does_are_accepted():
     for keywords in (
         {"tokenizer_mode": "hf"},
         {"revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0},
+        {"pipeline_parallel_size": 1, "data_parallel_size": 1},
         {"compilation_config": 3},
         {"compilation_config": {"level": 3}},
     ):

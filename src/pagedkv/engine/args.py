@@ -81,6 +81,8 @@ class EngineArgs:
     threads: int | None = None
     kv_offloading_size: float = 0.0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     speculative_config: SpeculativeConfig | dict | str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -391,6 +393,8 @@ _CLI_TYPES = {
     "max_num_batched_tokens": human_readable_int,
     "max_model_len": human_readable_int,
     "tensor_parallel_size": int,
+    "pipeline_parallel_size": int,
+    "data_parallel_size": int,
     "max_loras": int,
     "max_cpu_loras": int,
     "max_lora_rank": int,

@@ -40,6 +40,9 @@ FIELD_HELP = {
     "tensor_parallel_size": "processes (one GPU each on CUDA) the model and the KV pool are "
     "split across, Megatron-style; the others are spawned here, or started by `pagedkv worker` "
     "under torchrun's environment",
+    "pipeline_parallel_size": "accepted as vLLM's when 1: models are split by "
+    "--tensor-parallel-size only",
+    "data_parallel_size": "accepted as vLLM's when 1: one engine per server",
     "kv_offloading_size": "GiB of host RAM for a second tier of the prefix cache: blocks the "
     "KV pool evicts are kept there and copied back on a hit instead of recomputed (0: off)",
     "speculative_config": "speculative decoding, as vLLM's JSON: "

@@ -1,8 +1,8 @@
 """vLLM's engine keywords that port a deployment but mean nothing new here: the values that
 mean what pagedkv does pass, a backend pagedkv does not have is noted, and the rest are refused
 by name (pagedkv fetches nothing from a hub, reads tokenizer.json with the tokenizers library,
-keeps every weight on its device, compiles no graphs and holds structured outputs with
-llguidance).
+keeps every weight on its device, splits a model by tensor parallelism only, runs one engine
+per process, compiles no graphs and holds structured outputs with llguidance).
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ def check_vllm_keywords(args: Any) -> None:
             f"cpu_offload_gb {args.cpu_offload_gb!r} is not supported: the weights stay on "
             f"{args.device} (leave it 0)"
         )
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
+        size = getattr(args, name)
+        if size != 1:
+            raise ValueError(
+                f"{name} {size!r} is not supported: pagedkv runs one engine, split across "
+                "devices by tensor_parallel_size only (leave it 1)"
+            )
     compilation = args.compilation_config
     if isinstance(compilation, str):
         compilation = (
