@@ -126,7 +126,8 @@ def test_behind_a_proxy_path_prefix_the_page_map_and_redirects_resolve(tiny_mode
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
     command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
-    command += ["--root-path", "/llm"]
+    command += ["--root-path", "/llm", "--api-key", "secret"]
+    key = {"Authorization": "Bearer secret"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -145,12 +146,16 @@ def test_behind_a_proxy_path_prefix_the_page_map_and_redirects_resolve(tiny_mode
                 continue  # data: URLs
             path = urllib.parse.urlsplit(seen).path
             assert path.startswith("/llm/"), f"{link} leaves the proxy's prefix"
-            with httpx2.stream("GET", url + path.removeprefix("/llm"), timeout=HANG_GUARD_S) as got:
+            stripped = url + path.removeprefix("/llm")
+            with httpx2.stream("GET", stripped, headers=key, timeout=HANG_GUARD_S) as got:
                 assert got.status_code == 200, link
         for path in ("/v1/models/", "/health/"):  # redirected to the path without its "/"
-            moved = httpx2.get(url + path, timeout=HANG_GUARD_S)
+            moved = httpx2.get(url + path, headers=key, timeout=HANG_GUARD_S)
             assert moved.status_code in (307, 308)
             assert urllib.parse.urlsplit(moved.headers["location"]).path == "/llm" + path[:-1]
+        for path in ("/v1/models", "/v1/kv", "/tokenize"):  # the key still guards them
+            assert httpx2.get(url + path, timeout=HANG_GUARD_S).status_code == 401, path
+            assert httpx2.get(url + path, headers=key, timeout=HANG_GUARD_S).status_code != 401
     finally:
         server.send_signal(signal.SIGINT)
         server.communicate(timeout=30)

@@ -75,7 +75,7 @@ class HeaderGuard:
                     f"{', '.join(sorted(self.allowed_hosts))}; see --allowed-hosts)",
                     code="invalid_host",
                 )
-        if self.api_key is not None and _is_protected(scope["path"]):
+        if self.api_key is not None and _is_protected(routed_path(scope)):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(
                 token.strip().encode(), self.api_key.encode()
@@ -103,6 +103,16 @@ class HeaderGuard:
             not isinstance(route, Mount) and route.matches(scope)[0] is Match.FULL
             for route in self.router.routes
         )
+
+
+def routed_path(scope: Scope) -> str:
+    """The path the router matches: under `--root-path` uvicorn puts the prefix in front of
+    the path (ASGI's full path) and the router takes it off again, so a check of the path
+    must too, or `/v1/...` would reach the routes as `/prefix/v1/...`, unchecked."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 def _is_protected(path: str) -> bool:
