@@ -1,10 +1,14 @@
 """Capacity planning: the issue's figures, the GPU pool terms, presets, and the command."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.cli import main
 from pagedkv.kvmath.capacity import PlanError, PoolBudget, plan_capacity
@@ -400,3 +404,16 @@ def test_an_fp8_checkpoint_keeps_its_bytes_on_a_gpu(capsys):
     assert main([*argv, "--json"]) == 0
     pool = json.loads(capsys.readouterr().out)["pool"]
     assert pool["weight_bytes"] == MODEL_PRESETS["deepseek-v3"].num_params // 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(1, 10**6))
+def test_plan_pool_gb_of_exactly_n_blocks_is_their_bytes(blocks):
+    """--pool-gb is in 10^9 bytes: n Llama 3 8B blocks (2 MiB each) given in GB are n blocks'
+    bytes, though the float times 10^9 may fall a hair short of that integer."""
+    per_block = 131_072 * 16
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["plan", "--model", "llama-3-8b", "--pool-gb", repr(blocks * per_block / 10**9)]
+        assert main([*argv, "--json"]) == 0
+    assert json.loads(out.getvalue())["pool"]["pool_bytes"] == blocks * per_block

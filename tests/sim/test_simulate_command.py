@@ -231,3 +231,15 @@ def test_a_gguf_model_simulates_as_the_folder_it_was_written_from(zoo, tiny_gguf
     assert runs[0]["schemes"] == runs[1]["schemes"]
     assert runs[0]["batch_sweep"] == runs[1]["batch_sweep"]
     assert runs[0]["num_blocks"] == runs[1]["num_blocks"] > 0
+
+
+def test_a_pool_of_exactly_n_blocks_holds_n_blocks(capsys):
+    """GB are 10^9 bytes, so n blocks in GB is rarely a float that times 10^9 gives back
+    n x bytes per block exactly: 240 tutorial blocks (8 MiB each) came out 239 when truncated
+    (a slab of the tutorial's context takes 128)."""
+    per_block = 16 * 512 * 1024
+    for blocks in (240, 487, 596):
+        pool_gb = repr(blocks * per_block / 10**9)
+        argv = ["simulate", "--workload", "tutorial", "--num-requests", "3", "--pool-gb", pool_gb]
+        assert main([*argv, "--batch-sizes", "3", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["num_blocks"] == blocks

@@ -199,9 +199,9 @@ def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
                 f"{options} {verb} only with --gpu, to size the pool from a GPU; "
                 f"--pool-gb {args.pool_gb:g} gives the pool directly"
             )
-        return PoolBudget.given(int(args.pool_gb * GB))
+        return PoolBudget.given(round(args.pool_gb * GB))
     gpu = gpu_preset(args.gpu)
-    weight_bytes = int(args.weights_gb * GB) if args.weights_gb else model.weight_bytes
+    weight_bytes = round(args.weights_gb * GB) if args.weights_gb else model.weight_bytes
     if weight_bytes is None:
         raise ConfigError(
             f"cannot size the weights of {model.name} ({model.weight_source}); give --weights-gb"
@@ -212,7 +212,7 @@ def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
         gpu.memory_bytes,
         _default(args.gpu_memory_utilization, DEFAULT_GPU_MEMORY_UTILIZATION),
         weight_bytes,
-        int(_default(args.activation_gb, DEFAULT_ACTIVATION_GB) * GB),
+        round(_default(args.activation_gb, DEFAULT_ACTIVATION_GB) * GB),
     )
 
 

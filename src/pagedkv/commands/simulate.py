@@ -235,7 +235,7 @@ def _generate(args: argparse.Namespace, count: int, rate: float | None) -> list[
 def _pool_blocks(args: argparse.Namespace, model: Model) -> int:
     """Blocks in a pool of `--pool-gb`: at least one, and few enough to build."""
     bytes_per_block = model.spec.bytes_per_block(args.block_size)
-    num_blocks = int(args.pool_gb * GB) // bytes_per_block
+    num_blocks = round(args.pool_gb * GB) // bytes_per_block
     if num_blocks == 0:
         raise ConfigError(
             f"a {args.pool_gb:g} GB pool holds no block of {model.name}: one block of "
