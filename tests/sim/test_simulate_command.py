@@ -71,7 +71,7 @@ def test_sharing_table_says_which_figure_is_parallel_sampling(capsys):
     out = capsys.readouterr().out
     # 13 blocks is one request sampling n=10; ten separate requests hold 12 shared + 10 own.
     assert re.search(r"│ fork: 1 request, n=10, prefilled +│ +13 │", out)
-    assert re.search(r"│ prefix caching: 10 requests +│ +22 │", out)
+    assert re.search(r"│ prefix caching: 10 requests in turn +│ +22 │", out)
 
 
 def test_tables_name_schemes_and_sweep(capsys):

@@ -200,7 +200,8 @@ def print_report(comparison: Comparison) -> None:
         "  at completion = each request at its largest; peak = the fullest step",
         "waste, saved by sharing = time-averaged share of the pool",
         f"(d): {stats['prefix_hit_tokens']:,} of {stats['prefix_queried_tokens']:,} prompt "
-        "tokens hit the prefix cache;",
+        "tokens looked up hit the prefix cache",
+        "     (a preempted request looks its tokens up again);",
         f"     {stats['cow_copies']:,} blocks copied on write",
     )
     console.print(_sweep_table(comparison.sweep))
@@ -218,9 +219,10 @@ def print_report(comparison: Comparison) -> None:
             console,
             f"blocks of {sharing.block_size} tokens, "
             f"{format_bytes(sharing.bytes_per_block)} each on {model_name}",
-            f"prefix caching ({sharing.num_sequences} separate requests) shares full blocks "
-            "only: each",
-            "  request keeps its own partial last block",
+            f"prefix caching ({sharing.num_sequences} separate requests, each after the "
+            "prompt is computed)",
+            "  shares full blocks only: each keeps its own partial last block; prompts",
+            "  prefilled in the same step share nothing (only computed blocks are shared)",
             f"fork (1 request, n={sharing.num_sequences}: parallel sampling) shares that block "
             "too, until",
             "  each sample's first token copies it on write",
@@ -339,7 +341,7 @@ def _sharing_table(report: SharingReport) -> Table:
     for how, blocks, saving in (
         (f"nothing: {sequences} copies", report.unshared_blocks, 0),
         (
-            f"prefix caching: {sequences} requests",
+            f"prefix caching: {sequences} requests in turn",
             report.prefix_cached_blocks,
             report.prefix_cached_bytes_saved,
         ),

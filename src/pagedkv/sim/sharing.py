@@ -3,7 +3,9 @@
 The prompt's last block is usually partly filled (200 tokens = 12 full blocks of 16 + 8).
 - unshared: every sequence holds its own copy, N x 13 blocks;
 - prefix caching: separate requests can share only full, computed blocks, so each still
-  computes and holds its own partial last block: 12 + N;
+  computes and holds its own partial last block: 12 + N, for requests that come in turn,
+  each after the prompt was computed (ones prefilled in the same step each compute their
+  own copy, N x 13, as the engine shares nothing not yet computed);
 - fork: samples of one request (parallel sampling, n = N) share every block, the partial
   one too, 13 in all, until each writes its first token and copy-on-write gives it a
   private copy of that last block.
