@@ -286,3 +286,41 @@ def test_offload_metrics_count_host_tier_blocks_queries_and_hits(serve) -> None:
     assert 3 <= hits <= queries
     # The hits served the third prompt: it computed only what the tier did not hold.
     assert value(samples, "pagedkv:prefix_cache_hits_total") >= hits * 16
+
+
+def test_stats_are_published_before_a_step_hands_its_outputs_over(server, monkeypatch) -> None:
+    """A client that scrapes /metrics once its response came must see the step that finished
+    it: when the engine thread hands a finished request over, the stats /metrics reads
+    already equal the engine's own, with the request counted out."""
+    from pagedkv.server import engine_loop as engine_loop_module
+
+    loop = server.app.state.engine_loop
+    handed_over: list[tuple[int, int, int]] = []
+    call_soon = engine_loop_module._call_soon
+
+    def recording(target: Any, callback: Any, *args: Any) -> None:
+        finished = callback is engine_loop_module._deliver and any(
+            getattr(output, "finished", False) for _, output in args[0]
+        )
+        if finished:
+            published, own = loop.stats, loop.engine.stats
+            handed_over.append(
+                (
+                    published.num_running,
+                    published.generation_tokens_total,
+                    own.generation_tokens_total,
+                )
+            )
+        call_soon(target, callback, *args)
+
+    monkeypatch.setattr(engine_loop_module, "_call_soon", recording)
+    with server.client() as client:
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt="Hello",
+            max_tokens=3,
+            extra_body=IGNORE_EOS,
+        )
+    [(running, published_tokens, engine_tokens)] = handed_over
+    assert running == 0 and published_tokens == engine_tokens
+    assert value(scrape(server), "pagedkv:num_requests_running") == 0

@@ -260,7 +260,8 @@ class EngineLoop:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                self.stats = self.engine.stats
+                else:
+                    self.stats = self.engine.stats
                 self._maybe_publish_frame()
                 self._notify_if_drained()
         except Exception as error:  # a bug outside engine.step(): nothing can run any more
@@ -365,6 +366,8 @@ class EngineLoop:
         return queued
 
     def _step(self) -> None:
+        """One engine step. Its stats are published before its outputs are handed over, so
+        a client that scrapes /metrics after its response never sees the state before it."""
         try:
             outputs = self.engine.step()
         except StepFailed as error:  # the engine aborted the step's requests; the rest go on
@@ -374,11 +377,14 @@ class EngineLoop:
                 raise failure from error
             logger.exception("engine step failed; failing the requests it was running")
             self._fail(error)
+            self.stats = self.engine.stats
             return
         except Exception as error:
             logger.exception("engine step failed; failing every request in flight")
             self._fail_all(EngineFailed(f"engine step failed: {error}"))
+            self.stats = self.engine.stats
             return
+        self.stats = self.engine.stats
         self._kv_dirty = True
         now = time.monotonic()
         if self.metrics is not None:
