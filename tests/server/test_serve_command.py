@@ -126,7 +126,7 @@ def test_behind_a_proxy_path_prefix_the_page_map_and_redirects_resolve(tiny_mode
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
     command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
-    command += ["--root-path", "/llm", "--api-key", "secret"]
+    command += ["--root-path", "llm/", "--api-key", "secret"]  # read as /llm
     key = {"Authorization": "Bearer secret"}
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

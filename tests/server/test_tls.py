@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from uvicorn.config import create_ssl_context
 
 from pagedkv.cli import main
+from pagedkv.server.tls import TLSConfigError, TLSFiles
 from tests.server.conftest import HANG_GUARD_S, free_port
 
 STARTUP_TIMEOUT_S = 60.0
@@ -145,7 +147,7 @@ def test_client_certificates_signed_by_the_ca_are_required_when_asked(tiny_model
             ["--ssl-certfile", "{pki}/server.pem", "--ssl-keyfile", "{pki}/other.key"],
             "--ssl-certfile / --ssl-keyfile: cannot load the key and certificate",
         ),
-        (["--ssl-keyfile", "{pki}/server.key"], "--ssl-keyfile need --ssl-certfile"),
+        (["--ssl-keyfile", "{pki}/server.key"], "--ssl-keyfile needs --ssl-certfile"),
         (
             ["--ssl-certfile", "{pki}/server.pem", "--ssl-keyfile", "{pki}/server.key"]
             + ["--ssl-cert-reqs", "2"],
@@ -167,3 +169,44 @@ def test_bad_tls_flags_are_one_line_before_the_model_loads(flags, message, pki, 
     err = capsys.readouterr().err
     assert err.startswith("pagedkv serve: error: ") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_an_encrypted_key_is_asked_for_once_and_handed_to_uvicorn(pki, tmp_path) -> None:
+    """An encrypted key's passphrase is asked for before the model loads, once, and uvicorn's
+    own TLS set-up (the oracle) loads the key with what was asked; a wrong one is refused."""
+    encrypted = tmp_path / "server-encrypted.key"
+    subprocess.run(
+        ["openssl", "pkey", "-in", str(pki / "server.key"), "-out", str(encrypted)]
+        + ["-aes256", "-passout", "pass:open sesame"],
+        check=True,
+        capture_output=True,
+    )
+    files = TLSFiles(keyfile=str(encrypted), certfile=str(pki / "server.pem"))
+    asked: list[str] = []
+
+    def ask(prompt: str) -> str:
+        asked.append(prompt)
+        return "open sesame"
+
+    checked = files.check(ask_passphrase=ask)
+    assert asked == [f"passphrase of {encrypted}: "]
+    options = checked.uvicorn_options()
+    assert options["ssl_keyfile_password"] == "open sesame"
+    create_ssl_context(
+        certfile=options["ssl_certfile"],
+        keyfile=options["ssl_keyfile"],
+        password=options["ssl_keyfile_password"],
+        ssl_version=ssl.PROTOCOL_TLS_SERVER,
+        cert_reqs=options["ssl_cert_reqs"],
+        ca_certs=None,
+        ciphers=None,
+    )
+    assert (
+        TLSFiles(certfile=str(pki / "server.pem"), keyfile=str(pki / "server.key"))
+        .check(ask_passphrase=ask)
+        .uvicorn_options()["ssl_keyfile_password"]
+        is None
+    )
+    assert len(asked) == 1  # an unencrypted key asks nothing
+    with pytest.raises(TLSConfigError, match="--ssl-certfile / --ssl-keyfile: cannot load"):
+        files.check(ask_passphrase=lambda prompt: "wrong")

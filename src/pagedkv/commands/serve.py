@@ -224,9 +224,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--root-path",
         default="",
         metavar="PATH",
-        help="the path prefix a reverse proxy serves this server under and strips (e.g. /llm), "
-        "as vLLM's: redirects then carry it (the page map's links are relative, so it works "
-        "behind such a proxy either way)",
+        help="the path prefix a reverse proxy serves this server under and strips (e.g. /llm): "
+        "redirects then carry it (vLLM's flag; unlike vLLM's, paths that still carry the "
+        "prefix are not routed: the proxy must strip it)",
     )
     server.add_argument(
         "--disable-uvicorn-access-log",
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     tls = TLSFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
     try:
-        tls.check()
+        tls = tls.check()
     except TLSConfigError as error:
         print(f"pagedkv serve: error: {error}", file=sys.stderr)
         return 2
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
             port=port_bound,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
-            root_path=args.root_path,
+            root_path=("/" + args.root_path.strip("/")).rstrip("/"),  # "/llm/", "llm": "/llm"
             **tls.uvicorn_options(),
         )
         try:

@@ -367,7 +367,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         """One engine step. Its stats are published before its outputs are handed over, so
-        a client that scrapes /metrics after its response never sees the state before it."""
+        a client that scrapes /metrics after its response never sees the state before it
+        (after a failed step, once its requests have been failed)."""
         try:
             outputs = self.engine.step()
         except StepFailed as error:  # the engine aborted the step's requests; the rest go on

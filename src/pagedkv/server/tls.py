@@ -9,8 +9,10 @@ cheap, so a mistake is one line naming the flag.
 
 from __future__ import annotations
 
+import getpass
 import ssl
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 # vLLM's `--ssl-cert-reqs` values: the standard library's ssl.CERT_* numbers.
@@ -19,6 +21,14 @@ CERT_REQS = {int(mode): mode.name for mode in ssl.VerifyMode}
 
 class TLSConfigError(ValueError):
     """TLS files or flags that cannot serve HTTPS; the message names the flag."""
+
+
+class _Encrypted(Exception):
+    """The key needs a passphrase (raised by `_no_passphrase`, OpenSSL's password callback)."""
+
+
+def _no_passphrase() -> str:
+    raise _Encrypted
 
 
 @dataclass(frozen=True)
@@ -30,13 +40,16 @@ class TLSFiles:
     certfile: str | None = None
     ca_certs: str | None = None
     cert_reqs: int = int(ssl.CERT_NONE)
+    keyfile_password: str | None = None
 
     @property
     def enabled(self) -> bool:
         return self.certfile is not None
 
-    def check(self) -> None:
-        """Load every file as uvicorn will; raise TLSConfigError naming the flag at fault."""
+    def check(self, ask_passphrase: Callable[[str], str] = getpass.getpass) -> TLSFiles:
+        """Load every file as uvicorn will; raise TLSConfigError naming the flag at fault.
+        An encrypted key's passphrase is asked for here, once, and returned with the files
+        for uvicorn (which would otherwise ask again, once the model had loaded)."""
         if not self.enabled:
             extra = [
                 flag
@@ -48,13 +61,19 @@ class TLSFiles:
                 if given
             ]
             if extra:
-                raise TLSConfigError(f"{' and '.join(extra)} need --ssl-certfile (HTTPS)")
-            return
+                verb = "needs" if len(extra) == 1 else "need"
+                raise TLSConfigError(f"{' and '.join(extra)} {verb} --ssl-certfile (HTTPS)")
+            return self
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        flags = "--ssl-certfile" + (" / --ssl-keyfile" if self.keyfile else "")
+        password = self.keyfile_password
         try:
-            context.load_cert_chain(self.certfile, self.keyfile)
+            try:
+                context.load_cert_chain(self.certfile, self.keyfile, password or _no_passphrase)
+            except _Encrypted:
+                password = ask_passphrase(f"passphrase of {self.keyfile or self.certfile}: ")
+                context.load_cert_chain(self.certfile, self.keyfile, password)
         except (OSError, ssl.SSLError) as error:
-            flags = "--ssl-certfile" + (" / --ssl-keyfile" if self.keyfile else "")
             problem = f"{flags}: cannot load the key and certificate: {error}"
             raise TLSConfigError(problem) from error
         if self.cert_reqs != ssl.CERT_NONE and self.ca_certs is None:
@@ -67,6 +86,7 @@ class TLSFiles:
                 context.load_verify_locations(self.ca_certs)
             except (OSError, ssl.SSLError) as error:
                 raise TLSConfigError(f"--ssl-ca-certs: cannot load: {error}") from error
+        return replace(self, keyfile_password=password)
 
     def uvicorn_options(self) -> dict[str, Any]:
         """uvicorn.Config's own keywords for these files (none for plain HTTP)."""
@@ -77,4 +97,5 @@ class TLSFiles:
             "ssl_certfile": self.certfile,
             "ssl_ca_certs": self.ca_certs,
             "ssl_cert_reqs": self.cert_reqs,
+            "ssl_keyfile_password": self.keyfile_password,
         }
