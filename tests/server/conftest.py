@@ -9,8 +9,11 @@ model folder is built once per session with `tests.model.tiny_models`.
 
 from __future__ import annotations
 
+import signal
 import socket
+import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -177,10 +180,45 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def answers_health(url: str, server: subprocess.Popen) -> bool:
-    """True once /health says 200; fails at once if the server has exited."""
+def answers_health(
+    url: str, server: subprocess.Popen, verify: ssl.SSLContext | bool = True
+) -> bool:
+    """True once /health says 200 (over HTTPS, checked with `verify`); fails at once if the
+    server has exited."""
     assert server.poll() is None, "pagedkv serve exited"
     try:
-        return httpx2.get(f"{url}/health", timeout=2).status_code == 200
+        return httpx2.get(f"{url}/health", verify=verify, timeout=2).status_code == 200
     except httpx2.TransportError:
         return False
+
+
+def start_serve(
+    model: Path,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    verify: ssl.SSLContext | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """`pagedkv serve` as a user runs it, on a free loopback port, with `flags` after the
+    pool's; returns the process and its URL (https when `verify`, the client's TLS context,
+    is given) once /health answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(model)]
+    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
+    server = subprocess.Popen(
+        [*command, *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"{'https' if verify else 'http'}://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: answers_health(url, server, verify or True))
+    except AssertionError as error:  # exited, or never answered: say what it printed
+        server.kill()
+        raise AssertionError(f"{error}:\n{server.communicate()[0].decode()}") from None
+    return server, url
+
+
+def stop_serve(server: subprocess.Popen) -> str:
+    """Ctrl-C the server; it must exit 0. Its output."""
+    server.send_signal(signal.SIGINT)
+    output = server.communicate(timeout=30)[0].decode()
+    assert server.returncode == 0, output
+    return output

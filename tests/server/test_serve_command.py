@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -16,9 +11,7 @@ import httpx2
 import pytest
 
 from pagedkv.cli import main
-from tests.server.conftest import HANG_GUARD_S
-
-STARTUP_TIMEOUT_S = 60.0
+from tests.server.conftest import HANG_GUARD_S, start_serve, stop_serve
 
 
 def test_serve_help_lists_engine_and_server_options(capsys) -> None:
@@ -57,17 +50,9 @@ def test_a_port_outside_0_to_65535_is_refused_before_the_model_loads(capsys) -> 
 
 
 def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
-    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
-    command += ["--strict-fields"]
     env = dict(os.environ, PAGEDKV_API_KEY="from-env")
-    server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve(tiny_model, "--strict-fields", env=env)
     try:
-        _wait_for_health(url, server)
         body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
         refused = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
         assert refused.status_code == 401
@@ -88,31 +73,19 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
         assert unknown.status_code == 400
         assert unknown.json()["error"]["param"] == "frobnicate"
     finally:
-        server.send_signal(signal.SIGINT)
-        output = server.communicate(timeout=30)[0].decode()
-    assert server.returncode == 0, output
-    assert f"http://127.0.0.1:{port}/" in output  # where the page map is
+        output = stop_serve(server)
+    assert f"{url}/" in output  # where the page map is
     assert '"POST /v1/completions HTTP/1.1" 200' in output  # uvicorn's access log
 
 
 def test_disable_uvicorn_access_log_leaves_requests_unlogged(tiny_model: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
-    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
-    command += ["--disable-uvicorn-access-log"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_serve(tiny_model, "--disable-uvicorn-access-log")
     try:
-        _wait_for_health(url, server)
         body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
         response = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
         assert response.status_code == 200
     finally:
-        server.send_signal(signal.SIGINT)
-        output = server.communicate(timeout=30)[0].decode()
-    assert server.returncode == 0, output
+        output = stop_serve(server)
     assert "Uvicorn running" in output or "Application startup complete" in output
     assert "HTTP/1.1" not in output, output
 
@@ -121,17 +94,9 @@ def test_behind_a_proxy_path_prefix_the_page_map_and_redirects_resolve(tiny_mode
     """A reverse proxy serves the server under /llm and strips the prefix: the browser's URLs,
     resolved against the page's /llm/ as URL resolution does, must reach the server once
     stripped, and a redirect must point back under /llm."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
-    command += ["--port", str(port), "--num-gpu-blocks", "128", "--swap-space-gb", "0.01"]
-    command += ["--root-path", "llm/", "--api-key", "secret"]  # read as /llm
+    server, url = start_serve(tiny_model, "--root-path", "llm/", "--api-key", "secret")  # /llm
     key = {"Authorization": "Bearer secret"}
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_health(url, server)
         page = httpx2.get(f"{url}/", timeout=HANG_GUARD_S).text
         script = httpx2.get(f"{url}/static/pagemap.js", timeout=HANG_GUARD_S).text
         links = re.findall(r'(?:href|src)="([^"]+)"', page) + re.findall(
@@ -157,18 +122,4 @@ def test_behind_a_proxy_path_prefix_the_page_map_and_redirects_resolve(tiny_mode
             assert httpx2.get(url + path, timeout=HANG_GUARD_S).status_code == 401, path
             assert httpx2.get(url + path, headers=key, timeout=HANG_GUARD_S).status_code != 401
     finally:
-        server.send_signal(signal.SIGINT)
-        server.communicate(timeout=30)
-    assert server.returncode == 0
-
-
-def _wait_for_health(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, server.communicate()[0].decode()
-        try:
-            if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx2.TransportError:
-            time.sleep(0.2)
-    raise AssertionError(f"pagedkv serve did not answer /health within {STARTUP_TIMEOUT_S} s")
+        stop_serve(server)

@@ -5,11 +5,8 @@ signs), checked by the standard library's TLS client, which is independent of th
 from __future__ import annotations
 
 import shutil
-import signal
 import ssl
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx2
@@ -18,9 +15,7 @@ from uvicorn.config import create_ssl_context
 
 from pagedkv.cli import main
 from pagedkv.server.tls import TLSConfigError, TLSFiles
-from tests.server.conftest import HANG_GUARD_S, free_port
-
-STARTUP_TIMEOUT_S = 60.0
+from tests.server.conftest import HANG_GUARD_S, start_serve, stop_serve
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -59,29 +54,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def serve(tiny_model: Path, port: int, *flags: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
-    command += ["--port", str(port), "--num-gpu-blocks", "64", "--swap-space-gb", "0.01", *flags]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def stop(server: subprocess.Popen) -> str:
-    server.send_signal(signal.SIGINT)
-    output = server.communicate(timeout=30)[0].decode()
-    assert server.returncode == 0, output
-    return output
-
-
-def wait_for_health(url: str, server: subprocess.Popen, context: ssl.SSLContext) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, server.communicate()[0].decode()
-        try:
-            if httpx2.get(f"{url}/health", verify=context, timeout=2).status_code == 200:
-                return
-        except httpx2.TransportError:
-            time.sleep(0.2)
-    raise AssertionError(f"pagedkv serve did not answer /health within {STARTUP_TIMEOUT_S} s")
+def server_certificate(pki: Path) -> tuple[str, ...]:
+    """The flags serving HTTPS with the CA-signed certificate for 127.0.0.1."""
+    return ("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"))
 
 
 def client_context(pki: Path, certificate: str | None = None) -> ssl.SSLContext:
@@ -93,15 +68,8 @@ def client_context(pki: Path, certificate: str | None = None) -> ssl.SSLContext:
 
 
 def test_serve_answers_https_with_its_certificate_and_not_plain_http(tiny_model, pki) -> None:
-    port = free_port()
-    server = serve(
-        tiny_model,
-        port,
-        *("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")),
-    )
-    url = f"https://127.0.0.1:{port}"
+    server, url = start_serve(tiny_model, *server_certificate(pki), verify=client_context(pki))
     try:
-        wait_for_health(url, server, client_context(pki))
         body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
         response = httpx2.post(
             f"{url}/v1/completions", json=body, verify=client_context(pki), timeout=HANG_GUARD_S
@@ -109,26 +77,23 @@ def test_serve_answers_https_with_its_certificate_and_not_plain_http(tiny_model,
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 3
         with pytest.raises(httpx2.TransportError):  # the port speaks TLS only
-            httpx2.get(f"http://127.0.0.1:{port}/health", timeout=HANG_GUARD_S)
+            httpx2.get(url.replace("https:", "http:") + "/health", timeout=HANG_GUARD_S)
         with pytest.raises(httpx2.TransportError, match="CERTIFICATE_VERIFY_FAILED"):
             untrusting = ssl.create_default_context(cafile=str(pki / "other.pem"))
             httpx2.get(f"{url}/health", verify=untrusting, timeout=HANG_GUARD_S)
     finally:
-        output = stop(server)
-    assert f"page map: https://127.0.0.1:{port}/" in output
+        output = stop_serve(server)
+    assert f"page map: {url}/" in output
 
 
 def test_client_certificates_signed_by_the_ca_are_required_when_asked(tiny_model, pki) -> None:
-    port = free_port()
-    server = serve(
+    server, url = start_serve(
         tiny_model,
-        port,
-        *("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")),
+        *server_certificate(pki),
         *("--ssl-ca-certs", str(pki / "ca.pem"), "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED))),
+        verify=client_context(pki, "client"),
     )
-    url = f"https://127.0.0.1:{port}"
     try:
-        wait_for_health(url, server, client_context(pki, "client"))
         for refused in (None, "other"):  # no certificate; one the CA did not sign
             with pytest.raises(httpx2.TransportError):
                 response = httpx2.get(
@@ -136,7 +101,7 @@ def test_client_certificates_signed_by_the_ca_are_required_when_asked(tiny_model
                 )
                 response.read()
     finally:
-        stop(server)
+        stop_serve(server)
 
 
 @pytest.mark.parametrize(
