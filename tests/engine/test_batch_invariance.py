@@ -148,7 +148,7 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
     ),
     "swap": (7, dict(num_gpu_blocks=32, preemption_mode="swap", enable_prefix_caching=False)),
     "recompute": (
-        7,
+        3,
         dict(num_gpu_blocks=32, preemption_mode="recompute", enable_prefix_caching=True),
     ),
     "host-tier": (8, dict(num_gpu_blocks=32, enable_prefix_caching=True, kv_offloading_size=0.01)),

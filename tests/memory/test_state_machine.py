@@ -360,6 +360,96 @@ class MemoryRules(RuleBasedStateMachine):
         for seq_id in dropped:
             self.free(sorted(self.model).index(seq_id))
 
+    @rule(
+        first=st.one_of(st.none(), prompts),
+        salt=salts,
+        pick=picks,
+        fraction=st.floats(0, 1),
+        cuts=st.lists(picks, min_size=1, max_size=3),
+        tails=st.lists(st.integers(0, 3), max_size=3),
+        fails=st.booleans(),
+    )
+    def prompts_admitted_in_a_step_share_what_it_schedules(
+        self, first, salt, pick, fraction, cuts, tails, fails
+    ):
+        """The engine's step over a sequence's next tokens (a held one's, or the `first` prompt
+        admitted in it): their full blocks are cached when scheduled (`mark_scheduled`), and
+        prompts admitted after it in the same step, each beginning with some of its tokens,
+        hit them and are scheduled in turn. Then the step
+        runs (every scheduled token's KV is written, then `commit_scheduled`), or it fails
+        before writing any: `discard_plan` takes back its plan and its scheduled blocks, and
+        the engine drops the sequences it names and those with a chunk in the step. Either way
+        the invariants hold after: a hit is a prefix computed or scheduled under the salt, and
+        no cached block, no surviving sequence, holds KV it does not claim."""
+        if first is not None:
+            seq_id = self.next_id
+            self.next_id += 1
+            if self._fails_cleanly(self.manager.allocate, seq_id, first, salt):
+                assert not self.manager.take_pending_plan()
+                return
+            self.step_plan.extend(self.manager.take_pending_plan())
+            if self.result:
+                assert (salt, tuple(first[: self.result])) in self.computed_prefixes
+            seq = self.model[seq_id] = ModelSeq(list(first), self.result, salt)
+        else:
+            seq_id, seq = self._pick(pick)
+        if seq is None or seq.swapped:
+            return
+        size = self.manager.block_size
+        upto = seq.num_computed + round(fraction * (len(seq.token_ids) - seq.num_computed))
+        written = self.manager.block_table(seq_id)[seq.num_computed // size : -(-upto // size)]
+        if any(self.manager.block_ref_count(b) > 1 or self.manager.is_cached(b) for b in written):
+            return  # an engine's step writes only private, uncached slots (forks share computed)
+        scheduled: dict[int, int] = {}  # sequence -> tokens the step writes, from num_computed
+        scheduled_prefixes: set[tuple[str | None, tuple[int, ...]]] = set()
+
+        def schedule(sid: int, upto: int) -> None:
+            self.manager.mark_scheduled(sid, upto)
+            scheduled[sid] = upto
+            for end in range(size, upto + 1, size):
+                scheduled_prefixes.add((seq.salt, tuple(self.model[sid].token_ids[:end])))
+
+        schedule(seq_id, upto)
+        for cut in cuts:
+            prompt = seq.token_ids[: cut % (len(seq.token_ids) + 1)] + tails
+            if not prompt:
+                continue
+            new_id = self.next_id
+            self.next_id += 1
+            if self._fails_cleanly(self.manager.allocate, new_id, prompt, seq.salt):
+                assert not self.manager.take_pending_plan()
+                continue
+            self.step_plan.extend(self.manager.take_pending_plan())
+            num_cached = self.result
+            prefix = (seq.salt, tuple(prompt[:num_cached]))
+            if num_cached:
+                assert prefix in self.computed_prefixes or prefix in scheduled_prefixes
+            if prefix in scheduled_prefixes - self.computed_prefixes:
+                event("a prompt hit blocks scheduled in its own step")
+            self.model[new_id] = ModelSeq(list(prompt), num_cached, seq.salt)
+            schedule(new_id, len(prompt))
+        if fails:
+            plan, self.step_plan = self.step_plan, MemoryPlan()
+            gpu = {move.dst for move in plan if move.kind is not MoveKind.SWAP_OUT}
+            cpu = {move.dst for move in plan if move.kind is MoveKind.SWAP_OUT}
+            # The step wrote nothing it promised: its destinations and slots hold garbage.
+            for slots, blocks in ((self.store.gpu, gpu), (self.store.cpu, cpu)):
+                slots.update({(block, offset): -1 for block in blocks for offset in range(size)})
+            for sid, upto in scheduled.items():
+                start = self.model[sid].num_computed
+                self.store.write(sid, [-1] * upto, start, upto)
+            dropped = self.manager.discard_plan(plan)
+            for sid in sorted(dropped | set(scheduled)):
+                self.free(sorted(self.model).index(sid))
+            return
+        self._run_step_plan()
+        for sid, upto in scheduled.items():
+            model = self.model[sid]
+            self.store.write(sid, model.token_ids, model.num_computed, upto)
+        self.manager.commit_scheduled()
+        for sid, upto in scheduled.items():
+            self._compute(sid, self.model[sid], upto)
+
     @invariant()
     def manager_is_consistent(self):
         self.manager.check_invariants()

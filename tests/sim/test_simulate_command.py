@@ -71,7 +71,7 @@ def test_sharing_table_says_which_figure_is_parallel_sampling(capsys):
     out = capsys.readouterr().out
     # 13 blocks is one request sampling n=10; ten separate requests hold 12 shared + 10 own.
     assert re.search(r"│ fork: 1 request, n=10, prefilled +│ +13 │", out)
-    assert re.search(r"│ prefix caching: 10 requests in turn +│ +22 │", out)
+    assert re.search(r"│ prefix caching: 10 requests at once +│ +22 │", out)
 
 
 def test_tables_name_schemes_and_sweep(capsys):
@@ -93,9 +93,10 @@ def test_trace_input_is_simulated(tmp_path, capsys):
     assert main([*argv, "--batch-sizes", "5,12", "--pool-gb", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     shared = out["schemes"][3]["stats"]
-    # Every request admitted after the first step: its 2,048-token budget takes the first 7
-    # prompts (the 7th in part), whose blocks are cached only once computed, after that step.
-    assert shared["prefix_hit_tokens"] == 5 * 256
+    # All 12 are admitted in the first step (its 2,048-token budget holds 300 + 11 x 44): the
+    # first computes its 16 prefix blocks, the other 11 share them as soon as they are
+    # scheduled, in the same step.
+    assert shared["prefix_hit_tokens"] == 11 * 256
 
 
 def test_a_trace_shorter_than_the_batch_sizes_sweeps_the_sizes_it_fills(tmp_path, capsys):

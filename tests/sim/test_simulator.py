@@ -141,7 +141,7 @@ def test_forked_samples_share_the_prompt_until_copy_on_write():
 
 def test_prefix_caching_shares_the_system_prompts_full_blocks():
     # Two requests with a common 9-token prefix: blocks of 4 share 2 full blocks. r1 arrives
-    # a step after r0, once r0's prompt blocks are computed (only computed blocks are cached).
+    # a step after r0, once r0's prompt blocks are computed.
     requests = [
         WorkloadRequest(0, 0, 10, 4, 4, prefix_id="sys", prefix_len=9),
         WorkloadRequest(1, 1, 11, 4, 4, prefix_id="sys", prefix_len=9),
@@ -153,13 +153,18 @@ def test_prefix_caching_shares_the_system_prompts_full_blocks():
     assert shared.timeline.held(1) == unshared.timeline.held(1) - 8
 
 
-def test_requests_admitted_in_one_step_do_not_share_blocks_not_yet_computed():
+def test_requests_admitted_in_one_step_share_the_blocks_that_step_computes():
+    # Both arrive at step 0 and are prefilled together: r1 hits r0's 2 full prefix blocks as
+    # soon as r0's chunk is scheduled, so step 0 holds 3 + 1 blocks, not 3 + 3.
     requests = [
         WorkloadRequest(0, 0, 10, 1, 1, prefix_id="sys", prefix_len=9),
         WorkloadRequest(1, 0, 11, 1, 1, prefix_id="sys", prefix_len=9),
     ]
     shared = simulate(requests, make_scheme("paged-shared", 16, 4, max_model_len=16))
-    assert shared.stats["prefix_hit_tokens"] == 0
+    unshared = simulate(requests, make_scheme("paged", 16, 4, max_model_len=16))
+    assert shared.stats["prefix_hit_tokens"] == 8
+    assert shared.timeline.shared[0] == 8
+    assert shared.timeline.held(0) == unshared.timeline.held(0) - 8
 
 
 def test_arrivals_wait_for_their_step_and_queueing_is_measured():

@@ -10,6 +10,15 @@ cannot hold them. Besides it: `mark_computed` (the scheduler owns each sequence'
 count and reports it, so full computed blocks enter the prefix cache), `free`, `fork`,
 `swap_out` and `swap_in`.
 
+Prompts that arrive together share their common prefix from the first step, as in vLLM V1:
+`mark_scheduled` enters the full blocks a step being scheduled will write into the prefix
+cache at once, so a prompt allocated later in the same step hits them. That is sound because
+the forward pass writes every sequence's K/V of a layer before any attention of that layer
+reads. Such a block is "scheduled" until the step ran (`commit_scheduled`); a step that failed
+takes them back with its plan (`discard_plan`). The scheduler publishes a step's chunks only
+once no sequence can be preempted in it any more, so a scheduled block is never freed before
+its KV is written.
+
 Speculative decoding writes the KV of drafted tokens before it knows which are kept:
 `allocate_slots(..., num_lookahead_tokens=k)` gives a sequence k slots past the tokens of its
 record (drafts are never in the record until accepted), and `trim` gives back the slots, and
@@ -138,6 +147,8 @@ class KVCacheManager:
         # Reversed so pop() hands out CPU block 0 first: plans read naturally in demos.
         self._free_cpu_blocks = list(range(num_cpu_blocks - 1, -1, -1))
         self._seqs: dict[SeqId, _Sequence] = {}
+        # Blocks `mark_scheduled` cached whose KV the step being built is still to write.
+        self._scheduled: set[Block] = set()
         self._prefix_queried_tokens = 0
         self._prefix_hit_tokens = 0
         self._cow_copies = 0
@@ -334,6 +345,33 @@ class KVCacheManager:
         seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
         self._pool.cache(seq.blocks[first_new : first_new + len(new_blocks)], new_blocks)
 
+    def mark_scheduled(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Record that the step being scheduled writes the KV of the first `num_tokens` tokens:
+        the full blocks among them enter the prefix cache now, so a prompt allocated later in
+        the same step shares them instead of computing its own copy.
+
+        The forward pass writes a layer's K/V for every sequence of the step before that
+        layer's attention reads any, so the sharer reads them written. Until `commit_scheduled`
+        (the step ran) or `discard_plan` (it failed) they are scheduled blocks: the caller must
+        not free or swap the sequence before then.
+        """
+        seq = self._resident(seq_id, "scheduling tokens")
+        if not 0 <= num_tokens <= min(seq.num_held, len(seq.tokens)):
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot schedule {num_tokens} tokens, it holds "
+                f"{seq.num_held} slots for {len(seq.tokens)} tokens"
+            )
+        new_blocks = self._hash_new_full_blocks(seq, num_tokens)
+        first_new = len(seq.block_hashes)
+        seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
+        blocks = seq.blocks[first_new : first_new + len(new_blocks)]
+        self._pool.cache(blocks, new_blocks)
+        self._scheduled.update(blocks)
+
+    def commit_scheduled(self) -> None:
+        """The step that `mark_scheduled` spoke for ran: its blocks hold their KV now."""
+        self._scheduled.clear()
+
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and release its blocks, tail first so chain tails evict first.
 
@@ -441,11 +479,14 @@ class KVCacheManager:
         return plan
 
     def discard_plan(self, plan: MemoryPlan) -> set[SeqId]:
-        """Take back what a plan that may not have run promised (a failed step's): the blocks
-        it would have written leave the GPU prefix cache and the host tier, and the sequences
-        holding any are returned, for the caller to drop. Their KV may never have been written:
-        swapped out into them, swapped or copied into them, or sharing them since."""
+        """Take back what a step that may not have run promised (a failed step's): the blocks
+        its plan would have written, and those `mark_scheduled` cached for its forward pass,
+        leave the GPU prefix cache and the host tier, and the sequences holding any are
+        returned, for the caller to drop. Their KV may never have been written: swapped out
+        into them, swapped or copied into them, computed by the step, or sharing them since."""
         gpu = {move.dst for move in plan if move.kind is not MoveKind.SWAP_OUT}
+        gpu.update(block.block_id for block in self._scheduled)
+        self._scheduled.clear()
         cpu = {move.dst for move in plan if move.kind is MoveKind.SWAP_OUT}
         self._pool.uncache(self._pool.blocks[block_id] for block_id in gpu)
         self._tier.forget(cpu)
@@ -595,8 +636,16 @@ class KVCacheManager:
             num_computed = seq.num_computed
             if not 0 <= num_computed <= min(seq.num_held, len(seq.tokens)):
                 raise AssertionError(f"sequence {seq_id!r} has {num_computed} computed tokens")
-            if len(seq.block_hashes) > num_computed // self.block_size:
+            # Hashed blocks past the computed ones are only those a step is about to write.
+            num_ahead = len(seq.block_hashes) - num_computed // self.block_size
+            ahead = seq.blocks[num_computed // self.block_size : len(seq.block_hashes)]
+            if num_ahead > 0 and (
+                len(ahead) < num_ahead or any(block not in self._scheduled for block in ahead)
+            ):
                 raise AssertionError(f"sequence {seq_id!r} hashed blocks that are not computed")
+        for block in self._scheduled:
+            if block.ref_count == 0:
+                raise AssertionError(f"scheduled block {block.block_id} is held by no one")
         expected_refs.update(self._pool.runs)  # LoRA adapters' blocks (`adapters.py`)
         for block in self._pool.blocks:
             if block.ref_count != expected_refs[block.block_id]:

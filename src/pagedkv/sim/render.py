@@ -219,10 +219,9 @@ def print_report(comparison: Comparison) -> None:
             console,
             f"blocks of {sharing.block_size} tokens, "
             f"{format_bytes(sharing.bytes_per_block)} each on {model_name}",
-            f"prefix caching ({sharing.num_sequences} separate requests, each after the "
-            "prompt is computed)",
-            "  shares full blocks only: each keeps its own partial last block; prompts",
-            "  prefilled in the same step share nothing (only computed blocks are shared)",
+            f"prefix caching ({sharing.num_sequences} separate requests, prefilled in one step)",
+            "  shares full blocks only: each keeps its own partial last block; a block is",
+            "  shared once a step schedules it, so requests that come in turn share as much",
             f"fork (1 request, n={sharing.num_sequences}: parallel sampling) shares that block "
             "too, until",
             "  each sample's first token copies it on write",
@@ -341,7 +340,7 @@ def _sharing_table(report: SharingReport) -> Table:
     for how, blocks, saving in (
         (f"nothing: {sequences} copies", report.unshared_blocks, 0),
         (
-            f"prefix caching: {sequences} requests in turn",
+            f"prefix caching: {sequences} requests at once",
             report.prefix_cached_blocks,
             report.prefix_cached_bytes_saved,
         ),

@@ -290,6 +290,12 @@ class SlabMemory:
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Nothing to record: a slab has no prefix cache."""
 
+    def mark_scheduled(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Nothing to share: a slab has no prefix cache."""
+
+    def commit_scheduled(self) -> None:
+        """Nothing was shared ahead of its computation."""
+
     def trim(self, seq_id: SeqId, num_tokens: int) -> None:
         """Nothing to give back: lookahead slots are part of the slab's reservation."""
 

@@ -2,10 +2,11 @@
 
 The prompt's last block is usually partly filled (200 tokens = 12 full blocks of 16 + 8).
 - unshared: every sequence holds its own copy, N x 13 blocks;
-- prefix caching: separate requests can share only full, computed blocks, so each still
-  computes and holds its own partial last block: 12 + N, for requests that come in turn,
-  each after the prompt was computed (ones prefilled in the same step each compute their
-  own copy, N x 13, as the engine shares nothing not yet computed);
+- prefix caching: separate requests share only full blocks, so each still computes and
+  holds its own partial last block: 12 + N. Counted for N requests that arrive at once and
+  are prefilled in one step, as the engine's scheduler drives the manager: each prompt's full
+  blocks are published when its chunk is scheduled (`mark_scheduled`), and the next prompt
+  admitted in the step hits them. Requests that come in turn share the same blocks;
 - fork: samples of one request (parallel sampling, n = N) share every block, the partial
   one too, 13 in all, until each writes its first token and copy-on-write gives it a
   private copy of that last block.
@@ -68,6 +69,9 @@ def shared_prompt_blocks(
     cached = KVCacheManager(pool, block_size, enable_prefix_caching=True)
     for seq in range(num_sequences):
         cached.allocate(seq, prompt)
+        cached.mark_scheduled(seq, prompt_tokens)
+    cached.commit_scheduled()
+    for seq in range(num_sequences):
         cached.mark_computed(seq, prompt_tokens)
 
     forked = KVCacheManager(pool, block_size, enable_prefix_caching=True)

@@ -12,6 +12,9 @@ there are no separate prefill and decode phases. Each step:
 2. swapped requests, in the policy's order, when nothing was preempted this step;
 3. waiting requests, in the policy's order, when nothing is swapped, while the pool keeps a
    watermark of free blocks (so admitting does not force a preemption on the next decode).
+   No one is preempted from here on, so the full blocks the step's chunks will compute are
+   published to the prefix cache first (`mark_scheduled`), and again after each admission:
+   prompts admitted together share their common prefix from the first step (vLLM V1's rule).
    A new request whose structured-output grammar still compiles waits apart (`compiling`)
    and joins the waiting queue once it is ready, so it holds up no one behind it.
 After the step has run, `update` consumes what it produced (`ModelRunnerOutput`: the tokens
@@ -146,8 +149,10 @@ class Scheduler:
             while self.swapped and self._try_resume(self.swapped.peek(), step):
                 self.swapped.pop()
         if not self.swapped and not step.output.preempted:
+            self._publish(step)
             while self.waiting and self._try_admit(self.waiting.peek(), step):
                 self.waiting.pop()
+                self._publish(step)
         self._dropped += step.output.dropped
         if self.adapters is not None:
             step.output.adapters = self.adapters.take_changes()
@@ -175,6 +180,7 @@ class Scheduler:
         Finished samples free their blocks; a request whose samples all finished leaves the
         scheduler (status FINISHED). The others reserve slots for their next drafts.
         """
+        self.manager.commit_scheduled()
         if result.step_seconds is not None:
             self.drafts.step_cost.record(
                 output.num_batched_tokens, result.step_seconds, output.decodes_only
@@ -265,6 +271,16 @@ class Scheduler:
             step.budget -= num_new + len(drafts)
         step.num_seqs += len(chunks)
         step.output.chunks.extend(chunks)
+
+    def _publish(self, step: _Step) -> None:
+        """Offer the prefix cache the full blocks of the chunks scheduled since the last call
+        (their tokens in the record, not drafts), for the prompts admitted after them; only
+        while prompts wait, since only an admission looks them up."""
+        if self.waiting:
+            for chunk in step.output.chunks[step.num_published :]:
+                num_tokens = chunk.num_computed + len(chunk.token_ids) - chunk.num_draft_tokens
+                self.manager.mark_scheduled(chunk.seq_id, num_tokens)
+        step.num_published = len(step.output.chunks)
 
     def _try_resume(self, request: Request, step: _Step) -> bool:
         """Swap a request back in if its adapter, its blocks and this step's tokens fit;
@@ -477,4 +493,5 @@ class _Step:
     # Decodes of the running requests not scheduled yet, in this step's order: each is owed
     # one token of the budget (kept as a count: summing them per request was quadratic).
     decodes_after: int = 0
+    num_published: int = 0  # leading chunks of `output` whose blocks `_publish` offered
     output: SchedulerOutput = field(default_factory=SchedulerOutput)
