@@ -6,6 +6,10 @@ step decodes only a short window of recent tokens, with a few tokens of context 
 tokenizers that drop a leading space at the start of a decode (SentencePiece) still produce
 the same text as decoding everything at once. It keeps no tokens of its own: it reads the
 sequence's token array, which only ever grows, through two offsets.
+
+A character split between the prompt's last tokens and the first output tokens belongs to the
+output, whole: the prompt's text ends before it (decoded alone it ends in U+FFFD), and the
+output's text starts with it once its tokens complete it.
 """
 
 from __future__ import annotations
@@ -64,4 +68,7 @@ class IncrementalDetokenizer:
         held = self._read_offset - self._prefix_offset
         prefix_text = decode(window[:held], skip_special_tokens=self._skip_special_tokens)
         new_text = decode(window, skip_special_tokens=self._skip_special_tokens)
+        while prefix_text.endswith(REPLACEMENT_CHAR) and not new_text.startswith(prefix_text):
+            # The new tokens completed a character the held ones began: it is new text.
+            prefix_text = prefix_text[:-1]
         return prefix_text, new_text
