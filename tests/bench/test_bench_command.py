@@ -143,12 +143,17 @@ def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_tr
 
     converted = tiny_folder.parent / "converted"
     monkeypatch.setattr(load_module, "converted_folder", lambda name: converted)
-    assert bench_main._models("smollm2-135m-instruct", 0) == (
+    systems = ["pagedkv", "hf-cb"]
+    assert bench_main._models("smollm2-135m-instruct", 0, systems) == (
         "smollm2-135m-instruct",
         converted,
         "smollm2-135m-instruct",
     )
-    assert bench_main._models(str(tiny_folder), 0) == (str(tiny_folder), tiny_folder, "llama")
+    assert bench_main._models(str(tiny_folder), 0, systems) == (
+        str(tiny_folder),
+        tiny_folder,
+        "llama",
+    )
 
 
 def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path) -> None:
@@ -201,3 +206,23 @@ def test_two_kv_budgets_are_refused(tiny_folder: Path, capsys: pytest.CaptureFix
     flags = ["--kv-tokens", "100", "--num-gpu-blocks", "3", "--systems", "pagedkv"]
     assert main(["bench", "--model", str(tiny_folder), *flags]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_gguf_file_benches_in_pagedkv_alone(
+    tiny_gguf, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .gguf runs in pagedkv, its workloads drawn from the file's own vocabulary; asked of
+    transformers too, which loads folders, it is one line naming the way out."""
+    gguf_file = tiny_gguf("llama")
+    figures_path = tmp_path / "bench.json"
+    flags = ["--model", str(gguf_file), "--workload", "uniform", "--rounds", "1"]
+    flags += ["--num-prompts", "3", "--output-len", "4", "4", "--threads", "1"]
+    assert main(["bench", *flags, "--systems", "pagedkv", "--json", str(figures_path)]) == 0
+    [workload] = json.loads(figures_path.read_text())["workloads"].values()
+    spec = WorkloadSpec(3, WORKLOADS["uniform"].prompt_len, (4, 4))
+    assert workload["requested_tokens"] == make_workload("uniform", spec, 320, 0).requested_tokens
+    assert workload["systems"]["pagedkv"]["useful_tokens"] == [workload["requested_tokens"]]
+    capsys.readouterr()
+    assert main(["bench", *flags, "--systems", "pagedkv,hf-cb"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("pagedkv bench: ") and "hf-cb" in line and "--systems pagedkv" in line

@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if action.dest == "model":
             action.help = (
                 f"{RANDOM_MODEL} (seeded random Llama, made on first use; the default), a "
-                "Hugging Face folder, or a built-in name such as smollm2-135m-instruct"
+                "Hugging Face folder, a built-in name such as smollm2-135m-instruct, or a "
+                ".gguf file (with --systems pagedkv: transformers loads folders)"
             )
 
 
@@ -151,12 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
     """The benchmark's model, workloads and engine from the flags; one of STARTUP_ERRORS
     names a bad one."""
-    model, folder, label = _models(args.model, args.seed)
-    config_file = folder / "config.json"
-    try:
-        vocab_size = json.loads(config_file.read_text())["vocab_size"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"{config_file}: no vocab_size in valid JSON ({error})") from error
+    model, folder, label = _models(args.model, args.seed, systems)
+    vocab_size = _vocab_size(model, folder)
     workloads = []
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     for name in names:
@@ -182,7 +179,7 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
         raise ValueError("give --kv-tokens or --num-gpu-blocks, not both: each sets the budget")
     return BenchConfig(
         engine_args=engine_args,
-        hf_folder=str(folder),
+        hf_folder=None if folder is None else str(folder),
         model_label=label,
         workloads=workloads,
         kv_tokens=engine_args.num_gpu_blocks * engine_args.block_size,
@@ -193,10 +190,11 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
     )
 
 
-def _models(model: str, seed: int) -> tuple[str, Path, str]:
+def _models(model: str, seed: int, systems: list[str]) -> tuple[str, Path | None, str]:
     """What pagedkv loads, the Hugging Face folder of the same weights in float that
     transformers loads, and a label. A built-in model runs in pagedkv as itself (under
-    --quantization auto, its own GGUF blocks); a folder runs as it is in both."""
+    --quantization auto, its own GGUF blocks); a folder runs as it is in both; a .gguf file
+    runs in pagedkv alone (no folder: transformers loads folders)."""
     if model == RANDOM_MODEL:
         folder = random_model_folder(seed)
         return str(folder), folder, f"{RANDOM_MODEL} (seed {seed})"
@@ -206,12 +204,30 @@ def _models(model: str, seed: int) -> tuple[str, Path, str]:
     from pagedkv.weights.load import converted_folder
 
     if path.suffix == ".gguf":
-        raise ValueError(
-            f"{model}: the benchmark reads a model's config.json and transformers loads its "
-            "folder: `pagedkv convert` the .gguf to a folder first (a built-in name is "
-            "converted on its own)"
-        )
+        transformers = [system for system in systems if system != "pagedkv"]
+        if transformers:
+            raise ValueError(
+                f"{model}: transformers ({', '.join(transformers)}) loads a folder, not a "
+                ".gguf file: `pagedkv convert` it to a folder first, or bench the file with "
+                "--systems pagedkv (a built-in name is converted on its own)"
+            )
+        return model, None, path.name
     return model, converted_folder(model), model
+
+
+def _vocab_size(model: str, folder: Path | None) -> int:
+    """The vocabulary the workloads draw token ids from: the folder's config.json, or the
+    GGUF file's metadata when there is no folder."""
+    if folder is None:
+        from pagedkv.weights.gguf.config import config_dict
+        from pagedkv.weights.gguf.file import GGUFFile
+
+        return config_dict(GGUFFile(model))["vocab_size"]
+    config_file = folder / "config.json"
+    try:
+        return json.loads(config_file.read_text())["vocab_size"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{config_file}: no vocab_size in valid JSON ({error})") from error
 
 
 def positive_int(text: str) -> int:

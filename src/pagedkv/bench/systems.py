@@ -36,7 +36,7 @@ class BenchConfig:
     """Everything one invocation runs."""
 
     engine_args: EngineArgs  # its model: a folder, or a built-in name (its own GGUF file)
-    hf_folder: str  # the same weights in float, as a folder transformers loads
+    hf_folder: str | None  # the same weights in float, as a folder transformers loads
     model_label: str
     workloads: list[Workload]
     kv_tokens: int
