@@ -110,3 +110,57 @@ def test_a_failed_step_takes_back_the_blocks_it_shared(engine_zoo, monkeypatch):
     expected, _ = answers(make_engine(engine_zoo, "llama"), again)
     assert got == expected
     assert cached["r0+"] == 0
+
+
+def test_scheduling_that_fails_part_way_takes_back_what_it_shared(engine_zoo, monkeypatch):
+    """Ctrl-C while the burst's second prompt is admitted, after the first published its
+    blocks: those blocks never get their KV, so they leave the cache with the first request
+    (aborted), and the same prompts again answer as a fresh engine does."""
+    engine = make_engine(engine_zoo, "llama")
+    real_try_admit = engine.scheduler._try_admit
+    calls: list[int] = []
+
+    def interrupted(request, step):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_try_admit(request, step)
+
+    monkeypatch.setattr(engine.scheduler, "_try_admit", interrupted)
+    add(engine, burst())
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.setattr(engine.scheduler, "_try_admit", real_try_admit)
+    assert not any(map(engine.manager.is_cached, range(engine.manager.num_gpu_blocks)))
+    for request_id, _ in burst():  # what LLM.generate does with its requests on Ctrl-C
+        engine.abort(request_id)
+    for _ in run_to_completion(engine):
+        pass
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+    again = [(f"{rid}+", prompt) for rid, prompt in burst()]
+    got, _ = answers(engine, again)
+    expected, _ = answers(make_engine(engine_zoo, "llama"), again)
+    assert got == expected
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])  # int8: the one-call C layers
+def test_a_block_a_decode_completes_is_shared_in_that_step(engine_zoo, quantization):
+    """A conversation's next turn arrives as its answer's first token fills a block: the
+    decode that writes that token is scheduled first, so the new prompt hits the block."""
+    settings = dict(quantization=quantization)
+    first = random_prompt(2 * BLOCK - 1, seed=60)
+    engine = make_engine(engine_zoo, "llama", **settings)
+    engine.add_request("turn-1", first, GREEDY)
+    [delta] = engine.step()  # the prompt, and the first answer token
+    turn_2 = first + delta.outputs[0].token_ids + random_prompt(5, seed=61)
+    engine.add_request("turn-2", turn_2, GREEDY)
+    # turn-1's decode completes block 2; turn-2, admitted after it, samples its first token.
+    [first_token] = [d.outputs[0] for d in engine.step() if d.request_id == "turn-2"]
+    assert engine.manager.stats.prefix_hit_tokens == 2 * BLOCK
+    got, _ = answers(engine, [])
+    alone, _ = answers(
+        make_engine(engine_zoo, "llama", enable_prefix_caching=False, **settings),
+        [("turn-2", turn_2)],
+    )
+    tokens, logprobs = got[("turn-2", 0)]
+    assert (first_token.token_ids + tokens, first_token.logprobs + logprobs) == alone[("turn-2", 0)]

@@ -304,7 +304,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; report every request that changed, as its output_kind says."""
         started = time.perf_counter()
-        output = self.scheduler.schedule()
+        try:
+            output = self.scheduler.schedule()
+        except BaseException:
+            # Blocks published for the step (`mark_scheduled`) will hold no KV: they leave the
+            # prefix cache, and the requests holding them are aborted.
+            for request_id in sorted({seq_id[0] for seq_id in self.manager.discard_scheduled()}):
+                self.abort(request_id)
+            raise
         self.last_step_num_tokens = output.num_batched_tokens
         prompt_tokens = self._prompt_tokens(output)
         try:

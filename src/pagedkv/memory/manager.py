@@ -327,9 +327,10 @@ class KVCacheManager:
     def mark_computed(self, seq_id: SeqId, num_tokens: int) -> None:
         """Record that the KV of the first `num_tokens` tokens is written (the caller counts).
 
-        Only now do the full blocks among them enter the prefix cache: a cache hit must never
-        hand out a block whose KV is still to be computed. All or nothing: the new blocks are
-        hashed before anything is recorded.
+        The full blocks among them not cached yet (by `mark_scheduled`) enter the prefix
+        cache now: a cache hit must never hand out a block whose KV no step will have written
+        before the hit reads it. All or nothing: the new blocks are hashed before anything is
+        recorded.
         """
         seq = self._resident(seq_id, "marking tokens computed")
         if not 0 <= num_tokens <= min(seq.num_held, len(seq.tokens)):
@@ -366,11 +367,23 @@ class KVCacheManager:
         seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
         blocks = seq.blocks[first_new : first_new + len(new_blocks)]
         self._pool.cache(blocks, new_blocks)
-        self._scheduled.update(blocks)
+        # A hash another block already serves leaves this one out of the cache: nothing to
+        # take back.
+        self._scheduled.update(
+            block
+            for block, (block_hash, _) in zip(blocks, new_blocks, strict=True)
+            if block.block_hash == block_hash
+        )
 
     def commit_scheduled(self) -> None:
         """The step that `mark_scheduled` spoke for ran: its blocks hold their KV now."""
         self._scheduled.clear()
+
+    def discard_scheduled(self) -> set[SeqId]:
+        """Take back what `mark_scheduled` cached for a step that will not run (its scheduling
+        failed part way): those blocks leave the prefix cache, and the sequences holding any
+        are returned, for the caller to drop (their computed counts may include them)."""
+        return self.discard_plan(MemoryPlan())
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and release its blocks, tail first so chain tails evict first.
@@ -636,11 +649,13 @@ class KVCacheManager:
             num_computed = seq.num_computed
             if not 0 <= num_computed <= min(seq.num_held, len(seq.tokens)):
                 raise AssertionError(f"sequence {seq_id!r} has {num_computed} computed tokens")
-            # Hashed blocks past the computed ones are only those a step is about to write.
+            # Hashed blocks past the computed ones are only those a step is about to write:
+            # in the prefix cache they are scheduled blocks.
             num_ahead = len(seq.block_hashes) - num_computed // self.block_size
             ahead = seq.blocks[num_computed // self.block_size : len(seq.block_hashes)]
             if num_ahead > 0 and (
-                len(ahead) < num_ahead or any(block not in self._scheduled for block in ahead)
+                len(ahead) < num_ahead
+                or any(b.block_hash is not None and b not in self._scheduled for b in ahead)
             ):
                 raise AssertionError(f"sequence {seq_id!r} hashed blocks that are not computed")
         for block in self._scheduled:

@@ -129,7 +129,8 @@ class BlockPool:
         return block
 
     def cache(self, blocks: list[Block], hashed: list[tuple[BlockHash, bytes]]) -> None:
-        """Register full, computed blocks in the prefix cache with their (hash, token bytes).
+        """Register full blocks in the prefix cache with their (hash, token bytes): computed,
+        or to be computed by the step being scheduled (`KVCacheManager.mark_scheduled`).
 
         A block already cached keeps its entry; a hash already served by another block keeps
         that block (two requests computed the same prefix at once), and this one stays
