@@ -6,6 +6,10 @@ forward pass over every scheduled chunk, then sampling) -> `ModelRunnerOutput` -
 `scheduler.update()` (append, stops, frees); then it returns what each touched request
 produced in this step (deltas). `abort` frees a request's blocks at once. The engine is not
 thread-safe: one thread owns it (the server runs it in its engine thread).
+
+(Over 400 lines: admission, the step, taking back a step that fails while it is scheduled or
+run, and the counters all read and write one request table; split, each part would reach
+into the others'.)
 """
 
 from __future__ import annotations
@@ -306,9 +310,7 @@ class Engine:
         started = time.perf_counter()
         try:
             output = self.scheduler.schedule()
-        except BaseException:
-            # Blocks published for the step (`mark_scheduled`) will hold no KV: they leave the
-            # prefix cache, and the requests holding them are aborted.
+        except BaseException:  # what it published (`mark_scheduled`) will hold no KV
             for request_id in sorted({seq_id[0] for seq_id in self.manager.discard_scheduled()}):
                 self.abort(request_id)
             raise
