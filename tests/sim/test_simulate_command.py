@@ -244,3 +244,22 @@ def test_a_pool_of_exactly_n_blocks_holds_n_blocks(capsys):
         argv = ["simulate", "--workload", "tutorial", "--num-requests", "3", "--pool-gb", pool_gb]
         assert main([*argv, "--batch-sizes", "3", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["num_blocks"] == blocks
+
+
+def test_tensor_parallel_pools_are_one_ranks_share_of_every_block(capsys):
+    """Llama 3 70B has 8 KV heads of 128 values over 80 layers: 2 x 80 x 8 x 128 x 2 bytes =
+    327,680 B/token in bf16. Over 4 ranks each holds 2 heads (81,920 B/token), so a rank's
+    2 GB holds 4x the blocks; over 16, the 8 heads are replicated, one a rank (40,960)."""
+    argv = ["simulate", "--model", "llama-3-70b", "--pool-gb", "2", "--num-requests", "20"]
+    argv += ["--batch-sizes", "10", "--json"]
+    for ranks, bytes_per_token in ((1, 327_680), (4, 81_920), (16, 40_960)):
+        assert main([*argv, "--tensor-parallel-size", str(ranks)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["tensor_parallel_size"] == ranks
+        assert out["spec"]["bytes_per_token"] == bytes_per_token
+        assert out["num_blocks"] == 2 * 10**9 // (16 * bytes_per_token)
+    assert main([*argv, "--tensor-parallel-size", "3"]) == 2
+    assert "not divisible by tensor_parallel_size (3)" in capsys.readouterr().err
+    assert main(argv[:-1] + ["--tensor-parallel-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "81,920 B/token per rank" in out and "tensor parallel over 4 ranks" in out

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pagedkv.commands.arguments import (
@@ -26,6 +27,7 @@ from pagedkv.commands.planning_model import (
     kv_dtype_of,
     resolve_planning_model,
 )
+from pagedkv.kvmath.parallel import check_attention_heads, per_rank_spec
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model
 from pagedkv.kvmath.spec import GB, ConfigError, format_bytes
 from pagedkv.sim.render import (
@@ -80,7 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_kv_dtype_arguments(parser)
     parser.add_argument(
-        "--pool-gb", type=positive_gb, default=40.0, help="KV pool in GB (default 40)"
+        "--pool-gb",
+        type=positive_gb,
+        default=40.0,
+        help="KV pool in GB (default 40); each rank's under --tensor-parallel-size",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="ranks the KV heads are split across, as the engine splits them: each rank's pool "
+        "holds its share of every block, so a GB holds more blocks (default 1)",
     )
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     parser.add_argument(
@@ -189,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         sweep=sweep,
         sharing=sharing,
         plots=plots,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.json:
         print(json.dumps(as_json(comparison), indent=2))
@@ -201,6 +214,9 @@ def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int
     """The model, the request stream and the context it is served with."""
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
     model = resolve_planning_model(args.model or default_model or "llama-3.1-8b", kv_dtype_of(args))
+    if args.tensor_parallel_size > 1:  # one rank's cache: its share of the KV heads
+        check_attention_heads(model.config, args.tensor_parallel_size)
+        model = replace(model, spec=per_rank_spec(model.spec, args.tensor_parallel_size))
     if args.trace:
         max_model_len = model.spec.served_context(args.max_model_len)
         if max_model_len is None:

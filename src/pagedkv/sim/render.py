@@ -49,6 +49,8 @@ class Comparison:
     sweep: list[SweepPoint]
     sharing: SharingReport | None  # only with a shared system prompt
     plots: list[Path]
+    # Ranks the KV heads are split across: `model.spec` and the pool are one rank's.
+    tensor_parallel_size: int = 1
 
 
 def progress_bars() -> Progress:
@@ -179,10 +181,20 @@ def print_report(comparison: Comparison) -> None:
         description = workload(comparison.workload_name).description
         console.print(f"  {description}", style="dim", highlight=False)
     pool_bytes = comparison.num_blocks * spec.bytes_per_block(block_size)
+    ranks = comparison.tensor_parallel_size
+    per_rank = " per rank" if ranks > 1 else ""
     console.print(
-        f"[bold]{model_name}[/]: {spec.bytes_per_token:,} B/token; pool {format_bytes(pool_bytes)}"
-        f" = {comparison.num_blocks:,} blocks of {block_size}"
+        f"[bold]{model_name}[/]: {spec.bytes_per_token:,} B/token{per_rank}; pool "
+        f"{format_bytes(pool_bytes)}{per_rank} = {comparison.num_blocks:,} blocks of {block_size}"
     )
+    if ranks > 1:
+        console.print(
+            f"  tensor parallel over {ranks} ranks: each holds {spec.num_kv_heads} KV "
+            f"head{'s' if spec.num_kv_heads > 1 else ''} of every block; the blocks are the same "
+            "on every rank, so one rank's pool is the simulated pool",
+            style="dim",
+            highlight=False,
+        )
     if spec.sliding_window:
         console.print(
             f"[yellow]note[/]: {model_name} has a {spec.sliding_window:,}-token sliding window; "
@@ -218,7 +230,7 @@ def print_report(comparison: Comparison) -> None:
         _notes(
             console,
             f"blocks of {sharing.block_size} tokens, "
-            f"{format_bytes(sharing.bytes_per_block)} each on {model_name}",
+            f"{format_bytes(sharing.bytes_per_block)} each{per_rank} on {model_name}",
             f"prefix caching ({sharing.num_sequences} separate requests, prefilled in one step)",
             "  shares full blocks only: each keeps its own partial last block; a block is",
             "  shared once a step schedules it, so requests that come in turn share as much",
@@ -239,7 +251,8 @@ def as_json(comparison: Comparison) -> dict[str, object]:
             None if comparison.trace else workload(comparison.workload_name).description
         ),
         "model": comparison.model.name,
-        "spec": spec.to_dict(),
+        "tensor_parallel_size": comparison.tensor_parallel_size,
+        "spec": spec.to_dict(),  # one rank's, under tensor parallelism
         "block_size": comparison.block_size,
         "num_blocks": comparison.num_blocks,
         "pool_bytes": comparison.num_blocks * spec.bytes_per_block(comparison.block_size),
