@@ -289,3 +289,39 @@ def test_aborting_n_samples_before_they_fork_reports_all_n(engine_zoo, steps_bef
     assert delta.finished
     assert [(o.index, o.finish_reason) for o in delta.outputs] == [(i, "abort") for i in range(3)]
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+
+
+def test_a_schedule_interrupted_after_a_host_tier_hit_serves_nothing_it_promised(
+    engine_zoo, monkeypatch
+):
+    """Ctrl-C while the scheduler admits the second prompt, after the first found its prefix
+    in the host tier: the copy back into the GPU never runs, so the blocks it was to fill leave
+    the prefix cache with the first request (aborted). Oracle: the prompt again answers as on
+    a fresh engine."""
+    settings = dict(num_gpu_blocks=12, max_model_len=128, kv_offloading_size=0.001)
+    engine = make_engine(engine_zoo, "llama", **settings)
+    prefix = random_prompt(53, seed=40)  # 3 full blocks
+    evicting = [(f"evict{i}", random_prompt(100, seed=100 + i)) for i in range(3)]
+    greedy_tokens(engine, [("prefix", prefix), *evicting])  # into the tier, out of the GPU
+    assert engine.manager.offload_stats.num_blocks >= 3
+    target = ("target", prefix + random_prompt(6, seed=1))
+    real_try_admit = engine.scheduler._try_admit
+    admitted: list[str] = []
+
+    def interrupted(request, step):
+        admitted.append(request.request_id)
+        if len(admitted) == 2:
+            raise KeyboardInterrupt
+        return real_try_admit(request, step)
+
+    monkeypatch.setattr(engine.scheduler, "_try_admit", interrupted)
+    engine.add_request(*target, LONG)
+    engine.add_request("other", random_prompt(20, seed=2), LONG)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.setattr(engine.scheduler, "_try_admit", real_try_admit)
+    engine.abort("other")  # as LLM.generate does on Ctrl-C
+    engine.manager.check_invariants()
+    again = [("again", target[1])]
+    fresh = make_engine(engine_zoo, "llama", **settings)
+    assert greedy_tokens(engine, again) == greedy_tokens(fresh, again)

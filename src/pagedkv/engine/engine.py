@@ -310,23 +310,16 @@ class Engine:
         started = time.perf_counter()
         try:
             output = self.scheduler.schedule()
-        except BaseException:  # what it published (`mark_scheduled`) will hold no KV
-            for request_id in sorted({seq_id[0] for seq_id in self.manager.discard_scheduled()}):
-                self.abort(request_id)
+        except BaseException:
+            if self.scheduler.interrupted is not None:  # a step half built will never run
+                self._take_back(self.scheduler.interrupted)
             raise
         self.last_step_num_tokens = output.num_batched_tokens
         prompt_tokens = self._prompt_tokens(output)
         try:
             touched = self._run(output)
         except BaseException as error:
-            # Abort what the failed (or interrupted) step touched: requests it computed, and
-            # those whose blocks its memory plan, perhaps never run, was writing (`discard_plan`).
-            moved = {seq_id[0] for seq_id in self.manager.discard_plan(output.plan)}
-            if self.adapters is not None:  # LoRA weights the step may not have written
-                self.adapters.retry(output.adapters)
-            request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks})
-            for request_id in request_ids:
-                self.abort(request_id)
+            request_ids = self._take_back(output)
             if not isinstance(error, Exception):
                 raise
             raise StepFailed(request_ids, error) from error
@@ -336,6 +329,18 @@ class Engine:
         self.loras.trim()  # adapters whose last request ended may go
         self._step_seconds += time.perf_counter() - started
         return [report for report in reports if report is not None]
+
+    def _take_back(self, output: SchedulerOutput) -> list[str]:
+        """Abort what a failed (or interrupted) step touched: the requests it computed, and
+        those holding blocks its memory plan, perhaps never run, was writing or its chunks
+        were to compute (`discard_plan`); their ids."""
+        moved = {seq_id[0] for seq_id in self.manager.discard_plan(output.plan)}
+        if self.adapters is not None:  # LoRA weights the step may not have written
+            self.adapters.retry(output.adapters)
+        request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks})
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
 
     def _run(self, output: SchedulerOutput) -> dict[str, Request]:
         """Execute the step and record it; the requests with a delta to report, by id."""

@@ -379,12 +379,6 @@ class KVCacheManager:
         """The step that `mark_scheduled` spoke for ran: its blocks hold their KV now."""
         self._scheduled.clear()
 
-    def discard_scheduled(self) -> set[SeqId]:
-        """Take back what `mark_scheduled` cached for a step that will not run (its scheduling
-        failed part way): those blocks leave the prefix cache, and the sequences holding any
-        are returned, for the caller to drop (their computed counts may include them)."""
-        return self.discard_plan(MemoryPlan())
-
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence and release its blocks, tail first so chain tails evict first.
 

@@ -86,6 +86,8 @@ class Scheduler:
         self.num_recompute_preemptions = 0
         self._arrivals = itertools.count()
         self._dropped: list[SeqId] = []  # tables the runner must forget, sent with the next step
+        # The step `schedule` was building when it raised, for the engine to take back.
+        self.interrupted: SchedulerOutput | None = None
         # Moves of draft reservations made by `update`, run with the next step.
         self.drafts = DraftSlots(manager, self.watermark_blocks, config.num_speculative_tokens)
         # Tokens the last step added to outputs: drafts past a stop are not among them.
@@ -133,10 +135,36 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's chunks; preempt, resume and admit as the pool allows."""
+        """Choose this step's chunks; preempt, resume and admit as the pool allows.
+
+        If choosing raises part way (Ctrl-C, a bug), `interrupted` is the step built so far:
+        its plan and published blocks promise KV no forward pass will write, and the engine
+        takes them back as it does a failed step's.
+        """
         self._queue_compiled()
         num_decoding = sum(len(request.live_sequences) for request in self.running)
         step = _Step(self.max_num_batched_tokens, self.drafts.threshold(num_decoding))
+        self.interrupted = None
+        try:
+            self._choose(step)
+        except BaseException:
+            self.interrupted = step.output
+            self._dropped += step.output.dropped  # preempted before it raised
+            raise
+        self._dropped += step.output.dropped
+        if self.adapters is not None:
+            step.output.adapters = self.adapters.take_changes()
+        if step.output.chunks or step.output.plan or step.output.adapters:  # the runner runs it
+            step.output.dropped, self._dropped = self._dropped, []
+        else:
+            step.output.dropped = []
+            if self.compiling:  # nothing runs: wait a moment for a grammar
+                self.compiling[0].grammar.wait(COMPILE_WAIT_S)  # type: ignore[union-attr]
+        return step.output
+
+    def _choose(self, step: _Step) -> None:
+        """The step's chunks, in order: running requests, swapped ones resumed, waiting ones
+        admitted."""
         step.output.plan.extend(self.drafts.take_plan())
         # A request's decodes stay as counted here until its turn (or its preemption).
         running = [(request, self._num_decodes(request)) for request in self.running]
@@ -153,16 +181,6 @@ class Scheduler:
             while self.waiting and self._try_admit(self.waiting.peek(), step):
                 self.waiting.pop()
                 self._publish(step)
-        self._dropped += step.output.dropped
-        if self.adapters is not None:
-            step.output.adapters = self.adapters.take_changes()
-        if step.output.chunks or step.output.plan or step.output.adapters:  # the runner runs it
-            step.output.dropped, self._dropped = self._dropped, []
-        else:
-            step.output.dropped = []
-            if self.compiling:  # nothing runs: wait a moment for a grammar
-                self.compiling[0].grammar.wait(COMPILE_WAIT_S)  # type: ignore[union-attr]
-        return step.output
 
     def _queue_compiled(self) -> None:
         """Requests whose grammar has compiled join the waiting queue (in arrival order)."""
