@@ -36,3 +36,19 @@ def run_to_completion(engine: Engine) -> Iterator[list]:
     while engine.has_unfinished():
         yield engine.step()
         engine.manager.check_invariants()
+
+
+def interrupt_the_second_admission(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (KeyboardInterrupt) while the scheduler admits the second waiting request of a
+    step, once: the first is admitted by then (its blocks allocated, published, its moves
+    planned). Later admissions run as usual."""
+    real_try_admit = engine.scheduler._try_admit
+    calls: list[int] = []
+
+    def try_admit(request, step):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_try_admit(request, step)
+
+    monkeypatch.setattr(engine.scheduler, "_try_admit", try_admit)

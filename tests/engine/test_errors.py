@@ -18,7 +18,12 @@ from pagedkv.engine import (
 )
 from pagedkv.engine.errors import DuplicateRequest, InvalidTokenId, StepFailed
 from pagedkv.memory import MoveKind
-from tests.engine.conftest import make_engine, make_llm, run_to_completion
+from tests.engine.conftest import (
+    interrupt_the_second_admission,
+    make_engine,
+    make_llm,
+    run_to_completion,
+)
 from tests.model.tiny_models import VOCAB_SIZE, random_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -305,21 +310,11 @@ def test_a_schedule_interrupted_after_a_host_tier_hit_serves_nothing_it_promised
     greedy_tokens(engine, [("prefix", prefix), *evicting])  # into the tier, out of the GPU
     assert engine.manager.offload_stats.num_blocks >= 3
     target = ("target", prefix + random_prompt(6, seed=1))
-    real_try_admit = engine.scheduler._try_admit
-    admitted: list[str] = []
-
-    def interrupted(request, step):
-        admitted.append(request.request_id)
-        if len(admitted) == 2:
-            raise KeyboardInterrupt
-        return real_try_admit(request, step)
-
-    monkeypatch.setattr(engine.scheduler, "_try_admit", interrupted)
+    interrupt_the_second_admission(engine, monkeypatch)
     engine.add_request(*target, LONG)
     engine.add_request("other", random_prompt(20, seed=2), LONG)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    monkeypatch.setattr(engine.scheduler, "_try_admit", real_try_admit)
     engine.abort("other")  # as LLM.generate does on Ctrl-C
     engine.manager.check_invariants()
     again = [("again", target[1])]

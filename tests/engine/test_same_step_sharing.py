@@ -15,7 +15,7 @@ import pytest
 
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.errors import StepFailed
-from tests.engine.conftest import make_engine, run_to_completion
+from tests.engine.conftest import interrupt_the_second_admission, make_engine, run_to_completion
 from tests.model.tiny_models import TINY_MODELS, random_prompt
 
 BLOCK = 16
@@ -117,20 +117,10 @@ def test_scheduling_that_fails_part_way_takes_back_what_it_shared(engine_zoo, mo
     blocks: those blocks never get their KV, so they leave the cache with the first request
     (aborted), and the same prompts again answer as a fresh engine does."""
     engine = make_engine(engine_zoo, "llama")
-    real_try_admit = engine.scheduler._try_admit
-    calls: list[int] = []
-
-    def interrupted(request, step):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_try_admit(request, step)
-
-    monkeypatch.setattr(engine.scheduler, "_try_admit", interrupted)
+    interrupt_the_second_admission(engine, monkeypatch)
     add(engine, burst())
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    monkeypatch.setattr(engine.scheduler, "_try_admit", real_try_admit)
     assert not any(map(engine.manager.is_cached, range(engine.manager.num_gpu_blocks)))
     for request_id, _ in burst():  # what LLM.generate does with its requests on Ctrl-C
         engine.abort(request_id)

@@ -333,18 +333,11 @@ class KVCacheManager:
         recorded.
         """
         seq = self._resident(seq_id, "marking tokens computed")
-        if not 0 <= num_tokens <= min(seq.num_held, len(seq.tokens)):
-            raise ValueError(
-                f"sequence {seq_id!r}: cannot mark {num_tokens} tokens computed, it holds "
-                f"{seq.num_held} slots for {len(seq.tokens)} tokens"
-            )
+        self._check_held(seq_id, seq, num_tokens, f"mark {num_tokens} tokens computed")
         if num_tokens <= seq.num_computed:
             return
-        new_blocks = self._hash_new_full_blocks(seq, num_tokens)
+        self._cache_full_blocks(seq, num_tokens)
         seq.num_computed = num_tokens
-        first_new = len(seq.block_hashes)
-        seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
-        self._pool.cache(seq.blocks[first_new : first_new + len(new_blocks)], new_blocks)
 
     def mark_scheduled(self, seq_id: SeqId, num_tokens: int) -> None:
         """Record that the step being scheduled writes the KV of the first `num_tokens` tokens:
@@ -357,23 +350,8 @@ class KVCacheManager:
         not free or swap the sequence before then.
         """
         seq = self._resident(seq_id, "scheduling tokens")
-        if not 0 <= num_tokens <= min(seq.num_held, len(seq.tokens)):
-            raise ValueError(
-                f"sequence {seq_id!r}: cannot schedule {num_tokens} tokens, it holds "
-                f"{seq.num_held} slots for {len(seq.tokens)} tokens"
-            )
-        new_blocks = self._hash_new_full_blocks(seq, num_tokens)
-        first_new = len(seq.block_hashes)
-        seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
-        blocks = seq.blocks[first_new : first_new + len(new_blocks)]
-        self._pool.cache(blocks, new_blocks)
-        # A hash another block already serves leaves this one out of the cache: nothing to
-        # take back.
-        self._scheduled.update(
-            block
-            for block, (block_hash, _) in zip(blocks, new_blocks, strict=True)
-            if block.block_hash == block_hash
-        )
+        self._check_held(seq_id, seq, num_tokens, f"schedule {num_tokens} tokens")
+        self._scheduled.update(self._cache_full_blocks(seq, num_tokens))
 
     def commit_scheduled(self) -> None:
         """The step that `mark_scheduled` spoke for ran: its blocks hold their KV now."""
@@ -706,6 +684,30 @@ class KVCacheManager:
         if num_new + num_revived > self._pool.num_free_blocks:
             raise NoFreeBlocks(num_new + num_revived, self._pool.num_free_blocks)
         self._pool.touch(hits)
+
+    @staticmethod
+    def _check_held(seq_id: SeqId, seq: _Sequence, num_tokens: int, doing: str) -> None:
+        """`ValueError` unless the first `num_tokens` tokens are in the record and held."""
+        if not 0 <= num_tokens <= min(seq.num_held, len(seq.tokens)):
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot {doing}, it holds {seq.num_held} slots for "
+                f"{len(seq.tokens)} tokens"
+            )
+
+    def _cache_full_blocks(self, seq: _Sequence, num_tokens: int) -> list[Block]:
+        """Hash the full blocks the first `num_tokens` tokens complete past those hashed, and
+        offer them to the prefix cache; the blocks it took (a hash another block already
+        serves leaves its block out). All hashing happens before anything is recorded."""
+        new_blocks = self._hash_new_full_blocks(seq, num_tokens)
+        first_new = len(seq.block_hashes)
+        seq.block_hashes.extend(block_hash for block_hash, _ in new_blocks)
+        blocks = seq.blocks[first_new : first_new + len(new_blocks)]
+        self._pool.cache(blocks, new_blocks)
+        return [
+            block
+            for block, (block_hash, _) in zip(blocks, new_blocks, strict=True)
+            if block.block_hash == block_hash
+        ]
 
     def _hash_new_full_blocks(
         self, seq: _Sequence, num_computed: int
