@@ -320,3 +320,81 @@ def test_a_schedule_interrupted_after_a_host_tier_hit_serves_nothing_it_promised
     again = [("again", target[1])]
     fresh = make_engine(engine_zoo, "llama", **settings)
     assert greedy_tokens(engine, again) == greedy_tokens(fresh, again)
+
+
+def interrupt_once(engine, monkeypatch, method: str, when) -> list[str]:
+    """Ctrl-C inside the scheduler's `method` (`_chunk` or `_start`, which run once a sample's
+    slots are allocated) the first time `when(request, *args)` holds; the ids interrupted."""
+    real = getattr(engine.scheduler, method)
+    interrupted: list[str] = []
+
+    def method_or_interrupt(request, *args, **kwargs):
+        if not interrupted and when(request, *args):
+            interrupted.append(request.request_id)
+            raise KeyboardInterrupt
+        return real(request, *args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, method, method_or_interrupt)
+    return interrupted
+
+
+def tokens_after_one_interrupt(engine, requests) -> dict[str, list[int] | None]:
+    """`greedy_tokens`, the first step raising KeyboardInterrupt and nothing aborted by hand."""
+    for request_id, prompt in requests:
+        engine.add_request(request_id, prompt, LONG)
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    interrupts = 0
+    while engine.has_unfinished():
+        try:
+            deltas = engine.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+            deltas = []
+        engine.manager.check_invariants()
+        for delta in deltas:
+            tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+            if delta.finished:
+                reasons[delta.request_id] = delta.outputs[0].finish_reason
+    assert interrupts == 1
+    assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+    return {rid: None if reasons[rid] == "abort" else tokens[rid] for rid, _ in requests}
+
+
+THREE = [
+    (rid, random_prompt(length, seed))
+    for rid, length, seed in [("a", 20, 11), ("b", 27, 12), ("c", 9, 13)]
+]
+
+
+def test_a_schedule_interrupted_after_a_decode_got_a_new_block_aborts_that_request(
+    engine_zoo, monkeypatch
+):
+    """Ctrl-C after b's decode was given a new block (a table change the runner has not
+    seen) but before its chunk was made: b is aborted with a, whose chunk the step had
+    made, and c, which the step had not reached, answers as on an engine never interrupted."""
+    engine = make_engine(engine_zoo, "llama")
+    prompts = dict(THREE)
+
+    def new_block_for_a_decode(request, seq, num_new, allocation, *rest):
+        decoding = seq.num_computed >= len(prompts[request.request_id])
+        return request.request_id == "b" and decoding and allocation.table_update is not None
+
+    interrupt_once(engine, monkeypatch, "_chunk", new_block_for_a_decode)
+    got = tokens_after_one_interrupt(engine, THREE)
+    expected = greedy_tokens(make_engine(engine_zoo, "llama"), THREE)
+    assert got == {"a": None, "b": None, "c": expected["c"]}
+
+
+def test_a_schedule_interrupted_after_an_admission_allocated_aborts_that_request(
+    engine_zoo, monkeypatch
+):
+    """Two seats: c and d wait until a and b finish. Ctrl-C after c got its blocks (a table
+    no chunk carries yet) but before it started: c is aborted, and d, admitted in the next
+    step, answers as on an engine never interrupted."""
+    engine = make_engine(engine_zoo, "llama", max_num_seqs=2)
+    requests = [*THREE, ("d", random_prompt(14, seed=14))]
+    interrupt_once(engine, monkeypatch, "_start", lambda request, *rest: request.request_id == "c")
+    got = tokens_after_one_interrupt(engine, requests)
+    expected = greedy_tokens(make_engine(engine_zoo, "llama"), requests)
+    assert got == {**expected, "c": None}

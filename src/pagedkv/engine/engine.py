@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 
@@ -311,8 +312,8 @@ class Engine:
         try:
             output = self.scheduler.schedule()
         except BaseException:
-            if self.scheduler.interrupted is not None:  # a step half built will never run
-                self._take_back(self.scheduler.interrupted)
+            if (interrupted := self.scheduler.interrupted) is not None:  # it will never run
+                self._take_back(interrupted.output, interrupted.allocated)
             raise
         self.last_step_num_tokens = output.num_batched_tokens
         prompt_tokens = self._prompt_tokens(output)
@@ -330,14 +331,15 @@ class Engine:
         self._step_seconds += time.perf_counter() - started
         return [report for report in reports if report is not None]
 
-    def _take_back(self, output: SchedulerOutput) -> list[str]:
-        """Abort what a failed (or interrupted) step touched: the requests it computed, and
-        those holding blocks its memory plan, perhaps never run, was writing or its chunks
-        were to compute (`discard_plan`); their ids."""
+    def _take_back(self, output: SchedulerOutput, allocated: Iterable[str] = ()) -> list[str]:
+        """Abort what a failed (or interrupted) step touched: the requests it computed, those
+        holding blocks its memory plan, perhaps never run, was writing or its chunks were to
+        compute (`discard_plan`), and the `allocated` ones an interrupted step gave slots;
+        their ids."""
         moved = {seq_id[0] for seq_id in self.manager.discard_plan(output.plan)}
         if self.adapters is not None:  # LoRA weights the step may not have written
             self.adapters.retry(output.adapters)
-        request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks})
+        request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks} | set(allocated))
         for request_id in request_ids:
             self.abort(request_id)
         return request_ids

@@ -87,7 +87,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._dropped: list[SeqId] = []  # tables the runner must forget, sent with the next step
         # The step `schedule` was building when it raised, for the engine to take back.
-        self.interrupted: SchedulerOutput | None = None
+        self.interrupted: InterruptedStep | None = None
         # Moves of draft reservations made by `update`, run with the next step.
         self.drafts = DraftSlots(manager, self.watermark_blocks, config.num_speculative_tokens)
         # Tokens the last step added to outputs: drafts past a stop are not among them.
@@ -139,7 +139,8 @@ class Scheduler:
 
         If choosing raises part way (Ctrl-C, a bug), `interrupted` is the step built so far:
         its plan and published blocks promise KV no forward pass will write, and the engine
-        takes them back as it does a failed step's.
+        takes them back as it does a failed step's, with every request given slots in it
+        (whose table change or cached count a chunk may not carry yet).
         """
         self._queue_compiled()
         num_decoding = sum(len(request.live_sequences) for request in self.running)
@@ -148,7 +149,7 @@ class Scheduler:
         try:
             self._choose(step)
         except BaseException:
-            self.interrupted = step.output
+            self.interrupted = InterruptedStep(step.output, step.allocated)
             self._dropped += step.output.dropped  # preempted before it raised
             raise
         self._dropped += step.output.dropped
@@ -272,7 +273,7 @@ class Scheduler:
                 drafts = drafts[
                     : seq.acceptance.drafts_to_verify(step.draft_threshold, len(drafts))
                 ]
-            while (allocation := self._allocate(seq, num_new, len(drafts))) is None:
+            while (allocation := self._allocate(seq, num_new, step, len(drafts))) is None:
                 if drafts:  # verify no drafts rather than preempt anyone for them
                     drafts = []
                     continue
@@ -322,6 +323,7 @@ class Scheduler:
             self._release_adapter(request)  # only a running request pins its adapter
             return False
         allocations: list[Allocation] = []
+        step.allocated.add(request.request_id)
         for seq in request.live_sequences:
             allocation = self.manager.allocate_slots(
                 seq.seq_id,
@@ -375,7 +377,7 @@ class Scheduler:
             num_new = min(self._num_to_compute(seq), step.budget - (len(seqs) - 1 - index))
             if num_new <= 0:
                 continue
-            allocation = allocations[index] if allocations else self._allocate(seq, num_new)
+            allocation = allocations[index] if allocations else self._allocate(seq, num_new, step)
             assert allocation is not None, "the caller checked that the request's blocks fit"
             step.output.chunks.append(
                 self._chunk(request, seq, num_new, allocation, step.output.plan)
@@ -383,9 +385,12 @@ class Scheduler:
             step.budget -= num_new
             step.num_seqs += 1
 
-    def _allocate(self, seq: Sequence, num_new: int, num_drafts: int = 0) -> Allocation | None:
+    def _allocate(
+        self, seq: Sequence, num_new: int, step: _Step, num_drafts: int = 0
+    ) -> Allocation | None:
         """Slots for a held sample's next `num_new` tokens and `num_drafts` drafts after them
         (None: the pool cannot hold them)."""
+        step.allocated.add(seq.seq_id[0])
         return self.manager.allocate_slots(
             seq.seq_id, seq.tokens, seq.num_computed + num_new, num_lookahead_tokens=num_drafts
         )
@@ -513,3 +518,14 @@ class _Step:
     decodes_after: int = 0
     num_published: int = 0  # leading chunks of `output` whose blocks `_publish` offered
     output: SchedulerOutput = field(default_factory=SchedulerOutput)
+    allocated: set[str] = field(default_factory=set)  # requests given slots (ids)
+
+
+@dataclass
+class InterruptedStep:
+    """A step `schedule` was building when it raised: what it had chosen, and the requests it
+    gave slots, whose table changes (and a new prompt's cached count) the manager reported
+    once, to a chunk that may not exist."""
+
+    output: SchedulerOutput
+    allocated: set[str]
