@@ -37,8 +37,8 @@ LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options (the same flags as `generate` and `bench`) plus the server's own."""
     from pagedkv.engine import EngineArgs
+    from pagedkv.engine.metrics import DEFAULT_PREFIX, PREFIXES
     from pagedkv.server import ServerConfig
-    from pagedkv.server.metrics import DEFAULT_PREFIX, PREFIXES
     from pagedkv.server.tls import CERT_REQS
     from pagedkv.tokenizer.chat_template import CONTENT_FORMATS
 

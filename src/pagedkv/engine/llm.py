@@ -5,6 +5,9 @@ A vLLM user changes one import. `generate` reads prompts as vLLM does (text, tok
 all finish, and returns whole outputs in input order. A call leaves nothing behind: if a prompt
 is rejected, a step fails or the user presses Ctrl-C, the call's requests are aborted; and it
 collects only its own requests' outputs.
+
+`get_metrics()` reads the engine's Prometheus metrics under vLLM's names (`vllm:...`), as
+vLLM's does; its histograms observe the requests of this `LLM`'s calls.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.lora import LoRARequest
+from pagedkv.engine.metrics import EngineMetrics
+from pagedkv.engine.metrics_reader import Metric, read_metrics
 from pagedkv.engine.outputs import (
     RequestOutput,
     RequestOutputKind,
@@ -42,6 +47,17 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.engine = Engine(EngineArgs(model=str(model), **engine_args))
         self._request_ids = itertools.count()
+        self._metrics = EngineMetrics(
+            self.engine.model_name,
+            lambda: self.engine.stats,
+            self.engine.max_model_len,
+            prefix="vllm",
+        )
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: every metric now, under vLLM's names (`vllm.v1.metrics.reader` types:
+        Counter, Gauge, Histogram, and the accepted-tokens-per-position Vector)."""
+        return read_metrics(self._metrics.registry)
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (encode, decode, chat template)."""
@@ -248,6 +264,9 @@ class LLM:
             for request_id, prompt, keywords in zip(request_ids, prompts, options, strict=True):
                 engine.add_request(request_id, prompt, **keywords)
                 added.append(request_id)
+                beam = keywords.get("beam_search")
+                params = beam.sampling_params(False) if beam else keywords["params"]
+                self._metrics.track(request_id, params)
         except BaseException:
             self._abort(added)
             raise
@@ -257,7 +276,9 @@ class LLM:
         num_finished = 0
         try:
             while num_finished < len(prompts):
-                for delta in engine.step():
+                deltas = engine.step()
+                self._metrics.observe_outputs(deltas, engine.last_step_iteration_tokens)
+                for delta in deltas:
                     if delta.request_id not in ours:  # someone else's, added to the engine
                         continue
                     whole = results.setdefault(delta.request_id, empty_like(delta))
@@ -280,7 +301,7 @@ class LLM:
         """Abort these requests and report the aborts, so no later call sees them."""
         for request_id in request_ids:
             self.engine.abort(request_id)
-        self.engine.step()
+        self._metrics.observe_outputs(self.engine.step(), self.engine.last_step_iteration_tokens)
 
 
 def _params_per_prompt(

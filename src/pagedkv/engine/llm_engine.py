@@ -8,6 +8,7 @@ That loop reads whole outputs: vLLM's `SamplingParams.output_kind` defaults to C
 while `Engine.step` reports deltas. So a request added here whose params leave output_kind
 unset (None) is reported CUMULATIVE, as vLLM's; a set one is honoured. `arrival_time` is
 vLLM's wall-clock `time.time()`, turned into the monotonic clock the engine's latencies use.
+`get_metrics()` is `LLM.get_metrics()`'s, over the requests added here.
 """
 
 from __future__ import annotations
@@ -22,14 +23,23 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.lora import LoRARequest
-from pagedkv.engine.outputs import RequestOutputKind
+from pagedkv.engine.metrics import EngineMetrics
+from pagedkv.engine.metrics_reader import Metric, read_metrics
+from pagedkv.engine.outputs import RequestOutput, RequestOutputKind
 from pagedkv.engine.params import SamplingParams
 from pagedkv.engine.prompts import PromptDict, as_prompt
 from pagedkv.tokenizer import Tokenizer
+from pagedkv.weights.load import LoadedModel
 
 
 class LLMEngine(Engine):
     """`Engine` with vLLM's `LLMEngine` methods and its CUMULATIVE default."""
+
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        super().__init__(args, loaded)
+        self._metrics = EngineMetrics(
+            self.model_name, lambda: self.stats, self.max_model_len, prefix="vllm"
+        )
 
     @classmethod
     def from_engine_args(
@@ -86,6 +96,17 @@ class LLMEngine(Engine):
         )
         if text is not None and tokenization_kwargs:
             self._requests[request_id].prompt = text  # reported as given, as vLLM's
+        self._metrics.track(request_id, self._requests[request_id].params)
+
+    def step(self) -> list[RequestOutput]:
+        """`Engine.step`, its outputs observed by `get_metrics`'s histograms."""
+        outputs = super().step()
+        self._metrics.observe_outputs(outputs, self.last_step_iteration_tokens)
+        return outputs
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: every metric now, under vLLM's names (see `LLM.get_metrics`)."""
+        return read_metrics(self._metrics.registry)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or several (vLLM's takes either)."""

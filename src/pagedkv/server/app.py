@@ -30,6 +30,7 @@ from fastapi.responses import (
 from fastapi.staticfiles import StaticFiles
 
 from pagedkv.engine.lora import LoRARejected
+from pagedkv.engine.metrics import CONTENT_TYPE, DEFAULT_PREFIX, EngineMetrics
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server import connections, page_map
 from pagedkv.server.adapters import (
@@ -46,7 +47,6 @@ from pagedkv.server.errors import APIError, install_error_handlers
 from pagedkv.server.generation import ARRIVAL_TIME
 from pagedkv.server.header_guard import HeaderGuard
 from pagedkv.server.limits import BodyLimit
-from pagedkv.server.metrics import CONTENT_TYPE, DEFAULT_PREFIX, ServerMetrics
 from pagedkv.server.responses import ModelCard, ModelList
 from pagedkv.server.serving import ServingContext, now, shutting_down
 from pagedkv.server.tokenize import detokenize, tokenize
@@ -90,7 +90,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     model_name = config.model_name or engine.model_name
     engine_loop = EngineLoop(engine, max_waiting=config.max_waiting)
-    metrics = ServerMetrics(
+    metrics = EngineMetrics(
         model_name, lambda: engine_loop.stats, engine.max_model_len, config.metrics_prefix
     )
     engine_loop.metrics = metrics

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.errors import StepFailed
@@ -35,7 +35,7 @@ from pagedkv.worker.parallel.errors import WorkerFailed
 
 if TYPE_CHECKING:
     from pagedkv.engine import BeamSearchParams, Engine, EngineStats, LoRARequest, SamplingParams
-    from pagedkv.server.metrics import ServerMetrics
+    from pagedkv.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +63,10 @@ class ShuttingDown(Exception):
 
 @dataclass
 class _Route:
-    """Where one engine request's outputs go, and what its metrics need."""
+    """Where one engine request's outputs go."""
 
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
-    params: SamplingParams  # what request_params_n and request_params_max_tokens count
-    num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index
-    last_token_time: float | None = None  # when the last output token came (inter-token time)
 
 
 @dataclass
@@ -121,7 +118,7 @@ class EngineLoop:
         engine: Engine,
         *,
         max_waiting: int | None = None,
-        metrics: ServerMetrics | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
@@ -182,7 +179,7 @@ class EngineLoop:
             # Checked and queued with no await between, so no add can follow drain's command.
             raise ShuttingDown("server shutting down: it takes no new requests")
         loop = asyncio.get_running_loop()
-        route = _Route(loop, outputs, params)
+        route = _Route(loop, outputs)
         done = loop.create_future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.put(
@@ -347,6 +344,8 @@ class EngineLoop:
             _resolve(command.route.loop, command.done, error=error)
             return
         self._routes[command.request_id] = command.route
+        if self.metrics is not None:
+            self.metrics.track(command.request_id, command.params)
         self._kv_dirty = True
         _resolve(command.route.loop, command.done, result=None)
 
@@ -387,31 +386,15 @@ class EngineLoop:
             return
         self.stats = self.engine.stats
         self._kv_dirty = True
-        now = time.monotonic()
         if self.metrics is not None:
-            self.metrics.observe_step(self.engine.last_step_iteration_tokens)
+            self.metrics.observe_outputs(outputs, self.engine.last_step_iteration_tokens)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
-            new_tokens = 0
-            for completion in output.outputs:
-                new_tokens += len(completion.token_ids)
-                route.num_tokens[completion.index] = route.num_tokens.get(
-                    completion.index, 0
-                ) + len(completion.token_ids)
-            if new_tokens:
-                if route.last_token_time is not None and self.metrics is not None:
-                    self.metrics.observe_inter_token(now - route.last_token_time)
-                route.last_token_time = now
             if output.finished:
                 del self._routes[output.request_id]
-                if self.metrics is not None:
-                    counts = route.num_tokens.values()
-                    self.metrics.observe_finished(
-                        output, sum(counts), max(counts, default=0), route.params
-                    )
             deliveries.setdefault(route.loop, []).append((route.outputs, output))
         for loop, items in deliveries.items():
             _call_soon(loop, _deliver, items)
@@ -424,7 +407,7 @@ class EngineLoop:
                 error = EngineFailed(failure.message_for(request_id))
                 _call_soon(route.loop, _deliver, [(route.outputs, error)])
                 if self.metrics is not None:
-                    self.metrics.count_abort()
+                    self.metrics.count_abort(request_id)
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, route in list(self._routes.items()):
@@ -434,7 +417,7 @@ class EngineLoop:
             except Exception:
                 logger.exception("abort of %s failed after an engine error", request_id)
             if self.metrics is not None:
-                self.metrics.count_abort()
+                self.metrics.count_abort(request_id)
         self._routes.clear()
 
     def _abort_all(self) -> None:

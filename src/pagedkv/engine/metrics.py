@@ -1,16 +1,21 @@
-"""`GET /metrics`: Prometheus metrics under vLLM's names, with `pagedkv:` for `vllm:`.
+"""Prometheus metrics under vLLM's names, with `pagedkv:` for `vllm:`: the server's
+`GET /metrics` and `LLM.get_metrics()` read the same registry.
 
-`--metrics-prefix vllm` names them exactly as vLLM does, so its dashboards work unchanged.
+The prefix `vllm` names them exactly as vLLM does, so its dashboards (and vLLM code that reads
+`LLM.get_metrics()`) work unchanged.
 
-Gauges and counters are read from the engine's latest published `EngineStats` at scrape time
-(a custom collector), so the engine keeps one source of truth and the server never counts
-tokens twice. Latency histograms are observed by the engine thread when a request finishes.
-Each app gets its own registry, so several servers can live in one process (the tests).
+Gauges and counters are read from the engine's latest `EngineStats` when collected (a custom
+collector), so the engine keeps one source of truth and nothing counts tokens twice. Latency
+and size histograms are observed from each step's outputs (`observe_outputs`) for the requests
+the caller said it tracks. Each owner gets its own registry, so several servers or `LLM`s can
+live in one process (the tests).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -18,7 +23,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from pagedkv.engine import EngineStats, RequestOutput, SamplingParams
+    from pagedkv.engine.outputs import RequestOutput
+    from pagedkv.engine.params import SamplingParams
+    from pagedkv.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_PREFIX = "pagedkv"
@@ -49,8 +56,18 @@ def token_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
-class ServerMetrics:
-    """The registry of one server: engine-stats collector plus per-request histograms."""
+@dataclass
+class _Tracked:
+    """What a tracked request's histograms need beyond its outputs."""
+
+    params: SamplingParams  # what request_params_n and request_params_max_tokens count
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per sample index
+    last_token_time: float | None = None  # when the last output token came (inter-token time)
+
+
+class EngineMetrics:
+    """The registry of one engine's owner: engine-stats collector plus per-request
+    histograms."""
 
     def __init__(
         self,
@@ -60,6 +77,7 @@ class ServerMetrics:
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
         self.model_name = model_name
+        self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(model_name, stats, prefix))
         labels = ["model_name"]
@@ -162,25 +180,55 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def observe_step(self, num_tokens: int) -> None:
-        """Record one engine step's iteration tokens (engine thread)."""
-        if num_tokens:
-            self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+    def track(self, request_id: str, params: SamplingParams) -> None:
+        """Observe this request's outputs from now on (it was just added to the engine)."""
+        self._tracked[request_id] = _Tracked(params)
 
-    def observe_inter_token(self, seconds: float) -> None:
-        """Record the time since the request's previous output token."""
+    def observe_outputs(
+        self, outputs: Iterable[RequestOutput], iteration_tokens: int, now: float | None = None
+    ) -> None:
+        """Record one engine step (engine thread): its iteration tokens, the time since each
+        tracked request's previous output token, and the requests that finished."""
+        now = time.monotonic() if now is None else now
+        if iteration_tokens:
+            self.iteration_tokens.labels(self.model_name).observe(iteration_tokens)
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            new_tokens = 0
+            for completion in output.outputs:
+                new_tokens += len(completion.token_ids)
+                count = tracked.num_tokens.get(completion.index, 0)
+                tracked.num_tokens[completion.index] = count + len(completion.token_ids)
+            if new_tokens:
+                if tracked.last_token_time is not None:
+                    self._observe_inter_token(now - tracked.last_token_time)
+                tracked.last_token_time = now
+            if output.finished:
+                del self._tracked[output.request_id]
+                counts = tracked.num_tokens.values()
+                self._observe_finished(output, sum(counts), max(counts, default=0), tracked.params)
+
+    def count_abort(self, request_id: str) -> None:
+        """A tracked request its owner ended itself (a failed step, a shutdown) and will not
+        see finish: vLLM's "abort"."""
+        if self._tracked.pop(request_id, None) is not None:
+            self.request_success.labels(self.model_name, "abort").inc()
+
+    def _observe_inter_token(self, seconds: float) -> None:
         self.inter_token_latency.labels(self.model_name).observe(seconds)
         self.time_per_output_token.labels(self.model_name).observe(seconds)
 
-    def observe_finished(
+    def _observe_finished(
         self,
         output: RequestOutput,
         generation_tokens: int,
         num_output_tokens: int,
         params: SamplingParams,
     ) -> None:
-        """Record a finished request's latencies and parameters (engine thread;
-        prometheus-client is safe).
+        """Record a finished request's latencies and parameters (prometheus-client is
+        thread-safe).
 
         `generation_tokens` counts every sample's tokens (vLLM's request_generation_tokens);
         `num_output_tokens` is the longest sample's, whose decode time the per-token time
@@ -215,10 +263,6 @@ class ServerMetrics:
         self.request_time_per_output_token.labels(self.model_name).observe(
             decode_time / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
         )
-
-    def count_abort(self) -> None:
-        """A request the server ended itself (a failed step, a shutdown): vLLM's "abort"."""
-        self.request_success.labels(self.model_name, "abort").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
