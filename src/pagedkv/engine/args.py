@@ -189,7 +189,7 @@ class EngineArgs:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
-        resolve_quantization(self.quantization, self.device, self.tensor_parallel_size)
+        resolve_quantization(self.quantization, self.device)
         if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
             raise ValueError(
                 f"device must be 'cpu' or 'cuda' with tensor_parallel_size "

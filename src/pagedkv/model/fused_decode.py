@@ -12,8 +12,8 @@ every projection is quantised in groups of 32. Per step the backend says once wh
 fits (float32 hidden rows over float32 or fp8 CPU caches, whatever mix of decodes, speculative
 chunks and prompt chunks: `CPUAttention.takes_decode_step`); other layers and steps run op by
 op, which is also what the tests compare the C path with. A
-tensor-parallel layer never takes it: its projections are dense shards (quantised weights are
-not sharded) and the C code has no all-reduce between attention and the MLP.
+tensor-parallel layer never takes it: its row-parallel projections are not `QUANTIZED` (their
+products are all-reduced) and the C code has no all-reduce between attention and the MLP.
 
 One call per run rather than per layer matters beyond dispatch: measured on SmolLM2-135M at
 batch 1 (2 threads), a layer called from Python took 176 us where the same layer called again

@@ -174,6 +174,41 @@ class QuantizedTensor:
         dense = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
         return dense.view(rows, cols).to(dtype)
 
+    def shard(
+        self, first_row: int, num_rows: int, first_col: int, num_cols: int
+    ) -> QuantizedTensor:
+        """Rows `first_row ..` and columns `first_col ..` (whole groups), still quantised: a
+        tensor-parallel rank's slice of a checkpoint weight, every value exactly as it was."""
+        if first_col % self.group_size or num_cols % self.group_size:
+            raise ValueError(
+                f"columns {first_col}..{first_col + num_cols} do not cut groups of "
+                f"{self.group_size} whole"
+            )
+        per_byte = 8 // self.bits  # values a byte holds; a group's bytes hold only its values
+        rows = slice(first_row, first_row + num_rows)
+        groups = slice(first_col // self.group_size, (first_col + num_cols) // self.group_size)
+        values = self.ggml_values()[
+            rows, first_col // per_byte : (first_col + num_cols) // per_byte
+        ]
+        return QuantizedTensor.from_ggml(
+            values.contiguous(),
+            self.scales[rows, groups],
+            self.mins[rows, groups],
+            self.bits,
+            self.group_size,
+        )
+
+    def padded(self, num_rows: int) -> QuantizedTensor:
+        """The weight with zero rows added up to `num_rows` (a padded vocabulary's shard)."""
+        extra = num_rows - self.shape[0]
+        if extra == 0:
+            return self
+        values = self.ggml_values()
+        scales = torch.cat((self.scales, self.scales.new_zeros(extra, self.scales.shape[1])))
+        mins = torch.cat((self.mins, self.mins.new_zeros(extra, self.mins.shape[1])))
+        values = torch.cat((values, values.new_zeros(extra, values.shape[1])))
+        return QuantizedTensor.from_ggml(values, scales, mins, self.bits, self.group_size)
+
     def rows(self, index: Tensor) -> QuantizedTensor:
         """The rows `index` (a 1-d int64 tensor), still quantised (in kernel order)."""
         if self.layout == "panels":

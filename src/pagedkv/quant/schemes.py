@@ -12,12 +12,12 @@ SCHEMES = ("int8", "int4")  # quantise every projection on load, whatever the ch
 QUANTIZATIONS = ("auto", "none", *SCHEMES)
 
 
-def resolve_quantization(quantization: str, device: object, tensor_parallel_size: int = 1) -> str:
-    """What `quantization` means on `device` (a name or a torch.device) across ranks.
+def resolve_quantization(quantization: str, device: object) -> str:
+    """What `quantization` means on `device` (a name or a torch.device), on every rank.
 
-    "auto" keeps a GGUF file's quantised blocks on one CPU rank only: there are no GPU kernels
-    for them yet, and quantised weights are not sharded, so elsewhere it is "none". int8 or
-    int4 off the CPU or under tensor parallelism, or an unknown name, is an error naming why.
+    "auto" keeps a GGUF file's quantised blocks on CPU ranks, each its shard under tensor
+    parallelism; there are no GPU kernels for them yet, so on a GPU it is "none". int8 or int4
+    off the CPU, or an unknown name, is an error naming why.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -27,12 +27,6 @@ def resolve_quantization(quantization: str, device: object, tensor_parallel_size
             f"quantization {quantization!r} runs on the CPU only (there are no GPU kernels for "
             "quantised weights yet); use quantization 'none' on a GPU"
         )
-    if quantization in SCHEMES and tensor_parallel_size > 1:
-        raise ValueError(
-            f"quantization {quantization!r} cannot be combined with tensor_parallel_size "
-            f"{tensor_parallel_size}: quantised weights are not sharded (use quantization "
-            "'none'; 'auto' loads float weights under it)"
-        )
-    if quantization == "auto" and (not on_cpu or tensor_parallel_size > 1):
+    if quantization == "auto" and not on_cpu:
         return "none"
     return quantization

@@ -24,7 +24,6 @@ from pagedkv.model.errors import MalformedModelFile, MissingTensor, TensorShapeM
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear
 from pagedkv.model.registry import ARCHITECTURES
-from pagedkv.parallel.group import building_group
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.quantize import GROUP_SIZE
 from pagedkv.quant.schemes import resolve_quantization
@@ -80,7 +79,7 @@ def build_model(
     `Linear.quantize`).
     """
     dtype = resolve_dtype(dtype)
-    quantization = resolve_quantization(quantization, device, building_group().size)
+    quantization = resolve_quantization(quantization, device)
     model_class = ARCHITECTURES[config.architecture].model_class()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

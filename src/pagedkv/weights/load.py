@@ -37,7 +37,6 @@ from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config, with_overrides
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import ConvertTargetExists
-from pagedkv.parallel.group import building_group
 from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights import gguf as gguf_package
@@ -106,7 +105,7 @@ def load(
     name = str(model)
     builtin = not path.exists() and name in BUILTIN_MODELS
     if builtin:
-        keeps_blocks = resolve_quantization(quantization, device, building_group().size) == "auto"
+        keeps_blocks = resolve_quantization(quantization, device) == "auto"
         # Checked before anything is pulled: under quantization "none" it is read from the
         # float32 folder converted from its GGUF file.
         _check_format(load_format, "gguf" if keeps_blocks else "safetensors", name)

@@ -173,8 +173,6 @@ def test_a_store_port_in_use_is_one_clear_error(folder, monkeypatch):
 def test_bad_sizes_are_refused_with_the_numbers(folder):
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(folder), tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="quantised weights are not sharded"):
-        LLM(str(folder), tensor_parallel_size=2, quantization="int8")
     with pytest.raises(ValueError, match="each rank takes its LOCAL_RANK's GPU"):
         LLM(str(folder), tensor_parallel_size=2, device="cuda:1")
     # 4 query heads cannot be split across 3 ranks (vLLM requires the same divisibility).

@@ -10,7 +10,8 @@ that is also the LM head (`reads_logits`) is kept in the layout the kernels mult
 Under tensor parallelism (built inside `parallel.group.sharding`) the table is split by
 vocabulary rows, padded to an equal share per rank: a lookup finds each token on the one rank
 that holds its row (zeros elsewhere) and all-reduces, and tied logits are each rank's rows'
-logits gathered on rank 0. A sharded table stays dense (`quantize` refuses it).
+logits gathered on rank 0. A quantised table is sharded still quantised
+(`QuantizedTensor.shard`), its padding rows zero.
 """
 
 from __future__ import annotations
@@ -64,10 +65,7 @@ class Embedding(nn.Module):
     def load(self, tensor: Tensor | QuantizedTensor) -> None:
         """Fill the table (this rank's rows of it) from a checkpoint tensor (shape-checked)."""
         if self.sharded:
-            rows = as_dense(tensor)[self.split.first : self.split.first + self.split.count]
-            self.weight[: self.split.count].copy_(rows)
-            self.weight[self.split.count :].zero_()
-            return
+            tensor = self._rows(tensor)
         if self.scheme is None or (
             self.scheme == "auto" and not isinstance(tensor, QuantizedTensor)
         ):
@@ -77,6 +75,14 @@ class Embedding(nn.Module):
         self.qweight = kernel_layout(qweight) if self.reads_logits else qweight
         self.weight = None
 
+    def _rows(self, tensor: Tensor | QuantizedTensor) -> Tensor | QuantizedTensor:
+        """This rank's vocabulary rows of the table, padded with zero rows to an equal share."""
+        first, count, local = self.split.first, self.split.count, self.split.local
+        if isinstance(tensor, QuantizedTensor):
+            return tensor.shard(first, count, 0, tensor.shape[1]).padded(local)
+        rows = tensor[first : first + count]
+        return torch.cat((rows, rows.new_zeros(local - count, rows.shape[1])))
+
     def dense_weight(self) -> Tensor:
         """The table as a float matrix (a dequantised copy when quantised)."""
         return self.weight.detach() if self.qweight is None else dequantize(self.qweight)
@@ -85,8 +91,12 @@ class Embedding(nn.Module):
         if self.sharded:
             local = token_ids - self.split.first
             mine = (local >= 0) & (local < self.split.count)
-            rows = F.embedding(torch.where(mine, local, 0), self.weight)
+            rows = self._lookup(torch.where(mine, local, 0))
             return all_reduce(rows * mine.unsqueeze(-1))
+        return self._lookup(token_ids)
+
+    def _lookup(self, token_ids: Tensor) -> Tensor:
+        """The rows of `token_ids` in the table this rank holds."""
         if self.qweight is None:
             return F.embedding(token_ids, self.weight)
         rows = dequantize_rows(self.qweight, token_ids.reshape(-1))
@@ -95,9 +105,8 @@ class Embedding(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """`hidden @ table.T`: the LM head of a model with tied embeddings (on rank 0 under
         tensor parallelism)."""
-        if self.sharded:
-            logits = float_linear(hidden, self.weight, None)
-            return gather_last_dim(logits, self.checkpoint_shape[0])
         if self.qweight is None:
-            return float_linear(hidden, self.weight, None)
-        return quantized_linear(hidden, self.qweight, None)
+            logits = float_linear(hidden, self.weight, None)
+        else:
+            logits = quantized_linear(hidden, self.qweight, None)
+        return gather_last_dim(logits, self.checkpoint_shape[0]) if self.sharded else logits

@@ -19,7 +19,9 @@ part holds, so q/k/v split by heads, KV heads replicated when fewer than the ran
 `parallel/split.py`), and with `gather_output` (the LM head) the ranks' outputs are gathered on
 rank 0; `parallel="row"` keeps its rank's input columns and all-reduces the product. The
 checkpoint tensors still arrive whole: `part_shape` names their whole shape and `load` cuts
-the rank's slice. Quantised weights are not sharded: `quantize` refuses a sharded layer.
+the rank's slice. A quantised layer's shard is cut from the whole parts when the last one
+arrives, still quantised (`QuantizedTensor.shard`: rows, and input columns in whole groups), so
+every rank multiplies the file's own blocks with the same kernels as one process.
 """
 
 from __future__ import annotations
@@ -69,20 +71,28 @@ class QuantizedMethod(LinearMethod):
 
 
 class RowParallelMethod(LinearMethod):
-    """This rank's input columns times its slice of `x`, summed over the ranks, then the bias
-    (whole on every rank, so added once, after the sum)."""
+    """This rank's input columns (float or quantised) times its slice of `x`, summed over the
+    ranks, then the bias (whole on every rank, so added once, after the sum)."""
 
     def apply(self, layer: Linear, x: Tensor) -> Tensor:
-        out = all_reduce(float_linear(x, layer.weight, None))
+        out = all_reduce(_local_product(layer, x, None))
         return out if layer.bias is None else out + layer.bias
 
 
 class GatheredColumnMethod(LinearMethod):
-    """This rank's output rows, gathered with the other ranks' on rank 0 (the LM head)."""
+    """This rank's output rows (float or quantised), gathered with the other ranks' on rank 0
+    (the LM head)."""
 
     def apply(self, layer: Linear, x: Tensor) -> Tensor:
-        out = float_linear(x, layer.weight, layer.bias)
+        out = _local_product(layer, x, layer.bias)
         return gather_last_dim(out, layer.full_out_features)
+
+
+def _local_product(layer: Linear, x: Tensor, bias: Tensor | None) -> Tensor:
+    """`x` times the weight this rank holds, whichever way it is kept."""
+    if layer.qweight is not None:
+        return quantized_linear(x, layer.qweight, bias)
+    return float_linear(x, layer.weight, bias)
 
 
 DENSE = DenseMethod()
@@ -197,8 +207,7 @@ class Linear(nn.Module):
         are dequantised and quantised again); "auto" keeps quantised parts as they come and
         stays dense if every part arrives in floating point. The dense matrix allocated at
         construction was never written, so dropping it frees memory that was never touched.
-        Never asked of a tensor-parallel shard (`quant.schemes.resolve_quantization` refuses a
-        scheme under tensor parallelism): sharding quantised blocks is not supported.
+        A tensor-parallel shard keeps the whole parts until the last arrives, then its slice.
         """
         self.scheme = scheme
         self.weight = None
@@ -225,18 +234,31 @@ class Linear(nn.Module):
         view[count:].zero_()  # a padded vocabulary's rows past its end
 
     def _pack(self) -> None:
-        """Every part has arrived: stack them into the layer's one weight."""
+        """Every part has arrived: stack them (this rank's slice of each) into the layer's one
+        weight."""
         parts, self._pending = self._pending, []
         all_float = not any(isinstance(part, QuantizedTensor) for part in parts)
+        local = self.method if self.parallel == "row" or self.method is GATHERED_COLUMN else None
         if (self.scheme == "auto" and all_float) or self.in_features % GROUP_SIZE:
-            dense = torch.cat([as_dense(part) for part in parts]).to(self.dtype)
-            self.weight = nn.Parameter(dense, requires_grad=False)
-            self.method = DENSE
+            dense = torch.cat([self._shard(as_dense(part), i) for i, part in enumerate(parts)])
+            self.weight = nn.Parameter(dense.to(self.dtype), requires_grad=False)
+            self.method = local or DENSE
             return
-        self.qweight = kernel_layout(
-            common_layout([to_scheme(part, self.scheme) for part in parts])
-        )
-        self.method = QUANTIZED
+        shards = [self._shard(part, i) for i, part in enumerate(parts)]
+        self.qweight = kernel_layout(common_layout([to_scheme(s, self.scheme) for s in shards]))
+        self.method = local or QUANTIZED
+
+    def _shard(self, part: Tensor | QuantizedTensor, index: int) -> Tensor | QuantizedTensor:
+        """This rank's rows and input columns of part `index` (all of it outside tensor
+        parallelism), padded with zero rows to its local size."""
+        if self.parallel is None:
+            return part
+        first, count, local = self.row_splits[index]
+        first_col, num_cols = self.col_split
+        if isinstance(part, QuantizedTensor):
+            return part.shard(first, count, first_col, num_cols).padded(local)
+        shard = part[first : first + count, first_col : first_col + num_cols]
+        return torch.cat((shard, shard.new_zeros(local - count, num_cols)))
 
 
 def _column_split(units: int, rank: int, group_size: int, padded: bool, what: str) -> Split:

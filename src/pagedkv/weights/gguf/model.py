@@ -17,7 +17,6 @@ import torch
 from pagedkv.model.config import ModelConfig, with_overrides
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import MissingTensor, TensorShapeMismatch
-from pagedkv.parallel.group import building_group
 from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.assemble import build_model
@@ -77,7 +76,7 @@ class GGUFModel:
         cache goes under `download_dir` when one is given.
         """
         path = self.file.path
-        keep = resolve_quantization(quantization, device, building_group().size) == "auto"
+        keep = resolve_quantization(quantization, device) == "auto"
         stream = gguf_tensors(self.file, self.config, keep_quantized=keep)
         if keep:  # re-packed once, then mapped from the cache (`packed.py`)
             stream = packed_tensors(self.file, stream, download_dir)

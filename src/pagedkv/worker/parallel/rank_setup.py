@@ -20,8 +20,8 @@ from pagedkv.worker.parallel.messages import LoadSpec
 
 
 def load_shard(spec: LoadSpec, group: TPGroup, device: torch.device) -> LoadedModel:
-    """This rank's shard of the model. Quantised weights are not sharded: under a group "auto"
-    loads float weights (a GGUF file's blocks dequantised; `resolve_quantization`)."""
+    """This rank's shard of the model, quantised weights included (each layer cuts its slice
+    of the file's blocks, `Linear._shard`)."""
     with sharding(group):
         return load(spec.model, device=device, **spec.load_options())
 
