@@ -25,7 +25,7 @@ from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.tokens import SequenceTokens
 from pagedkv.worker.step import SchedulerOutput
-from tests.engine.conftest import make_llm
+from tests.engine.conftest import make_engine, make_llm, run_to_completion
 from tests.engine.made_up import made_up_output
 from tests.model.tiny_models import random_prompt
 
@@ -318,3 +318,24 @@ def test_the_command_line_has_scheduling_policy_with_its_choices():
     assert EngineArgs.from_cli_args(parser.parse_args([])).scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         parser.parse_args(["--scheduling-policy", "lifo"])
+
+
+def test_a_refused_priority_leaves_the_next_requests_random_draws_as_they_were(engine_zoo):
+    """Unseeded samples draw numbered streams of the engine's seed: a request refused for its
+    priority must not use one up, or the requests after it would sample other tokens than on
+    an engine that never saw it (the oracle)."""
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+    answers = []
+    for refused_first in (True, False):
+        engine = make_engine(engine_zoo, "llama")
+        if refused_first:
+            with pytest.raises(PriorityNotSupported):
+                engine.add_request("refused", PROMPTS[0], sampled, priority=2)
+        engine.add_request("r", PROMPTS[1], sampled)
+        tokens = {}
+        for deltas in run_to_completion(engine):
+            for delta in deltas:
+                for output in delta.outputs:
+                    tokens.setdefault(output.index, []).extend(output.token_ids)
+        answers.append(tokens)
+    assert answers[0] == answers[1]

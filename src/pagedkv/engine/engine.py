@@ -231,6 +231,9 @@ class Engine:
         # has moved on, and reporting it now would end the new request under the same id.
         self._aborted.pop(request_id, None)
         check_keys(priority, cache_salt)
+        # Before anything is made for it: a refused request must not use up a random stream
+        # (the next unseeded request would draw another) or load an adapter.
+        self.scheduler.policy.check_priority(priority)
         lora_id, lora_blocks = self.loras.resolve(lora_request)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
@@ -268,7 +271,7 @@ class Engine:
             if first.counts is not None:  # the prompt's mask is the request's: one for all
                 seq.counts = first.counts.sibling()
             request.forks.append(seq)
-        self.scheduler.add(request)  # refuses a priority the policy does not order by
+        self.scheduler.add(request)
         self._requests[request_id] = request
 
     def abort(self, request_id: str) -> None:
