@@ -322,26 +322,29 @@ def test_a_schedule_interrupted_after_a_host_tier_hit_serves_nothing_it_promised
     assert greedy_tokens(engine, again) == greedy_tokens(fresh, again)
 
 
-def interrupt_once(engine, monkeypatch, method: str, when) -> list[str]:
-    """Ctrl-C inside the scheduler's `method` (`_chunk` or `_start`, which run once a sample's
-    slots are allocated) the first time `when(request, *args)` holds; the ids interrupted."""
-    real = getattr(engine.scheduler, method)
-    interrupted: list[str] = []
+def interrupt_once(target, monkeypatch, method: str, when=None, after: bool = False) -> list:
+    """Ctrl-C in `target.method` the first time `when(*args, **kwargs)` holds (always, if no
+    `when`): before it runs, or `after` it has; the arguments of the call interrupted."""
+    real = getattr(target, method)
+    interrupted: list = []
 
-    def method_or_interrupt(request, *args, **kwargs):
-        if not interrupted and when(request, *args):
-            interrupted.append(request.request_id)
-            raise KeyboardInterrupt
-        return real(request, *args, **kwargs)
+    def method_or_interrupt(*args, **kwargs):
+        if interrupted or (when is not None and not when(*args, **kwargs)):
+            return real(*args, **kwargs)
+        interrupted.append(args)
+        if after:
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.scheduler, method, method_or_interrupt)
+    monkeypatch.setattr(target, method, method_or_interrupt)
     return interrupted
 
 
-def tokens_after_one_interrupt(engine, requests) -> dict[str, list[int] | None]:
-    """`greedy_tokens`, the first step raising KeyboardInterrupt and nothing aborted by hand."""
+def tokens_after_one_interrupt(engine, requests, params=LONG) -> dict[str, list | None]:
+    """`greedy_tokens`, one step raising KeyboardInterrupt and nothing aborted by hand; every
+    request ends, and every block, device or CPU, is free at the end."""
     for request_id, prompt in requests:
-        engine.add_request(request_id, prompt, LONG)
+        engine.add_request(request_id, prompt, params)
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     interrupts = 0
@@ -358,6 +361,8 @@ def tokens_after_one_interrupt(engine, requests) -> dict[str, list[int] | None]:
                 reasons[delta.request_id] = delta.outputs[0].finish_reason
     assert interrupts == 1
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
+    assert engine.manager.num_free_cpu_blocks == engine.manager.num_cpu_blocks
+    assert engine.manager.reset_prefix_cache()  # no sequence left holding blocks
     return {rid: None if reasons[rid] == "abort" else tokens[rid] for rid, _ in requests}
 
 
@@ -380,7 +385,7 @@ def test_a_schedule_interrupted_after_a_decode_got_a_new_block_aborts_that_reque
         decoding = seq.num_computed >= len(prompts[request.request_id])
         return request.request_id == "b" and decoding and allocation.table_update is not None
 
-    interrupt_once(engine, monkeypatch, "_chunk", new_block_for_a_decode)
+    interrupt_once(engine.scheduler, monkeypatch, "_chunk", new_block_for_a_decode)
     got = tokens_after_one_interrupt(engine, THREE)
     expected = greedy_tokens(make_engine(engine_zoo, "llama"), THREE)
     assert got == {"a": None, "b": None, "c": expected["c"]}
@@ -394,7 +399,76 @@ def test_a_schedule_interrupted_after_an_admission_allocated_aborts_that_request
     step, answers as on an engine never interrupted."""
     engine = make_engine(engine_zoo, "llama", max_num_seqs=2)
     requests = [*THREE, ("d", random_prompt(14, seed=14))]
-    interrupt_once(engine, monkeypatch, "_start", lambda request, *rest: request.request_id == "c")
+    interrupt_once(
+        engine.scheduler, monkeypatch, "_start", lambda request, *_: request.request_id == "c"
+    )
     got = tokens_after_one_interrupt(engine, requests)
     expected = greedy_tokens(make_engine(engine_zoo, "llama"), requests)
     assert got == {**expected, "c": None}
+
+
+def survivors_answer_as_never_interrupted(engine_zoo, got, requests, **settings) -> None:
+    """Every request not aborted answers as on a fresh engine; at least one was aborted."""
+    expected = greedy_tokens(make_engine(engine_zoo, "llama", **settings), requests)
+    survivors = {rid: tokens for rid, tokens in got.items() if tokens is not None}
+    assert survivors == {rid: expected[rid] for rid in survivors}
+    assert len(survivors) < len(requests)
+
+
+CROWDED = dict(num_gpu_blocks=10, enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_schedule_interrupted_while_it_preempts_aborts_the_victim(engine_zoo, monkeypatch, mode):
+    """Ctrl-C after the victim left the running queue but before it joined the waiting or
+    swapped one: it is aborted with the step, not left in no queue holding its blocks."""
+    settings = dict(CROWDED, preemption_mode=mode)
+    engine = make_engine(engine_zoo, "llama", **settings)
+    # Only a preemption gives back a victim's draft slots (`give_back=True`).
+    victims = interrupt_once(
+        engine.scheduler.drafts, monkeypatch, "forget", lambda seq, give_back=False: give_back
+    )
+    got = tokens_after_one_interrupt(engine, THREE)
+    [(victim, *_)] = victims
+    assert got[victim.seq_id[0]] is None
+    survivors_answer_as_never_interrupted(engine_zoo, got, THREE, **settings)
+
+
+def test_a_schedule_interrupted_after_a_swap_in_aborts_that_request(engine_zoo, monkeypatch):
+    """Ctrl-C once a swapped request's blocks are back on the device but before it runs: it
+    is aborted (it was left swapped with resident blocks, and every later step failed)."""
+    settings = dict(CROWDED, preemption_mode="swap")
+    engine = make_engine(engine_zoo, "llama", **settings)
+    swapped_in = interrupt_once(engine.manager, monkeypatch, "swap_in", after=True)
+    got = tokens_after_one_interrupt(engine, THREE)
+    [(seq_id,)] = swapped_in
+    assert got[seq_id[0]] is None
+    survivors_answer_as_never_interrupted(engine_zoo, got, THREE, **settings)
+
+
+def test_an_interrupt_after_scheduling_takes_the_step_back(engine_zoo, monkeypatch):
+    """Ctrl-C between the schedule and the forward pass (the step's tables reported, never
+    sent): the step's requests are aborted; c, still waiting (one seat each for a and b), is
+    admitted later and answers as on an engine never interrupted."""
+    settings = dict(max_num_seqs=2)
+    engine = make_engine(engine_zoo, "llama", **settings)
+    interrupt_once(engine, monkeypatch, "_prompt_tokens", lambda output: output.chunks)
+    got = tokens_after_one_interrupt(engine, THREE)
+    assert got["a"] is None and got["b"] is None
+    survivors_answer_as_never_interrupted(engine_zoo, got, THREE, **settings)
+
+
+@pytest.mark.parametrize("search", ["n=2", "beam"])
+def test_an_interrupt_as_samples_fork_leaves_no_block_held(engine_zoo, monkeypatch, search):
+    """Ctrl-C right after the manager forked a sample (n = 2 after its prompt, or a beam's
+    new branch) but before the request listed it: the abort frees the fork's blocks too."""
+    engine = make_engine(engine_zoo, "llama")
+    interrupt_once(engine.manager, monkeypatch, "fork", after=True)
+    if search == "beam":
+        engine.add_request(
+            "r", THREE[0][1], beam_search=BeamSearchParams(beam_width=2, max_tokens=8)
+        )
+        tokens_after_one_interrupt(engine, [])
+    else:
+        params = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+        assert tokens_after_one_interrupt(engine, THREE[:1], params) == {"a": None}

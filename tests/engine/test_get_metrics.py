@@ -18,7 +18,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge as PromGauge
 
 from pagedkv import LLMEngine
-from pagedkv.engine import EngineArgs, SamplingParams
+from pagedkv.engine import EngineArgs, RequestOutputKind, SamplingParams
 from pagedkv.engine.errors import StepFailed
 from pagedkv.engine.metrics_reader import Counter, Gauge, Vector, read_metrics
 from pagedkv.engine.metrics_reader import Histogram as HistogramMetric
@@ -100,34 +100,48 @@ def test_aborted_generate_counts_its_requests_aborted(engine_zoo, monkeypatch):
     assert "vllm:spec_decode_num_drafts" not in by_name(llm.get_metrics())  # vLLM's: only when on
 
 
-def test_llm_engine_get_metrics_observes_its_loop(engine_zoo):
-    """vLLM's LLMEngine loop; inter-token observations: one per delta with new tokens after a
-    request's first."""
+@pytest.mark.parametrize(
+    "output_kind",
+    [None, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY],
+    ids=["default (cumulative)", "delta", "final only"],
+)
+def test_llm_engine_get_metrics_observes_its_loop(engine_zoo, output_kind):
+    """vLLM's LLMEngine loop, whatever its outputs hold (new tokens or all so far): tokens
+    per request as the caller counts them, and one inter-token observation per step that
+    brought a request new tokens after its first."""
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=str(engine_zoo.folder("llama")), num_gpu_blocks=64, max_model_len=256)
     )
-    for index, prompt in enumerate(PROMPTS):
-        engine.add_request(
-            str(index),
-            prompt,
-            SamplingParams(
-                n=2, temperature=0.0, max_tokens=6 + index, ignore_eos=True, output_kind=1
-            ),
+    lengths = [6 + index for index in range(len(PROMPTS))]
+    for index, (prompt, length) in enumerate(zip(PROMPTS, lengths, strict=True)):
+        params = SamplingParams(
+            n=2, temperature=0.0, max_tokens=length, ignore_eos=True, output_kind=output_kind
         )
-    deltas_with_tokens: Tally[str] = Tally()
+        engine.add_request(str(index), prompt, params)
+    totals: dict[tuple[str, int], int] = {}
+    growing_steps: Tally[str] = Tally()
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if any(o.token_ids for o in output.outputs):
-                deltas_with_tokens[output.request_id] += 1
+            grew = False
+            for sample in output.outputs:
+                key = (output.request_id, sample.index)
+                before = totals.get(key, 0)
+                if output_kind is RequestOutputKind.DELTA:
+                    totals[key] = before + len(sample.token_ids)
+                else:
+                    totals[key] = len(sample.token_ids)
+                grew |= totals[key] > before
+            growing_steps[output.request_id] += grew
+    assert sorted(totals.values()) == sorted(2 * lengths)
     metrics = by_name(engine.get_metrics())
-    inter_token = one(metrics, "vllm:inter_token_latency_seconds", HistogramMetric)
-    assert inter_token.count == sum(deltas_with_tokens.values()) - len(PROMPTS)
+    inter_token = metrics.get("vllm:inter_token_latency_seconds", [])  # none: never observed
+    assert sum(h.count for h in inter_token) == sum(growing_steps.values()) - len(PROMPTS)
     n = one(metrics, "vllm:request_params_n", HistogramMetric)
     assert (n.count, n.sum) == (len(PROMPTS), 2 * len(PROMPTS))
     longest = one(metrics, "vllm:request_max_num_generation_tokens", HistogramMetric)
-    assert longest.sum == sum(6 + index for index in range(len(PROMPTS)))
+    assert longest.sum == sum(lengths)
     generated = one(metrics, "vllm:request_generation_tokens", HistogramMetric)
-    assert generated.sum == 2 * longest.sum
+    assert generated.sum == sum(totals.values())
 
 
 def test_the_reader_gives_vllm_types_of_a_registry_filled_by_hand():

@@ -177,8 +177,12 @@ class BeamState:
             history.pop(index, None)
 
     def finish(self, live: Sequence[int], reason: FinishReason = "length") -> None:
-        """The search is over (or aborted): the live beams complete too."""
+        """The search is over (or aborted): the live beams complete too, those with a history
+        (an abort in the middle of a step's rule may find a fork not extended yet, or a beam
+        already dropped)."""
         for index in live:
+            if index not in self.outputs:
+                continue
             self.completed.append(
                 Hypothesis(
                     self.outputs[index], self.logprobs[index], self.cumulative[index], reason

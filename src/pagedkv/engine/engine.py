@@ -316,11 +316,11 @@ class Engine:
             output = self.scheduler.schedule()
         except BaseException:
             if (interrupted := self.scheduler.interrupted) is not None:  # it will never run
-                self._take_back(interrupted.output, interrupted.allocated)
+                self._take_back(interrupted.output, interrupted.touched)
             raise
-        self.last_step_num_tokens = output.num_batched_tokens
-        prompt_tokens = self._prompt_tokens(output)
-        try:
+        try:  # from here on the step's chunks carry what the runner must get, or are taken back
+            self.last_step_num_tokens = output.num_batched_tokens
+            prompt_tokens = self._prompt_tokens(output)
             touched = self._run(output)
         except BaseException as error:
             request_ids = self._take_back(output)
@@ -334,15 +334,15 @@ class Engine:
         self._step_seconds += time.perf_counter() - started
         return [report for report in reports if report is not None]
 
-    def _take_back(self, output: SchedulerOutput, allocated: Iterable[str] = ()) -> list[str]:
+    def _take_back(self, output: SchedulerOutput, touched: Iterable[str] = ()) -> list[str]:
         """Abort what a failed (or interrupted) step touched: the requests it computed, those
         holding blocks its memory plan, perhaps never run, was writing or its chunks were to
-        compute (`discard_plan`), and the `allocated` ones an interrupted step gave slots;
+        compute (`discard_plan`), and the ones an interrupted schedule `touched`;
         their ids."""
         moved = {seq_id[0] for seq_id in self.manager.discard_plan(output.plan)}
         if self.adapters is not None:  # LoRA weights the step may not have written
             self.adapters.retry(output.adapters)
-        request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks} | set(allocated))
+        request_ids = sorted(moved | {chunk.seq_id[0] for chunk in output.chunks} | set(touched))
         for request_id in request_ids:
             self.abort(request_id)
         return request_ids

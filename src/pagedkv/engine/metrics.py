@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedkv.engine.outputs import RequestOutputKind
+
 if TYPE_CHECKING:
     from pagedkv.engine.outputs import RequestOutput
     from pagedkv.engine.params import SamplingParams
@@ -196,11 +198,14 @@ class EngineMetrics:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
+            # A delta holds the new tokens; a cumulative or final output all of them so far.
+            whole = tracked.params.output_kind not in (None, RequestOutputKind.DELTA)
             new_tokens = 0
             for completion in output.outputs:
-                new_tokens += len(completion.token_ids)
-                count = tracked.num_tokens.get(completion.index, 0)
-                tracked.num_tokens[completion.index] = count + len(completion.token_ids)
+                before = tracked.num_tokens.get(completion.index, 0)
+                after = len(completion.token_ids) + (0 if whole else before)
+                tracked.num_tokens[completion.index] = after
+                new_tokens += after - before
             if new_tokens:
                 if tracked.last_token_time is not None:
                     self._observe_inter_token(now - tracked.last_token_time)

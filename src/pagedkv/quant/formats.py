@@ -236,7 +236,7 @@ def _to_kernel_order(values: Tensor, bits: int, group_size: int, inverse: bool =
     rows, row_bytes = values.shape
     units = bits * group_size // 32  # 4-byte units per group
     blocked = row_bytes // (32 * units) * (32 * units)  # bytes in whole blocks of 8 groups
-    if blocked == 0:
+    if blocked == 0 or rows == 0:  # no whole block, or none of a row (an empty shard)
         return values.contiguous()
     shape = (rows, -1, units, 8, 4) if inverse else (rows, -1, 8, units, 4)
     head = values[:, :blocked].reshape(shape).transpose(2, 3)

@@ -2,7 +2,7 @@
 without torch.
 
 `resolve_quantization` is the one place `quantization` is interpreted: `EngineArgs` checks it
-with the engine's device and rank count, and `weights.load` resolves it once for the model it
+with the engine's device, and `weights.load` resolves it once for the model it
 builds; the layers only do what the resolved value says (`assemble.build_model`).
 """
 

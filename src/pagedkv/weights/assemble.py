@@ -73,7 +73,7 @@ def build_model(
     Each tensor is checked against the shape `config` implies and converted on arrival, so at
     most one source tensor is held beside the model; `source` names the weights in errors.
     A tensor may arrive quantised (a GGUF file's blocks); `quantization`, as
-    `quant.schemes.resolve_quantization` resolves it for `device` and the ranks being built,
+    `quant.schemes.resolve_quantization` resolves it for `device` (the same on every rank),
     says what the model keeps: "none" float weights, "auto" quantised tensors as they came,
     "int8"/"int4" every projection and the embedding table in that layout (see
     `Linear.quantize`).

@@ -71,6 +71,15 @@ def test_a_shard_holds_exactly_its_slice_of_the_weight(bits, num_groups, rows, d
     assert not padded[num_rows:].any()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_empty_share_of_rows_pads_to_zero_rows(bits):
+    """A padded vocabulary can leave a rank no rows of its own (5 rows on 4 ranks): its share
+    is all padding, whatever the row's width."""
+    whole = random_quantized(5, 512, bits, seed=2)
+    share = whole.shard(5, 0, 0, 512).padded(2)
+    assert share.shape == (2, 512) and not share.dequantize().any()
+
+
 def test_a_shard_must_cut_whole_groups():
     whole = random_quantized(4, 64, 4, seed=1)
     with pytest.raises(ValueError, match="groups of 32"):

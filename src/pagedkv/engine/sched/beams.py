@@ -55,6 +55,7 @@ def advance_beams(
                 num_computed=seq.num_computed,
             )
             state.next_index += 1
+            request.sequences.append(child)  # first: an abort frees what the manager holds
             manager.fork(seq.seq_id, child_id, child.tokens)
             beams.append((child, index, extension))
         beams.append((seq, index, extensions[0]))

@@ -139,8 +139,9 @@ class Scheduler:
 
         If choosing raises part way (Ctrl-C, a bug), `interrupted` is the step built so far:
         its plan and published blocks promise KV no forward pass will write, and the engine
-        takes them back as it does a failed step's, with every request given slots in it
-        (whose table change or cached count a chunk may not carry yet).
+        takes them back as it does a failed step's, with every request whose blocks or queue
+        it touched (a table change or cached count no chunk may carry yet, a victim between
+        queues, a swap-in half recorded).
         """
         self._queue_compiled()
         num_decoding = sum(len(request.live_sequences) for request in self.running)
@@ -148,13 +149,13 @@ class Scheduler:
         self.interrupted = None
         try:
             self._choose(step)
+            if self.adapters is not None:
+                step.output.adapters = self.adapters.take_changes()
         except BaseException:
-            self.interrupted = InterruptedStep(step.output, step.allocated)
+            self.interrupted = InterruptedStep(step.output, step.touched)
             self._dropped += step.output.dropped  # preempted before it raised
             raise
         self._dropped += step.output.dropped
-        if self.adapters is not None:
-            step.output.adapters = self.adapters.take_changes()
         if step.output.chunks or step.output.plan or step.output.adapters:  # the runner runs it
             step.output.dropped, self._dropped = self._dropped, []
         else:
@@ -249,9 +250,9 @@ class Scheduler:
         """The prompt is computed: samples 1..n-1 share sample 0's blocks."""
         first = request.sequences[0]
         for seq in request.forks:
+            request.sequences.append(seq)  # first: an abort frees what the manager holds
             self.manager.fork(first.seq_id, seq.seq_id, seq.tokens)
             seq.num_computed = first.num_computed
-            request.sequences.append(seq)
         request.forks = []
 
     def _schedule_running(self, request: Request, step: _Step) -> None:
@@ -309,6 +310,7 @@ class Scheduler:
         if not self._fits(request, step):
             self._release_adapter(request)  # only a running request pins its adapter
             return False
+        step.touched.add(request.request_id)
         for seq in request.live_sequences:
             step.output.plan.extend(self.manager.swap_in(seq.seq_id))
         self._start(request, step, [])
@@ -323,7 +325,7 @@ class Scheduler:
             self._release_adapter(request)  # only a running request pins its adapter
             return False
         allocations: list[Allocation] = []
-        step.allocated.add(request.request_id)
+        step.touched.add(request.request_id)
         for seq in request.live_sequences:
             allocation = self.manager.allocate_slots(
                 seq.seq_id,
@@ -390,7 +392,7 @@ class Scheduler:
     ) -> Allocation | None:
         """Slots for a held sample's next `num_new` tokens and `num_drafts` drafts after them
         (None: the pool cannot hold them)."""
-        step.allocated.add(seq.seq_id[0])
+        step.touched.add(seq.seq_id[0])
         return self.manager.allocate_slots(
             seq.seq_id, seq.tokens, seq.num_computed + num_new, num_lookahead_tokens=num_drafts
         )
@@ -452,6 +454,7 @@ class Scheduler:
         """Move the request's blocks to the CPU pool, or free them to be recomputed; either
         way it lets go of its adapter (it takes it again when it runs)."""
         seqs = request.live_sequences
+        step.touched.add(request.request_id)  # between queues until the end
         self.running.remove(request)
         self._unschedule(request, step)
         self._release_adapter(request)
@@ -518,14 +521,15 @@ class _Step:
     decodes_after: int = 0
     num_published: int = 0  # leading chunks of `output` whose blocks `_publish` offered
     output: SchedulerOutput = field(default_factory=SchedulerOutput)
-    allocated: set[str] = field(default_factory=set)  # requests given slots (ids)
+    # Requests whose blocks or queue this step changed (ids): given slots, preempted, resumed.
+    touched: set[str] = field(default_factory=set)
 
 
 @dataclass
 class InterruptedStep:
-    """A step `schedule` was building when it raised: what it had chosen, and the requests it
-    gave slots, whose table changes (and a new prompt's cached count) the manager reported
-    once, to a chunk that may not exist."""
+    """A step `schedule` was building when it raised: what it had chosen, and the requests whose
+    blocks or queue it touched. The manager reports a table change (and a new prompt's cached
+    count) once, to a chunk that may not exist; a victim may be in no queue."""
 
     output: SchedulerOutput
-    allocated: set[str]
+    touched: set[str]
