@@ -187,9 +187,9 @@ class QuantizedTensor:
         per_byte = 8 // self.bits  # values a byte holds; a group's bytes hold only its values
         rows = slice(first_row, first_row + num_rows)
         groups = slice(first_col // self.group_size, (first_col + num_cols) // self.group_size)
-        values = self.ggml_values()[
-            rows, first_col // per_byte : (first_col + num_cols) // per_byte
-        ]
+        # The byte order is permuted within each row: the rows kept are cut first.
+        ggml = _to_kernel_order(self.kernel_values()[rows], self.bits, self.group_size, True)
+        values = ggml[:, first_col // per_byte : (first_col + num_cols) // per_byte]
         return QuantizedTensor.from_ggml(
             values.contiguous(),
             self.scales[rows, groups],

@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from pagedkv.attention.batch import ForwardBatch, SequenceInput
+from pagedkv.parallel.group import TPGroup, sharding
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.weights.gguf import packed
 from pagedkv.weights.gguf.model import GGUFModel
@@ -150,3 +151,17 @@ def test_small_files_are_not_cached(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "cache"))
     weights(tiny_gguf("llama", qtype=QType.Q8_0))  # kilobytes: re-packing beats mapping
     assert not (tmp_path / "cache").exists()
+
+
+def test_only_rank_0_of_a_tensor_parallel_load_writes_the_cache(tiny_gguf, cache, monkeypatch):
+    """The ranks of a group load the same file: rank 1 re-packs its tensors without keeping
+    them for a cache (rank 0 writes the one file), and later maps rank 0's."""
+    path = tiny_gguf("llama", qtype=QType.Q8_0)
+    expected = uncached(path, monkeypatch)
+    with sharding(TPGroup(rank=1, size=2)):
+        load(path, progress=lambda line: None)
+    assert not cache.exists()
+    with sharding(TPGroup(rank=0, size=2)):
+        load(path, progress=lambda line: None)
+    assert packed.cache_path(path).is_file()
+    assert_same(list(packed.packed_tensors(GGUFModel.open(path).file, _never_repacked())), expected)

@@ -184,3 +184,15 @@ def test_int8_quantises_each_ranks_shard(tp_folders):
     finally:
         parallel.engine.shutdown()
     assert got == want
+
+
+def test_a_rank_whose_columns_cut_a_group_keeps_its_slice_dequantised():
+    """96 input columns on 2 ranks: 48 each, not whole groups of 32, so each rank keeps its
+    exact slice in float (the layer cannot be multiplied quantised)."""
+    whole = random_quantized(16, 96, 4, seed=6)
+    for rank in range(2):
+        layer = sharded(lambda: Linear(96, (16,), bias=False, parallel="row"), rank)
+        layer.quantize("auto")
+        layer.load("weight", 0, whole)
+        assert layer.qweight is None
+        assert torch.equal(layer.weight, whole.dequantize()[:, rank * 48 : (rank + 1) * 48])

@@ -218,7 +218,7 @@ class Linear(nn.Module):
         """Put checkpoint tensor `tensor` (already shape-checked) into part `part`'s rows (this
         rank's slice of them under tensor parallelism)."""
         if param_name == "weight" and self.scheme is not None:
-            self._pending[part] = tensor
+            self._pending[part] = self._shard(tensor, part)  # only this rank's slice is kept
             if all(pending is not None for pending in self._pending):
                 self._pack()
             return
@@ -240,23 +240,26 @@ class Linear(nn.Module):
         all_float = not any(isinstance(part, QuantizedTensor) for part in parts)
         local = self.method if self.parallel == "row" or self.method is GATHERED_COLUMN else None
         if (self.scheme == "auto" and all_float) or self.in_features % GROUP_SIZE:
-            dense = torch.cat([self._shard(as_dense(part), i) for i, part in enumerate(parts)])
+            dense = torch.cat([as_dense(part) for part in parts])
             self.weight = nn.Parameter(dense.to(self.dtype), requires_grad=False)
             self.method = local or DENSE
             return
-        shards = [self._shard(part, i) for i, part in enumerate(parts)]
-        self.qweight = kernel_layout(common_layout([to_scheme(s, self.scheme) for s in shards]))
+        self.qweight = kernel_layout(common_layout([to_scheme(p, self.scheme) for p in parts]))
         self.method = local or QUANTIZED
 
     def _shard(self, part: Tensor | QuantizedTensor, index: int) -> Tensor | QuantizedTensor:
         """This rank's rows and input columns of part `index` (all of it outside tensor
-        parallelism), padded with zero rows to its local size."""
+        parallelism), padded with zero rows to its local size: still quantised where the
+        columns cut whole groups, else dequantised (the layer then stays float, `_pack`)."""
         if self.parallel is None:
             return part
         first, count, local = self.row_splits[index]
         first_col, num_cols = self.col_split
         if isinstance(part, QuantizedTensor):
-            return part.shard(first, count, first_col, num_cols).padded(local)
+            if not (first_col % part.group_size or num_cols % part.group_size):
+                return part.shard(first, count, first_col, num_cols).padded(local)
+            part = part.shard(first, count, 0, part.shape[1]).dequantize()
+            first = 0
         shard = part[first : first + count, first_col : first_col + num_cols]
         return torch.cat((shard, shard.new_zeros(local - count, num_cols)))
 

@@ -17,6 +17,7 @@ import torch
 from pagedkv.model.config import ModelConfig, with_overrides
 from pagedkv.model.decoder import DecoderModel
 from pagedkv.model.errors import MissingTensor, TensorShapeMismatch
+from pagedkv.parallel.group import building_group
 from pagedkv.quant.schemes import resolve_quantization
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.assemble import build_model
@@ -78,8 +79,9 @@ class GGUFModel:
         path = self.file.path
         keep = resolve_quantization(quantization, device) == "auto"
         stream = gguf_tensors(self.file, self.config, keep_quantized=keep)
-        if keep:  # re-packed once, then mapped from the cache (`packed.py`)
-            stream = packed_tensors(self.file, stream, download_dir)
+        if keep:  # re-packed once (by rank 0), then mapped from the cache (`packed.py`)
+            write = building_group().rank == 0
+            stream = packed_tensors(self.file, stream, download_dir, write)
         tensors = ((path, name, tensor) for name, tensor in stream)
         try:
             return build_model(

@@ -62,10 +62,12 @@ def stamp(file: GGUFFile) -> dict[str, Any]:
 
 
 def packed_tensors(
-    file: GGUFFile, repack: Iterator[Named], download_dir: str | None = None
+    file: GGUFFile, repack: Iterator[Named], download_dir: str | None = None, write: bool = True
 ) -> Iterator[Named]:
     """The file's re-packed tensors: mapped from the cache when it is current, else `repack`
-    (re-packing the file), whose tensors are then written to the cache for the next load."""
+    (re-packing the file), whose tensors are then written to the cache for the next load
+    unless `write` is False (a tensor-parallel rank other than 0: one writer, and no rank
+    holds the whole model's tensors for a cache another writes)."""
     if file.path.stat().st_size < MIN_CACHED_BYTES:
         yield from repack
         return
@@ -74,6 +76,9 @@ def packed_tensors(
     cached = _read(path, expected)
     if cached is not None:
         yield from cached
+        return
+    if not write:
+        yield from repack
         return
     packed: list[Named] = []
     for item in repack:
