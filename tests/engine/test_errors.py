@@ -225,27 +225,35 @@ def fail_once_before_a_plan_with(engine, monkeypatch, kind: MoveKind) -> list:
     return failed
 
 
-def greedy_tokens(engine, requests) -> dict[str, list[int] | None]:
-    """Each request's tokens run to the end on `engine` (None: aborted), surviving one
-    StepFailed; memory invariants checked after every step."""
+def run_out(engine, requests, params, survive: type[BaseException]) -> tuple[dict, int]:
+    """Each request's first sample's tokens run to the end on `engine` (None: aborted), and
+    how many steps raised `survive` (gone past); memory invariants checked after every step."""
     for request_id, prompt in requests:
-        engine.add_request(request_id, prompt, LONG)
+        engine.add_request(request_id, prompt, params)
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
+    failures = 0
     while engine.has_unfinished():
         try:
             deltas = engine.step()
-        except StepFailed:
+        except survive:
+            failures += 1
             deltas = []
         engine.manager.check_invariants()
         for delta in deltas:
             tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
             if delta.finished:
                 reasons[delta.request_id] = delta.outputs[0].finish_reason
-    return {rid: None if reasons[rid] == "abort" else tokens[rid] for rid, _ in requests}
+    answers = {rid: None if reasons[rid] == "abort" else tokens[rid] for rid, _ in requests}
+    return answers, failures
 
 
 LONG = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+
+def greedy_tokens(engine, requests) -> dict[str, list[int] | None]:
+    """`run_out` of greedy requests, surviving a StepFailed."""
+    return run_out(engine, requests, LONG, StepFailed)[0]
 
 
 @pytest.mark.parametrize(
@@ -341,29 +349,14 @@ def interrupt_once(target, monkeypatch, method: str, when=None, after: bool = Fa
 
 
 def tokens_after_one_interrupt(engine, requests, params=LONG) -> dict[str, list | None]:
-    """`greedy_tokens`, one step raising KeyboardInterrupt and nothing aborted by hand; every
+    """`run_out`, one step raising KeyboardInterrupt and nothing aborted by hand; every
     request ends, and every block, device or CPU, is free at the end."""
-    for request_id, prompt in requests:
-        engine.add_request(request_id, prompt, params)
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    interrupts = 0
-    while engine.has_unfinished():
-        try:
-            deltas = engine.step()
-        except KeyboardInterrupt:
-            interrupts += 1
-            deltas = []
-        engine.manager.check_invariants()
-        for delta in deltas:
-            tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
-            if delta.finished:
-                reasons[delta.request_id] = delta.outputs[0].finish_reason
+    answers, interrupts = run_out(engine, requests, params, KeyboardInterrupt)
     assert interrupts == 1
     assert engine.manager.num_free_blocks == engine.manager.num_gpu_blocks
     assert engine.manager.num_free_cpu_blocks == engine.manager.num_cpu_blocks
     assert engine.manager.reset_prefix_cache()  # no sequence left holding blocks
-    return {rid: None if reasons[rid] == "abort" else tokens[rid] for rid, _ in requests}
+    return answers
 
 
 THREE = [

@@ -14,7 +14,7 @@ live in one process (the tests).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,23 +84,16 @@ class EngineMetrics:
         self.registry.register(EngineStatsCollector(model_name, stats, prefix))
         labels = ["model_name"]
 
-        def latency(name: str, documentation: str) -> Histogram:
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(
-                f"{prefix}:{name}",
-                documentation,
-                labels,
-                buckets=E2E_BUCKETS,
-                registry=self.registry,
+                f"{prefix}:{name}", documentation, labels, buckets=buckets, registry=self.registry
             )
 
+        def latency(name: str, documentation: str) -> Histogram:
+            return histogram(name, documentation, E2E_BUCKETS)
+
         def tokens(name: str, documentation: str) -> Histogram:
-            return Histogram(
-                f"{prefix}:{name}",
-                documentation,
-                labels,
-                buckets=token_buckets(max_model_len),
-                registry=self.registry,
-            )
+            return histogram(name, documentation, token_buckets(max_model_len))
 
         self.request_prompt_tokens = tokens(
             "request_prompt_tokens", "Prompt tokens of each finished request."
@@ -121,42 +114,32 @@ class EngineMetrics:
         self.request_decode_time = latency(
             "request_decode_time_seconds", "Time from the first token to the last."
         )
-        self.time_to_first_token = Histogram(
-            f"{prefix}:time_to_first_token_seconds",
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            TTFT_BUCKETS,
         )
         # vLLM V1's older name for inter_token_latency_seconds (deprecated in 0.11, later
         # removed): the same per-token observations, for dashboards that still read it.
-        self.time_per_output_token = Histogram(
-            f"{prefix}:time_per_output_token_seconds",
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
             "Time between a request's consecutive output tokens (inter_token_latency_seconds).",
-            labels,
-            buckets=TPOT_BUCKETS,
-            registry=self.registry,
+            TPOT_BUCKETS,
         )
-        self.request_time_per_output_token = Histogram(
-            f"{prefix}:request_time_per_output_token_seconds",
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
             "Each finished request's mean time per output token after the first (0: one token).",
-            labels,
-            buckets=TPOT_BUCKETS,
-            registry=self.registry,
+            TPOT_BUCKETS,
         )
-        self.inter_token_latency = Histogram(
-            f"{prefix}:inter_token_latency_seconds",
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
             "Time between a request's consecutive output tokens.",
-            labels,
-            buckets=TPOT_BUCKETS,
-            registry=self.registry,
+            TPOT_BUCKETS,
         )
-        self.iteration_tokens = Histogram(
-            f"{prefix}:iteration_tokens_total",
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
             "Tokens of each engine step: prompt tokens computed plus tokens sampled.",
-            labels,
-            buckets=ITERATION_TOKEN_BUCKETS,
-            registry=self.registry,
+            ITERATION_TOKEN_BUCKETS,
         )
         self.e2e_request_latency = latency(
             "e2e_request_latency_seconds", "Time from arrival to the last token."
@@ -165,12 +148,8 @@ class EngineMetrics:
             "request_inference_time_seconds",
             "Time a request spent running: from its first scheduled step to its last token.",
         )
-        self.request_params_n = Histogram(
-            f"{prefix}:request_params_n",
-            "The n (samples) of each finished request.",
-            labels,
-            buckets=PARAMS_N_BUCKETS,
-            registry=self.registry,
+        self.request_params_n = histogram(
+            "request_params_n", "The n (samples) of each finished request.", PARAMS_N_BUCKETS
         )
         self.request_params_max_tokens = tokens(
             "request_params_max_tokens", "The max_tokens of each finished request."
