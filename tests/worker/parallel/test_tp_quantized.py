@@ -13,6 +13,8 @@ value across a rounding boundary of the next layer's int8 activations, one integ
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -26,7 +28,9 @@ from pagedkv.parallel.group import TPGroup, sharding
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import dequantize
 from pagedkv.quant.quantize import quantize_int4, quantize_int8
-from tests.model.tiny_models import random_prompt
+from pagedkv.weights.load import load
+from tests.model.tiny_models import _COMMON, TinyModel, build_model_folder, random_prompt
+from tests.weights.gguf.writer import write_model_gguf
 
 SETTINGS = dict(num_gpu_blocks=32, swap_space_gb=0.01, max_model_len=256, threads=1)
 PROMPTS = [random_prompt(length, seed=length) for length in (4, 19, 40)]
@@ -196,3 +200,19 @@ def test_a_rank_whose_columns_cut_a_group_keeps_its_slice_dequantised():
         layer.load("weight", 0, whole)
         assert layer.qweight is None
         assert torch.equal(layer.weight, whole.dequantize()[:, rank * 48 : (rank + 1) * 48])
+
+
+def test_a_file_whose_rank_slices_cut_groups_names_the_float_projections(tmp_path, caplog):
+    """An MLP of 96 on 2 ranks: each down_proj takes 48 inputs, not whole groups of 32, so it
+    stays float on every rank, and the load says which and why (the other layers stay
+    quantised)."""
+    spec = TinyModel("LlamaForCausalLM", dict(_COMMON, intermediate_size=96))
+    folder = build_model_folder("llama_mlp_96", tmp_path / "folder", spec=spec)
+    path = write_model_gguf(tmp_path / "mlp96.gguf", folder, qtype=QType.Q8_0)
+    warnings = caplog.at_level(logging.WARNING, logger="pagedkv.weights.assemble")
+    with warnings, sharding(TPGroup(rank=1, size=2)):
+        model = load(path, progress=lambda line: None).model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert sorted(m.in_features for m in layers if m.kept_float) == [48, 48]
+    assert all(m.qweight is not None for m in layers if not m.kept_float)
+    assert "auto: 2 projections stay float: their input sizes [48]" in caplog.text

@@ -169,6 +169,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.qweight: QuantizedTensor | None = None
         self.scheme: str | None = None  # see `quantize`
+        # Quantisation was asked for (a scheme, or a file's quantised part under "auto") but
+        # groups of GROUP_SIZE do not tile this layer's (this rank's) input: it stays float.
+        self.kept_float = False
         self._pending: list[Tensor | QuantizedTensor | None] = []
         # (layer index, checkpoint parts) when the model adapts it with LoRA (`model/lora.py`).
         self.lora_target: tuple[int, tuple[str, ...]] | None = None
@@ -207,17 +210,20 @@ class Linear(nn.Module):
         are dequantised and quantised again); "auto" keeps quantised parts as they come and
         stays dense if every part arrives in floating point. The dense matrix allocated at
         construction was never written, so dropping it frees memory that was never touched.
-        A tensor-parallel shard keeps the whole parts until the last arrives, then its slice.
+        A tensor-parallel shard keeps its slice of each part as the part arrives.
         """
         self.scheme = scheme
         self.weight = None
         self._pending = [None] * len(self.part_sizes)
+        self.kept_float = scheme != "auto" and bool(self.in_features % GROUP_SIZE)
 
     @torch.no_grad()
     def load(self, param_name: str, part: int, tensor: Tensor | QuantizedTensor) -> None:
         """Put checkpoint tensor `tensor` (already shape-checked) into part `part`'s rows (this
         rank's slice of them under tensor parallelism)."""
         if param_name == "weight" and self.scheme is not None:
+            if isinstance(tensor, QuantizedTensor) and self.in_features % GROUP_SIZE:
+                self.kept_float = True
             self._pending[part] = self._shard(tensor, part)  # only this rank's slice is kept
             if all(pending is not None for pending in self._pending):
                 self._pack()
