@@ -465,8 +465,6 @@ def test_vllm_spellings_and_defaults() -> None:
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)
     drafted = EngineArgs(speculative_config={"model": "m", "num_speculative_tokens": 2})
     assert drafted.speculative.method == "draft_model"
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
-        EngineArgs(tensor_parallel_size=2, speculative_config=drafted.speculative_config)
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: Path) -> None:

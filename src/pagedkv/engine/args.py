@@ -222,12 +222,6 @@ class EngineArgs:
         )
         check_vllm_keywords(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        speculative = self.speculative_config
-        if self.tensor_parallel_size > 1 and speculative and speculative.method == "draft_model":
-            raise ValueError(
-                "speculative_config method 'draft_model' is not supported with "
-                f"tensor_parallel_size {self.tensor_parallel_size} (method 'ngram' is)"
-            )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

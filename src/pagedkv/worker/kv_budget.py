@@ -76,6 +76,7 @@ class KVCacheConfig:
         draft = ""
         if self.draft_bytes_per_block:
             draft = f", {format_bytes(self.draft_bytes_per_block)} of it the draft model's"
+            draft += " on rank 0" if ranks > 1 else ""
         concurrency = (
             f"max concurrency at max_model_len ({max_model_len} tokens): {fit} requests"
             if fit

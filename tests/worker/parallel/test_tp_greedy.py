@@ -116,3 +116,26 @@ def test_speculative_drafts_verify_across_ranks(tp_folders):
         assert parallel.engine.scheduler.drafts.stats.num_draft_tokens > 0
     finally:
         parallel.engine.shutdown()
+
+
+def test_a_draft_model_runs_on_rank_0_and_changes_no_token(tp_folders):
+    """Speculative decoding with a draft model under TP=2: the model drafts for itself (every
+    greedy draft kept), whole on rank 0, in a pool that preempts; the tokens are TP=1's without
+    speculation."""
+    folder = str(tp_folders["llama"])
+    draft = {"model": folder, "num_speculative_tokens": 3}
+    # The draft loads as its folder says: the model must too, for its drafts to be its own.
+    settings = {key: value for key, value in SETTINGS.items() if key != "hf_overrides"}
+    single = LLM(folder, preemption_mode="swap", **settings)
+    parallel = LLM(
+        folder, preemption_mode="swap", tensor_parallel_size=2, speculative_config=draft, **settings
+    )
+    try:
+        got = token_ids(parallel, PROMPTS, GREEDY)
+        stats = parallel.engine.stats.spec_decoding
+        swapped = parallel.engine.scheduler.num_swap_preemptions
+    finally:
+        parallel.engine.shutdown()
+    assert got == token_ids(single, PROMPTS, GREEDY)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert swapped > 0  # the draft's K/V went to the CPU and back with the model's

@@ -26,11 +26,14 @@ def load_shard(spec: LoadSpec, group: TPGroup, device: torch.device) -> LoadedMo
         return load(spec.model, device=device, **spec.load_options())
 
 
-def agreed_budget(link: Link, request: PoolRequest, model: torch.nn.Module) -> KVCacheConfig:
+def agreed_budget(
+    link: Link, request: PoolRequest, model: torch.nn.Module, draft: torch.nn.Module | None = None
+) -> KVCacheConfig:
     """Every rank sizes its pool from its own memory (a GPU pool profiles one forward pass,
     which every rank runs together); the group keeps the smallest, so every rank holds every
-    block."""
-    budget = kv_budget(request, model)
+    block. Rank 0 alone runs a speculative `draft` model, whole: its blocks also hold the
+    draft's K/V, so it usually holds the fewest."""
+    budget = kv_budget(request, model, draft)
     gpu_blocks, cpu_blocks = link.agree_min([budget.num_gpu_blocks, budget.num_cpu_blocks])
     return replace(
         budget,

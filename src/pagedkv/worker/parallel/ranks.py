@@ -171,12 +171,10 @@ class TensorParallelRanks(SingleRank):
     def kv_budget(
         self, request: PoolRequest, model: DecoderModel, draft: DecoderModel | None = None
     ) -> KVCacheConfig:
-        if draft is not None:  # EngineArgs refuses it first; said again where it would break
-            raise ValueError("a speculative draft model is not supported with tensor parallelism")
         try:
             with self._lock:
                 self.link.send(request)
-                return agreed_budget(self.link, request, model)
+                return agreed_budget(self.link, request, model, draft)
         except ValueError:  # a pool too small: every rank finds it alike
             self.shutdown()
             raise
