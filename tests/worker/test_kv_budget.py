@@ -141,3 +141,21 @@ def test_a_cpu_pool_sized_by_hand_counts_as_host_memory(zoo, monkeypatch, sized_
     assert kv_budget(request(0.3), model).num_cpu_blocks > 0
     with pytest.raises(ValueError, match=rf"{sized_by}, swap_space_gb and kv_offloading_size"):
         kv_budget(request(0.5), model)
+
+
+def test_the_start_up_line_puts_a_draft_models_bytes_where_they_are(zoo, per_block):
+    """With a draft model each block id also holds its K/V: in one process that is part of
+    the block's bytes; under tensor parallelism only rank 0 holds it, so the line gives the
+    model's per-rank bytes and the draft's apart."""
+    model = zoo.ours("llama")
+    budget = kv_budget(replace(DEFAULTS, num_gpu_blocks=8), model, draft=model)
+    assert (budget.bytes_per_block, budget.draft_bytes_per_block) == (2 * per_block, per_block)
+    assert "(0.00 GiB, 16.38 kB / 16.00 KiB per block, 8.19 kB / 8.00 KiB of it the draft" in (
+        budget.describe(1024)
+    )
+    ranks = replace(budget, tensor_parallel_size=2).describe(1024)
+    assert (
+        "8.19 kB / 8.00 KiB per block, and 8.19 kB / 8.00 KiB of the draft model's on rank 0)"
+        in ranks
+    )
+    assert "on each of 2 ranks" in ranks

@@ -69,14 +69,17 @@ class KVCacheConfig:
         fit (whole blocks each, as `pagedkv plan` counts them)."""
         block_size = self.block_size
         tokens = self.num_gpu_blocks * block_size
-        gib = self.num_gpu_blocks * self.bytes_per_block / GIB
         fit = max_concurrency(self.spec, self.num_gpu_blocks, max_model_len, block_size)
         ranks = self.tensor_parallel_size
         on_each_rank = f" on each of {ranks} ranks" if ranks > 1 else ""
-        draft = ""
-        if self.draft_bytes_per_block:
-            draft = f", {format_bytes(self.draft_bytes_per_block)} of it the draft model's"
-            draft += " on rank 0" if ranks > 1 else ""
+        per_block, draft = self.bytes_per_block, ""
+        draft_bytes = format_bytes(self.draft_bytes_per_block)
+        if self.draft_bytes_per_block and ranks > 1:  # the draft runs on rank 0 only
+            per_block -= self.draft_bytes_per_block
+            draft = f", and {draft_bytes} of the draft model's on rank 0"
+        elif self.draft_bytes_per_block:
+            draft = f", {draft_bytes} of it the draft model's"
+        gib = self.num_gpu_blocks * per_block / GIB
         concurrency = (
             f"max concurrency at max_model_len ({max_model_len} tokens): {fit} requests"
             if fit
@@ -85,7 +88,7 @@ class KVCacheConfig:
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {block_size} tokens = {tokens} tokens "
             f"of {self.kv_dtype_name} ({gib:.2f} GiB, "
-            f"{format_bytes(self.bytes_per_block)} per block{draft}){on_each_rank}; "
+            f"{format_bytes(per_block)} per block{draft}){on_each_rank}; "
             f"{concurrency}"
         )
 
@@ -137,10 +140,11 @@ def kv_budget(
         memory = min(CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
     num_blocks = memory // per_block
     if num_blocks <= 0:
+        drafts = f", {format_bytes(draft_per_block)} of it the draft model's" * bool(draft)
         raise KVCacheTooSmallForModel(
             f"{format_bytes(max(memory, 0))} left for the KV cache holds no block of "
-            f"{format_bytes(per_block)} (block_size {request.block_size}): lower block_size or "
-            "give more memory"
+            f"{format_bytes(per_block)}{drafts} (block_size {request.block_size}): lower "
+            "block_size or give more memory"
         )
     return config(num_blocks)
 

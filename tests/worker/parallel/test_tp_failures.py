@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 from pagedkv.engine import LLM, SamplingParams
+from pagedkv.engine import engine as engine_module
 from pagedkv.engine.errors import StepFailed
 from pagedkv.model.errors import MalformedModelFile
+from pagedkv.worker.kv_budget import KVCacheTooSmallForModel
 from pagedkv.worker.parallel import ranks
 from pagedkv.worker.parallel.errors import WorkerFailed
 
@@ -231,3 +233,35 @@ def test_an_engine_dropped_without_shutdown_ends_its_workers(folder):
     del llm
     gc.collect()
     assert wait_until_gone(pid)
+
+
+def test_workers_outlive_a_draft_model_loading_longer_than_the_timeout(
+    folder, short_timeout, monkeypatch
+):
+    """Rank 0 loads a speculative draft model after its shard while the workers wait for the
+    pool's size: keepalives keep them waiting past the collective timeout."""
+    real = engine_module.load_draft_model
+
+    def slow(*args, **kwargs):
+        time.sleep(2 * ranks.COLLECTIVE_TIMEOUT_S)  # a draft pulled or read slowly
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_draft_model", slow)
+    llm = start(folder, speculative_config={"model": str(folder), "num_speculative_tokens": 2})
+    try:
+        assert len(llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_pool_only_rank_0_cannot_hold_stops_every_rank_at_once(folder, short_timeout, capfd):
+    """Rank 0's blocks also hold the draft model's K/V: a budget the workers' blocks fit but
+    rank 0's do not ends the start on every rank with a reason (the workers named it only
+    after the collective timeout, with a traceback)."""
+    draft = {"model": str(folder), "num_speculative_tokens": 2}
+    with pytest.raises(KVCacheTooSmallForModel, match="of it the draft model's"):
+        start(folder, num_gpu_blocks=None, kv_cache_memory=8000, speculative_config=draft)
+    err = capfd.readouterr().err
+    assert "pagedkv worker (rank 1): another rank cannot hold the KV pool" in err
+    assert "Traceback" not in err
+    assert multiprocessing.active_children() == []

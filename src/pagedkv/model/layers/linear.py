@@ -19,9 +19,9 @@ part holds, so q/k/v split by heads, KV heads replicated when fewer than the ran
 `parallel/split.py`), and with `gather_output` (the LM head) the ranks' outputs are gathered on
 rank 0; `parallel="row"` keeps its rank's input columns and all-reduces the product. The
 checkpoint tensors still arrive whole: `part_shape` names their whole shape and `load` cuts
-the rank's slice. A quantised layer's shard is cut from the whole parts when the last one
-arrives, still quantised (`QuantizedTensor.shard`: rows, and input columns in whole groups), so
-every rank multiplies the file's own blocks with the same kernels as one process.
+the rank's slice. A quantised layer cuts its shard of each part as the part arrives, still
+quantised (`QuantizedTensor.shard`: rows, and input columns in whole groups), so every rank
+multiplies the file's own blocks with the same kernels as one process.
 """
 
 from __future__ import annotations

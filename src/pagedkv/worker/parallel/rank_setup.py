@@ -30,14 +30,28 @@ def agreed_budget(
     link: Link, request: PoolRequest, model: torch.nn.Module, draft: torch.nn.Module | None = None
 ) -> KVCacheConfig:
     """Every rank sizes its pool from its own memory (a GPU pool profiles one forward pass,
-    which every rank runs together); the group keeps the smallest, so every rank holds every
-    block. Rank 0 alone runs a speculative `draft` model, whole: its blocks also hold the
-    draft's K/V, so it usually holds the fewest."""
-    budget = kv_budget(request, model, draft)
-    gpu_blocks, cpu_blocks = link.agree_min([budget.num_gpu_blocks, budget.num_cpu_blocks])
+    which every rank runs together); the group keeps the smallest count of device, CPU swap
+    and host-tier blocks, so every rank holds every block. Rank 0 alone runs a speculative
+    `draft` model, whole: its blocks also hold the draft's K/V, so it usually holds the
+    fewest, and may find no room where the others do. A rank that cannot size its pool still
+    joins the agreement (with -1), so every rank stops at once: that rank with its reason,
+    the others naming it."""
+    try:
+        budget = kv_budget(request, model, draft)
+    except ValueError as error:
+        link.agree_min([-1, -1, -1])
+        raise error from None
+    gpu_blocks, cpu_blocks, offload_blocks = link.agree_min(
+        [budget.num_gpu_blocks, budget.num_cpu_blocks, budget.num_offload_blocks]
+    )
+    if gpu_blocks < 0:
+        raise ValueError(
+            "another rank cannot hold the KV pool (rank 0 says why, or that rank's log does)"
+        )
     return replace(
         budget,
         num_gpu_blocks=gpu_blocks,
         num_cpu_blocks=cpu_blocks,
+        num_offload_blocks=offload_blocks,
         tensor_parallel_size=link.size,
     )

@@ -163,10 +163,20 @@ class TensorParallelRanks(SingleRank):
 
     def load(self) -> LoadedModel:
         try:
-            return load_shard(self.spec, self.group, self.link.device)
+            loaded = load_shard(self.spec, self.group, self.link.device)
         except BaseException:
             self.shutdown()
             raise
+        # From here on the workers wait on rank 0 (its draft model loading, its steps): the
+        # thread holds the ranks only weakly, so an engine dropped without `shutdown` is
+        # collected and its workers ended (`__del__`).
+        threading.Thread(
+            target=_keep_alive,
+            args=(weakref.ref(self), self._closed, min(self.link.timeout_s / 16, 1.0)),
+            name="pagedkv-tp-keepalive",
+            daemon=True,
+        ).start()
+        return loaded
 
     def kv_budget(
         self, request: PoolRequest, model: DecoderModel, draft: DecoderModel | None = None
@@ -184,14 +194,6 @@ class TensorParallelRanks(SingleRank):
             raise failure from error
 
     def runner(self, model: DecoderModel, kv_cache: KVCache) -> ModelRunner:
-        # The thread holds the ranks only weakly, so an engine dropped without `shutdown`
-        # is collected and its workers ended (`__del__`).
-        threading.Thread(
-            target=_keep_alive,
-            args=(weakref.ref(self), self._closed, min(self.link.timeout_s / 16, 1.0)),
-            name="pagedkv-tp-keepalive",
-            daemon=True,
-        ).start()
         return BroadcastingRunner(model, kv_cache, self)
 
     def step(

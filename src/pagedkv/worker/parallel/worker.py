@@ -57,6 +57,9 @@ def _serve(link: Link) -> None:
     torch.set_num_threads(spec.threads or max(1, physical_cores() // link.size))
     loaded = load_shard(spec, TPGroup(link.rank, link.size), link.device)
     request = link.receive()
+    while isinstance(request, Keepalive):  # rank 0 still loading (a speculative draft model)
+        link.pulse()
+        request = link.receive()
     if isinstance(request, Stop):  # rank 0 failed to load, or was shut down meanwhile
         return
     budget = agreed_budget(link, request, loaded.model)
