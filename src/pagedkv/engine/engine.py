@@ -80,7 +80,17 @@ class Engine:
         self.ranks = start_ranks(
             args.tensor_parallel_size, args.load_spec(), preloaded=loaded is not None
         )
-        loaded = loaded or self.ranks.load()
+        try:  # a start refused from here on must not leave workers waiting for rank 0
+            self._set_up(args, loaded or self.ranks.load(), started, loaded_before)
+        except BaseException:
+            self.ranks.shutdown()
+            raise
+
+    def _set_up(
+        self, args: EngineArgs, loaded: LoadedModel, started: float, loaded_before: float
+    ) -> None:
+        """The rest of the start once this rank's model is loaded: the tokenizer, a draft
+        model, the KV pool, the scheduler and the step's executor; the start-up lines."""
         pool_started = time.perf_counter()
         self.model_name = loaded.name
         self.config = loaded.config

@@ -265,3 +265,13 @@ def test_a_pool_only_rank_0_cannot_hold_stops_every_rank_at_once(folder, short_t
     assert "pagedkv worker (rank 1): another rank cannot hold the KV pool" in err
     assert "Traceback" not in err
     assert multiprocessing.active_children() == []
+
+
+def test_a_start_refused_after_the_load_ends_the_workers_at_once(folder):
+    """A setting refused once the shards are loaded (a context beyond the model's) ends the
+    workers before the error reaches the caller, who may keep it (a notebook, a retry loop):
+    they used to live until the half-built engine was collected."""
+    with pytest.raises(ValueError, match="max_model_len") as refused:
+        start(folder, max_model_len=1 << 20)
+    assert refused.value is not None  # still referenced, with its traceback's frames
+    assert multiprocessing.active_children() == []
