@@ -119,21 +119,21 @@ def build_model(
     for name in slots:
         if name not in loaded:
             raise MissingTensor(source, name)
-    if quantization != "none":
+    if quantization in ("int8", "int4"):
         _warn_of_float_projections(model, quantization)
     return model.eval().requires_grad_(False)
 
 
 def _warn_of_float_projections(model: DecoderModel, quantization: str) -> None:
     """Say which projections `quantization` could not quantise: groups of `GROUP_SIZE` inputs
-    must tile a row (a rank's share of it under tensor parallelism), so a layer whose input
-    size does not stays float (the start-up line counts them; this names why)."""
+    must tile a row, so a layer whose input size does not stays float (the start-up line
+    counts them; this names why)."""
     kept = [m for m in model.modules() if isinstance(m, Linear) and m.kept_float]
     if kept:
         sizes = sorted({layer.in_features for layer in kept})
         logger.warning(
             "quantization %s: %d projections stay float: their input sizes %s are not "
-            "multiples of %d (under tensor parallelism, a rank's share of the input)",
+            "multiples of %d",
             quantization,
             len(kept),
             sizes,

@@ -13,8 +13,6 @@ value across a rounding boundary of the next layer's int8 activations, one integ
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -25,6 +23,7 @@ from pagedkv.engine import LLM, SamplingParams
 from pagedkv.model.layers.embedding import Embedding
 from pagedkv.model.layers.linear import Linear, _local_product
 from pagedkv.parallel.group import TPGroup, sharding
+from pagedkv.parallel.split import NotDivisible
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import dequantize
 from pagedkv.quant.quantize import quantize_int4, quantize_int8
@@ -190,29 +189,26 @@ def test_int8_quantises_each_ranks_shard(tp_folders):
     assert got == want
 
 
-def test_a_rank_whose_columns_cut_a_group_keeps_its_slice_dequantised():
-    """96 input columns on 2 ranks: 48 each, not whole groups of 32, so each rank keeps its
-    exact slice in float (the layer cannot be multiplied quantised)."""
+@pytest.mark.parametrize("scheme", ["auto", "int8", "int4"])
+def test_a_rank_share_that_cuts_groups_is_refused_naming_the_fix(scheme):
+    """96 inputs on 2 ranks: 48 each, not whole groups of 32. One process multiplies that
+    projection quantised; a rank could only do it in float, another product, so the split is
+    refused (as vLLM refuses it), before any weight is kept."""
     whole = random_quantized(16, 96, 4, seed=6)
-    for rank in range(2):
-        layer = sharded(lambda: Linear(96, (16,), bias=False, parallel="row"), rank)
-        layer.quantize("auto")
-        layer.load("weight", 0, whole)
-        assert layer.qweight is None
-        assert torch.equal(layer.weight, whole.dequantize()[:, rank * 48 : (rank + 1) * 48])
+    layer = sharded(lambda: Linear(96, (16,), bias=False, parallel="row"), 1)
+    message = r"96 inputs give each of tensor_parallel_size \(2\) ranks 48, not whole groups"
+    with pytest.raises(NotDivisible, match=message):
+        layer.quantize(scheme)
+        layer.load("weight", 0, whole if scheme == "auto" else whole.dequantize())
 
 
-def test_a_file_whose_rank_slices_cut_groups_names_the_float_projections(tmp_path, caplog):
-    """An MLP of 96 on 2 ranks: each down_proj takes 48 inputs, not whole groups of 32, so it
-    stays float on every rank, and the load says which and why (the other layers stay
-    quantised)."""
+def test_a_gguf_file_whose_rank_shares_cut_groups_is_refused_on_load(tmp_path):
+    """An MLP of 96 on 2 ranks: each down_proj would take 48 inputs."""
     spec = TinyModel("LlamaForCausalLM", dict(_COMMON, intermediate_size=96))
     folder = build_model_folder("llama_mlp_96", tmp_path / "folder", spec=spec)
     path = write_model_gguf(tmp_path / "mlp96.gguf", folder, qtype=QType.Q8_0)
-    warnings = caplog.at_level(logging.WARNING, logger="pagedkv.weights.assemble")
-    with warnings, sharding(TPGroup(rank=1, size=2)):
-        model = load(path, progress=lambda line: None).model
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    assert sorted(m.in_features for m in layers if m.kept_float) == [48, 48]
-    assert all(m.qweight is not None for m in layers if not m.kept_float)
-    assert "auto: 2 projections stay float: their input sizes [48]" in caplog.text
+    with sharding(TPGroup(rank=1, size=2)), pytest.raises(NotDivisible, match="ranks 48"):
+        load(path, progress=lambda line: None)
+    with sharding(TPGroup(rank=1, size=2)):  # float, as one process would run it too
+        model = load(path, quantization="none", progress=lambda line: None).model
+    assert all(m.qweight is None for m in model.modules() if isinstance(m, Linear))

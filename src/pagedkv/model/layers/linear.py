@@ -36,7 +36,13 @@ from torch import Tensor, nn
 from pagedkv.model.lora import add_lora
 from pagedkv.parallel.collectives import all_reduce, gather_last_dim
 from pagedkv.parallel.group import building_group
-from pagedkv.parallel.split import Split, split_even, split_or_replicate, split_padded
+from pagedkv.parallel.split import (
+    NotDivisible,
+    Split,
+    split_even,
+    split_or_replicate,
+    split_padded,
+)
 from pagedkv.quant.formats import QuantizedTensor
 from pagedkv.quant.matmul import (
     as_dense,
@@ -169,8 +175,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.qweight: QuantizedTensor | None = None
         self.scheme: str | None = None  # see `quantize`
-        # Quantisation was asked for (a scheme, or a file's quantised part under "auto") but
-        # groups of GROUP_SIZE do not tile this layer's (this rank's) input: it stays float.
+        # A scheme was asked for, but groups of GROUP_SIZE do not tile this layer's input:
+        # it stays float (as it would in one process: a rank's share that cuts groups the
+        # whole input has is refused, `_refuse_cut_groups`).
         self.kept_float = False
         self._pending: list[Tensor | QuantizedTensor | None] = []
         # (layer index, checkpoint parts) when the model adapts it with LoRA (`model/lora.py`).
@@ -216,6 +223,8 @@ class Linear(nn.Module):
         self.weight = None
         self._pending = [None] * len(self.part_sizes)
         self.kept_float = scheme != "auto" and bool(self.in_features % GROUP_SIZE)
+        if self.kept_float and self.full_in_features % GROUP_SIZE == 0:
+            self._refuse_cut_groups()
 
     @torch.no_grad()
     def load(self, param_name: str, part: int, tensor: Tensor | QuantizedTensor) -> None:
@@ -223,7 +232,7 @@ class Linear(nn.Module):
         rank's slice of them under tensor parallelism)."""
         if param_name == "weight" and self.scheme is not None:
             if isinstance(tensor, QuantizedTensor) and self.in_features % GROUP_SIZE:
-                self.kept_float = True
+                self._refuse_cut_groups()  # a file's groups tile its whole input
             self._pending[part] = self._shard(tensor, part)  # only this rank's slice is kept
             if all(pending is not None for pending in self._pending):
                 self._pack()
@@ -255,19 +264,28 @@ class Linear(nn.Module):
 
     def _shard(self, part: Tensor | QuantizedTensor, index: int) -> Tensor | QuantizedTensor:
         """This rank's rows and input columns of part `index` (all of it outside tensor
-        parallelism), padded with zero rows to its local size: still quantised where the
-        columns cut whole groups, else dequantised (the layer then stays float, `_pack`)."""
+        parallelism), padded with zero rows to its local size; still quantised (`load` let
+        through only shares of whole groups)."""
         if self.parallel is None:
             return part
         first, count, local = self.row_splits[index]
         first_col, num_cols = self.col_split
         if isinstance(part, QuantizedTensor):
-            if not (first_col % part.group_size or num_cols % part.group_size):
-                return part.shard(first, count, first_col, num_cols).padded(local)
-            part = part.shard(first, count, 0, part.shape[1]).dequantize()
-            first = 0
+            return part.shard(first, count, first_col, num_cols).padded(local)
         shard = part[first : first + count, first_col : first_col + num_cols]
         return torch.cat((shard, shard.new_zeros(local - count, num_cols)))
+
+    def _refuse_cut_groups(self) -> None:
+        """A rank's share of the input cuts the groups one process would quantise it in: its
+        float product would not be that process's (vLLM refuses this split too)."""
+        ranks = self.full_in_features // self.in_features
+        raise NotDivisible(
+            f"a row-parallel projection's {self.full_in_features} inputs give each of "
+            f"tensor_parallel_size ({ranks}) ranks {self.in_features}, not whole groups of "
+            f"{GROUP_SIZE}, so its quantised weights cannot be split: choose a "
+            f"tensor_parallel_size that gives each rank a multiple of {GROUP_SIZE} inputs, "
+            "or quantization 'none'"
+        )
 
 
 def _column_split(units: int, rank: int, group_size: int, padded: bool, what: str) -> Split:
