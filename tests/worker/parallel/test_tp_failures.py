@@ -275,3 +275,12 @@ def test_a_start_refused_after_the_load_ends_the_workers_at_once(folder):
         start(folder, max_model_len=1 << 20)
     assert refused.value is not None  # still referenced, with its traceback's frames
     assert multiprocessing.active_children() == []
+
+
+def test_starting_groups_leaves_the_callers_exception_hook_as_it_was(folder):
+    """torch wraps `sys.excepthook` to prefix "[rank0]: " on every group it starts; rank 0 is
+    the caller's process, whose hook stays its own however many engines it starts."""
+    hook = sys.excepthook
+    for _ in range(2):
+        start(folder).engine.shutdown()
+    assert sys.excepthook is hook

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -160,6 +161,7 @@ class Link:
                 "this process already belongs to a torch.distributed group: one "
                 "tensor-parallel engine per process"
             )
+        hook = sys.excepthook
         dist.init_process_group(
             self._backend,
             store=dist.PrefixStore("pg", self.store),
@@ -167,6 +169,8 @@ class Link:
             world_size=self.size,
             timeout=timedelta(seconds=self.timeout_s),
         )
+        if self.rank == 0:  # the caller's process: torch prefixed its tracebacks with
+            sys.excepthook = hook  # "[rank0]: ", once more for every engine it starts
 
     def send(self, message: Any) -> None:
         """Rank 0: broadcast one picklable message to every worker."""
