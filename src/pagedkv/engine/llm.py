@@ -23,7 +23,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.lora import LoRARequest
-from pagedkv.engine.metrics import EngineMetrics
+from pagedkv.engine.metrics import vllm_metrics
 from pagedkv.engine.metrics_reader import Metric, read_metrics
 from pagedkv.engine.outputs import (
     RequestOutput,
@@ -47,12 +47,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
         self.engine = Engine(EngineArgs(model=str(model), **engine_args))
         self._request_ids = itertools.count()
-        self._metrics = EngineMetrics(
-            self.engine.model_name,
-            lambda: self.engine.stats,
-            self.engine.max_model_len,
-            prefix="vllm",
-        )
+        self._metrics = vllm_metrics(self.engine)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: every metric now, under vLLM's names (`vllm.v1.metrics.reader` types:

@@ -23,7 +23,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_search import BeamSearchParams
 from pagedkv.engine.engine import Engine
 from pagedkv.engine.lora import LoRARequest
-from pagedkv.engine.metrics import EngineMetrics
+from pagedkv.engine.metrics import vllm_metrics
 from pagedkv.engine.metrics_reader import Metric, read_metrics
 from pagedkv.engine.outputs import RequestOutput, RequestOutputKind
 from pagedkv.engine.params import SamplingParams
@@ -37,9 +37,7 @@ class LLMEngine(Engine):
 
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         super().__init__(args, loaded)
-        self._metrics = EngineMetrics(
-            self.model_name, lambda: self.stats, self.max_model_len, prefix="vllm"
-        )
+        self._metrics = vllm_metrics(self)
 
     @classmethod
     def from_engine_args(

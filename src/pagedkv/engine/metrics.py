@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from pagedkv.engine.outputs import RequestOutputKind
 
 if TYPE_CHECKING:
+    from pagedkv.engine.engine import Engine
     from pagedkv.engine.outputs import RequestOutput
     from pagedkv.engine.params import SamplingParams
     from pagedkv.engine.stats import EngineStats
@@ -165,12 +166,10 @@ class EngineMetrics:
         """Observe this request's outputs from now on (it was just added to the engine)."""
         self._tracked[request_id] = _Tracked(params)
 
-    def observe_outputs(
-        self, outputs: Iterable[RequestOutput], iteration_tokens: int, now: float | None = None
-    ) -> None:
+    def observe_outputs(self, outputs: Iterable[RequestOutput], iteration_tokens: int) -> None:
         """Record one engine step (engine thread): its iteration tokens, the time since each
         tracked request's previous output token, and the requests that finished."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         if iteration_tokens:
             self.iteration_tokens.labels(self.model_name).observe(iteration_tokens)
         for output in outputs:
@@ -251,6 +250,14 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def vllm_metrics(engine: Engine) -> EngineMetrics:
+    """The metrics vLLM's offline APIs (`LLM`, `LLMEngine`) read over `engine`, under vLLM's
+    names."""
+    return EngineMetrics(
+        engine.model_name, lambda: engine.stats, engine.max_model_len, prefix="vllm"
+    )
 
 
 class EngineStatsCollector(Collector):

@@ -199,15 +199,19 @@ class QuantizedTensor:
         )
 
     def padded(self, num_rows: int) -> QuantizedTensor:
-        """The weight with zero rows added up to `num_rows` (a padded vocabulary's shard)."""
+        """The weight with zero rows added up to `num_rows` (a padded vocabulary's shard); the
+        byte order is within rows, so zero rows are zero in either order."""
         extra = num_rows - self.shape[0]
         if extra == 0:
             return self
-        values = self.ggml_values()
-        scales = torch.cat((self.scales, self.scales.new_zeros(extra, self.scales.shape[1])))
-        mins = torch.cat((self.mins, self.mins.new_zeros(extra, self.mins.shape[1])))
-        values = torch.cat((values, values.new_zeros(extra, values.shape[1])))
-        return QuantizedTensor.from_ggml(values, scales, mins, self.bits, self.group_size)
+        values = self.kernel_values()
+        return QuantizedTensor(
+            torch.cat((values, values.new_zeros(extra, values.shape[1]))),
+            torch.cat((self.scales, self.scales.new_zeros(extra, self.scales.shape[1]))),
+            torch.cat((self.mins, self.mins.new_zeros(extra, self.mins.shape[1]))),
+            self.bits,
+            self.group_size,
+        )
 
     def rows(self, index: Tensor) -> QuantizedTensor:
         """The rows `index` (a 1-d int64 tensor), still quantised (in kernel order)."""
@@ -218,6 +222,23 @@ class QuantizedTensor:
         return QuantizedTensor(
             values, self.scales[index], self.mins[index], self.bits, self.group_size
         )
+
+
+def padded_shard(
+    tensor: Tensor | QuantizedTensor,
+    first_row: int,
+    num_rows: int,
+    first_col: int,
+    num_cols: int,
+    padded_rows: int,
+) -> Tensor | QuantizedTensor:
+    """Rows `first_row ..` and columns `first_col ..` of a float or quantised weight, with zero
+    rows added up to `padded_rows`: a tensor-parallel rank's slice (a quantised weight stays
+    quantised, its columns cut in whole groups)."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.shard(first_row, num_rows, first_col, num_cols).padded(padded_rows)
+    rows = tensor[first_row : first_row + num_rows, first_col : first_col + num_cols]
+    return torch.cat((rows, rows.new_zeros(padded_rows - num_rows, num_cols)))
 
 
 def narrowed(scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:

@@ -140,7 +140,9 @@ def kv_budget(
         memory = min(CPU_KV_CACHE_BYTES, _available_host_memory() // 2)
     num_blocks = memory // per_block
     if num_blocks <= 0:
-        drafts = f", {format_bytes(draft_per_block)} of it the draft model's" * bool(draft)
+        drafts = ""
+        if draft is not None:
+            drafts = f", {format_bytes(draft_per_block)} of it the draft model's"
         raise KVCacheTooSmallForModel(
             f"{format_bytes(max(memory, 0))} left for the KV cache holds no block of "
             f"{format_bytes(per_block)}{drafts} (block_size {request.block_size}): lower "

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from pagedkv.parallel.collectives import all_reduce, gather_last_dim
 from pagedkv.parallel.group import building_group
 from pagedkv.parallel.split import split_padded
-from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.formats import QuantizedTensor, padded_shard
 from pagedkv.quant.matmul import (
     as_dense,
     dequantize,
@@ -77,11 +77,8 @@ class Embedding(nn.Module):
 
     def _rows(self, tensor: Tensor | QuantizedTensor) -> Tensor | QuantizedTensor:
         """This rank's vocabulary rows of the table, padded with zero rows to an equal share."""
-        first, count, local = self.split.first, self.split.count, self.split.local
-        if isinstance(tensor, QuantizedTensor):
-            return tensor.shard(first, count, 0, tensor.shape[1]).padded(local)
-        rows = tensor[first : first + count]
-        return torch.cat((rows, rows.new_zeros(local - count, rows.shape[1])))
+        split, width = self.split, self.checkpoint_shape[1]
+        return padded_shard(tensor, split.first, split.count, 0, width, split.local)
 
     def dense_weight(self) -> Tensor:
         """The table as a float matrix (a dequantised copy when quantised)."""

@@ -43,7 +43,7 @@ from pagedkv.parallel.split import (
     split_or_replicate,
     split_padded,
 )
-from pagedkv.quant.formats import QuantizedTensor
+from pagedkv.quant.formats import QuantizedTensor, padded_shard
 from pagedkv.quant.matmul import (
     as_dense,
     dequantize,
@@ -269,11 +269,7 @@ class Linear(nn.Module):
         if self.parallel is None:
             return part
         first, count, local = self.row_splits[index]
-        first_col, num_cols = self.col_split
-        if isinstance(part, QuantizedTensor):
-            return part.shard(first, count, first_col, num_cols).padded(local)
-        shard = part[first : first + count, first_col : first_col + num_cols]
-        return torch.cat((shard, shard.new_zeros(local - count, num_cols)))
+        return padded_shard(part, first, count, *self.col_split, local)
 
     def _refuse_cut_groups(self) -> None:
         """A rank's share of the input cuts the groups one process would quantise it in: its
