@@ -42,3 +42,19 @@ def test_adapters_larger_than_the_pool_are_a_one_line_error(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("pagedkv plan: error:") and "1 LoRA adapter of rank 64 takes" in err
+
+
+def test_a_rank_holds_its_share_under_tensor_parallelism(capsys):
+    """At TP=2 a rank keeps B's rows of its heads and channels for q/k/v and gate/up (A whole)
+    and A's columns of its inputs for o and down (B whole), in blocks of its 4 KV heads."""
+    argv = ["plan", "--model", "llama-3-8b", "--pool-gb", "53", "--json", "--lora-rank", "16"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    column = [(4096, 2048), (4096, 512), (4096, 512)] + [(4096, 7168)] * 2
+    row = [(2048, 4096), (7168, 4096)]
+    per_layer = sum(16 * i + o * 16 for i, o in column + row)
+    assert out["bytes_per_adapter"] == 32 * per_layer * 4
+    block_bytes = 131_072 * 16 // 2
+    least = -(-out["bytes_per_adapter"] // block_bytes)
+    assert least <= out["blocks_per_adapter"]
+    assert out["adapter_pool_bytes"] == out["blocks_per_adapter"] * block_bytes

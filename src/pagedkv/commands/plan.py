@@ -156,12 +156,17 @@ def _lora(args: argparse.Namespace, model: Model, spec: KVSpec) -> LoRAPlan | No
         if args.max_loras is not None:
             raise ConfigError("--max-loras needs --lora-rank (the adapters' rank)")
         return None
-    if args.tensor_parallel_size > 1:
-        raise ConfigError("--lora-rank: LoRA is not supported with tensor parallelism")
     config = model.config or {}
     if not spec.num_kv_heads or not {"hidden_size", "intermediate_size"} <= set(config):
         raise ConfigError(f"--lora-rank needs a Llama-style model config; {model.name} is not")
-    return plan_lora(config, spec, args.lora_rank, args.max_loras or 1, args.block_size)
+    return plan_lora(
+        config,
+        spec,
+        args.lora_rank,
+        args.max_loras or 1,
+        args.block_size,
+        args.tensor_parallel_size,
+    )
 
 
 def _ranks(model: Model, tensor_parallel_size: int) -> dict[str, int]:
@@ -264,7 +269,7 @@ def _print_plan(
         console.print(
             f"  LoRA: {lora.max_loras} adapter{'s' if lora.max_loras > 1 else ''} of rank "
             f"{lora.rank} on every projection, {format_bytes(lora.bytes_per_adapter)} of float32 "
-            f"each = {lora.blocks_per_adapter:,} blocks; {lora.blocks:,} blocks "
+            f"each{per_rank} = {lora.blocks_per_adapter:,} blocks; {lora.blocks:,} blocks "
             f"({format_bytes(lora.pool_bytes)}) when all are resident, the rest for KV:"
         )
     console.print(

@@ -211,11 +211,6 @@ class EngineArgs:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "enable_lora is not supported with tensor_parallel_size "
-                f"{self.tensor_parallel_size}"
-            )
         self.hf_overrides = json_object("hf_overrides", self.hf_overrides)
         self.override_generation_config = json_object(
             "override_generation_config", self.override_generation_config

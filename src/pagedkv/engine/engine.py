@@ -53,6 +53,7 @@ from pagedkv.kvmath.spec import served_context
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.model.footprint import weight_footprint
+from pagedkv.model.lora import lora_slices
 from pagedkv.weights.load import LoadedModel, load_tokenizer
 from pagedkv.worker.kv_budget import draft_kv_pool, kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
@@ -139,6 +140,7 @@ class Engine:
             self.config,
             args,
             self.kv_cache.adapter_chunk_elements,
+            lora_slices(loaded.model),
             cache.num_gpu_blocks,
             self.runner.lora_registry,
             self.adapters,

@@ -22,7 +22,7 @@ another adapter after the catalog forgot it included).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.errors import RequestRejected
@@ -30,6 +30,7 @@ from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.kvmath.lora import blocks_needed
 from pagedkv.memory.adapters import AdapterBlocks
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.lora import RankSlice
 from pagedkv.weights.lora import AdapterError, LoRAAdapter, layer_sizes, read_adapter
 
 
@@ -46,6 +47,7 @@ class LoRACatalog:
         config: ModelConfig,
         args: EngineArgs,
         chunk_elements: int,
+        slices: Mapping[tuple[int, str], RankSlice],
         num_gpu_blocks: int,
         registry: dict[int, LoRAAdapter],
         resident: AdapterBlocks | None,
@@ -56,6 +58,7 @@ class LoRACatalog:
         self.enabled = args.enable_lora
         self.max_lora_rank = args.max_lora_rank
         self.chunk_elements = chunk_elements
+        self.slices = slices  # this rank's share of each adapted part (tensor parallelism)
         self.registry = registry
         self.resident = resident
         self.in_use = in_use  # the adapters of unfinished requests (0: none), never forgotten
@@ -96,7 +99,8 @@ class LoRACatalog:
             adapter = read_adapter(lora.lora_path, lora.lora_name, self.config, self.max_lora_rank)
         except AdapterError as error:
             raise LoRARejected(str(error)) from None
-        sizes = layer_sizes(adapter.layer_projections(self.config.num_layers))
+        share = adapter.shard(self.slices)  # as this rank writes it; every rank's is as big
+        sizes = layer_sizes(share.layer_projections(self.config.num_layers))
         num_blocks = blocks_needed(sizes, self.chunk_elements)
         if num_blocks >= self.num_gpu_blocks:
             raise LoRARejected(

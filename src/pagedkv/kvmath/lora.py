@@ -119,16 +119,24 @@ class LoRAPlan:
 
 
 def plan_lora(
-    config: Mapping[str, object], spec: KVSpec, rank: int, max_loras: int, block_size: int
+    config: Mapping[str, object],
+    spec: KVSpec,
+    rank: int,
+    max_loras: int,
+    block_size: int,
+    tensor_parallel_size: int = 1,
 ) -> LoRAPlan:
     """The pool share of `max_loras` adapters of `rank` on every projection of `config`'s
-    model, in blocks of `block_size` tokens of `spec`."""
+    model, in blocks of `block_size` tokens of `spec` (one rank's, under tensor parallelism:
+    each rank holds its share of an adapter as of the base weights, its heads and MLP channels
+    of B for q/k/v and gate/up, its input columns of A for o and down; `spec` is already the
+    rank's)."""
     heads = int(config["num_attention_heads"])  # type: ignore[arg-type]
     hidden = int(config["hidden_size"])  # type: ignore[arg-type]
     shapes = projection_shapes(
         hidden,
-        int(config["intermediate_size"]),  # type: ignore[arg-type]
-        heads,
+        int(config["intermediate_size"]) // tensor_parallel_size,  # type: ignore[arg-type]
+        heads // tensor_parallel_size,
         spec.num_kv_heads,
         spec.head_dim,
     )

@@ -16,6 +16,13 @@ rows, and the rest is per element, so a request's output does not depend on whic
 any, its neighbours use. A quantised base weight stays quantised: the products are added in
 float32 to its output.
 
+Under tensor parallelism each rank holds its share of an adapter as its `Linear` holds the
+base weight (`lora_slices`): B's rows of a column-parallel projection (q/k/v, gate/up: the
+rank's heads or channels) with A whole, A's input columns of a row-parallel one (o, down)
+with B whole. A column-parallel product is then the rank's own columns of the whole one; a
+row-parallel one is a partial sum, added to the rank's partial product before the all-reduce
+sums both (`Linear`), so the bias and the sum stay as without LoRA.
+
 On the CPU one C call per projection does it all (`kernels/lora.c`, the same arithmetic as the
 torch loop here, which serves other devices), from the tables `LoRAStep` lays out; the one-call
 C decode of the layers (`fused_decode.py`) calls it too (`fused_lora`), so either path gives the
@@ -220,6 +227,30 @@ def _kernel_reads(x: Tensor, out: Tensor) -> bool:
         and x.is_contiguous()
         and out.is_contiguous()
     )
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """This rank's share of one adapted checkpoint part, as its `Linear` keeps the base weight:
+    output rows `(first, count, local)` (B's rows; local rows past `count` are zeros) and
+    input columns `(first, count)` (A's columns). Whole in one process."""
+
+    rows: tuple[int, int, int]
+    columns: tuple[int, int]
+
+
+def lora_slices(model: nn.Module) -> dict[tuple[int, str], RankSlice]:
+    """Per (layer, checkpoint part) that LoRA may adapt, this rank's share of it: what an
+    adapter is cut to before it is written into this rank's blocks."""
+    slices = {}
+    for module in model.modules():
+        target = getattr(module, "lora_target", None)
+        if target is None:
+            continue
+        layer, parts = target
+        for part, rows in zip(parts, module.row_splits, strict=True):
+            slices[(layer, part)] = RankSlice(rows, module.col_split)
+    return slices
 
 
 def name_lora_targets(layer: nn.Module, index: int) -> None:

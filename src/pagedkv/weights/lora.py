@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch import Tensor
 from pagedkv.kvmath import lora as lora_plan
 from pagedkv.kvmath.lora import TARGETS
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.lora import RankSlice
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -57,6 +59,18 @@ class LoRAModule:
     def rank(self) -> int:
         return self.a.shape[0]
 
+    def shard(self, share: RankSlice) -> LoRAModule:
+        """The module as a tensor-parallel rank keeps it: B's rows of `share.rows` (zeros past
+        the part's end), A's columns of `share.columns`; itself where the share is whole."""
+        out_features, in_features = self.b.shape[0], self.a.shape[1]
+        if share.rows == (0, out_features, out_features) and share.columns == (0, in_features):
+            return self
+        first, count, local = share.rows
+        column, width = share.columns
+        b = self.b.new_zeros(local, self.rank)
+        b[:count] = self.b[first : first + count]
+        return LoRAModule(self.a[:, column : column + width].contiguous(), b, self.scaling)
+
 
 @dataclass(frozen=True)
 class LoRAAdapter:
@@ -65,6 +79,17 @@ class LoRAAdapter:
     name: str
     path: Path
     modules: dict[tuple[int, str], LoRAModule]
+
+    def shard(self, slices: Mapping[tuple[int, str], RankSlice]) -> LoRAAdapter:
+        """This rank's share of every module (`model.lora.lora_slices`: as the rank keeps each
+        base weight); the adapter itself in one process, where every share is whole."""
+        modules = {
+            key: module if key not in slices else module.shard(slices[key])
+            for key, module in self.modules.items()
+        }
+        if all(modules[key] is module for key, module in self.modules.items()):
+            return self
+        return LoRAAdapter(self.name, self.path, modules)
 
     def layer_projections(self, num_layers: int) -> list[list[AdaptedProjection]]:
         """Per layer, its adapted projections (`kvmath.lora.PROJECTIONS` order)."""

@@ -15,7 +15,7 @@ import torch
 from pagedkv.kvmath.lora import Placement, place
 from pagedkv.memory.adapters import ResidentAdapter
 from pagedkv.model.decoder import DecoderModel
-from pagedkv.model.lora import AdapterWeights, LoRAPart, ProjectionLoRA
+from pagedkv.model.lora import AdapterWeights, LoRAPart, ProjectionLoRA, lora_slices
 from pagedkv.weights.lora import LoRAAdapter, layer_sizes
 from pagedkv.worker.kv_cache import KVCache
 
@@ -26,10 +26,12 @@ def load_adapters(
     kv_cache: KVCache,
     registry: Mapping[int, LoRAAdapter],
 ) -> None:
-    """Write the adapters given blocks into them and hand the model their views."""
+    """Write the adapters given blocks into them, each cut to this rank's share (whole in one
+    process), and hand the model their views."""
+    slices = lora_slices(model)
     for resident in loaded:
         model.lora_adapters[resident.lora_id] = write_adapter(
-            registry[resident.lora_id], resident, kv_cache, model.config.num_layers
+            registry[resident.lora_id].shard(slices), resident, kv_cache, model.config.num_layers
         )
 
 

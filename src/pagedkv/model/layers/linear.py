@@ -77,11 +77,12 @@ class QuantizedMethod(LinearMethod):
 
 
 class RowParallelMethod(LinearMethod):
-    """This rank's input columns (float or quantised) times its slice of `x`, summed over the
-    ranks, then the bias (whole on every rank, so added once, after the sum)."""
+    """This rank's input columns (float or quantised) times its slice of `x`, plus the LoRA
+    products of that slice (its share of A: `model/lora.py`), summed over the ranks, then the
+    bias (whole on every rank, so added once, after the sum)."""
 
     def apply(self, layer: Linear, x: Tensor) -> Tensor:
-        out = all_reduce(_local_product(layer, x, None))
+        out = all_reduce(layer.add_lora(x, _local_product(layer, x, None)))
         return out if layer.bias is None else out + layer.bias
 
 
@@ -185,6 +186,11 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.method.apply(self, x)
+        return out if self.method is ROW_PARALLEL else self.add_lora(x, out)
+
+    def add_lora(self, x: Tensor, out: Tensor) -> Tensor:
+        """`out` (this rank's product of `x`) with the step's LoRA products of this projection
+        added, when the model adapts it (`model/lora.py`)."""
         if self.lora_target is None:
             return out
         layer, parts = self.lora_target

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.weights.lora import LoRAAdapter
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -38,6 +40,14 @@ class LoadSpec:
 class Keepalive:
     """Sent when rank 0 has been idle a while: workers answer with a pulse (an all-reduce), so
     neither side's collective timeout fires while there is simply nothing to do."""
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """The LoRA adapters the next step writes into blocks (its `adapters.loaded`), whole: only
+    rank 0 reads adapter folders (`engine/lora.py`); each rank writes its own share of them."""
+
+    adapters: dict[int, LoRAAdapter]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from pagedkv.worker.kv_cache import KVCache
 from pagedkv.worker.kv_request import PoolRequest
 from pagedkv.worker.parallel.errors import WorkerFailed
 from pagedkv.worker.parallel.link import HEARTBEAT_S, Link, TorchrunEnv
-from pagedkv.worker.parallel.messages import Keepalive, LoadSpec, Stop
+from pagedkv.worker.parallel.messages import Keepalive, LoadSpec, LoRAWeights, Stop
 from pagedkv.worker.parallel.rank_setup import agreed_budget, load_shard
 from pagedkv.worker.parallel.worker import run_worker
 from pagedkv.worker.runner import ModelRunner, StepLogits
@@ -197,15 +197,21 @@ class TensorParallelRanks(SingleRank):
         return BroadcastingRunner(model, kv_cache, self)
 
     def step(
-        self, output: SchedulerOutput, execute: Callable[[SchedulerOutput], StepLogits]
+        self,
+        output: SchedulerOutput,
+        execute: Callable[[SchedulerOutput], StepLogits],
+        adapters: LoRAWeights | None = None,
     ) -> StepLogits:
-        """Broadcast `output`, then run it here too; a failure of any rank is a `WorkerFailed`."""
+        """Broadcast the adapters `output` loads (if any) and `output`, then run it here too; a
+        failure of any rank is a `WorkerFailed`."""
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             if self._closed.is_set():
                 raise WorkerFailed(None, "the tensor-parallel group was shut down")
             try:
+                if adapters is not None:
+                    self.link.send(adapters)
                 self.link.send(output)
                 self._last_message = time.monotonic()
                 return execute(output)
@@ -340,4 +346,5 @@ class BroadcastingRunner(ModelRunner):
         self._ranks = ranks
 
     def execute(self, output: SchedulerOutput) -> StepLogits:
-        return self._ranks.step(output, super().execute)
+        loaded = {a.lora_id: self.lora_registry[a.lora_id] for a in output.adapters.loaded}
+        return self._ranks.step(output, super().execute, LoRAWeights(loaded) if loaded else None)

@@ -2,10 +2,11 @@
 
 Spawned by rank 0 on one machine (`ranks.py`) or started by `pagedkv worker` on another
 (`torchrun`'s environment), a worker keeps no scheduler: it receives the `LoadSpec`, the pool
-request, then one message at a time (a `SchedulerOutput` to execute, a `Keepalive` to answer,
-`Stop`) and ends on `Stop`, on any error (after leaving it in the store for rank 0 to report;
-a `ValueError`, which rank 0 meets too, such as heads the ranks cannot split, in one line),
-or when rank 0's store disappears (the heartbeat thread exits the process).
+request, then one message at a time (a `SchedulerOutput` to execute, the LoRA adapters it
+loads before it, a `Keepalive` to answer, `Stop`) and ends on `Stop`, on any error (after
+leaving it in the store for rank 0 to report; a `ValueError`, which rank 0 meets too, such as
+heads the ranks cannot split, in one line), or when rank 0's store disappears (the heartbeat
+thread exits the process).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pagedkv.model.errors import ModelError
 from pagedkv.parallel.group import TPGroup
 from pagedkv.worker.kv_budget import kv_pool
 from pagedkv.worker.parallel.link import Link
-from pagedkv.worker.parallel.messages import Keepalive, Stop
+from pagedkv.worker.parallel.messages import Keepalive, LoRAWeights, Stop
 from pagedkv.worker.parallel.rank_setup import agreed_budget, load_shard
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.threads import physical_cores
@@ -71,5 +72,7 @@ def _serve(link: Link) -> None:
             return
         if isinstance(message, Keepalive):
             link.pulse()
+        elif isinstance(message, LoRAWeights):  # for the step that follows
+            runner.lora_registry = message.adapters
         else:
             runner.execute(message)
