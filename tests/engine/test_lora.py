@@ -428,11 +428,16 @@ def test_bad_adapters_are_clear_errors_and_touch_nothing(engine_zoo, adapters, t
     malformed = tmp_path / "malformed"
     malformed.mkdir()
     (malformed / "adapter_config.json").write_text("{not json")
+    biased = tmp_path / "biased"  # peft's lora_bias=True: B carries a bias we cannot add
+    biased.mkdir()
+    settings = json.loads((adapters[("llama", "attention")] / "adapter_config.json").read_text())
+    (biased / "adapter_config.json").write_text(json.dumps(dict(settings, lora_bias=True)))
     big_rank = adapters[("llama", "mlp-rslora")]  # rank 16 > max_lora_rank 8
     other_model = adapters[("qwen3", "all")]  # qwen3's heads are 32 wide, llama's 16
     cases = {
         LoRARequest("missing", 1, str(tmp_path / "nowhere")): "no such folder",
         LoRARequest("malformed", 2, str(malformed)): "is not JSON",
+        LoRARequest("biased", 6, str(biased)): "lora_bias=True is not supported",
         LoRARequest("big", 3, str(big_rank)): "above max_lora_rank 8",
         LoRARequest("ok", 5, str(good)): None,
         LoRARequest("reused-id", 5, str(big_rank)): "one id, one adapter",

@@ -9,6 +9,7 @@ import pytest
 
 from pagedkv.cli import main
 from pagedkv.kvmath.parallel import kv_heads_per_rank, per_rank_spec
+from pagedkv.kvmath.presets import MODEL_PRESETS
 from pagedkv.kvmath.spec import ConfigError, KVSpec
 
 
@@ -64,6 +65,20 @@ def test_plan_refuses_ranks_the_query_heads_cannot_split(capsys):
     message = "28 attention heads are not divisible by tensor_parallel_size (8)"
     assert message in capsys.readouterr().err
     assert main([*argv, "4"]) == 0
+
+
+def test_plan_refuses_ranks_the_mlp_cannot_split(capsys, tmp_path):
+    """Llama 3 8B with 14338 MLP channels: 2 ranks take 7169 each, 4 cannot split them (the
+    engine's splitter refuses gate_proj's rows), with or without LoRA adapters to plan."""
+    config = dict(MODEL_PRESETS["llama-3-8b"].config, intermediate_size=14338)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["plan", "--model", str(tmp_path), "--pool-gb", "20", "--tensor-parallel-size"]
+    assert main([*argv, "2"]) == 0
+    capsys.readouterr()
+    for extra in ([], ["--lora-rank", "8"]):
+        assert main([*argv, "4", *extra]) == 2
+        message = "14338 MLP channels (intermediate_size) are not divisible by tensor_parallel_size"
+        assert message in capsys.readouterr().err
 
 
 def test_plan_from_a_gpu_counts_each_ranks_share_of_the_weights(capsys):

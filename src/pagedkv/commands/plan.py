@@ -27,7 +27,7 @@ from pagedkv.commands.planning_model import (
 )
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
 from pagedkv.kvmath.lora import LoRAPlan, plan_lora
-from pagedkv.kvmath.parallel import check_attention_heads, per_rank_spec
+from pagedkv.kvmath.parallel import check_even_split, per_rank_spec
 from pagedkv.kvmath.presets import GPU_PRESETS, MODEL_PRESETS, Model, gpu_preset
 from pagedkv.kvmath.spec import (
     GB,
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu is not None:
             model = _as_loaded_on_a_gpu(model, kv_dtype_given=kv_dtype is not None)
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
-        check_attention_heads(model.config, args.tensor_parallel_size)
+        check_even_split(model.config, args.tensor_parallel_size)
         pool = _pool(args, model)
         lora = _lora(args, model, spec)
         if lora is not None:

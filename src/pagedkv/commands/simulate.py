@@ -27,7 +27,7 @@ from pagedkv.commands.planning_model import (
     kv_dtype_of,
     resolve_planning_model,
 )
-from pagedkv.kvmath.parallel import check_attention_heads, per_rank_spec
+from pagedkv.kvmath.parallel import check_even_split, per_rank_spec
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model
 from pagedkv.kvmath.spec import GB, ConfigError, format_bytes
 from pagedkv.sim.render import (
@@ -215,7 +215,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
     model = resolve_planning_model(args.model or default_model or "llama-3.1-8b", kv_dtype_of(args))
     if args.tensor_parallel_size > 1:  # one rank's cache: its share of the KV heads
-        check_attention_heads(model.config, args.tensor_parallel_size)
+        check_even_split(model.config, args.tensor_parallel_size)
         model = replace(model, spec=per_rank_spec(model.spec, args.tensor_parallel_size))
     if args.trace:
         max_model_len = model.spec.served_context(args.max_model_len)

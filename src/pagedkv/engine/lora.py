@@ -59,6 +59,7 @@ class LoRACatalog:
         self.max_lora_rank = args.max_lora_rank
         self.chunk_elements = chunk_elements
         self.slices = slices  # this rank's share of each adapted part (tensor parallelism)
+        self.per_rank = " on each rank" if args.tensor_parallel_size > 1 else ""
         self.registry = registry
         self.resident = resident
         self.in_use = in_use  # the adapters of unfinished requests (0: none), never forgotten
@@ -104,8 +105,8 @@ class LoRACatalog:
         num_blocks = blocks_needed(sizes, self.chunk_elements)
         if num_blocks >= self.num_gpu_blocks:
             raise LoRARejected(
-                f"LoRA adapter {lora.lora_name!r} takes {num_blocks} KV blocks, the whole pool "
-                f"has {self.num_gpu_blocks}: no room for a request beside it"
+                f"LoRA adapter {lora.lora_name!r} takes {num_blocks} KV blocks{self.per_rank}, "
+                f"the whole pool has {self.num_gpu_blocks}: no room for a request beside it"
             )
         self.requests[lora_id] = lora
         self.num_blocks[lora_id] = num_blocks

@@ -45,12 +45,18 @@ def per_rank_spec(spec: KVSpec, tensor_parallel_size: int) -> KVSpec:
     return replace(spec, num_kv_heads=kv_heads_per_rank(spec.num_kv_heads, tensor_parallel_size))
 
 
-def check_attention_heads(config: Mapping[str, object] | None, tensor_parallel_size: int) -> None:
-    """The query heads must split evenly too, as the engine's splitter and vLLM require (a
-    `ConfigError` otherwise); a config that does not say how many heads it has passes."""
-    heads = None if config is None else text_config(config).get("num_attention_heads")
-    if isinstance(heads, int) and not isinstance(heads, bool) and heads % tensor_parallel_size:
-        raise ConfigError(
-            f"{heads} attention heads are not divisible by tensor_parallel_size "
-            f"({tensor_parallel_size}): each rank takes an equal share"
-        )
+def check_even_split(config: Mapping[str, object] | None, tensor_parallel_size: int) -> None:
+    """The query heads and the MLP's channels must split evenly too, as the engine's splitter
+    and vLLM require (a `ConfigError` otherwise); a config that does not say how many it has
+    passes."""
+    settings = {} if config is None else text_config(config)
+    for key, what in (
+        ("num_attention_heads", "attention heads"),
+        ("intermediate_size", "MLP channels (intermediate_size)"),
+    ):
+        units = settings.get(key)
+        if isinstance(units, int) and not isinstance(units, bool) and units % tensor_parallel_size:
+            raise ConfigError(
+                f"{units} {what} are not divisible by tensor_parallel_size "
+                f"({tensor_parallel_size}): each rank takes an equal share"
+            )

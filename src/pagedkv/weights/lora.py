@@ -219,6 +219,7 @@ def _settings(folder: Path, name: str) -> dict[str, Any]:
         "use_dora": bool(settings.get("use_dora")),
         "fan_in_fan_out": bool(settings.get("fan_in_fan_out")),
         "bias": settings.get("bias", "none") not in ("none", None),
+        "lora_bias": bool(settings.get("lora_bias")),
         "modules_to_save": bool(settings.get("modules_to_save")),
     }
     for key, bad in refused.items():

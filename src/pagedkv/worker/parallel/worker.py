@@ -76,3 +76,4 @@ def _serve(link: Link) -> None:
             runner.lora_registry = message.adapters
         else:
             runner.execute(message)
+            runner.lora_registry = {}  # written into their blocks: the host copies are done
