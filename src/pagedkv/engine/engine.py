@@ -59,6 +59,7 @@ from pagedkv.worker.kv_budget import draft_kv_pool, kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
+from pagedkv.worker.thread_governor import ThreadGovernor
 from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
@@ -74,7 +75,10 @@ class Engine:
         started = time.perf_counter()
         self.args = args
         self.device = torch.device(args.device)
-        torch.set_num_threads(args.threads or max(1, physical_cores() // args.tensor_parallel_size))
+        # One thread fewer while other processes want the cores (worker/thread_governor.py).
+        self.threads = ThreadGovernor(
+            args.threads or max(1, physical_cores() // args.tensor_parallel_size)
+        )
         # A model the caller loaded took its time before this call: count it in the total.
         loaded_before = 0.0 if loaded is None else sum(loaded.seconds.values())
         # This process alone, or rank 0 of a tensor-parallel group (worker/parallel/).
@@ -343,6 +347,7 @@ class Engine:
         reports = [r.report(self._delta(r)) for r in (*touched.values(), *self._aborted.values())]
         self._aborted.clear()
         self.loras.trim()  # adapters whose last request ended may go
+        self.threads.observe()
         self._step_seconds += time.perf_counter() - started
         return [report for report in reports if report is not None]
 
@@ -441,6 +446,7 @@ class Engine:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block,
             tensor_parallel_size=self.args.tensor_parallel_size,
+            cpu_threads=self.threads.threads,
             spec_decoding=self.scheduler.drafts.stats.snapshot(),
             **memory_fields(self.manager),
         )

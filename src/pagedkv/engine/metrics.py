@@ -300,6 +300,11 @@ class EngineStatsCollector(Collector):
             "Bytes one KV block takes, all layers, K and V (the KV dtype's size decides it).",
             stats.kv_bytes_per_block,
         )
+        yield gauge(
+            "cpu_threads",
+            "CPU threads the model runs on now (fewer while other processes want the cores).",
+            stats.cpu_threads,
+        )
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
         yield gauge("num_requests_swapped", "Requests swapped out to CPU.", stats.num_swapped)

@@ -42,6 +42,9 @@ class EngineStats:
     kv_cache_dtype: str  # what blocks store: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2
     kv_bytes_per_block: int  # one block, every layer's K and V, in that dtype (on each rank)
     tensor_parallel_size: int  # ranks each block (and the model) is split across
+    # CPU threads the model runs on now: fewer than at start while other processes want the
+    # cores (worker/thread_governor.py).
+    cpu_threads: int
     # Speculative decoding: drafts verified and kept (all zero while it is off).
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     # The prefix cache's host tier (0 blocks: off): blocks held now, lookups and hits.
