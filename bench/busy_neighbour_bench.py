@@ -5,7 +5,7 @@ another busy process stalls every region until the thread on it gets its turn
 (worker/thread_governor.py). This decodes the built-in model, one request at a time, on this
 machine's physical cores, in four settings, rounds alternating: alone and beside one busy
 loop (a `python -c "while True: pass"` process), each with the governor (the engine's default)
-and with the thread count fixed (a governor that never reads the kernel's figures). Each
+and with the thread count fixed (a governor without the kernel's figures). Each
 figure is decode tokens/s over the requests; "threads" is the count the governor ended on.
 
 Run: .venv/bin/python bench/busy_neighbour_bench.py [--rounds 2]
@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     llm = LLM(DEFAULT_MODEL, enable_prefix_caching=False, num_gpu_blocks=256)
-    most = llm.engine.threads.most
+    most = llm.engine.thread_governor.most
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     figures: dict[tuple[str, str], list[float]] = {}
     ended: dict[tuple[str, str], int] = {}
@@ -67,15 +67,13 @@ def main() -> None:
         for neighbour in ("alone", "beside a busy loop"):
             modes = ("governed", "fixed") if round_index % 2 == 0 else ("fixed", "governed")
             for mode in modes:
-                llm.engine.threads = (
-                    ThreadGovernor(most)
-                    if mode == "governed"
-                    else ThreadGovernor(most, lambda: None)
+                llm.engine.thread_governor = (
+                    ThreadGovernor(most) if mode == "governed" else ThreadGovernor(most, None)
                 )
                 with busy_neighbour(neighbour != "alone"):
                     tok_s = decode_tok_s(llm)
                 figures.setdefault((neighbour, mode), []).append(tok_s)
-                ended[(neighbour, mode)] = llm.engine.threads.threads
+                ended[(neighbour, mode)] = llm.engine.thread_governor.threads
                 print(
                     f"  round {round_index + 1} {neighbour}, {mode}: {tok_s:.1f} tok/s", flush=True
                 )

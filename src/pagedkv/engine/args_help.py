@@ -36,7 +36,10 @@ FIELD_HELP = {
     "max_logprobs": "most logprobs one request may ask for per token (-1: no cap)",
     "quantization": "weights kept as: auto (a GGUF file's own blocks; a float checkpoint "
     "stays float), none (all float), int8 or int4 (quantised on load; CPU only)",
-    "threads": "CPU threads for the model (default: this machine's physical cores)",
+    "threads": (
+        "the most CPU threads for the model, one fewer while other work holds the cores "
+        "(default: this machine's physical cores)"
+    ),
     "tensor_parallel_size": "processes (one GPU each on CUDA) the model and the KV pool are "
     "split across, Megatron-style; the others are spawned here, or started by `pagedkv worker` "
     "under torchrun's environment",

@@ -59,7 +59,7 @@ from pagedkv.worker.kv_budget import draft_kv_pool, kv_pool
 from pagedkv.worker.parallel.ranks import start_ranks
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
-from pagedkv.worker.thread_governor import ThreadGovernor
+from pagedkv.worker.thread_governor import thread_governor
 from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
@@ -75,9 +75,9 @@ class Engine:
         started = time.perf_counter()
         self.args = args
         self.device = torch.device(args.device)
-        # One thread fewer while other processes want the cores (worker/thread_governor.py).
-        self.threads = ThreadGovernor(
-            args.threads or max(1, physical_cores() // args.tensor_parallel_size)
+        # One thread fewer while other work wants the cores (worker/thread_governor.py).
+        self.thread_governor = thread_governor(
+            self.device, args.threads or max(1, physical_cores() // args.tensor_parallel_size)
         )
         # A model the caller loaded took its time before this call: count it in the total.
         loaded_before = 0.0 if loaded is None else sum(loaded.seconds.values())
@@ -328,6 +328,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; report every request that changed, as its output_kind says."""
         started = time.perf_counter()
+        self.thread_governor.apply()
         try:
             output = self.scheduler.schedule()
         except BaseException:
@@ -347,8 +348,9 @@ class Engine:
         reports = [r.report(self._delta(r)) for r in (*touched.values(), *self._aborted.values())]
         self._aborted.clear()
         self.loras.trim()  # adapters whose last request ended may go
-        self.threads.observe()
-        self._step_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.thread_governor.observe(seconds)
+        self._step_seconds += seconds
         return [report for report in reports if report is not None]
 
     def _take_back(self, output: SchedulerOutput, touched: Iterable[str] = ()) -> list[str]:
@@ -446,7 +448,7 @@ class Engine:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_bytes_per_block=self.kv_bytes_per_block,
             tensor_parallel_size=self.args.tensor_parallel_size,
-            cpu_threads=self.threads.threads,
+            cpu_threads=self.thread_governor.threads,
             spec_decoding=self.scheduler.drafts.stats.snapshot(),
             **memory_fields(self.manager),
         )

@@ -63,13 +63,19 @@ class LoRAModule:
         """The module as a tensor-parallel rank keeps it: B's rows of `share.rows` (zeros past
         the part's end), A's columns of `share.columns`; itself where the share is whole."""
         out_features, in_features = self.b.shape[0], self.a.shape[1]
-        if share.rows == (0, out_features, out_features) and share.columns == (0, in_features):
+        whole_rows = share.rows == (0, out_features, out_features)
+        whole_columns = share.columns == (0, in_features)
+        if whole_rows and whole_columns:
             return self
-        first, count, local = share.rows
-        column, width = share.columns
-        b = self.b.new_zeros(local, self.rank)
-        b[:count] = self.b[first : first + count]
-        return LoRAModule(self.a[:, column : column + width].contiguous(), b, self.scaling)
+        b, a = self.b, self.a  # a part kept whole is not copied
+        if not whole_rows:
+            first, count, local = share.rows
+            b = self.b.new_zeros(local, self.rank)
+            b[:count] = self.b[first : first + count]
+        if not whole_columns:
+            column, width = share.columns
+            a = self.a[:, column : column + width].contiguous()
+        return LoRAModule(a, b, self.scaling)
 
 
 @dataclass(frozen=True)

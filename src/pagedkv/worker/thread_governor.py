@@ -1,22 +1,26 @@
-"""ThreadGovernor: one CPU thread fewer while other processes want this machine's cores.
+"""ThreadGovernor: one CPU thread fewer while other work wants this machine's cores.
 
 Why: the kernels' threads meet at the end of every parallel region, a few hundred times a
 step. When another busy process shares a core with one of them, every region waits for that
 thread's next turn on the core. On a 2-core VM beside one busy loop (`python -c "while True:
-pass"`), the built-in model decoded 4.6-7.7 tok/s on 2 threads and 82-92 on 1 (alone: 134-177
-and 82-95): the second thread cost 12-20x instead of gaining 1.7x.
+pass"`), the built-in model decoded 4.6-24 tok/s on 2 threads and 82-92 on 1 (alone: 134-187
+and 82-95): the second thread cost 4-20x instead of gaining 1.7x.
 
 The signal is the kernel's own: per thread, the time it was runnable but waiting for a core
-(`/proc/self/task/*/schedstat`, its second field). Alone on its cores the process waits
-almost never (under 1% of the wall time in those runs); beside the busy loop it waited 96%.
-So after a step, at most every `INTERVAL_S`, the governor reads that time: waiting more than
-`CONTENDED` of the interval takes a thread away (never below 1). While below the most it may
-use, it tries one more thread again after `backoff` seconds; a try that meets contention
-again doubles the backoff (up to `MAX_BACKOFF_S`), one that does not resets it. A quiet
-machine never loses a thread.
+(`/proc/self/task/*/schedstat`, its second field). Alone on its cores a thread waits almost
+never (under 1% of a step); beside the busy loop the one sharing its core waited most of it.
+A region waits for its slowest thread, so what counts is the thread that waited most: after
+steps of `interval_s` seconds in all, the governor reads every thread's wait, and one that
+waited more than `CONTENDED` of that time takes a thread away (never below 1). That thread
+may be one of the process's own (a server's event loop): it competes for the same cores.
+While below the most it may use, the governor tries one more thread again after `backoff`
+seconds; a try that meets contention again doubles the backoff (up to `MAX_BACKOFF_S`), one
+that does not resets it.
 
-Changing the count never changes an answer: every per-row computation gives the same bits on
-any number of threads (tests/kernels/test_row_invariance.py).
+Changing the count never changes an answer where the C kernels run the model on the CPU:
+every per-row computation they and the sampler do gives the same bits on any number of
+threads (tests/kernels/test_row_invariance.py). Elsewhere (a GPU, the PyTorch fallback) the
+engine keeps its count fixed.
 """
 
 from __future__ import annotations
@@ -27,69 +31,83 @@ from collections.abc import Callable
 
 import torch
 
-INTERVAL_S = 0.2  # seconds between readings, at least
-CONTENDED = 0.25  # waiting for a core this share of the time: a thread too many
+from pagedkv.kernels import native
+
+INTERVAL_S = 0.2  # seconds of steps between readings
+CONTENDED = 0.25  # a thread waiting for a core this share of the time: a thread too many
 MIN_BACKOFF_S = 2.0  # after a thread is taken away, seconds before one more is tried
 MAX_BACKOFF_S = 60.0
 
+Delays = dict[int, int]  # nanoseconds each thread (by id) has waited for a core
 
-def process_run_delay() -> int | None:
-    """Nanoseconds this process's threads have spent runnable but waiting for a core, summed;
-    None where the kernel does not say (no schedstat: not Linux, or built without it)."""
-    total = 0
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
+
+def thread_run_delays() -> Delays | None:
+    """Per thread of this process, the nanoseconds it has spent runnable but waiting for a
+    core; None where the kernel does not keep them (not Linux, or built without schedstat)."""
+    if not os.path.exists("/proc/self/schedstat"):
         return None
-    for task in tasks:
+    delays = {}
+    for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/schedstat") as stats:
-                total += int(stats.read().split()[1])
+                delays[int(task)] = int(stats.read().split()[1])
         except FileNotFoundError:  # a thread that has just ended
             continue
         except (OSError, IndexError, ValueError):
             return None
-    return total
+    return delays
 
 
 class ThreadGovernor:
     """The CPU threads the model runs on (`torch.set_num_threads`, which the C kernels share),
-    between 1 and `most`, adjusted by `observe` after each step."""
+    between 1 and `most`; fixed at `most` when `read_delays` is None."""
 
     def __init__(
         self,
         most: int,
-        read_delay: Callable[[], int | None] = process_run_delay,
+        read_delays: Callable[[], Delays | None] | None = thread_run_delays,
         clock: Callable[[], float] = time.monotonic,
         set_threads: Callable[[int], None] = torch.set_num_threads,
+        get_threads: Callable[[], int] = torch.get_num_threads,
+        interval_s: float = INTERVAL_S,
     ) -> None:
         self.most = most
         self.threads = most
-        self._read_delay = read_delay
+        self._read_delays = read_delays
         self._clock = clock
         self._set_threads = set_threads
+        self._get_threads = get_threads
+        self._interval_s = interval_s
         self._set_threads(most)
-        self._since = clock()
-        self._delay = read_delay()
+        self._delays = None if read_delays is None else read_delays()
+        self._busy = 0.0  # seconds of steps since the last reading
         self._backoff = MIN_BACKOFF_S
-        self._next_try = self._since
-        self._trying = False  # the last interval ran with a thread added on trial
-        self.changes = 0  # how often the count changed (shown in the engine's stats)
+        self._next_try = clock()
+        self._trying = False  # the last reading's steps ran with a thread added on trial
 
-    def observe(self) -> None:
-        """Take a thread away if the process waited for cores over the last interval; add one
-        back on trial once the backoff has passed."""
-        if self._delay is None:
+    def apply(self) -> None:
+        """Give the calling thread the count (OpenMP keeps one per thread): a step may run on
+        another thread than the last, or after another engine's in the same thread."""
+        if self._get_threads() != self.threads:
+            self._set_threads(self.threads)
+
+    def observe(self, step_seconds: float) -> None:
+        """After a step of `step_seconds`: take a thread away if one waited for a core over
+        the steps since the last reading, or add one back on trial once the backoff passed."""
+        if self._delays is None or self._read_delays is None:
             return
+        self._busy += step_seconds
+        if self._busy < self._interval_s:
+            return
+        delays = self._read_delays()
+        if delays is None:
+            self._delays = None
+            return
+        before = self._delays
+        longest = max((d - before[t] for t, d in delays.items() if t in before), default=0)
+        waited = longest / 1e9 / self._busy
+        self._delays, self._busy = delays, 0.0
         now = self._clock()
-        if now - self._since < INTERVAL_S:
-            return
-        delay = self._read_delay()
-        if delay is None:
-            self._delay = None
-            return
-        waited = (delay - self._delay) / 1e9 / (now - self._since)
-        self._since, self._delay = now, delay
         if waited > CONTENDED:
             if self._trying:
                 self._backoff = min(2 * self._backoff, MAX_BACKOFF_S)
@@ -108,4 +126,10 @@ class ThreadGovernor:
     def _change(self, threads: int) -> None:
         self.threads = threads
         self._set_threads(threads)
-        self.changes += 1
+
+
+def thread_governor(device: torch.device | str, most: int) -> ThreadGovernor:
+    """The governor of a model on `device` with at most `most` threads: adjusting on the CPU
+    with the C kernels (whose answers do not depend on the count), fixed elsewhere."""
+    adjusts = torch.device(device).type == "cpu" and native.kernels() is not None
+    return ThreadGovernor(most, thread_run_delays if adjusts else None)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedkv.weights.lora import LoRAAdapter
+if TYPE_CHECKING:  # the engine's arguments import this module: no torch at import
+    from pagedkv.weights.lora import LoRAAdapter
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ thread exits the process).
 from __future__ import annotations
 
 import sys
-
-import torch
+import time
 
 from pagedkv.model.errors import ModelError
 from pagedkv.parallel.group import TPGroup
@@ -22,6 +21,7 @@ from pagedkv.worker.parallel.link import Link
 from pagedkv.worker.parallel.messages import Keepalive, LoRAWeights, Stop
 from pagedkv.worker.parallel.rank_setup import agreed_budget, load_shard
 from pagedkv.worker.runner import ModelRunner
+from pagedkv.worker.thread_governor import thread_governor
 from pagedkv.worker.threads import physical_cores
 
 
@@ -55,7 +55,7 @@ def _serve(link: Link) -> None:
     spec = link.receive()
     if isinstance(spec, Stop):
         return
-    torch.set_num_threads(spec.threads or max(1, physical_cores() // link.size))
+    threads = thread_governor(link.device, spec.threads or max(1, physical_cores() // link.size))
     loaded = load_shard(spec, TPGroup(link.rank, link.size), link.device)
     request = link.receive()
     while isinstance(request, Keepalive):  # rank 0 still loading (a speculative draft model)
@@ -75,5 +75,8 @@ def _serve(link: Link) -> None:
         elif isinstance(message, LoRAWeights):  # for the step that follows
             runner.lora_registry = message.adapters
         else:
+            started = time.perf_counter()
+            threads.apply()
             runner.execute(message)
             runner.lora_registry = {}  # written into their blocks: the host copies are done
+            threads.observe(time.perf_counter() - started)
