@@ -36,13 +36,15 @@ class Machine:
         self.reads = 0
         self.set: list[int] = []
         self.threads = 0
+        self.idle: float | None = None  # the machine's idle core-seconds (None: unknown)
+        self.unreadable = False  # the next readings fail (a thread ended as it was read)
 
     def clock(self) -> float:
         return self.now
 
-    def read_delays(self) -> dict[int, int]:
+    def read_delays(self) -> dict[int, int] | None:
         self.reads += 1
-        return dict(self.delays)
+        return None if self.unreadable else dict(self.delays)
 
     def set_threads(self, count: int) -> None:
         self.set.append(count)
@@ -55,9 +57,17 @@ class Machine:
         self.delays[2] += int(seconds * waited_share * 1e9)
         return seconds
 
+    def read_idle(self) -> float | None:
+        return self.idle
+
     def governor(self, most: int) -> ThreadGovernor:
         return ThreadGovernor(
-            most, self.read_delays, self.clock, self.set_threads, lambda: self.threads
+            most,
+            self.read_delays,
+            read_idle=self.read_idle,
+            clock=self.clock,
+            set_threads=self.set_threads,
+            get_threads=lambda: self.threads,
         )
 
 
@@ -168,11 +178,53 @@ def test_the_count_is_given_to_whichever_thread_steps() -> None:
 def test_without_the_kernels_figures_nothing_changes() -> None:
     machine = Machine()
     for read_delays in (None, lambda: None):
-        governor = ThreadGovernor(2, read_delays, machine.clock, machine.set_threads)
+        governor = ThreadGovernor(
+            2, read_delays, clock=machine.clock, set_threads=machine.set_threads
+        )
         for _ in range(10):
             governor.observe(machine.interval(STEP, 1.0))
         assert governor.threads == 2
     assert machine.set == [2, 2]
+
+
+def test_an_unreadable_reading_is_skipped_not_the_end() -> None:
+    """A reading that fails once (a thread ending as it is read) changes nothing, and the
+    next one is taken over all the steps since the last good one."""
+    machine = Machine()
+    governor = machine.governor(2)
+    machine.unreadable = True
+    governor.observe(machine.interval(STEP, 1.0))
+    assert governor.threads == 2 and machine.reads == 2
+    machine.unreadable = False
+    governor.observe(machine.interval(STEP, 1.0))
+    assert governor.threads == 1
+
+
+def test_a_core_gone_idle_brings_a_thread_back_before_the_backoff() -> None:
+    """Below the most, a thread fewer waits no more: the machine's idle time says when the other
+    process paused. An idle core since the last reading tries one more thread at once, at most
+    once every MIN_BACKOFF_S; busy cores leave it to the backoff."""
+    machine = Machine()
+    machine.idle = 0.0
+    governor = machine.governor(2)
+    governor.observe(machine.interval(STEP, 1.0))
+    assert governor.threads == 1
+    governor.observe(machine.interval(STEP, 0.0))  # no core idle: wait for the backoff
+    assert governor.threads == 1
+    machine.idle += 0.9 * STEP  # 0.9 of a core idle over the last reading
+    governor.observe(machine.interval(STEP, 0.0))
+    assert governor.threads == 2
+    governor.observe(machine.interval(STEP, 1.0))  # the other process is back
+    assert governor.threads == 1
+    machine.idle += 0.9 * STEP  # idle again, but a try was made under MIN_BACKOFF_S ago
+    governor.observe(machine.interval(STEP, 0.0))
+    assert governor.threads == 1
+    waited = 0.0
+    while governor.threads == 1:
+        machine.idle += 0.9 * STEP
+        waited += STEP
+        governor.observe(machine.interval(STEP, 0.0))
+    assert waited <= MIN_BACKOFF_S
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
@@ -219,7 +271,12 @@ def test_answers_are_unchanged_while_the_thread_count_moves(zoo) -> None:
             llm = LLM(str(zoo.folder("llama")), num_gpu_blocks=64, threads=2)
             if moving:
                 llm.engine.thread_governor = ThreadGovernor(
-                    2, machine.read_delays, machine.clock, machine.set_threads, interval_s=0.0
+                    2,
+                    machine.read_delays,
+                    read_idle=machine.read_idle,
+                    clock=machine.clock,
+                    set_threads=machine.set_threads,
+                    interval_s=0.0,
                 )
             outputs = llm.generate(prompts, params, use_tqdm=False)
             results.append(
