@@ -60,7 +60,6 @@ from pagedkv.worker.parallel.ranks import start_ranks
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
 from pagedkv.worker.thread_governor import thread_governor
-from pagedkv.worker.threads import physical_cores
 
 # Seconds of history behind `EngineStats.tokens_per_s`.
 THROUGHPUT_WINDOW_S = 10.0
@@ -76,9 +75,7 @@ class Engine:
         self.args = args
         self.device = torch.device(args.device)
         # One thread fewer while other work wants the cores (worker/thread_governor.py).
-        self.thread_governor = thread_governor(
-            self.device, args.threads or max(1, physical_cores() // args.tensor_parallel_size)
-        )
+        self.thread_governor = thread_governor(self.device, args.threads, args.tensor_parallel_size)
         # A model the caller loaded took its time before this call: count it in the total.
         loaded_before = 0.0 if loaded is None else sum(loaded.seconds.values())
         # This process alone, or rank 0 of a tensor-parallel group (worker/parallel/).

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from pagedkv.kernels import native
+from pagedkv.worker.threads import physical_cores
 
 INTERVAL_S = 0.2  # seconds of steps between readings
 CONTENDED = 0.25  # a thread waiting for a core this share of the time: a thread too many
@@ -113,7 +114,7 @@ class ThreadGovernor:
     def observe(self, step_seconds: float) -> None:
         """After a step of `step_seconds`: take a thread away if one waited for a core over
         the steps since the last reading, or add one back on trial once the backoff passed."""
-        if self._delays is None or self._read_delays is None:
+        if self._delays is None:  # no figures: the count stays
             return
         self._busy += step_seconds
         if self._busy < self._interval_s:
@@ -155,8 +156,10 @@ class ThreadGovernor:
         self._set_threads(threads)
 
 
-def thread_governor(device: torch.device | str, most: int) -> ThreadGovernor:
-    """The governor of a model on `device` with at most `most` threads: adjusting on the CPU
-    with the C kernels (whose answers do not depend on the count), fixed elsewhere."""
+def thread_governor(device: torch.device | str, threads: int | None, ranks: int) -> ThreadGovernor:
+    """The governor of one of `ranks` tensor-parallel ranks of a model on `device`: at most
+    `threads` threads (by default its share of this machine's physical cores), adjusting on
+    the CPU with the C kernels (whose answers do not depend on the count), fixed elsewhere."""
+    most = threads or max(1, physical_cores() // ranks)
     adjusts = torch.device(device).type == "cpu" and native.kernels() is not None
     return ThreadGovernor(most, thread_run_delays if adjusts else None)

@@ -22,7 +22,6 @@ from pagedkv.worker.parallel.messages import Keepalive, LoRAWeights, Stop
 from pagedkv.worker.parallel.rank_setup import agreed_budget, load_shard
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.thread_governor import thread_governor
-from pagedkv.worker.threads import physical_cores
 
 
 def run_worker(
@@ -55,7 +54,7 @@ def _serve(link: Link) -> None:
     spec = link.receive()
     if isinstance(spec, Stop):
         return
-    threads = thread_governor(link.device, spec.threads or max(1, physical_cores() // link.size))
+    threads = thread_governor(link.device, spec.threads, link.size)
     loaded = load_shard(spec, TPGroup(link.rank, link.size), link.device)
     request = link.receive()
     while isinstance(request, Keepalive):  # rank 0 still loading (a speculative draft model)
