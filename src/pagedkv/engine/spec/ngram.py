@@ -1,27 +1,29 @@
-"""Prompt-lookup drafting: the tokens that followed the sequence's latest n-gram the first time
-it occurred, as far as its other occurrences agree.
+"""Prompt-lookup drafting: the tokens that followed the sequence's latest n-gram where it
+occurred before in the same context.
 
 vLLM's rule: the longest suffix of `n` tokens (`prompt_lookup_max` down to `prompt_lookup_min`)
-that occurs earlier in the sequence wins; of its occurrences, the first; the drafts are the up
-to `k` tokens that followed it. Input-grounded text (a quoted or corrected passage) repeats the
-prompt's own runs of tokens, which is why this costs no model and is often right.
+that occurs earlier in the sequence wins, and the drafts are the up to `k` tokens that followed
+it. Input-grounded text (a quoted or corrected passage) repeats the prompt's own runs of
+tokens, which is why this costs no model and is often right.
 
-One change to it: where the n-gram occurred more than once and the occurrences go on
-differently, the text does not say which way it goes on, and drafts past the point where they
-part are a guess that costs a verification row each. So the drafts stop at the first position
-where an occurrence goes on with another token (keeping the first draft, vLLM's); an
-occurrence whose continuation runs into the sequence's end says nothing past it. Replayed over
-bench/spec_bench.py's workload (a) this verified a fifth fewer drafts for 1.5% fewer kept, and
-took its batch-1 bound (`replay_bound`, 4.6 ms a step + 0.96 ms a row) from 1.64x to 1.73x.
+Where the n-gram occurred more than once, vLLM takes its first occurrence. Here the occurrence
+whose preceding tokens agree with the sequence's furthest back wins (compared up to
+`MATCH_CONTEXT` tokens before the n-gram; equals: the most recent). A passage quoted back
+repeats its phrases in several sentences, and the sentence being copied is the one whose words
+before the phrase are the sequence's; a model repeating itself has its latest round nearest.
+And where the winner's continuation runs into the sequence's end (the n-gram ends a repeating
+run), the drafts go on as the run does: draft i is the token `period` places before it, the
+sequence followed by its drafts repeating with the period the match showed. Replayed over
+bench/spec_bench.py's greedy outputs with the engine's adaptive rule (`acceptance.py`) at its
+batch-1 step cost, workload (a) went from 1.82x to 1.86x and 2.14 to 2.27 tokens a step, (b)
+from 1.18x to 1.19x, against the first occurrence with its drafts stopped where the
+occurrences go on differently (the rule before this one; vLLM's own first occurrence: 1.78x).
 
 Every step of every drafting sample searches its whole sequence, so the search is C's: the
-sequence's bytes searched for the suffix's (`bytes.find`, a hit counting where it starts on a
-token's first byte), longest suffix first, the first hit its first occurrence. Only a suffix
-found again further on needs the others (to see where they part), and those come from numpy
-over the record's own buffer, however many there are: a model looping over a phrase repeats
-it thousands of times. Measured inside the engine's step, where the layers have just left the
-cores' caches, a search by numpy alone took 0.16 ms (a tenth of a verification row) on
-workload (a)'s sequences of a few hundred tokens, most of it the dispatch of its ~30 calls.
+sequence's bytes searched for the suffix's (`bytes.rfind`, a hit counting where it starts on a
+token's first byte), longest suffix first. Only a suffix found twice needs the others, and
+those come from numpy over the record's own buffer, however many there are: a model looping
+over a phrase repeats it thousands of times.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from __future__ import annotations
 from array import array
 
 import numpy as np
+
+# Tokens before an n-gram compared with those before the sequence's suffix, at most, to choose
+# among the n-gram's occurrences (replayed, 6 to 64 chose alike; the compare stops once one
+# occurrence is left).
+MATCH_CONTEXT = 16
 
 
 def propose_ngram(token_ids: array, min_n: int, max_n: int, k: int) -> list[int]:
@@ -39,36 +46,49 @@ def propose_ngram(token_ids: array, min_n: int, max_n: int, k: int) -> list[int]
     earlier = (length - 1) * size  # an earlier occurrence ends before the last token
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = data[(length - n) * size :]
-        first = _find(data, suffix, 0, earlier, size)
-        if first >= 0:
+        start = _rfind(data, suffix, earlier, size)
+        if start >= 0:
             break
     else:
         return []
-    drafts = token_ids[first + n : first + n + k].tolist()
-    if _find(data, suffix, (first + 1) * size, earlier, size) < 0:
-        return drafts  # the only occurrence: nothing to part from
-    tokens = np.frombuffer(token_ids, dtype=np.int64)
-    starts = np.flatnonzero(tokens[: length - n] == tokens[length - n])
-    for offset in range(1, n):
-        starts = starts[tokens[starts + offset] == tokens[length - n + offset]]
-    return drafts[: _agreed(tokens, starts + n, drafts)]
+    if _rfind(data, suffix, (start + n - 1) * size, size) >= 0:  # another one, before it
+        start = _closest_context(np.frombuffer(token_ids, dtype=np.int64), n)
+    return _continuation(token_ids, start + n, k)
 
 
-def _find(data: bytes, suffix: bytes, start: int, end: int, size: int) -> int:
-    """The first token (index) at or after byte `start` where `suffix` occurs whole before byte
-    `end`, or -1; a byte match that starts inside a token is passed over."""
-    at = data.find(suffix, start, end)
-    while at >= 0 and at % size:
-        at = data.find(suffix, at + 1, end)
+def _rfind(data: bytes, suffix: bytes, end: int, size: int) -> int:
+    """The last token (index) where `suffix` occurs whole before byte `end`, or -1; a byte
+    match that starts inside a token is passed over."""
+    at = data.rfind(suffix, 0, end)
+    while at > 0 and at % size:
+        at = data.rfind(suffix, 0, at + len(suffix) - 1)
     return at // size if at >= 0 else -1
 
 
-def _agreed(tokens: np.ndarray, starts: np.ndarray, drafts: list[int]) -> int:
-    """How many of `drafts` (the continuation at `starts[0]`) the other continuations at
-    `starts[1:]` agree with, each as far as the sequence goes: at least the first draft, vLLM's."""
-    others = starts[1:]
-    for position, draft in enumerate(drafts):
-        at = others + position
-        if (tokens[at[at < len(tokens)]] != draft).any():
-            return max(position, 1)
-    return len(drafts)
+def _closest_context(tokens: np.ndarray, n: int) -> int:
+    """Where the earlier occurrence of the sequence's last `n` tokens starts whose preceding
+    tokens equal the sequence's furthest back (up to MATCH_CONTEXT); equals: the latest."""
+    length = len(tokens)
+    suffix_at = length - n
+    starts = np.flatnonzero(tokens[:suffix_at] == tokens[suffix_at])
+    for offset in range(1, n):
+        starts = starts[tokens[starts + offset] == tokens[suffix_at + offset]]
+    for back in range(1, min(MATCH_CONTEXT, suffix_at) + 1):
+        reach = starts[starts >= back]
+        agree = reach[tokens[reach - back] == tokens[suffix_at - back]]
+        if len(agree) == 0:
+            break
+        starts = agree
+        if len(starts) == 1:
+            break
+    return int(starts[-1])
+
+
+def _continuation(token_ids: array, follows: int, k: int) -> list[int]:
+    """The `k` tokens from index `follows` on, the ones past the sequence's end taken as the
+    run goes on: each the token `len(token_ids) - follows` places before it."""
+    drafts = token_ids[follows : follows + k].tolist()
+    period = len(token_ids) - follows
+    while len(drafts) < k:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
