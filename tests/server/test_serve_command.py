@@ -51,7 +51,7 @@ def test_a_port_outside_0_to_65535_is_refused_before_the_model_loads(capsys) -> 
 
 def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> None:
     env = dict(os.environ, PAGEDKV_API_KEY="from-env")
-    server, url = start_serve(tiny_model, "--strict-fields", env=env)
+    server, url = start_serve(tiny_model, "--strict-fields", "--reasoning-parser", "qwen3", env=env)
     try:
         body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
         refused = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
@@ -72,6 +72,19 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
         )
         assert unknown.status_code == 400
         assert unknown.json()["error"]["param"] == "frobnicate"
+        thinking = httpx2.post(  # a prompt that opens a think block: the reply is reasoning
+            f"{url}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "chat_template": "{{ messages[0].content }}<think>",
+                "max_tokens": 3,
+                "ignore_eos": True,
+            },
+            headers={"Authorization": "Bearer from-env"},
+            timeout=HANG_GUARD_S,
+        )
+        message = thinking.json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning"] == message["reasoning_content"]
     finally:
         output = stop_serve(server)
     assert f"{url}/" in output  # where the page map is

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedkv.engine import EngineArgs
     from pagedkv.engine.metrics import DEFAULT_PREFIX, PREFIXES
     from pagedkv.server import ServerConfig
+    from pagedkv.server.reasoning import REASONING_PARSERS
     from pagedkv.server.tls import CERT_REQS
     from pagedkv.tokenizer.chat_template import CONTENT_FORMATS
 
@@ -257,6 +258,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a template that loops over a message's content, as vLLM detects it; default: "
         "%(default)s)",
     )
+    server.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="return a thinking model's <think>...</think> block apart from its answer, as "
+        "each chat reply's `reasoning` (and vLLM's older `reasoning_content`), as vLLM's "
+        "(both names read think tags alike; see docs/serving.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -368,6 +377,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         response_role=args.response_role,
+        reasoning_parser=args.reasoning_parser,
         allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),

@@ -77,6 +77,7 @@ class ServerConfig:
     chat_template: str | None = None  # replaces the model's; a request's replaces this one
     chat_template_content_format: str = "auto"  # vLLM's: "string", "openai" or "auto"
     response_role: str = "assistant"  # vLLM's --response-role
+    reasoning_parser: str | None = None  # vLLM's: a thinking model's reasoning told apart
     # Origins whose web pages may call the API (CORS); none by default, unlike vLLM's "*": a
     # local server answering any origin lets any page the user opens drive it.
     allowed_origins: tuple[str, ...] = ()
@@ -116,6 +117,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         chat_template=config.chat_template,
         chat_template_content_format=config.chat_template_content_format,
         response_role=config.response_role,
+        reasoning_parser=config.reasoning_parser,
     )
     started = now()
 

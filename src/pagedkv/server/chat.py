@@ -23,6 +23,7 @@ from pagedkv.server.errors import APIError
 from pagedkv.server.formats import NamedToolChoice
 from pagedkv.server.generation import ChoiceDelta, Generation
 from pagedkv.server.protocol import ChatCompletionRequest
+from pagedkv.server.reasoning import ReasoningSplitter, split_reasoning, thinking_prompt
 from pagedkv.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -75,6 +76,18 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
             param="tool_choice",
         )
     prompt = await asyncio.to_thread(render_conversation, context, request)
+    thinking = None
+    if context.reasoning_parser is not None:
+        text = await asyncio.to_thread(context.tokenizer.decode, prompt, False)
+        thinking = thinking_prompt(text)
+        if thinking and (constraint or tool_schema) is not None:
+            raise APIError(
+                400,
+                "the prompt opens a think block, and structured outputs or a required tool "
+                "call would hold the reasoning to them: the reply would have no content (turn "
+                "thinking off, e.g. chat_template_kwargs enable_thinking: false)",
+                param="response_format" if constraint is not None else "tool_choice",
+            )
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = sampling_params(
@@ -89,6 +102,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
     await generation.start([prompt], params, request, beams, max_tokens)
     completion = _ChatCompletion(context, request, generation)
+    completion.thinking = thinking
     last = request.messages[-1]
     if request.echo and last.role == completion.role:  # vLLM's: a message of the reply's role
         completion.echoed = last.text()
@@ -127,6 +141,7 @@ class _Choice(ChoiceState):
 
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_stream: ToolCallStream | None = None
+    reasoning: ReasoningSplitter | None = None  # streamed with a reasoning parser
 
 
 class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[TokenLogprob]]):
@@ -134,6 +149,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
 
     choice_type = _Choice
     echoed = ""  # with vLLM's `echo`: the last (assistant) message, leading each reply
+    thinking: bool | None = None  # with a reasoning parser: whether the prompt opens a block
 
     @property
     def role(self) -> str:
@@ -192,17 +208,24 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
         self, delta: ChoiceDelta, logprobs: list[TokenLogprob]
     ) -> ChatChunkChoice | None:
         output = delta.output
-        message = ChatDelta(content=output.text)
         finish_reason = output.finish_reason
+        choice = self.choices[delta.index]
+        reasoning, text = "", output.text
+        if self.thinking is not None:
+            if choice.reasoning is None:
+                choice.reasoning = ReasoningSplitter(self.thinking)
+            reasoning, text = choice.reasoning.feed(text, finish_reason is not None)
+            reasoning = reasoning if self.request.include_reasoning else ""
+        message = self._delta(reasoning, content=text)
         if self._uses_tools:
-            choice = self.choices[delta.index]
             if choice.tool_stream is None:
                 choice.tool_stream = ToolCallStream(self.request)
-            content, calls = choice.tool_stream.feed(output.text, finish_reason is not None)
-            message = ChatDelta(content=content, tool_calls=calls or None)
+            content, calls = choice.tool_stream.feed(text, finish_reason is not None)
+            message = self._delta(reasoning, content=content, tool_calls=calls or None)
             finish_reason = self._finish_reason(finish_reason, choice.tool_stream.called)
-            if not (content or calls or finish_reason or self.request.logprobs):
-                return None  # text held back until it is known to be content or a call
+        said = message.content or message.tool_calls or reasoning or finish_reason
+        if self._holding and not (said or self.request.logprobs):
+            return None  # text held back until it is known to be what it is
         return ChatChunkChoice(
             index=delta.index,
             delta=message,
@@ -212,6 +235,18 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             token_ids=list(output.token_ids) if self.request.return_token_ids else None,
         )
 
+    @staticmethod
+    def _delta(reasoning: str, **fields: object) -> ChatDelta:
+        """A chunk's delta: `fields`, and a piece of reasoning under both its names."""
+        if reasoning:
+            fields.update(reasoning=reasoning, reasoning_content=reasoning)
+        return ChatDelta.model_validate(fields)
+
+    @property
+    def _holding(self) -> bool:
+        """Whether a delta's text may be held back: by the tool-call or reasoning parser."""
+        return self._uses_tools or self.thinking is not None
+
     @property
     def _uses_tools(self) -> bool:
         """Whether outputs are read for tool calls (tools given, tool_choice not "none")."""
@@ -220,14 +255,20 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
     def _message(self, choice: _Choice) -> tuple[AssistantMessage, str | None]:
         """A finished choice's message, and its finish reason ("tool_calls" if it called).
         Only the output is read for calls; an echoed message leads the content (vLLM's)."""
-        text = "".join(choice.text)
+        text: str | None = "".join(choice.text)
+        reasoning = None
+        if self.thinking is not None:  # content None where nothing follows the reasoning
+            reasoning, text = split_reasoning(text or "", self.thinking)
+            reasoning = reasoning if self.request.include_reasoning else None
+        thought = {"reasoning": reasoning, "reasoning_content": reasoning}
         if not self._uses_tools:
-            message = AssistantMessage(role=self.role, content=self.echoed + text)
+            content = self.echoed + (text or "") if self.echoed or text is not None else None
+            message = AssistantMessage(role=self.role, content=content, **thought)
             return message, choice.finish_reason
-        parsed = parse_output(self.request, text)
+        parsed = parse_output(self.request, text or "")
         content = self.echoed + (parsed.content or "") if self.echoed else parsed.content
         message = AssistantMessage(
-            role=self.role, content=content, tool_calls=parsed.tool_calls or None
+            role=self.role, content=content, tool_calls=parsed.tool_calls or None, **thought
         )
         return message, self._finish_reason(choice.finish_reason, bool(parsed.tool_calls))
 

@@ -235,6 +235,10 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    # An assistant turn's reasoning, as vLLM's responses carry it (`reasoning`, or its older
+    # name): thinking models' templates get it as `reasoning_content`.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -265,7 +269,13 @@ class ChatMessage(RequestModel):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message carries tool_calls")
+        if self.thinking() is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries reasoning")
         return self
+
+    def thinking(self) -> str | None:
+        """The reasoning an assistant turn carries, under either name (`reasoning` first)."""
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -307,6 +317,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the reply's content starts with the last message's, when that is the
     # assistant's (a continued message comes back whole).
     echo: bool = False
+    # vLLM's, with --reasoning-parser: false leaves a thinking model's reasoning out.
+    include_reasoning: bool = True
 
     @property
     def resolved_tool_choice(self) -> str | NamedToolChoice:

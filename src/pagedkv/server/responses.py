@@ -136,17 +136,22 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     """The generated message of one chat choice: text, or tool calls (content then None,
     unless the model wrote text before them). Without calls `tool_calls` is left out, as
-    vLLM leaves it (clients read None)."""
+    vLLM leaves it (clients read None). With a reasoning parser, a thinking model's reasoning
+    is `reasoning` and, for clients of vLLM before 0.16, `reasoning_content` too; both are
+    left out where there is none."""
 
     role: str = "assistant"  # the server's --response-role, or a continued message's own
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         fields = handler(self)
-        if not fields.get("tool_calls"):
-            fields.pop("tool_calls", None)
+        for name in ("tool_calls", "reasoning", "reasoning_content"):
+            if fields.get(name) in (None, []):
+                fields.pop(name, None)
         return fields
 
 
@@ -181,6 +186,8 @@ class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning: str | None = None  # with a reasoning parser (AssistantMessage's fields)
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class ServingContext:
     chat_template: str | None = None  # --chat-template: replaces the model's (None: keep it)
     chat_template_content_format: str = "auto"  # vLLM's: how message content reaches it
     response_role: str = "assistant"  # a chat reply's role when it starts a new turn
+    reasoning_parser: str | None = None  # vLLM's: chat replies' reasoning apart (reasoning.py)
 
     def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
         """A validated request: known fields, this model, settings that go together. A field

@@ -55,10 +55,10 @@ def render_messages(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and extra template variables for the model's chat `template` (its text)."""
     if template is not None and "tools" in template:
-        messages = [_template_message(message) for message in request.messages]
+        messages = [_with_reasoning(_template_message(m), m) for m in request.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         return messages, ({"tools": tools} if tools else {})
-    messages = [_hermes_message(message) for message in request.messages]
+    messages = [_with_reasoning(_hermes_message(m), m) for m in request.messages]
     if request.tools:
         prompt = _SYSTEM_PROMPT.format(tools="\n".join(_tool_json(t) for t in request.tools))
         if messages and messages[0]["role"] == "system":
@@ -66,6 +66,13 @@ def render_messages(
         else:
             messages.insert(0, {"role": "system", "content": prompt})
     return messages, {}
+
+
+def _with_reasoning(rendered: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
+    """A past assistant turn's reasoning as thinking models' templates read it."""
+    if message.thinking() is not None:
+        rendered["reasoning_content"] = message.thinking()
+    return rendered
 
 
 def _role(message: ChatMessage) -> str:
