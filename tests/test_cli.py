@@ -124,3 +124,74 @@ def test_an_engine_value_refused_is_named_by_the_flag_typed(command, capsys) -> 
     err = capsys.readouterr().err
     assert "--num-gpu-blocks must be a positive integer, got 0" in err
     assert "num_gpu_blocks" not in err
+
+
+def config_args(command: str, config: str, argv: list[str], tmp_path: Path):
+    """`pagedkv COMMAND --config FILE ARGV` parsed as `main` parses it, FILE holding `config`."""
+    import argparse
+
+    from pagedkv.cli import _command_module, vllm_spellings, with_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(config)
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    _command_module(command).add_arguments(parser)
+    parser.add_argument("--config")
+    expanded = with_config(vllm_spellings([command, "--config", str(path), *argv]), parser)
+    return vars(parser.parse_args(expanded[1:]))
+
+
+def test_a_config_file_reads_as_its_options_on_the_command_line(tmp_path: Path) -> None:
+    """vLLM's --config: each key is the option of that name, underscores or dashes; true a
+    flag, false its --no- form, a list its values, a mapping its JSON. The oracle is the same
+    options typed out."""
+    config = """
+model: /models/x
+max_num_seqs: 8
+gpu-memory-utilization: 0.5
+enable_prefix_caching: false
+enable-auto-tool-choice: true
+served_model_name: [a, b]
+speculative_config: {method: ngram, num_speculative_tokens: 3}
+"""
+    typed = [
+        "--model", "/models/x", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5",
+        "--no-enable-prefix-caching", "--enable-auto-tool-choice", "--served-model-name", "a",
+        "b", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+    ]  # fmt: skip
+    read = config_args("serve", config, [], tmp_path)
+    assert read == {**vars(serve_args(typed)), "config": None}
+    # the command line wins, wherever it stands; a positional model still wins over --model
+    read = config_args("serve", config, ["/other", "--max_num_seqs=4"], tmp_path)
+    assert (read["max_num_seqs"], read["model_tag"], read["model"]) == (4, "/other", "/models/x")
+    # a repeatable option takes a list as repeats
+    read = config_args("generate", "stop: [x, y]\nprompt: hi\n", [], tmp_path)
+    assert (read["stop"], read["prompt"]) == (["x", "y"], "hi")
+
+
+@pytest.mark.parametrize(
+    ("config", "argv", "message"),
+    [
+        ("max_num_sequences: 8\n", [], "'max_num_sequences' is not an option of this command"),
+        ("- 8\n", [], "must be a mapping of option names to values"),
+        ("a: [\n", [], "not valid YAML"),
+        ("enable-auto-tool-choice: 'yes'\n", [], "is a flag: give true or false"),
+        ("port: 1\n", ["--config", "again.yaml"], "--config is given more than once"),
+    ],
+)
+def test_a_bad_config_file_is_named(tmp_path: Path, capsys, config, argv, message) -> None:
+    with pytest.raises(SystemExit) as exit:
+        config_args("serve", config, argv, tmp_path)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_main_reads_a_config_file_and_names_a_missing_one(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "engine.yaml"
+    path.write_text("num_gpu_blocks: 0\nprompt: hi\n")
+    assert main(["generate", "--config", str(path)]) == 2
+    assert "--num-gpu-blocks must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["generate", f"--config={tmp_path / 'none.yaml'}"])
+    assert exit.value.code == 2
+    assert "none.yaml: No such file or directory" in capsys.readouterr().err

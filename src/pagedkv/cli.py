@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from importlib.metadata import version
 
@@ -48,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name == chosen:
             _command_module(name).add_arguments(commands[name])
+            commands[name].add_argument(
+                "--config",
+                metavar="FILE",
+                help="read options from a YAML file, as vLLM's --config: a mapping of option "
+                "names (dashes or underscores) to values; the command line wins over it",
+            )
+            argv = with_config(argv, commands[name])
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's own usage, not the top level's
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -77,6 +85,70 @@ def vllm_spellings(argv: list[str]) -> list[str]:
             name = "--" + name[2:].replace("_", "-")
         spelled.append(name + equals + value)
     return spelled
+
+
+def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` (the command first) with its `--config FILE` replaced by the file's options, as
+    vLLM's parser reads a config: `key: value` is `--key value`, true a flag given, false
+    `--no-key` where there is one (else the flag left out), a list its values, a mapping its
+    JSON. An option also given on the command line keeps the command line's value."""
+    command, rest = argv[0], argv[1:]
+    names = [arg.partition("=")[0] for arg in rest]
+    if "--config" not in names:
+        return argv
+    if names.count("--config") > 1:
+        parser.error("--config is given more than once")
+    at = names.index("--config")
+    if "=" in rest[at]:
+        path, rest = rest[at].partition("=")[2], rest[:at] + rest[at + 1 :]
+    elif at + 1 < len(rest):
+        path, rest = rest[at + 1], rest[:at] + rest[at + 2 :]
+    else:
+        parser.error("argument --config: expected one argument")
+    options = parser._option_string_actions  # argparse's own table of option strings
+    given = {
+        options[arg.partition("=")[0]].dest for arg in rest if arg.partition("=")[0] in options
+    }
+    added: list[str] = []
+    for key, value in _read_config(path, parser).items():
+        name = "--" + str(key).replace("_", "-")
+        negated = "--no-" + name[2:]
+        action = options.get(name) or (options.get(negated) if value is False else None)
+        if action is None or name == "--config":
+            parser.error(f"--config {path}: {key!r} is not an option of this command")
+        if action.dest in given:
+            continue
+        if action.nargs == 0:  # a flag
+            if not isinstance(value, bool):
+                parser.error(f"--config {path}: {key!r} is a flag: give true or false")
+            added += [name] if value else ([negated] if negated in options else [])
+        elif isinstance(value, list) and isinstance(action, argparse._AppendAction):
+            added += [part for item in value for part in (name, str(item))]  # repeated
+        elif isinstance(value, list):
+            added += [name, *map(str, value)]
+        elif isinstance(value, dict):
+            added += [name, json.dumps(value)]
+        else:
+            added += [name, str(value).lower() if isinstance(value, bool) else str(value)]
+    return vllm_spellings([command, *rest, *added])
+
+
+def _read_config(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The YAML mapping in `path`, or the parser's error naming what is wrong with it."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = yaml.safe_load(file)
+    except OSError as error:
+        parser.error(f"--config {path}: {error.strerror}")
+    except yaml.YAMLError as error:
+        parser.error(f"--config {path}: not valid YAML ({error})")
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        parser.error(f"--config {path}: must be a mapping of option names to values")
+    return config
 
 
 def _command_module(name: str):
