@@ -14,6 +14,7 @@ import pytest
 
 from pagedkv.server import ServerConfig
 from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+from tests.test_cli import serve_args
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 128
@@ -172,6 +173,19 @@ def test_missing_or_wrong_api_key_gets_401(server: RunningServer, model_name: st
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with wrong, pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=model_name, prompt="hi", max_tokens=1)
+
+
+def test_any_of_several_api_keys_is_accepted(serve, model_name: str) -> None:
+    """vLLM's `--api-key K1 K2`: each key is accepted, no other; an empty one is none."""
+    keyed = serve(ServerConfig(api_key=("first", "", "second")), num_gpu_blocks=64)
+    body = {"model": model_name, "prompt": "hi", "max_tokens": 1}
+    with httpx2.Client(base_url=keyed.url) as http:
+        for key, status in [("first", 200), ("second", 200), ("x", 401), ("firstsecond", 401)]:
+            headers = {"Authorization": f"Bearer {key}"}
+            assert http.post("/v1/completions", json=body, headers=headers).status_code == status
+        bare = {"Authorization": "Bearer"}  # the empty key: never one
+        assert http.post("/v1/completions", json=body, headers=bare).status_code == 401
+    assert serve_args(["--api-key", "first", "second"]).api_key == ["first", "second"]
 
 
 def test_page_map_stream_needs_the_key_and_starts_with_a_full_frame(server: RunningServer) -> None:

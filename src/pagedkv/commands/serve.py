@@ -56,11 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
     server.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
+    environment_key = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV)
     server.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, "
-        f"else vLLM's ${VLLM_API_KEY_ENV})",
+        nargs="+",
+        metavar="KEY",
+        default=[environment_key] if environment_key else None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes, one of the keys given, as "
+        f"vLLM's (default: ${API_KEY_ENV}, else vLLM's ${VLLM_API_KEY_ENV})",
     )
     server.add_argument(
         "--ssl-certfile",
@@ -280,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.host not in LOOPBACK_ADDRESSES and not args.api_key:
+    if args.host not in LOOPBACK_ADDRESSES and not any(args.api_key or ()):
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.lora_modules and not args.enable_lora:
         print("pagedkv serve: error: --lora-modules needs --enable-lora", file=sys.stderr)
@@ -363,7 +366,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model_name=args.served_model_name[0] if args.served_model_name else None,
         model_aliases=tuple(args.served_model_name[1:] if args.served_model_name else ()),
-        api_key=args.api_key,
+        api_key=tuple(args.api_key) if args.api_key else None,
         max_waiting=args.max_waiting,
         strict_fields=args.strict_fields,
         metrics_prefix=args.metrics_prefix,

@@ -63,7 +63,7 @@ class ServerConfig:
 
     model_name: str | None = None  # the name clients pass as `model`; default: the engine's
     model_aliases: tuple[str, ...] = ()  # other names answered for it (listed, never reported)
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # several: any one of them (vLLM's)
     max_waiting: int | None = None  # 503 + Retry-After once this many requests wait
     strict_fields: bool = False  # unknown request fields: 400 instead of a log line
     metrics_prefix: str = DEFAULT_PREFIX  # "vllm": metric names exactly as vLLM's

@@ -44,13 +44,14 @@ class HeaderGuard:
     def __init__(
         self,
         app: ASGIApp,
-        api_key: str | None,
+        api_key: str | tuple[str, ...] | None,
         allowed_hosts: tuple[str, ...] | None,
         router: Router,
     ) -> None:
         self.app = app
         self.router = router
-        self.api_key = api_key
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self.api_keys = tuple(key.encode() for key in keys if key)  # any one is accepted
         self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,11 +76,11 @@ class HeaderGuard:
                     f"{', '.join(sorted(self.allowed_hosts))}; see --allowed-hosts)",
                     code="invalid_host",
                 )
-        if self.api_key is not None and _is_protected(routed_path(scope)):
+        if self.api_keys and _is_protected(routed_path(scope)):
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(
-                token.strip().encode(), self.api_key.encode()
-            ):
+            sent = token.strip().encode()
+            matches = [secrets.compare_digest(sent, key) for key in self.api_keys]  # each one
+            if scheme.lower() != "bearer" or not any(matches):
                 return APIError(
                     401,
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
