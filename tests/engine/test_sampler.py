@@ -256,6 +256,34 @@ def test_logprobs_are_the_models_log_softmax_with_ranks():
     assert top_ids == [1, 2] and top_values == pytest.approx([log_probs[1], log_probs[2]])
 
 
+@pytest.mark.parametrize(
+    "processing",
+    [
+        {"allowed_token_ids": [0, 2]},
+        {"bad_words": ["x"]},
+        {"logit_bias": {1: -50.0}},
+        {"repetition_penalty": 2.0},
+        {"min_tokens": 3},
+    ],
+    ids=lambda fields: next(iter(fields)),
+)
+def test_processors_leave_the_models_logits_and_their_logprobs_as_given(processing):
+    """Each processor writes a copy: the caller's logits and the logprobs (the model's own
+    distribution, vLLM's) are what the model gave, beside a row that changes nothing."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.0, 2.5, 1.0]])
+    given = logits.clone()
+    params = SamplingParams(temperature=0.0, logprobs=4, **processing)
+    processed = row(params, output=[1], prompt=[1], stop_ids=[1])
+    if "bad_words" in processing:  # the word as its token: 1
+        processed = replace(processed, bad_words_token_ids=[[1]])
+    out = Sampler()(logits, [processed, row(SamplingParams(temperature=0.0, logprobs=4))])
+    assert torch.equal(logits, given)
+    assert out.token_ids[0] != 1  # the processor did act: 1 was the argmax
+    for index, entry in enumerate(out.logprobs):
+        expected = torch.log_softmax(given[index], dim=0)
+        assert entry[3] == pytest.approx(expected.sort(descending=True).values.tolist())
+
+
 def test_a_tied_token_ranks_below_its_ties_as_vllm_counts():
     """vLLM's rank: how many tokens have a logprob at least the chosen one's."""
     logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])

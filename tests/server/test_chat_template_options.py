@@ -87,16 +87,16 @@ def test_vllms_api_key_variable_is_read_when_pagedkv_s_is_not_set(monkeypatch) -
 
     from pagedkv.commands import serve
 
-    def default_key() -> str | None:
+    def default_key() -> list[str] | None:  # a list, as vLLM's (several keys may be given)
         parser = argparse.ArgumentParser()
         serve.add_arguments(parser)
         return parser.parse_args([]).api_key
 
     monkeypatch.delenv("PAGEDKV_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
-    assert default_key() == "from-vllm"
+    assert default_key() == ["from-vllm"]
     monkeypatch.setenv("PAGEDKV_API_KEY", "ours")
-    assert default_key() == "ours"
+    assert default_key() == ["ours"]
 
 
 def test_every_served_model_name_is_answered_and_the_first_reported(serve) -> None:

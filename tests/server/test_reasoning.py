@@ -140,3 +140,48 @@ def test_a_past_turns_reasoning_reaches_the_template(server, hf_tokenizer) -> No
         {"messages": [{"role": "user", "content": "x", "reasoning": "y"}]},
     )
     assert refused.status_code == 400
+
+
+def test_only_the_generation_prompt_or_a_continued_reply_opens_a_block(server, plain) -> None:
+    """A user asking about `<think>` opens nothing: the reply splits as one after a prompt
+    without a block (and a grammar is no 400); an assistant message continued after its own
+    `<think>` is continued inside the block."""
+    asking = [{"role": "user", "content": "What is the <think> tag for?"}]
+    text = chat(plain, messages=asking)["choices"][0]["message"]["content"]
+    message = chat(server, messages=asking)["choices"][0]["message"]
+    reasoning, content = rule(text, prompt_open=False)
+    assert (message.get("reasoning"), message["content"]) == (reasoning, content)
+    constrained = {"messages": asking, "structured_outputs": {"regex": "[a-z]{3}"}}
+    assert server.post("/v1/chat/completions", constrained).status_code == 200
+    continued = {
+        "messages": [*MESSAGES, {"role": "assistant", "content": "<think>Two and"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    text = chat(plain, **continued)["choices"][0]["message"]["content"]
+    message = chat(server, **continued)["choices"][0]["message"]
+    reasoning, content = rule(text, prompt_open=True)
+    assert (message.get("reasoning"), message["content"]) == (reasoning, content)
+    refused = {"chat_template": OPENING, "guided_regex": "[a-z]{3}", "messages": MESSAGES}
+    answer = server.post("/v1/chat/completions", refused)
+    assert (answer.status_code, answer.json()["error"]["param"]) == (400, "guided_regex")
+
+
+@pytest.mark.parametrize("template", [None, OPENING], ids=["no-block", "block-opened"])
+def test_streamed_token_ids_add_up_with_the_parser_on(server, template) -> None:
+    fields = {"return_token_ids": True, "ignore_eos": True}
+    fields |= {"chat_template": template} if template else {}
+    whole = chat(server, **fields)["choices"][0]["token_ids"]
+    deltas = []
+    with server.client() as client:
+        chunks = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=MESSAGES,
+            temperature=0.0,
+            max_tokens=12,
+            stream=True,
+            extra_body=fields,
+        )
+        deltas = [chunk.choices[0].model_dump() for chunk in chunks if chunk.choices]
+    streamed = [token for delta in deltas for token in delta.get("token_ids") or []]
+    assert streamed == whole and len(whole) == 12

@@ -1,8 +1,9 @@
 """The reasoning split (`server/reasoning.py`) against its rule written out on the whole text:
-a think block opened by the prompt or by the output's start (after whitespace), reasoning up to
-the first `</think>`, content after it. Streamed, the pieces of any cutting of the output add up
-to the same split, and no tag is ever sent. Texts are drawn from the tags, pieces of them and
-a few characters, so tags cut across pieces, repeated and half-written ones are common."""
+a think block opened by the prompt or by the output's start (after whitespace, the tag
+dropped), reasoning up to the first `</think>`, content after it. Streamed, the pieces of any
+cutting of the output add up to the same split (so the tags that open and close the block are
+never sent). Texts are drawn from the tags, pieces of them and a few characters, so tags cut
+across pieces, repeated and half-written ones are common."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ FRAGMENTS = ("<think>", "</think>", "<", "</", "<thi", "nk>", "</th", "ink>", "a
 
 def rule(text: str, prompt_open: bool) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole output."""
-    if prompt_open:
-        body = text
-    elif text.lstrip().startswith("<think>"):
+    if text.lstrip().startswith("<think>"):
         body = text.lstrip()[len("<think>") :]
+    elif prompt_open:
+        body = text
     else:
         return None, text or None
     if "</think>" in body:
@@ -58,6 +59,7 @@ def test_examples() -> None:
     qwen = "<think>\nAdd them.\n</think>\n\n4"
     assert split_reasoning(qwen, thinking=False) == ("\nAdd them.\n", "\n\n4")
     assert split_reasoning("Add them.\n</think>\n\n4", thinking=True) == ("Add them.\n", "\n\n4")
+    assert split_reasoning("\n<think>Add.</think>4", thinking=True) == ("Add.", "4")
     assert split_reasoning("Still thinking", thinking=True) == ("Still thinking", None)
     assert split_reasoning("4", thinking=False) == (None, "4")
     assert split_reasoning("<think></think>", thinking=False) == ("", None)

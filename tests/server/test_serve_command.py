@@ -76,7 +76,8 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
             f"{url}/v1/chat/completions",
             json={
                 "messages": [{"role": "user", "content": "Hi"}],
-                "chat_template": "{{ messages[0].content }}<think>",
+                "chat_template": "{{ messages[0].content }}"
+                "{% if add_generation_prompt %}<think>{% endif %}",
                 "max_tokens": 3,
                 "ignore_eos": True,
             },

@@ -10,6 +10,7 @@ under a named function, as OpenAI's and vLLM's say.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ from pagedkv.server.serving import (
     token_text,
     top_logprobs,
 )
-from pagedkv.server.structured import structured_outputs
+from pagedkv.server.structured import constraint_fields, structured_outputs
 from pagedkv.server.tools import (
     ToolCallStream,
     parse_output,
@@ -78,15 +79,14 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     prompt = await asyncio.to_thread(render_conversation, context, request)
     thinking = None
     if context.reasoning_parser is not None:
-        text = await asyncio.to_thread(context.tokenizer.decode, prompt, False)
-        thinking = thinking_prompt(text)
+        thinking = await asyncio.to_thread(opens_think_block, context, request)
         if thinking and (constraint or tool_schema) is not None:
             raise APIError(
                 400,
                 "the prompt opens a think block, and structured outputs or a required tool "
                 "call would hold the reasoning to them: the reply would have no content (turn "
                 "thinking off, e.g. chat_template_kwargs enable_thinking: false)",
-                param="response_format" if constraint is not None else "tool_choice",
+                param=constraint_fields(request)[0] if constraint is not None else "tool_choice",
             )
     max_tokens = request.requested_max_tokens()  # None: the room the context leaves
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -115,13 +115,35 @@ def render_conversation(context: ServingContext, request: ChatCompletionRequest)
     `continue_final_message`, `chat_template`, `chat_template_kwargs`, `add_special_tokens`),
     cut to `truncate_prompt_tokens`. The template is the request's, else the server's
     `--chat-template`, else the model's."""
+    text = _rendered(context, request, request.add_generation_prompt)
+    return prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)[0]
+
+
+def opens_think_block(context: ServingContext, request: ChatCompletionRequest) -> bool:
+    """Whether the reply starts inside a think block: what the template adds after the
+    conversation (the generation prompt, DeepSeek-R1's ending in `<think>`), or the assistant
+    message being continued, leaves one open. The conversation itself never counts: a user
+    asking about `<think>` tags opens nothing."""
+    if request.continue_final_message:
+        return thinking_prompt(request.messages[-1].text())
+    if not request.add_generation_prompt:
+        return False
+    whole = _rendered(context, request, add_generation_prompt=True)
+    conversation = _rendered(context, request, add_generation_prompt=False)
+    return thinking_prompt(whole[len(os.path.commonprefix([whole, conversation])) :])
+
+
+def _rendered(
+    context: ServingContext, request: ChatCompletionRequest, add_generation_prompt: bool
+) -> str:
+    """The conversation's text by the chat template, with or without the generation prompt."""
     tokenizer = context.tokenizer
     chat_template = request.chat_template or context.chat_template
     messages, variables = render_messages(request, chat_template or tokenizer.chat_template)
     try:
-        text = tokenizer.render_chat(
+        return tokenizer.render_chat(
             messages,
-            add_generation_prompt=request.add_generation_prompt,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template=chat_template,
             template_kwargs={**(request.chat_template_kwargs or {}), **variables},
@@ -131,7 +153,6 @@ def render_conversation(context: ServingContext, request: ChatCompletionRequest)
         raise APIError(400, str(error), param="messages") from error
     except ValueError as error:  # the two switches asked together
         raise APIError(400, str(error), param="continue_final_message") from error
-    return prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)[0]
 
 
 @dataclass
@@ -224,7 +245,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             message = self._delta(reasoning, content=content, tool_calls=calls or None)
             finish_reason = self._finish_reason(finish_reason, choice.tool_stream.called)
         said = message.content or message.tool_calls or reasoning or finish_reason
-        if self._holding and not (said or self.request.logprobs):
+        if self._holding and not (said or self.request.logprobs or self.request.return_token_ids):
             return None  # text held back until it is known to be what it is
         return ChatChunkChoice(
             index=delta.index,
@@ -237,9 +258,11 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
 
     @staticmethod
     def _delta(reasoning: str, **fields: object) -> ChatDelta:
-        """A chunk's delta: `fields`, and a piece of reasoning under both its names."""
+        """A chunk's delta: `fields`, and a piece of reasoning under both its names (then
+        without an empty content, as vLLM's)."""
         if reasoning:
             fields.update(reasoning=reasoning, reasoning_content=reasoning)
+            fields["content"] = fields.get("content") or None
         return ChatDelta.model_validate(fields)
 
     @property
@@ -267,6 +290,7 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             return message, choice.finish_reason
         parsed = parse_output(self.request, text or "")
         content = self.echoed + (parsed.content or "") if self.echoed else parsed.content
+        content = None if text is None and not self.echoed else content  # all was reasoning
         message = AssistantMessage(
             role=self.role, content=content, tool_calls=parsed.tool_calls or None, **thought
         )

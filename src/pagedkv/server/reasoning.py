@@ -4,11 +4,12 @@ block returned apart from its answer, as the message's `reasoning` (and vLLM's o
 
 One rule for both names vLLM gives it (`deepseek_r1`, `qwen3`), the same for a whole output
 and for one streamed a piece at a time (`ReasoningSplitter`):
-- The model thinks if the prompt left a think block open (its last think tag is `<think>`,
-  as DeepSeek-R1's template and Qwen's thinking-only ones end the generation prompt), or the
-  output starts with `<think>` (after any whitespace; the tag itself is dropped). Otherwise
-  the whole output is content: Qwen3 with `enable_thinking: false`, whose template closes an
-  empty block in the prompt, or a model that does not think.
+- The model thinks if the generation prompt left a think block open (its last think tag is
+  `<think>`, as DeepSeek-R1's template and Qwen's thinking-only ones end it; the conversation
+  before it never counts: `chat.opens_think_block`), or the output starts with `<think>`
+  (after any whitespace; the tag itself is dropped, also after a prompt that opened one).
+  Otherwise the whole output is content: Qwen3 with `enable_thinking: false`, whose template
+  closes an empty block in the generation prompt, or a model that does not think.
 - While it thinks, the text up to the first `</think>` is reasoning and the rest content
   (None when there is none). An output cut off before `</think>` is all reasoning, as vLLM's
   `deepseek_r1` (and `qwen3` since 0.17) return it.
@@ -29,7 +30,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def thinking_prompt(prompt_text: str) -> bool:
-    """Whether a prompt leaves a think block open: its last think tag is `<think>`."""
+    """Whether text leaves a think block open: its last think tag is `<think>`."""
     return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
 
 
@@ -39,12 +40,12 @@ class ReasoningSplitter:
     pieces of every feed add up to the split of the whole output."""
 
     thinking: bool  # in a think block now: at first, whether the prompt left one open
-    decided: bool = field(init=False)  # the prompt or the output's start said whether it is
+    decided: bool = field(default=False, init=False)  # the output's start was read for a tag
     thought: bool = field(init=False)  # whether any of the output was inside a think block
     _held: str = field(default="", init=False)  # not yet known: reasoning, content or a tag
 
     def __post_init__(self) -> None:
-        self.decided = self.thought = self.thinking
+        self.thought = self.thinking
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """This piece's (reasoning, content); `final` with the output's last piece. Text that

@@ -14,22 +14,18 @@ from pagedkv.engine import StructuredOutputsParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import SamplingFields
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older
+
 
 def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
     """The constraint the request's fields ask for; a 400 naming the field if it is malformed."""
     response_format = request.response_format
     wanted = response_format is not None and response_format.type != "text"
     guided = {
-        name: value
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-        if (value := getattr(request, name)) is not None
+        name: value for name in GUIDED_FIELDS if (value := getattr(request, name)) is not None
     }
     fields = request.structured_outputs
-    asked = [
-        name
-        for name, given in (("response_format", wanted), ("structured_outputs", fields))
-        if given
-    ] + list(guided)
+    asked = constraint_fields(request)
     if len(asked) > 1:
         raise APIError(400, f"set one of {', '.join(asked)}, not several", param=asked[-1])
     try:
@@ -51,3 +47,17 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
         return StructuredOutputsParams(json=schema if schema is not None else {})
     except ValueError as error:
         raise APIError(400, str(error), param=asked[0]) from error
+
+
+def constraint_fields(request: SamplingFields) -> list[str]:
+    """The fields of the request that ask for structured outputs (one, unless it errs)."""
+    response_format = request.response_format
+    named = [
+        name
+        for name, given in (
+            ("response_format", response_format is not None and response_format.type != "text"),
+            ("structured_outputs", request.structured_outputs is not None),
+        )
+        if given
+    ]
+    return named + [name for name in GUIDED_FIELDS if getattr(request, name) is not None]

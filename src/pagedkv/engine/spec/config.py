@@ -2,9 +2,9 @@
 
 Two methods, as vLLM names them:
 - "ngram" (prompt lookup): the drafts are the tokens that followed the sequence's last n tokens
-  (n from `prompt_lookup_max` down to `prompt_lookup_min`) where they first occurred earlier in
-  its prompt or output. No second model; input-grounded work (quoting, editing, summarising)
-  accepts many of them.
+  (n from `prompt_lookup_max` down to `prompt_lookup_min`) where they occurred earlier in its
+  prompt or output, in the context most like its own (`ngram.py`). No second model;
+  input-grounded work (quoting, editing, summarising) accepts many of them.
 - "draft_model": a smaller model of the registry with the same vocabulary drafts greedily.
 
 `{"model": "ngram"}` is vLLM's older spelling of the first (and vLLM fills in that model for

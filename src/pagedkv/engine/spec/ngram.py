@@ -39,7 +39,7 @@ MATCH_CONTEXT = 16
 
 
 def propose_ngram(token_ids: array, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to `k` drafts continuing `token_ids` (an int64 array), or none when no suffix of
+    """`k` drafts continuing `token_ids` (an array of ints), or none when no suffix of
     `min_n..max_n` tokens occurs earlier in it."""
     length, size = len(token_ids), token_ids.itemsize
     data = token_ids.tobytes()
@@ -52,7 +52,7 @@ def propose_ngram(token_ids: array, min_n: int, max_n: int, k: int) -> list[int]
     else:
         return []
     if _rfind(data, suffix, (start + n - 1) * size, size) >= 0:  # another one, before it
-        start = _closest_context(np.frombuffer(token_ids, dtype=np.int64), n)
+        start = _closest_context(np.frombuffer(token_ids, dtype=token_ids.typecode), n)
     return _continuation(token_ids, start + n, k)
 
 
