@@ -48,7 +48,8 @@ def engine(engine_zoo) -> LLMEngine:
 def test_vllms_example_loop_ends_with_what_generate_returns(engine, engine_zoo) -> None:
     prompts = [random_prompt(12 + 5 * i, seed=i) for i in range(len(PARAMS))]
     for index, (prompt, params) in enumerate(zip(prompts, PARAMS, strict=True)):
-        engine.add_request(str(index), TokensPrompt(prompt_token_ids=prompt), params)
+        added = engine.add_request(str(index), TokensPrompt(prompt_token_ids=prompt), params)
+        assert added == str(index)  # the id, as vLLM's newer add_request returns it
     finished, seen = {}, {}
     while engine.has_unfinished_requests():
         for output in engine.step():

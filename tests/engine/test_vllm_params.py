@@ -93,6 +93,33 @@ def test_params_changed_after_a_request_is_added_do_not_change_it(llm, plain):
     assert text == plain.text
 
 
+def test_a_clone_edited_in_place_leaves_the_original_alone(llm, plain):
+    """vLLM's clone is a deep copy: appending a stop string to a variant's list must not make
+    the original stop there too."""
+    base = greedy(stop=["never seen"], logit_bias={1: 0.0}, extra_args={"tags": ["a"]})
+    variant = base.clone()
+    variant.stop.append(middle(plain.text))
+    variant.logit_bias[2] = -5.0
+    variant.extra_args["tags"].append("b")
+    assert (base.stop, base.logit_bias, base.extra_args) == (
+        ["never seen"], {1: 0.0}, {"tags": ["a"]},
+    )  # fmt: skip
+    [output] = llm.generate(PROMPT, base, use_tqdm=False)
+    assert output.outputs[0].text == plain.text
+    [output] = llm.generate(PROMPT, variant, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def test_stop_and_bad_words_are_lists_as_vllms_are():
+    """vLLM makes `stop` a list (a string one of one, None an empty one), and `bad_words`
+    too, so ported code may append to them."""
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert (SamplingParams().stop, SamplingParams().bad_words) == ([], [])
+    params = SamplingParams()
+    params.stop.append("y")
+    assert params.clone().stop_strings == ("y",)
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(llm, plain):
     stop = middle(plain.text)
     params = greedy(stop=[stop], include_stop_str_in_output=True)

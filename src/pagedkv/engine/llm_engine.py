@@ -64,10 +64,11 @@ class LLMEngine(Engine):
         *,
         cache_salt: str | None = None,
         beam_search: BeamSearchParams | None = None,
-    ) -> None:
+    ) -> str:
         """vLLM's add_request: a prompt string, token ids or prompt dict (its `cache_salt`
         read); `arrival_time` in time.time() seconds; `tokenization_kwargs` takes
-        `add_special_tokens` for a text prompt. `trace_headers` (tracing) change no output."""
+        `add_special_tokens` for a text prompt. `trace_headers` (tracing) change no output.
+        Returns the request's id, as vLLM's newer ones do."""
         if isinstance(prompt, Mapping):
             cache_salt = prompt.get("cache_salt", cache_salt)
             prompt = as_prompt(prompt)
@@ -95,6 +96,7 @@ class LLMEngine(Engine):
         if text is not None and tokenization_kwargs:
             self._requests[request_id].prompt = text  # reported as given, as vLLM's
         self._metrics.track(request_id, self._requests[request_id].params)
+        return request_id
 
     def step(self) -> list[RequestOutput]:
         """`Engine.step`, its outputs observed by `get_metrics`'s histograms."""

@@ -10,6 +10,7 @@ later changes to the caller's object do not reach the queued request.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import numbers
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 # near-zero number overflows to inf and turns sampling into NaNs.
 MIN_TEMPERATURE = 1e-2
 MAX_N = 1024
+# The fields a caller may edit in place (lists and dicts): `clone` copies them.
+_CONTAINER_FIELDS = (
+    "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "extra_args",
+)  # fmt: skip
 
 
 @dataclass
@@ -81,6 +86,7 @@ class SamplingParams:
         for name in _NUMBER_FIELDS:
             setattr(self, name, _plain_number(getattr(self, name)))
         self.stop_strings = _stop_strings(self.stop)
+        self.stop = list(self.stop_strings)  # a list, as vLLM's (None and a string made one)
         ids = self.stop_token_ids
         self.stop_token_ids = _id_list("stop_token_ids", [] if ids is None else ids)
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
@@ -181,11 +187,15 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
 
     def clone(self) -> SamplingParams:
-        """A checked copy of the fields as they are now (what a request keeps). The older
-        `guided_decoding`, set after construction, is the constraint now, as it was vLLM's."""
+        """A checked copy of the fields as they are now (what a request keeps), its lists and
+        dicts copied too: editing them leaves these alone, as vLLM's deep copy does (the
+        structured-outputs constraint, read only, is shared: a schema may nest past the stack a
+        deep copy needs). The older `guided_decoding`, set after construction, is the
+        constraint now, as it was vLLM's."""
+        copies = {name: copy.deepcopy(getattr(self, name)) for name in _CONTAINER_FIELDS}
         if self.guided_decoding is not None:
-            return replace(self, structured_outputs=self.guided_decoding, guided_decoding=None)
-        return replace(self)
+            copies.update(structured_outputs=self.guided_decoding, guided_decoding=None)
+        return replace(self, **copies)
 
     @property
     def greedy(self) -> bool:
@@ -219,9 +229,9 @@ def _logit_bias(logit_bias: object) -> dict[int, float] | None:
     return {token_id: float(bias) for token_id, bias in logit_bias.items()}
 
 
-def _bad_words(bad_words: object) -> list[str] | None:
+def _bad_words(bad_words: object) -> list[str]:
     if bad_words is None:
-        return None
+        return []
     if not isinstance(bad_words, list | tuple) or not all(isinstance(w, str) for w in bad_words):
         raise ValueError(f"bad_words must be a list of strings, got {bad_words!r}")
     for word in bad_words:
