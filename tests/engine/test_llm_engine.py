@@ -120,3 +120,22 @@ def test_engine_add_request_names_where_prompt_dicts_go(engine_zoo) -> None:
 
     with pytest.raises(TypeError, match="LLMEngine's and LLM's forms"):
         make_engine(engine_zoo, "llama").add_request("a", {"prompt": "Hi"})
+
+
+def test_a_tokens_prompt_reports_its_text_and_bad_arguments_are_named(engine, engine_zoo) -> None:
+    """vLLM's TokensPrompt may carry the text its ids stand for: outputs report it, through
+    LLMEngine and LLM alike; a request id that is no string, or params that are no
+    SamplingParams, are TypeErrors naming them."""
+    prompt = {"prompt_token_ids": random_prompt(6, seed=9), "prompt": "the text"}
+    engine.add_request("texted", prompt, SamplingParams(max_tokens=2))
+    reported = set()
+    while engine.has_unfinished_requests():
+        reported |= {output.prompt for output in engine.step()}
+    assert reported == {"the text"}
+    with pytest.raises(TypeError, match="request_id must be a string"):
+        engine.add_request(7, "hi", SamplingParams(max_tokens=1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        engine.add_request("p", "hi", "greedy")  # type: ignore[arg-type]
+    llm = make_llm(engine_zoo, "llama")
+    [one, two] = llm.generate([prompt, "words"], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert (one.prompt, two.prompt) == ("the text", "words")

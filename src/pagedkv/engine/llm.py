@@ -106,10 +106,8 @@ class LLM:
         for every prompt, or one (or None) per prompt; it needs `enable_lora=True`.
         `tokenization_kwargs` (vLLM's) takes `add_special_tokens` for text prompts.
         """
-        prompt_list, salts = as_prompts(prompts)
-        texts = None
+        prompt_list, salts, texts = as_prompts(prompts)
         if tokenization_kwargs:
-            texts = [prompt if isinstance(prompt, str) else None for prompt in prompt_list]
             prompt_list = self._encoded(prompt_list, tokenization_kwargs)
         params = self._params_or_defaults(sampling_params, len(prompt_list))
         priorities = _priority_per_prompt(priority, len(prompt_list))
@@ -149,7 +147,7 @@ class LLM:
             raise ValueError(
                 f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}"
             )
-        prompt_list, salts = as_prompts(prompts)
+        prompt_list, salts, _ = as_prompts(prompts)
         loras = _lora_per_prompt(lora_request, len(prompt_list))
         # The EOS stays in the tokens, as vLLM's `LLM.beam_search` keeps it.
         whole = replace(params, include_stop_str_in_output=True)
@@ -249,8 +247,9 @@ class LLM:
         """Add the prompts, each with its `Engine.add_request` keywords (`options`), step
         until all finish, return whole outputs in order.
 
-        `texts` are the prompts as text where they are given as ids (chat's rendered
-        conversations), reported as `RequestOutput.prompt` as vLLM does.
+        `texts` are the prompts as text, also where they are given as ids (chat's rendered
+        conversations, a TokensPrompt's `prompt`), reported as `RequestOutput.prompt` as vLLM
+        does.
         """
         engine = self.engine
         request_ids = [str(next(self._request_ids)) for _ in prompts]

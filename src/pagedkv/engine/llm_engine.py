@@ -27,7 +27,7 @@ from pagedkv.engine.metrics import vllm_metrics
 from pagedkv.engine.metrics_reader import Metric, read_metrics
 from pagedkv.engine.outputs import RequestOutput, RequestOutputKind
 from pagedkv.engine.params import SamplingParams
-from pagedkv.engine.prompts import PromptDict, as_prompt
+from pagedkv.engine.prompts import PromptDict, as_prompt, prompt_text
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.weights.load import LoadedModel
 
@@ -69,6 +69,11 @@ class LLMEngine(Engine):
         read); `arrival_time` in time.time() seconds; `tokenization_kwargs` takes
         `add_special_tokens` for a text prompt. `trace_headers` (tracing) change no output.
         Returns the request's id, as vLLM's newer ones do."""
+        if not isinstance(request_id, str):  # vLLM's check: ids are reported back as strings
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        given_text = prompt_text(prompt)  # a TokensPrompt's text too, reported as given
         if isinstance(prompt, Mapping):
             cache_salt = prompt.get("cache_salt", cache_salt)
             prompt = as_prompt(prompt)
@@ -93,8 +98,8 @@ class LLMEngine(Engine):
             beam_search=beam_search,
             lora_request=lora_request,
         )
-        if text is not None and tokenization_kwargs:
-            self._requests[request_id].prompt = text  # reported as given, as vLLM's
+        if given_text is not None:
+            self._requests[request_id].prompt = given_text  # reported as given, as vLLM's
         self._metrics.track(request_id, self._requests[request_id].params)
         return request_id
 

@@ -41,9 +41,10 @@ class TokensPrompt(_Tokens, total=False):
 
 def as_prompts(
     prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
-) -> tuple[list[Prompt], list[str | None]]:
-    """The prompts as text or token ids, and each one's cache salt (a prompt dict's
-    `"cache_salt"`, else None); a TypeError names the first prompt that is neither."""
+) -> tuple[list[Prompt], list[str | None], list[str | None]]:
+    """The prompts as text or token ids, each one's cache salt (a prompt dict's
+    `"cache_salt"`, else None) and each one's text as outputs report it (`prompt_text`); a
+    TypeError names the first prompt that is neither."""
     if isinstance(prompts, str | Mapping):
         items = [prompts]
     elif not is_sequence(prompts):
@@ -53,7 +54,17 @@ def as_prompts(
         if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
             items = [items]  # one prompt given as token ids
     salts = [item.get("cache_salt") if isinstance(item, Mapping) else None for item in items]
-    return [as_prompt(item) for item in items], salts
+    return [as_prompt(item) for item in items], salts, [prompt_text(item) for item in items]
+
+
+def prompt_text(prompt: object) -> str | None:
+    """A prompt's text as its output reports it: a text prompt's own, or the `"prompt"` a
+    dict gives beside its token ids (vLLM's TokensPrompt, "the text the ids stand for")."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
 
 
 def as_prompt(prompt: object) -> Prompt:
