@@ -43,7 +43,7 @@ def chat(server: RunningServer, **fields: Any) -> dict[str, Any]:
 
 
 def streamed(server: RunningServer, **fields: Any) -> list[dict[str, Any]]:
-    """The deltas of a streamed chat completion, in order."""
+    """The choices of a streamed chat completion's chunks (each with its delta), in order."""
     with server.client() as client:
         chunks = client.chat.completions.create(
             model=client.models.list().data[0].id,
@@ -53,11 +53,11 @@ def streamed(server: RunningServer, **fields: Any) -> list[dict[str, Any]]:
             stream=True,
             extra_body=fields,
         )
-        return [chunk.choices[0].delta.model_dump() for chunk in chunks if chunk.choices]
+        return [chunk.choices[0].model_dump() for chunk in chunks if chunk.choices]
 
 
-def joined(deltas: list[dict[str, Any]], name: str) -> str | None:
-    pieces = [delta.get(name) for delta in deltas if delta.get(name) is not None]
+def joined(choices: list[dict[str, Any]], name: str) -> str | None:
+    pieces = [c["delta"].get(name) for c in choices if c["delta"].get(name) is not None]
     return "".join(pieces) if pieces else None
 
 
@@ -82,7 +82,7 @@ def test_a_think_block_the_model_writes_comes_back_apart(server, stream) -> None
     raw = chat(server, **fields) if not stream else None
     if stream:
         deltas = streamed(server, **fields)
-        assert not any("think>" in str(delta.get(k)) for delta in deltas for k in delta)
+        assert not any("think>" in str(value) for c in deltas for value in c["delta"].values())
         reasoning, content = joined(deltas, "reasoning"), joined(deltas, "content")
     else:
         assert raw is not None
@@ -172,16 +172,6 @@ def test_streamed_token_ids_add_up_with_the_parser_on(server, template) -> None:
     fields = {"return_token_ids": True, "ignore_eos": True}
     fields |= {"chat_template": template} if template else {}
     whole = chat(server, **fields)["choices"][0]["token_ids"]
-    deltas = []
-    with server.client() as client:
-        chunks = client.chat.completions.create(
-            model=client.models.list().data[0].id,
-            messages=MESSAGES,
-            temperature=0.0,
-            max_tokens=12,
-            stream=True,
-            extra_body=fields,
-        )
-        deltas = [chunk.choices[0].model_dump() for chunk in chunks if chunk.choices]
-    streamed = [token for delta in deltas for token in delta.get("token_ids") or []]
-    assert streamed == whole and len(whole) == 12
+    deltas = streamed(server, **fields)
+    ids = [token for choice in deltas for token in choice.get("token_ids") or []]
+    assert ids == whole and len(whole) == 12
