@@ -392,3 +392,22 @@ def test_per_request_logits_processors_are_refused_as_vllms_v1_refuses_them():
     assert greedy(logits_processors=[]).max_tokens == MAX_TOKENS
     with pytest.raises(ValueError, match="logits_processors are not supported per request"):
         greedy(logits_processors=[lambda token_ids, logits: logits])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_settings_that_mask_every_token_end_the_sample_as_abort(llm, plain, temperature, caplog):
+    """allowed_token_ids that are all stop ids, before min_tokens lets them stop: nothing may
+    be sampled, so the sample ends with "abort" and no text (no token the settings forbid is
+    drawn and shown), named in the log; a request beside it runs as alone."""
+    import logging
+
+    token = plain.token_ids[0]
+    exclusive = greedy(
+        temperature=temperature, seed=3, allowed_token_ids=[token], stop_token_ids=[token],
+        min_tokens=2,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="pagedkv.engine.stops"):
+        masked, beside = llm.generate([PROMPT, PROMPT], [exclusive, greedy()], use_tqdm=False)
+    assert masked.outputs[0].finish_reason == "abort" and masked.outputs[0].text == ""
+    assert "masked every token" in caplog.text
+    assert beside.outputs[0].text == plain.text

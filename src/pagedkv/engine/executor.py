@@ -112,7 +112,7 @@ class StepExecutor:
             for position in range(row, row + num_rows):
                 token_id, logprobs = sampled.token_ids[position], sampled.logprobs[position]
                 entry = None if logprobs is None else logprob_entry(tokenizer, token_id, logprobs)
-                tokens.append(SampledToken(token_id, entry))
+                tokens.append(SampledToken(token_id, entry, sampled.exhausted[position]))
                 if not sampled.drafts_kept[position]:  # a draft refused, or the last row
                     break
             result.sampled[seq.seq_id] = tokens

@@ -11,7 +11,9 @@ tokens can complete); then a structured output's grammar that is
 complete (it would allow only EOS: vLLM's finished FSM; before min_tokens too, since nothing
 else could be sampled); then `max_tokens` (which the engine cut to the room the context
 leaves). A token the grammar refuses (the request's other constraints masked everything it
-allows) ends the sample first, with finish_reason "abort" and without its text.
+allows) ends the sample first, with finish_reason "abort" and without its text, and so
+does a token drawn where the sample's own settings masked every token (`Sampler`'s
+`exhausted`).
 While stop strings are set and excluded from the output, the last `len(longest) - 1`
 characters are held back from streaming, since they may still turn out to be the start of a
 stop string. (With the string included nothing is held back: all text up to its end is
@@ -93,6 +95,15 @@ def append_sampled(request: Request, seq: Sequence, sampled: list[SampledToken])
         if token.logprobs is not None:
             seq.new_logprobs.append(token.logprobs)
             seq.cumulative_logprob += token.logprobs[token_id].logprob
+        if token.exhausted:
+            logger.warning(
+                "request %s: its settings masked every token (allowed_token_ids, bad_words, "
+                "min_tokens or logit_bias exclude each other): the sample ends with "
+                "finish_reason 'abort'",
+                request.request_id,
+            )
+            _finish(seq, "abort", None)
+            return count
         apply_stops(request, seq, token_id)
         if seq.finished:
             return count

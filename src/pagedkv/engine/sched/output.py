@@ -22,6 +22,7 @@ class SampledToken:
 
     token_id: int
     logprobs: TokenLogprobs | None = None
+    exhausted: bool = False  # the sample's settings allowed no token: this one means nothing
 
 
 @dataclass
