@@ -164,9 +164,20 @@ speculative_config: {method: ngram, num_speculative_tokens: 3}
     # the command line wins, wherever it stands; a positional model still wins over --model
     read = config_args("serve", config, ["/other", "--max_num_seqs=4"], tmp_path)
     assert (read["max_num_seqs"], read["model_tag"], read["model"]) == (4, "/other", "/models/x")
-    # a repeatable option takes a list as repeats
-    read = config_args("generate", "stop: [x, y]\nprompt: hi\n", [], tmp_path)
-    assert (read["stop"], read["prompt"]) == (["x", "y"], "hi")
+    # a repeatable option takes a list as repeats; values may start with a dash
+    read = config_args("generate", "stop: [x, '-y']\nprompt: '-q'\n", [], tmp_path)
+    assert (read["stop"], read["prompt"]) == (["x", "-y"], "-q")
+    # a one-value option takes a list as its JSON (vLLM's JSON flags), never spilling into the
+    # positional model; null and an empty list leave the option out
+    config = "allowed_origins: ['https://ui.example']\nhost: [a, b]\napi_key: null\n"
+    read = config_args("serve", config + "served_model_name: []\n", [], tmp_path)
+    typed = vars(serve_args(["--allowed-origins", '["https://ui.example"]']))
+    assert read["allowed_origins"] == typed["allowed_origins"]
+    assert (read["host"], read["model_tag"]) == ('["a", "b"]', None)
+    assert (read["api_key"], read["served_model_name"]) == (typed["api_key"], None)
+    # the file's options come before a typed "--", which ends the options
+    read = config_args("perplexity", "max_windows: 2\n", ["--", "-file.txt"], tmp_path)
+    assert (read["max_windows"], str(read["file"])) == (2, "-file.txt")
 
 
 @pytest.mark.parametrize(

@@ -89,9 +89,12 @@ def vllm_spellings(argv: list[str]) -> list[str]:
 
 def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`argv` (the command first) with its `--config FILE` replaced by the file's options, as
-    vLLM's parser reads a config: `key: value` is `--key value`, true a flag given, false
-    `--no-key` where there is one (else the flag left out), a list its values, a mapping its
-    JSON. An option also given on the command line keeps the command line's value."""
+    vLLM's parser reads a config: `key: value` is `--key=value`; true a flag given, false
+    `--no-key` where there is one (else the flag left out); a list the values of an option
+    that takes several (repeats of a repeatable one), a list or mapping the JSON of one that
+    takes one value (`speculative_config`, `allowed_origins`); null or an empty list leaves
+    the option out. An option also typed on the command line, under the same name, keeps the
+    typed value."""
     command, rest = argv[0], argv[1:]
     names = [arg.partition("=")[0] for arg in rest]
     if "--config" not in names:
@@ -116,21 +119,38 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
         action = options.get(name) or (options.get(negated) if value is False else None)
         if action is None or name == "--config":
             parser.error(f"--config {path}: {key!r} is not an option of this command")
-        if action.dest in given:
+        if action.dest in given or value is None or value == []:
             continue
-        if action.nargs == 0:  # a flag
-            if not isinstance(value, bool):
-                parser.error(f"--config {path}: {key!r} is a flag: give true or false")
-            added += [name] if value else ([negated] if negated in options else [])
-        elif isinstance(value, list) and isinstance(action, argparse._AppendAction):
-            added += [part for item in value for part in (name, str(item))]  # repeated
-        elif isinstance(value, list):
-            added += [name, *map(str, value)]
-        elif isinstance(value, dict):
-            added += [name, json.dumps(value)]
-        else:
-            added += [name, str(value).lower() if isinstance(value, bool) else str(value)]
-    return vllm_spellings([command, *rest, *added])
+        added += _config_tokens(action, name, negated in options, value, path, parser)
+    end = rest.index("--") if "--" in rest else len(rest)  # options before a typed "--"
+    return [command, *rest[:end], *vllm_spellings(added), *rest[end:]]
+
+
+def _config_tokens(
+    action: argparse.Action,
+    name: str,
+    negatable: bool,
+    value: object,
+    path: str,
+    parser: argparse.ArgumentParser,
+) -> list[str]:
+    """The command-line tokens of one config entry (`with_config`)."""
+
+    def text(item: object) -> str:
+        if isinstance(item, dict | list):
+            return json.dumps(item)
+        return str(item).lower() if isinstance(item, bool) else str(item)
+
+    if action.nargs == 0:  # a flag
+        if not isinstance(value, bool):
+            parser.error(f"--config {path}: {name[2:]!r} is a flag: give true or false")
+        return [name] if value else (["--no-" + name[2:]] if negatable else [])
+    items = value if isinstance(value, list) else [value]
+    if isinstance(action, argparse._AppendAction):
+        return [f"{name}={text(item)}" for item in items]  # repeated
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [name, *map(text, items)]
+    return [f"{name}={text(value)}"]  # one value, even one that starts with "-"
 
 
 def _read_config(path: str, parser: argparse.ArgumentParser) -> dict:

@@ -108,6 +108,11 @@ def test_a_clone_edited_in_place_leaves_the_original_alone(llm, plain):
     assert output.outputs[0].text == plain.text
     [output] = llm.generate(PROMPT, variant, use_tqdm=False)
     assert output.outputs[0].finish_reason == "stop"
+    # vLLM's skip_clone: extra_args that cannot be copied (a lock) are shared, not copied
+    import threading
+
+    lock = threading.Lock()
+    assert greedy(extra_args={"lock": lock}, skip_clone=True).clone().extra_args["lock"] is lock
 
 
 def test_stop_and_bad_words_are_lists_as_vllms_are():

@@ -185,7 +185,12 @@ def test_any_of_several_api_keys_is_accepted(serve, model_name: str) -> None:
             assert http.post("/v1/completions", json=body, headers=headers).status_code == status
         bare = {"Authorization": "Bearer"}  # the empty key: never one
         assert http.post("/v1/completions", json=body, headers=bare).status_code == 401
-    assert serve_args(["--api-key", "first", "second"]).api_key == ["first", "second"]
+    # repeated, as one value each: a model typed after a key is never taken for a second key
+    typed = serve_args(["--api-key", "first", "--api-key=second", "/models/m"])
+    assert (typed.api_key, typed.model_tag) == (["first", "second"], "/models/m")
+    for empty in ("", "  "):  # an unset variable in a script: refused, not an open server
+        with pytest.raises(SystemExit):
+            serve_args(["--api-key", empty])
 
 
 def test_page_map_stream_needs_the_key_and_starts_with_a_full_frame(server: RunningServer) -> None:

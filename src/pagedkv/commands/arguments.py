@@ -138,3 +138,21 @@ def engine_flags_given(
         if field.name not in keep
         and getattr(args, field.name) != defaults.get(field.name, field.default)
     ]
+
+
+class KeysAction(argparse.Action):
+    """`--api-key KEY`, repeatable: the keys typed replace the environment's default, and an
+    empty or blank key (an unset variable in a script) is refused, never an open server."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        value: object,
+        option_string: str | None = None,
+    ) -> None:
+        if not str(value).strip():
+            parser.error(f"{option_string}: a key must not be empty")
+        keys = getattr(namespace, self.dest)
+        keys = [] if keys is None or keys is self.default else keys
+        setattr(namespace, self.dest, [*keys, value])

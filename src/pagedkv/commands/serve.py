@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedkv.commands.arguments import (
+    KeysAction,
     non_negative_float,
     port,
     positive_float,
@@ -59,11 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     environment_key = os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV)
     server.add_argument(
         "--api-key",
-        nargs="+",
+        action=KeysAction,
         metavar="KEY",
         default=[environment_key] if environment_key else None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes, one of the keys given, as "
-        f"vLLM's (default: ${API_KEY_ENV}, else vLLM's ${VLLM_API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' on /v1 routes; repeat it for several keys, "
+        f"any one accepted (vLLM's list) (default: ${API_KEY_ENV}, else vLLM's "
+        f"${VLLM_API_KEY_ENV})",
     )
     server.add_argument(
         "--ssl-certfile",

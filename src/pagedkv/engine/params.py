@@ -27,10 +27,6 @@ logger = logging.getLogger(__name__)
 # near-zero number overflows to inf and turns sampling into NaNs.
 MIN_TEMPERATURE = 1e-2
 MAX_N = 1024
-# The fields a caller may edit in place (lists and dicts): `clone` copies them.
-_CONTAINER_FIELDS = (
-    "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "extra_args",
-)  # fmt: skip
 
 
 @dataclass
@@ -77,8 +73,7 @@ class SamplingParams:
     # engine reports, `Engine.step` deltas and `LLMEngine.step` (vLLM's) CUMULATIVE, vLLM's
     # default; `LLM.generate` returns whole outputs whatever it says.
     output_kind: RequestOutputKind | None = None
-    # vLLM's: a shallow copy where a deep one would be slow. A request's params are copied
-    # once when it is added, cheaply, so this changes nothing; accepted so vLLM code runs.
+    # vLLM's: no deep copy of extra_args when a request's params are copied (`clone`).
     skip_clone: bool = False
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
@@ -187,12 +182,15 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
 
     def clone(self) -> SamplingParams:
-        """A checked copy of the fields as they are now (what a request keeps), its lists and
-        dicts copied too: editing them leaves these alone, as vLLM's deep copy does (the
-        structured-outputs constraint, read only, is shared: a schema may nest past the stack a
-        deep copy needs). The older `guided_decoding`, set after construction, is the
-        constraint now, as it was vLLM's."""
-        copies = {name: copy.deepcopy(getattr(self, name)) for name in _CONTAINER_FIELDS}
+        """A checked copy of the fields as they are now (what a request keeps). Checking builds
+        its lists and dicts anew (stop, stop ids, logit bias, allowed ids, bad words), so
+        editing them leaves these alone, as vLLM's deep copy does; `extra_args` is deep-copied
+        too, unless `skip_clone` (vLLM's). The structured-outputs constraint, read only, is
+        shared. The older `guided_decoding`, set after construction, is the constraint now,
+        as it was vLLM's."""
+        copies: dict[str, Any] = {}
+        if not self.skip_clone:
+            copies["extra_args"] = copy.deepcopy(self.extra_args)
         if self.guided_decoding is not None:
             copies.update(structured_outputs=self.guided_decoding, guided_decoding=None)
         return replace(self, **copies)
