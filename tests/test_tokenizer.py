@@ -162,6 +162,17 @@ def test_hugging_face_call_forms_give_what_transformers_gives(folder, hf_tokeniz
             ids, skip_special_tokens=skip
         )
     assert tokenizer.eos_token_id == hf_tokenizer.eos_token_id == 2
+    for each in TEXTS:  # tokens of a text and back, and one id's text
+        tokens = tokenizer.tokenize(each)
+        assert tokens == hf_tokenizer.tokenize(each)
+        assert tokenizer.convert_tokens_to_string(tokens) == (
+            hf_tokenizer.convert_tokens_to_string(tokens)
+        )
+    for token_id in (ids[1], 2):
+        for skip in (True, False):
+            assert tokenizer.decode(token_id, skip_special_tokens=skip) == hf_tokenizer.decode(
+                token_id, skip_special_tokens=skip
+            )
     assert tokenizer.apply_chat_template(
         CONVERSATION, tokenize=False, add_generation_prompt=True
     ) == hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)

@@ -7,11 +7,13 @@ tokenizer_config.json or `chat_template.jinja` and is rendered as transformers r
 each message's content in vLLM's content format (chat_template.py).
 
 The calls users make on a transformers tokenizer (`encode`, `decode`, `batch_decode`,
-`convert_ids_to_tokens`, `convert_tokens_to_ids`, `get_vocab`, `len()`, the special tokens and
-their ids, `apply_chat_template`) work here with
+`tokenize`, `convert_ids_to_tokens`, `convert_tokens_to_ids`, `convert_tokens_to_string`,
+`get_vocab`, `len()`, the special tokens and their ids, `apply_chat_template`) work here with
 transformers' keywords, since `LLM.get_tokenizer()` returns this object. `decode` skips
 special tokens (the engine's default); `apply_chat_template` has transformers 4's defaults
 (token ids, no generation prompt), which the code written for vLLM's tokenizer assumes.
+Past 400 lines as one module: it is that surface, a method a call, over one `tokenizers`
+object and the model folder's files.
 """
 
 from __future__ import annotations
@@ -125,9 +127,19 @@ class Tokenizer:
         batch = [self.encode(each, add_special_tokens) for each in text]
         return Encoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `token_ids`."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids` (one id or several, as transformers takes them)."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """The vocabulary entries `text` encodes to (transformers' call and default)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        """The text of vocabulary entries, as the tokenizer's decoder joins them."""
+        decoder = self.tokenizer.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
 
     def batch_decode(
         self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True
