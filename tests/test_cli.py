@@ -197,6 +197,12 @@ def test_a_bad_config_file_is_named(tmp_path: Path, capsys, config, argv, messag
     assert message in capsys.readouterr().err
 
 
+def test_help_lists_config_and_reads_no_file(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--config", str(tmp_path / "none.yaml"), "--help"])
+    assert exit.value.code == 0 and "--config FILE" in capsys.readouterr().out
+
+
 def test_main_reads_a_config_file_and_names_a_missing_one(tmp_path: Path, capsys) -> None:
     path = tmp_path / "engine.yaml"
     path.write_text("num_gpu_blocks: 0\nprompt: hi\n")

@@ -97,7 +97,7 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     typed value."""
     command, rest = argv[0], argv[1:]
     names = [arg.partition("=")[0] for arg in rest]
-    if "--config" not in names:
+    if "--config" not in names or "-h" in names or "--help" in names:  # help reads no file
         return argv
     if names.count("--config") > 1:
         parser.error("--config is given more than once")
