@@ -156,6 +156,24 @@ def test_tokenization_kwargs_encode_text_prompts_as_told(llm):
         llm.generate([bare], GREEDY, tokenization_kwargs={"truncation": True})
 
 
+def test_chat_takes_tokenization_kwargs_as_vllms_does(llm):
+    """vLLM's `LLM.chat(tokenization_kwargs=...)`: the rendered text is encoded without
+    special tokens unless `add_special_tokens` is true, when the tokenizer's BOS leads it."""
+    tokenizer = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "Hi"}]
+    [plain] = llm.chat(conversation, GREEDY, use_tqdm=False)
+    [same] = llm.chat(conversation, GREEDY, use_tqdm=False, tokenization_kwargs={})
+    [bos] = llm.chat(
+        conversation, GREEDY, use_tqdm=False, tokenization_kwargs={"add_special_tokens": True}
+    )
+    assert plain.prompt_token_ids == same.prompt_token_ids
+    assert plain.prompt_token_ids == tokenizer.encode(plain.prompt, add_special_tokens=False)
+    assert bos.prompt_token_ids == tokenizer.encode(plain.prompt, add_special_tokens=True)
+    assert bos.prompt_token_ids != plain.prompt_token_ids
+    with pytest.raises(ValueError, match="add_special_tokens only"):
+        llm.chat(conversation, GREEDY, tokenization_kwargs={"truncation": True})
+
+
 def test_detokenize_false_gives_the_same_tokens_without_text(llm):
     """vLLM's `detokenize=False`: the same token ids and logprobs, no text, and logprob entries
     whose decoded_token is None (with text, each is its token decoded alone)."""

@@ -194,6 +194,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation or several, each rendered with the model's chat template
         (or `chat_template`, given `chat_template_kwargs` as extra variables), as vLLM's.
@@ -206,7 +207,12 @@ class LLM:
         is vLLM's: a message's content reaches the template as one string ("string": text
         parts joined by newlines) or as a list of text parts ("openai"); "auto" picks "openai"
         for a template that loops over a message's content, as vLLM detects it.
+        `tokenization_kwargs` (vLLM's) takes `add_special_tokens` for the rendered text
+        (default False: the template places its special tokens).
         """
+        add_special = special_tokens_flag(
+            {"add_special_tokens": False, **(tokenization_kwargs or {})}
+        )
         if not is_sequence(messages):
             raise TypeError(
                 "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of "
@@ -228,8 +234,11 @@ class LLM:
             )
             for conversation in conversations
         ]
-        # The template places any BOS itself, so the text is encoded without special tokens.
-        prompts: list[Prompt] = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        # The template places any BOS itself, so the text is encoded without special tokens
+        # unless asked.
+        prompts: list[Prompt] = [
+            tokenizer.encode(text, add_special_tokens=add_special) for text in texts
+        ]
         params = self._params_or_defaults(sampling_params, len(prompts))
         loras = _lora_per_prompt(lora_request, len(prompts))
         options = [
