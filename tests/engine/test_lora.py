@@ -120,6 +120,7 @@ def test_a_batch_mixing_three_adapters_and_base_requests(engine_zoo, adapters, n
         assert list(alone.outputs[0].token_ids) == tokens
         assert alone.outputs[0].cumulative_logprob == output.outputs[0].cumulative_logprob
         assert output.lora_request is lora and alone.lora_request is lora  # vLLM's field
+        assert output.outputs[0].lora_request is lora  # and its CompletionOutput's
 
 
 def test_a_draft_model_leaves_adapter_outputs_unchanged(engine_zoo, adapters):

@@ -403,6 +403,8 @@ class Engine:
             outputs = take_outputs(request)
         else:
             outputs = request.beam.answer(self.tokenizer, request.params.skip_special_tokens)
+        for output in outputs:  # vLLM's CompletionOutput names the adapter too
+            output.lora_request = request.lora_request
         prompt_logprobs = None
         scored = len(request.prompt_logprobs) == len(request.prompt_token_ids)
         if request.scores_prompt and scored and not request.prompt_logprobs_reported:

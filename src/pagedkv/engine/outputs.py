@@ -53,6 +53,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's)
 
     def finished(self) -> bool:
         """True once the sample has a finish reason (a method, as vLLM's is)."""
@@ -111,7 +112,9 @@ def accumulate(whole: RequestOutput, delta: RequestOutput) -> None:
     for piece in delta.outputs:
         output = by_index.get(piece.index)
         if output is None:
-            output = CompletionOutput(index=piece.index, text="", token_ids=[])
+            output = CompletionOutput(
+                index=piece.index, text="", token_ids=[], lora_request=piece.lora_request
+            )
             if piece.logprobs is not None:
                 output.logprobs = []
             by_index[piece.index] = output
