@@ -121,7 +121,8 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
             parser.error(f"--config {path}: {key!r} is not an option of this command")
         if action.dest in given or value is None or value == []:
             continue
-        added += _config_tokens(action, name, negated in options, value, path, parser)
+        negation = negated if negated in options else None
+        added += _config_tokens(action, name, negation, value, path, parser)
     end = rest.index("--") if "--" in rest else len(rest)  # options before a typed "--"
     return [command, *rest[:end], *vllm_spellings(added), *rest[end:]]
 
@@ -129,7 +130,7 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
 def _config_tokens(
     action: argparse.Action,
     name: str,
-    negatable: bool,
+    negation: str | None,
     value: object,
     path: str,
     parser: argparse.ArgumentParser,
@@ -144,7 +145,7 @@ def _config_tokens(
     if action.nargs == 0:  # a flag
         if not isinstance(value, bool):
             parser.error(f"--config {path}: {name[2:]!r} is a flag: give true or false")
-        return [name] if value else (["--no-" + name[2:]] if negatable else [])
+        return [name] if value else ([negation] if negation else [])
     items = value if isinstance(value, list) else [value]
     if isinstance(action, argparse._AppendAction):
         return [f"{name}={text(item)}" for item in items]  # repeated

@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.host not in LOOPBACK_ADDRESSES and not any(args.api_key or ()):
+    if args.host not in LOOPBACK_ADDRESSES and not args.api_key:  # (keys are never empty)
         print(f"warning: serving on {args.host} without --api-key", file=sys.stderr)
     if args.lora_modules and not args.enable_lora:
         print("pagedkv serve: error: --lora-modules needs --enable-lora", file=sys.stderr)

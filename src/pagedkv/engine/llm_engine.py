@@ -77,11 +77,10 @@ class LLMEngine(Engine):
         if isinstance(prompt, Mapping):
             cache_salt = prompt.get("cache_salt", cache_salt)
             prompt = as_prompt(prompt)
-        text = prompt if isinstance(prompt, str) else None
         if tokenization_kwargs:  # checked whatever the prompt; it changes only a text's ids
             add = special_tokens_flag(tokenization_kwargs)
-            if text is not None:
-                prompt = self.tokenizer.encode(text, add_special_tokens=add)
+            if isinstance(prompt, str):
+                prompt = self.tokenizer.encode(prompt, add_special_tokens=add)
         params = params if params is not None else self.default_sampling_params()
         if params.output_kind is None:
             params = params.clone()

@@ -76,10 +76,10 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
             "it cannot also follow response_format or structured_outputs",
             param="tool_choice",
         )
-    prompt = await asyncio.to_thread(render_conversation, context, request)
+    text, prompt = await asyncio.to_thread(render_conversation, context, request)
     thinking = None
     if context.reasoning_parser is not None:
-        thinking = await asyncio.to_thread(opens_think_block, context, request)
+        thinking = await asyncio.to_thread(opens_think_block, context, request, text)
         if thinking and (constraint or tool_schema) is not None:
             raise APIError(
                 400,
@@ -109,28 +109,31 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     return await completion.respond(raw)
 
 
-def render_conversation(context: ServingContext, request: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation (and tools) plus the assistant's generation prompt, as
-    the request's template switches say (vLLM's `add_generation_prompt`,
+def render_conversation(
+    context: ServingContext, request: ChatCompletionRequest
+) -> tuple[str, list[int]]:
+    """The text and token ids of the conversation (and tools) plus the assistant's generation
+    prompt, as the request's template switches say (vLLM's `add_generation_prompt`,
     `continue_final_message`, `chat_template`, `chat_template_kwargs`, `add_special_tokens`),
-    cut to `truncate_prompt_tokens`. The template is the request's, else the server's
+    the ids cut to `truncate_prompt_tokens`. The template is the request's, else the server's
     `--chat-template`, else the model's."""
     text = _rendered(context, request, request.add_generation_prompt)
-    return prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)[0]
+    ids = prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)
+    return text, ids[0]
 
 
-def opens_think_block(context: ServingContext, request: ChatCompletionRequest) -> bool:
+def opens_think_block(context: ServingContext, request: ChatCompletionRequest, text: str) -> bool:
     """Whether the reply starts inside a think block: what the template adds after the
     conversation (the generation prompt, DeepSeek-R1's ending in `<think>`), or the assistant
-    message being continued, leaves one open. The conversation itself never counts: a user
-    asking about `<think>` tags opens nothing."""
+    message being continued, leaves one open. `text` is the rendered prompt
+    (`render_conversation`). The conversation itself never counts: a user asking about
+    `<think>` tags opens nothing."""
     if request.continue_final_message:
         return thinking_prompt(request.messages[-1].text())
     if not request.add_generation_prompt:
         return False
-    whole = _rendered(context, request, add_generation_prompt=True)
     conversation = _rendered(context, request, add_generation_prompt=False)
-    return thinking_prompt(whole[len(os.path.commonprefix([whole, conversation])) :])
+    return thinking_prompt(text[len(os.path.commonprefix([text, conversation])) :])
 
 
 def _rendered(
@@ -285,16 +288,18 @@ class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[Token
             reasoning = reasoning if self.request.include_reasoning else None
         thought = {"reasoning": reasoning, "reasoning_content": reasoning}
         if not self._uses_tools:
-            content = self.echoed + (text or "") if self.echoed or text is not None else None
-            message = AssistantMessage(role=self.role, content=content, **thought)
+            message = AssistantMessage(role=self.role, content=self._echoed(text), **thought)
             return message, choice.finish_reason
         parsed = parse_output(self.request, text or "")
-        content = self.echoed + (parsed.content or "") if self.echoed else parsed.content
-        content = None if text is None and not self.echoed else content  # all was reasoning
+        content = self._echoed(None if text is None else parsed.content)  # None: all reasoning
         message = AssistantMessage(
             role=self.role, content=content, tool_calls=parsed.tool_calls or None, **thought
         )
         return message, self._finish_reason(choice.finish_reason, bool(parsed.tool_calls))
+
+    def _echoed(self, content: str | None) -> str | None:
+        """A reply's content, led by the echoed message (vLLM's `echo`) when there is one."""
+        return self.echoed + (content or "") if self.echoed else content
 
     def _finish_reason(self, reason: str | None, called: bool) -> str | None:
         """ "tool_calls" for an output that ended by itself with calls it chose to make

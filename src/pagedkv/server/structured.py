@@ -19,26 +19,23 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 
 def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
     """The constraint the request's fields ask for; a 400 naming the field if it is malformed."""
-    response_format = request.response_format
-    wanted = response_format is not None and response_format.type != "text"
-    guided = {
-        name: value for name in GUIDED_FIELDS if (value := getattr(request, name)) is not None
-    }
-    fields = request.structured_outputs
     asked = constraint_fields(request)
     if len(asked) > 1:
         raise APIError(400, f"set one of {', '.join(asked)}, not several", param=asked[-1])
+    if not asked:
+        return None
+    [name] = asked
     try:
-        if guided:
-            [(name, value)] = guided.items()
+        if name in GUIDED_FIELDS:
+            value = getattr(request, name)
             return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
-        if fields is not None:
+        if name == "structured_outputs":
+            fields = request.structured_outputs
             declared = type(fields).model_fields  # (unknown sub-fields were logged)
             return StructuredOutputsParams(
-                **{field.alias or name: getattr(fields, name) for name, field in declared.items()}
+                **{field.alias or key: getattr(fields, key) for key, field in declared.items()}
             )
-        if not wanted:
-            return None
+        response_format = request.response_format
         assert response_format is not None
         if response_format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
@@ -46,7 +43,7 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
         schema = response_format.json_schema.json_schema
         return StructuredOutputsParams(json=schema if schema is not None else {})
     except ValueError as error:
-        raise APIError(400, str(error), param=asked[0]) from error
+        raise APIError(400, str(error), param=name) from error
 
 
 def constraint_fields(request: SamplingFields) -> list[str]:

@@ -51,7 +51,7 @@ async def tokenize(context: ServingContext, raw: Request) -> JSONResponse:
     body = await raw.body()
     if _is_conversation(body):
         chat = context.parse(body, TokenizeChatRequest)
-        ids = await asyncio.to_thread(render_conversation, context, chat)
+        _, ids = await asyncio.to_thread(render_conversation, context, chat)
         token_strs = chat.return_token_strs
     else:
         request = parse_body(body, TokenizeCompletionRequest)

@@ -111,11 +111,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` applies tokenizer.json's template (BOS).
         Text no UTF-8 spells is an `InvalidText` naming where."""
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        except TypeError:
-            _check_utf8(text)
-            raise
+        return self._encoding(text, add_special_tokens).ids
 
     def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True) -> Encoding:
         """transformers' call, as scripts written for vLLM's tokenizer use it: `input_ids` and
@@ -134,7 +130,16 @@ class Tokenizer:
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
         """The vocabulary entries `text` encodes to (transformers' call and default)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).tokens
+        return self._encoding(text, add_special_tokens).tokens
+
+    def _encoding(self, text: str, add_special_tokens: bool) -> tokenizers.Encoding:
+        """The tokenizers library's encoding of `text`; an `InvalidText` where no UTF-8
+        spells it."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError:
+            _check_utf8(text)
+            raise
 
     def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
         """The text of vocabulary entries, as the tokenizer's decoder joins them."""
