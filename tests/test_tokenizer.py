@@ -45,8 +45,9 @@ def test_encode_matches_transformers_and_decode_round_trips(folder, hf_tokenizer
     assert ids == hf_tokenizer(text)["input_ids"]
     assert ids[0] == 1  # tokenizer.json's template adds BOS
     assert tokenizer.encode(text, add_special_tokens=False) == ids[1:]
-    assert tokenizer.decode(ids) == text
-    assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + text
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.decode(ids) == "<s>" + text == hf_tokenizer.decode(ids)  # its default
+    assert tokenizer.batch_decode([ids]) == hf_tokenizer.batch_decode([ids])
     assert tokenizer.vocab_size == len(hf_tokenizer) == 300
 
 

@@ -9,8 +9,9 @@ each message's content in vLLM's content format (chat_template.py).
 The calls users make on a transformers tokenizer (`encode`, `decode`, `batch_decode`,
 `tokenize`, `convert_ids_to_tokens`, `convert_tokens_to_ids`, `convert_tokens_to_string`,
 `get_vocab`, `len()`, the special tokens and their ids, `apply_chat_template`) work here with
-transformers' keywords, since `LLM.get_tokenizer()` returns this object. `decode` skips
-special tokens (the engine's default); `apply_chat_template` has transformers 4's defaults
+transformers' keywords and defaults, since `LLM.get_tokenizer()` returns this object: `decode`
+keeps special tokens (the engine's outputs skip them, as `SamplingParams.skip_special_tokens`
+says, and pass the flag themselves); `apply_chat_template` has transformers 4's defaults
 (token ids, no generation prompt), which the code written for vLLM's tokenizer assumes.
 Past 400 lines as one module: it is that surface, a method a call, over one `tokenizers`
 object and the model folder's files.
@@ -123,8 +124,9 @@ class Tokenizer:
         batch = [self.encode(each, add_special_tokens) for each in text]
         return Encoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
 
-    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `token_ids` (one id or several, as transformers takes them)."""
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `token_ids` (one id or several, as transformers takes them, special tokens
+        kept unless told otherwise)."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -147,7 +149,7 @@ class Tokenizer:
         return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
 
     def batch_decode(
-        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
     ) -> list[str]:
         """Text of each id sequence (transformers' call; the default is `decode`'s)."""
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
