@@ -125,6 +125,19 @@ def test_stop_and_bad_words_are_lists_as_vllms_are():
     assert params.clone().stop_strings == ("y",)
 
 
+def test_a_bool_logprobs_counts_as_vllm_counts_it(llm):
+    """vLLM reads `logprobs=True` as 1 and False as 0 (the sampled token's alone): the same
+    entries as those numbers give, for the prompt's logprobs too."""
+    for flag, number in ((True, 1), (False, 0)):
+        by_flag, by_number = (
+            llm.generate(PROMPT, greedy(logprobs=k, prompt_logprobs=k), use_tqdm=False)[0]
+            for k in (flag, number)
+        )
+        assert by_flag.outputs[0].logprobs == by_number.outputs[0].logprobs
+        assert by_flag.prompt_logprobs == by_number.prompt_logprobs
+        assert {len(entry) for entry in by_flag.outputs[0].logprobs} <= {1, 1 + number}
+
+
 def test_include_stop_str_in_output_keeps_the_stop_string(llm, plain):
     stop = middle(plain.text)
     params = greedy(stop=[stop], include_stop_str_in_output=True)

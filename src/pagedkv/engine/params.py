@@ -119,7 +119,10 @@ class SamplingParams:
             _check_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
         # The engine's max_logprobs caps them; -1 is vLLM's "every token of the vocabulary",
         # which the engine reads as the vocabulary's size when the request is added.
+        # A bool counts as vLLM counts it: True is 1, False is 0 (the sampled token's alone).
         for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
             if getattr(self, name) not in (None, -1):
                 _check_int(name, getattr(self, name), minimum=0)
         self.logit_bias = _logit_bias(self.logit_bias)
