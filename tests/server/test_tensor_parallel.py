@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx2
@@ -19,6 +20,11 @@ import openai
 from pagedkv.engine import LLM, SamplingParams
 from tests.server.conftest import HANG_GUARD_S, answers_health, free_port, wait_until
 
+# `pagedkv serve`, able to print every thread's stack on SIGUSR1.
+DUMPS_STACKS_ON_SIGUSR1 = (
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "from pagedkv.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 PROMPT = "Paged attention stores"
 MAX_TOKENS = 16
 
@@ -43,7 +49,7 @@ def test_serve_with_two_ranks_streams_the_one_rank_text_and_fails_health_when_a_
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     want = single.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text
     port = free_port()
-    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", str(tiny_model)]
+    command = [sys.executable, "-c", DUMPS_STACKS_ON_SIGUSR1, "serve", "--model", str(tiny_model)]
     command += ["--port", str(port), "--num-gpu-blocks", "64", "--swap-space-gb", "0.01"]
     command += ["--threads", "1", "--tensor-parallel-size", "2", "--shutdown-timeout", "0"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -86,7 +92,9 @@ def test_serve_with_two_ranks_streams_the_one_rank_text_and_fails_health_when_a_
         server.send_signal(signal.SIGTERM)
         output = server.communicate(timeout=HANG_GUARD_S)[0].decode()
     finally:
-        if server.poll() is None:
+        if server.poll() is None:  # hung: its threads' stacks say where, for diagnosis
+            server.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
             server.kill()
             print(server.communicate()[0].decode())  # shown with the failure, for diagnosis
     assert server.returncode == 0, output

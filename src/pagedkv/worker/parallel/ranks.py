@@ -6,8 +6,9 @@ workers (spawned here, or already started by `torchrun` as `pagedkv worker`), br
 they must do the same way, and wraps the runner so that each step's `SchedulerOutput` is
 broadcast before rank 0 executes it.
 
-Failure: every collective times out (`COLLECTIVE_TIMEOUT_S`), a dead peer fails it at once,
-and a failed step names the rank (the error a worker left in the store, its exit code, or its
+Failure: every collective times out (`COLLECTIVE_TIMEOUT_S`), a dead peer fails it at once
+(and a spawned worker whose process has exited fails the next step before it is sent), and a
+failed step names the rank (the error a worker left in the store, its exit code, or its
 stopped heartbeat) in a `WorkerFailed`, after which every step raises it again. While the engine
 is idle a thread sends a `Keepalive` every quarter timeout and pulses the group, so an idle
 worker never times out and a worker that died while idle is still noticed (`failure`).
@@ -210,6 +211,7 @@ class TensorParallelRanks(SingleRank):
             if self._closed.is_set():
                 raise WorkerFailed(None, "the tensor-parallel group was shut down")
             try:
+                self._check_processes()  # a spawned worker seen dead fails before any send
                 if adapters is not None:
                     self.link.send(adapters)
                 self.link.send(output)
