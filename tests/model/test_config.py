@@ -462,6 +462,19 @@ def test_bias_switches_a_family_does_not_read_are_ignored_as_transformers_ignore
     torch.testing.assert_close(ours, hf_prompt_logits(folder, prompt), rtol=1e-4, atol=1e-4)
 
 
+def test_swish_is_silu_as_transformers_reads_it(tmp_path):
+    """`hidden_act: swish` names SiLU in transformers' activations: the model loads and gives
+    transformers' own logits."""
+    spec = replace(
+        TINY_MODELS["llama"], config={**TINY_MODELS["llama"].config, "hidden_act": "swish"}
+    )
+    folder = build_model_folder("llama", tmp_path / "swish", spec=spec)
+    assert json.loads((folder / "config.json").read_text())["hidden_act"] == "swish"
+    prompt = random_prompt(20, seed=5)
+    ours = our_prompt_logits(load_model(folder), prompt)
+    torch.testing.assert_close(ours, hf_prompt_logits(folder, prompt), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("head_dim", [5, 7, 64])
 def test_an_odd_head_dim_is_refused_as_transformers_refuses_it(head_dim):
     """Rotary embeddings turn pairs of a head's values, so an odd head cannot be rotated:

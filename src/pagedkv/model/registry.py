@@ -42,8 +42,9 @@ class Architecture:
     # only for the plain Llama layer (RMSNorm, q/k/v, rope, attention, o, SwiGLU MLP), which is
     # what that C code computes; a family with any other layer math says False.
     fused_decode: bool = False
-    # config.json `hidden_act` values the family's MLP computes (the Llama MLP: SwiGLU).
-    hidden_acts: tuple[str, ...] = ("silu",)
+    # config.json `hidden_act` values the family's MLP computes (the Llama MLP: SwiGLU;
+    # "swish" is transformers' other name for SiLU).
+    hidden_acts: tuple[str, ...] = ("silu", "swish")
 
     def model_class(self) -> type:
         """The `DecoderModel` subclass that runs this family (imported on first use)."""
