@@ -188,6 +188,7 @@ speculative_config: {method: ngram, num_speculative_tokens: 3}
         ("a: [\n", [], "not valid YAML"),
         ("enable-auto-tool-choice: 'yes'\n", [], "is a flag: give true or false"),
         ("port: 1\n", ["--config", "again.yaml"], "--config is given more than once"),
+        ("port: 1\nhost: a\nport: 2\n", [], "'port' given more than once"),
     ],
 )
 def test_a_bad_config_file_is_named(tmp_path: Path, capsys, config, argv, message) -> None:

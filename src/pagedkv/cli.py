@@ -155,21 +155,29 @@ def _config_tokens(
 
 
 def _read_config(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The YAML mapping in `path`, or the parser's error naming what is wrong with it."""
+    """The YAML mapping in `path`, or the parser's error naming what is wrong with it (an
+    option given twice too: YAML would keep the later value without a word)."""
     import yaml
 
     try:
         with open(path, encoding="utf-8") as file:
-            config = yaml.safe_load(file)
+            document = yaml.compose(file, Loader=yaml.SafeLoader)
     except OSError as error:
         parser.error(f"--config {path}: {error.strerror}")
     except yaml.YAMLError as error:
         parser.error(f"--config {path}: not valid YAML ({error})")
-    if config is None:
+    if document is None:
         return {}
-    if not isinstance(config, dict):
+    if not isinstance(document, yaml.MappingNode):
         parser.error(f"--config {path}: must be a mapping of option names to values")
-    return config
+    keys = [key.value for key, _ in document.value]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        parser.error(f"--config {path}: {', '.join(map(repr, twice))} given more than once")
+    try:
+        return yaml.SafeLoader("").construct_document(document)
+    except yaml.YAMLError as error:
+        parser.error(f"--config {path}: not valid YAML ({error})")
 
 
 def _command_module(name: str):
