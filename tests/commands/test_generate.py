@@ -7,7 +7,9 @@ transformers' greedy `generate`: the command's output must be their decoded text
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -142,6 +144,12 @@ def test_every_sampling_flag_reaches_its_sampling_parameter():
     )
     defaults = sampling_params_from_args(parser.parse_args(["--prompt", "x"]))
     assert defaults == SamplingParams(temperature=0.0, max_tokens=256)  # greedy by default
+    # a field left unset takes the model's generation config; a typed one wins over it
+    model = {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 9}
+    typed = parser.parse_args(["--prompt", "x", "--top-k", "7", "--temperature", "0"])
+    assert sampling_params_from_args(typed, model) == SamplingParams(
+        temperature=0.0, top_k=7, repetition_penalty=1.05, max_tokens=9
+    )
     # -1 (all the context holds) reaches SamplingParams as a value, not as a flag.
     flags = ["--prompt", "x", "--skip-special-tokens", "--truncate-prompt-tokens", "-1"]
     assert sampling_params_from_args(parser.parse_args(flags)) == SamplingParams(
@@ -274,3 +282,25 @@ def test_a_given_pool_size_is_kept(zoo, capsys):
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
     assert main([*argv, "--max-tokens", "4", *ENGINE_FLAGS]) == 0
     assert _pool_blocks(capsys.readouterr().err) == 32
+
+
+def test_the_models_generation_config_sets_what_no_flag_gives(zoo, hf_tokenizer, capsys, tmp_path):
+    """As `LLM.generate` and a server request: generation_config.json's `max_new_tokens` is
+    the completion's length unless `--max-tokens` is typed, and `--override-generation-config`
+    goes over the file; each printed completion is transformers' greedy one of that length."""
+    folder = shutil.copytree(zoo.folder("llama"), tmp_path / "llama")
+    config_path = folder / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config_path.write_text(json.dumps({**config, "max_new_tokens": 5}))
+    prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
+    argv = ["generate", "--model", str(folder), "--prompt", PROMPT, *ENGINE_FLAGS]
+    for flags, length in (
+        ([], 5),
+        (["--max-tokens", "7"], 7),
+        (["--override-generation-config", '{"max_new_tokens": 3}'], 3),
+    ):
+        assert main([*argv, *flags]) == 0
+        out, err = capsys.readouterr()
+        text, finish = greedy_text(zoo, hf_tokenizer, prompt_ids, length)
+        assert (out, finish) == (text + "\n", "length")
+        assert f"[{length} tokens in" in err

@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.engine.errors import STARTUP_ERRORS
 
     try:
-        params = sampling_params_from_args(args)
+        sampling_params_from_args(args)  # a bad flag is named before the model loads
         engine = Engine(EngineArgs.from_cli_args(args))
+        params = sampling_params_from_args(args, engine.sampling_defaults)
         # A --truncate-prompt-tokens past the context would refuse every turn: refuse it now.
         check_truncation(params, engine.max_model_len)
     except STARTUP_ERRORS as error:

@@ -48,15 +48,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     engine = loaded = None
     try:
-        params = sampling_params_from_args(args)
+        sampling_params_from_args(args)  # a bad flag is named before the model loads
         engine_args = EngineArgs.from_cli_args(args)
         if engine_args.tensor_parallel_size > 1:  # every rank loads its own shard: the engine
             engine = Engine(engine_args)  # loads, and sizes its pool from memory
-            tokenizer = engine.tokenizer
+            tokenizer, defaults = engine.tokenizer, engine.sampling_defaults
         else:
             spec = engine_args.load_spec()
             loaded = load(spec.model, device=spec.device, **spec.load_options())
-            tokenizer = loaded.tokenizer
+            tokenizer, defaults = loaded.tokenizer, engine_args.sampling_defaults(loaded.path)
+        params = sampling_params_from_args(args, defaults)
         if args.chat is not None:
             messages = [{"role": "user", "content": args.chat}]
             if args.system is not None:
