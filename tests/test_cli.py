@@ -189,6 +189,12 @@ speculative_config: {method: ngram, num_speculative_tokens: 3}
         ("enable-auto-tool-choice: 'yes'\n", [], "is a flag: give true or false"),
         ("port: 1\n", ["--config", "again.yaml"], "--config is given more than once"),
         ("port: 1\nhost: a\nport: 2\n", [], "'port' given more than once"),
+        ("max-num-seqs: 1\nmax_num_seqs: 2\n", [], "'max_num_seqs' given more than once"),
+        (
+            "enable_prefix_caching: true\nno_enable_prefix_caching: true\n",
+            [],
+            "'enable_prefix_caching' and 'no_enable_prefix_caching' set one option",
+        ),
     ],
 )
 def test_a_bad_config_file_is_named(tmp_path: Path, capsys, config, argv, message) -> None:

@@ -113,12 +113,16 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
         options[arg.partition("=")[0]].dest for arg in rest if arg.partition("=")[0] in options
     }
     added: list[str] = []
+    keys_of: dict[str, object] = {}  # each option's key in the file, by destination
     for key, value in _read_config(path, parser).items():
         name = "--" + str(key).replace("_", "-")
         negated = "--no-" + name[2:]
         action = options.get(name) or (options.get(negated) if value is False else None)
         if action is None or name == "--config":
             parser.error(f"--config {path}: {key!r} is not an option of this command")
+        if action.dest in keys_of:  # two names of one option (an alias, a --no- form)
+            parser.error(f"--config {path}: {keys_of[action.dest]!r} and {key!r} set one option")
+        keys_of[action.dest] = key
         if action.dest in given or value is None or value == []:
             continue
         negation = negated if negated in options else None
@@ -170,7 +174,7 @@ def _read_config(path: str, parser: argparse.ArgumentParser) -> dict:
         return {}
     if not isinstance(document, yaml.MappingNode):
         parser.error(f"--config {path}: must be a mapping of option names to values")
-    keys = [key.value for key, _ in document.value]
+    keys = [str(key.value).replace("-", "_") for key, _ in document.value]  # one option
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
         parser.error(f"--config {path}: {', '.join(map(repr, twice))} given more than once")
