@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from importlib.metadata import version
 
@@ -59,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's own usage, not the top level's
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    return _command_module(args.command).run(args)
+    try:
+        return _command_module(args.command).run(args)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
 
 
 # vLLM's short options, as its command line takes them.

@@ -10,6 +10,8 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -304,3 +306,16 @@ def test_the_models_generation_config_sets_what_no_flag_gives(zoo, hf_tokenizer,
         text, finish = greedy_text(zoo, hf_tokenizer, prompt_ids, length)
         assert (out, finish) == (text + "\n", "length")
         assert f"[{length} tokens in" in err
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(zoo):
+    """`pagedkv generate ... | head -c 5`: the command stops once its output has no reader,
+    with no traceback, as Unix tools do (exit status 1)."""
+    command = [sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(zoo.folder("llama"))]
+    command += ["--prompt", PROMPT, "--max-tokens", "600", "--ignore-eos"]  # the pool fits
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(child.stdout.read(5)) == 5
+    child.stdout.close()
+    stderr = child.communicate(timeout=120)[1].decode()
+    assert child.returncode == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

@@ -63,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=KeysAction,
         metavar="KEY",
         default=[environment_key] if environment_key else None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes; repeat it for several keys, "
-        f"any one accepted (vLLM's list) (default: ${API_KEY_ENV}, else vLLM's "
-        f"${VLLM_API_KEY_ENV})",
+        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize; repeat it "
+        f"for several keys, any one accepted (vLLM's list) (default: ${API_KEY_ENV}, else "
+        f"vLLM's ${VLLM_API_KEY_ENV})",
     )
     server.add_argument(
         "--ssl-certfile",
