@@ -8,6 +8,8 @@ Draft i pays while `a ** i * token_seconds >= per_row`, i.e. while
 
     a ** i >= per_row * B / (fixed + per_row * B)          (`StepCost.threshold`)
 
+and never below `MIN_THRESHOLD`, whatever the fit.
+
 At batch 1, where a step mostly reads weights, rows are cheap and drafts with a fair chance
 pay; with many sequences a step is mostly arithmetic, and only near-certain drafts do.
 
@@ -30,6 +32,11 @@ FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
 # Before the engine has timed steps of different sizes: a row costs a quarter of a step.
 DEFAULT_ROW_SHARE = 0.25
+# The least chance of being kept a draft needs, whatever the fit: a row is never free (its
+# logits, its sampling, its bookkeeping), though on a loaded machine timing noise can hide its
+# cost and fit 0 seconds a row, which would keep a sequence whose drafts are all refused
+# drafting for ever.
+MIN_THRESHOLD = 0.05
 
 
 @dataclass
@@ -133,7 +140,7 @@ class StepCost:
         `num_sequences` decoding sequences."""
         fixed, per_row = self.fit()
         rows = per_row * max(1, num_sequences)
-        return rows / (fixed + rows) if fixed + rows > 0 else 0.0
+        return max(MIN_THRESHOLD, rows / (fixed + rows) if fixed + rows > 0 else 0.0)
 
     def fit(self) -> tuple[float, float]:
         """(fixed, per_row) in seconds; a row a quarter of the fixed part until steps of more
