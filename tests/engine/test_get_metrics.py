@@ -84,6 +84,27 @@ def test_get_metrics_counts_what_generate_returned(engine_zoo):
     assert accepted < num_generated  # each step samples one token beyond its drafts
 
 
+def test_prefix_cache_figures_count_each_prompt_once_however_often_it_is_preempted(engine_zoo):
+    """vLLM counts a recompute-preempted request's lookups apart from the prefix-cache queries
+    and hits: distinct prompts that preempt each other (a pool too small for them all at once)
+    query their prompts' tokens once and hit nothing, though each came back to its own blocks."""
+    prompts = [random_prompt(40, seed=90 + index) for index in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    llm = make_llm(
+        engine_zoo,
+        "llama",
+        num_gpu_blocks=12,
+        block_size=16,
+        enable_prefix_caching=True,
+        preemption_mode="recompute",
+    )
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_recompute_preemptions > 0
+    metrics = by_name(llm.get_metrics())
+    assert one(metrics, "vllm:prefix_cache_queries", Counter).value == sum(map(len, prompts))
+    assert one(metrics, "vllm:prefix_cache_hits", Counter).value == 0
+
+
 def test_aborted_generate_counts_its_requests_aborted(engine_zoo, monkeypatch):
     llm = make_llm(engine_zoo, "llama")
     real_execute = llm.engine.runner.execute

@@ -166,16 +166,19 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         cache_salt: str | None = None,
         read_cache: bool = True,
+        count_lookup: bool = True,
     ) -> Allocation | None:
         """Slots for the first `num_tokens` of the sequence's tokens and `num_lookahead_tokens`
         more after them, or None (nothing changed) when the pool cannot hold them.
 
         A sequence new to the manager gets its table here, with its cached prefix (`allocate`
         says how `cache_salt` and `read_cache` choose it); `tokens` is its record, kept and
-        read, never copied. A held sequence grows when it holds fewer slots (copying a shared
-        partial last block first). Lookahead slots are for tokens not in the record yet
-        (speculative drafts): their KV may be written, never marked computed, and `trim`
-        gives back those of the tokens that are not kept.
+        read, never copied. Its lookup adds to the prefix-cache figures (`stats`) unless
+        `count_lookup` is False: a sequence back after a recompute preemption, whose tokens
+        were counted once, as vLLM counts those apart. A held sequence grows when it holds
+        fewer slots (copying a shared partial last block first). Lookahead slots are for
+        tokens not in the record yet (speculative drafts): their KV may be written, never
+        marked computed, and `trim` gives back those of the tokens that are not kept.
         """
         if num_lookahead_tokens < 0:
             raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
@@ -190,7 +193,14 @@ class KVCacheManager:
             else:
                 plan = MemoryPlan()
                 num_cached = self._allocate_table(
-                    seq_id, tokens, num_tokens, cache_salt, read_cache, plan, num_lookahead_tokens
+                    seq_id,
+                    tokens,
+                    num_tokens,
+                    cache_salt,
+                    read_cache,
+                    plan,
+                    num_lookahead_tokens,
+                    count_lookup,
                 )
         except NoFreeBlocks:
             return None
@@ -231,9 +241,11 @@ class KVCacheManager:
         read_cache: bool,
         plan: MemoryPlan,
         num_lookahead: int = 0,
+        count_lookup: bool = True,
     ) -> int:
         """A new table holding the record's first `num_tokens` tokens and `num_lookahead` slots
-        after them, its moves appended to `plan`; the cached count."""
+        after them, its moves appended to `plan`; the cached count (its lookup added to the
+        prefix-cache figures if `count_lookup`)."""
         if num_tokens == 0:
             raise ValueError(f"sequence {seq_id!r}: cannot allocate an empty prompt")
         if not 0 < num_tokens <= len(record):
@@ -264,7 +276,7 @@ class KVCacheManager:
         tier_hashes = [h for hit, h in zip(hits, hashes, strict=True) if isinstance(hit, int)]
         self._tier.take(tier_hashes, num_tier_queries)
         num_cached = len(hits) * self.block_size
-        if self.enable_prefix_caching and read_cache:
+        if self.enable_prefix_caching and read_cache and count_lookup:
             self._prefix_queried_tokens += num_tokens
             self._prefix_hit_tokens += num_cached
         self._seqs[seq_id] = _Sequence(

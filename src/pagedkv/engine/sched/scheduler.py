@@ -333,6 +333,7 @@ class Scheduler:
                 len(seq.tokens),
                 cache_salt=request.cache_salt,
                 read_cache=not request.scores_prompt,
+                count_lookup=not request.metrics.num_recompute_preemptions,
             )
             if allocation is None:
                 # Host-tier saves and copy-backs of the allocations made still run in this
