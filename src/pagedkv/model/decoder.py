@@ -64,6 +64,7 @@ class SelfAttention(nn.Module):
             parts=("q_proj", "k_proj", "v_proj"),
             parallel="column",
             part_units=(config.num_heads, config.num_kv_heads, config.num_kv_heads),
+            replicated_parts=("k_proj", "v_proj"),
         )
         self.o_proj = Linear(q_size, (config.hidden_size,), bias=config.o_bias, parallel="row")
         # The heads this layer computes: all of them, or this rank's under tensor parallelism.

@@ -25,6 +25,9 @@ from pagedkv.engine import LLM, SamplingParams
 from pagedkv.engine import engine as engine_module
 from pagedkv.engine.errors import StepFailed
 from pagedkv.model.errors import MalformedModelFile
+from pagedkv.parallel.group import TPGroup, sharding
+from pagedkv.parallel.split import NotDivisible
+from pagedkv.weights.load import load
 from pagedkv.worker.kv_budget import KVCacheTooSmallForModel
 from pagedkv.worker.parallel import ranks
 from pagedkv.worker.parallel.errors import WorkerFailed
@@ -181,6 +184,19 @@ def test_bad_sizes_are_refused_with_the_numbers(folder):
     with pytest.raises(ValueError, match=r"4 heads .*not divisible by tensor_parallel_size \(3\)"):
         start(folder, tensor_parallel_size=3)
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("rank", [0, 7])
+def test_more_ranks_than_query_heads_are_refused_as_they_load(folder, rank):
+    """4 query heads on 8 ranks: KV heads fewer than the ranks are replicated, but query
+    heads never are (each rank's o_proj takes whole heads), so every rank refuses to load,
+    naming the heads, rather than start and fail its first step on half a head."""
+    refused = pytest.raises(NotDivisible, match=r"4 heads of q_proj are not divisible by ")
+    with sharding(TPGroup(rank=rank, size=8)), refused:
+        load(str(folder), progress=lambda line: None)
+    with sharding(TPGroup(rank=rank % 4, size=4)):  # 1 query head each, KV heads replicated
+        attention = load(str(folder), progress=lambda line: None).model.layers[0].self_attn
+    assert (attention.attn.num_heads, attention.attn.num_kv_heads) == (1, 1)
 
 
 def test_a_broken_model_file_is_one_line_from_each_worker(folder, tmp_path, capfd):

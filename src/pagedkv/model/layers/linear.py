@@ -15,13 +15,15 @@ fused projection stays one matmul even when a file stores its parts in different
 
 Under tensor parallelism (a layer built inside `parallel.group.sharding`) a layer declared
 `parallel="column"` keeps its rank's rows of every part (`part_units` says how many heads a
-part holds, so q/k/v split by heads, KV heads replicated when fewer than the ranks; see
-`parallel/split.py`), and with `gather_output` (the LM head) the ranks' outputs are gathered on
-rank 0; `parallel="row"` keeps its rank's input columns and all-reduces the product. The
-checkpoint tensors still arrive whole: `part_shape` names their whole shape and `load` cuts
-the rank's slice. A quantised layer cuts its shard of each part as the part arrives, still
-quantised (`QuantizedTensor.shard`: rows, and input columns in whole groups), so every rank
-multiplies the file's own blocks with the same kernels as one process.
+part holds, so q/k/v split by heads; the `replicated_parts`, K and V, keep one head each when
+they have fewer than the ranks, while every other part must split evenly, query heads too:
+each rank's o_proj takes whole heads; see `parallel/split.py`), and with `gather_output`
+(the LM head) the ranks' outputs are gathered on rank 0; `parallel="row"` keeps its rank's
+input columns and all-reduces the product. The checkpoint tensors still arrive whole:
+`part_shape` names their whole shape and `load` cuts the rank's slice. A quantised layer
+cuts its shard of each part as the part arrives, still quantised (`QuantizedTensor.shard`:
+rows, and input columns in whole groups), so every rank multiplies the file's own blocks with
+the same kernels as one process.
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ class Linear(nn.Module):
     `parts` names the checkpoint modules whose weights are stacked, in output order, each with
     its number of output rows (`part_sizes`); a plain projection has one part, its own name.
     Parameters are allocated uninitialised, in the current default dtype and device: the
-    loader fills every row. `parallel`, `part_units` and `gather_output` say how the layer
-    splits under tensor parallelism (see the module docstring); outside `sharding` they do
-    nothing.
+    loader fills every row. `parallel`, `part_units`, `replicated_parts` and `gather_output`
+    say how the layer splits under tensor parallelism (see the module docstring); outside
+    `sharding` they do nothing.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class Linear(nn.Module):
         method: LinearMethod = DENSE,
         parallel: Parallel | None = None,
         part_units: Sequence[int] | None = None,
+        replicated_parts: Sequence[str] = (),
         gather_output: bool = False,
     ) -> None:
         super().__init__()
@@ -148,13 +151,25 @@ class Linear(nn.Module):
         )
         self.col_split = (0, in_features)
         if self.parallel == "column":
+            names = parts if parts is not None else [None] * len(self.full_part_sizes)
             self.row_splits = tuple(
                 _rows(
-                    _column_split(unit_count, group.rank, group.size, gather_output, what),
+                    _column_split(
+                        unit_count,
+                        group.rank,
+                        group.size,
+                        gather_output,
+                        what,
+                        replicable=name in replicated_parts,
+                    ),
                     size // unit_count,
                 )
-                for size, unit_count, what in zip(
-                    self.full_part_sizes, units, _unit_names(parts, part_units), strict=True
+                for size, unit_count, what, name in zip(
+                    self.full_part_sizes,
+                    units,
+                    _unit_names(parts, part_units),
+                    names,
+                    strict=True,
                 )
             )
             method = GATHERED_COLUMN if gather_output else method
@@ -290,11 +305,16 @@ class Linear(nn.Module):
         )
 
 
-def _column_split(units: int, rank: int, group_size: int, padded: bool, what: str) -> Split:
-    """Rank `rank`'s heads (or channels, or vocabulary rows) of one part of `units` units."""
+def _column_split(
+    units: int, rank: int, group_size: int, padded: bool, what: str, *, replicable: bool
+) -> Split:
+    """Rank `rank`'s heads (or channels, or vocabulary rows) of one part of `units` units:
+    padded (a vocabulary), replicated where `replicable` allows it, else an even split."""
     if padded:
         return split_padded(units, rank, group_size)
-    return split_or_replicate(units, rank, group_size, what)
+    if replicable:
+        return split_or_replicate(units, rank, group_size, what)
+    return split_even(units, rank, group_size, what)
 
 
 def _unit_names(parts: Sequence[str] | None, part_units: Sequence[int] | None) -> list[str]:
