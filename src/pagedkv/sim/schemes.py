@@ -265,11 +265,13 @@ class SlabMemory:
         num_lookahead_tokens: int = 0,
         cache_salt: str | None = None,
         read_cache: bool = True,
+        count_lookup: bool = True,
     ) -> Allocation | None:
         """A new sample's slab is reserved (None when no hole fits it) and its prompt written;
         a held one writes its tokens into its slab. No prefix is ever cached (so `read_cache`
-        changes nothing); the slab's span is reported once and never moves. Lookahead slots
-        are the slab's own room past its tokens: reserved from the start."""
+        and `count_lookup` change nothing); the slab's span is reported once and never
+        moves. Lookahead slots are the slab's own room past its tokens: reserved from the
+        start."""
         slab = self._slabs.get(seq_id)
         if slab is None:
             size = self._reservation(seq_id[0])
