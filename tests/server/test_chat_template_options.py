@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.commands.serve import chat_template_text
+from pagedkv.commands.serve_chat import chat_template_text
 from pagedkv.model.errors import ChatTemplateError
 from pagedkv.server import ServerConfig
 from tests.test_chat_template import PARTS_TEMPLATE, openai_form, string_form
@@ -37,7 +37,11 @@ def expected_ids(hf_tokenizer, template: str, messages: list[dict]) -> list[int]
 def test_the_server_template_renders_content_in_the_format_given(
     serve, hf_tokenizer, content_format, form
 ) -> None:
-    config = ServerConfig(chat_template=PARTS_TEMPLATE, chat_template_content_format=content_format)
+    config = ServerConfig(
+        chat_template=PARTS_TEMPLATE,
+        chat_template_content_format=content_format,
+        trust_request_chat_template=True,
+    )
     server = serve(config, num_gpu_blocks=32, max_model_len=96)
     answer = server.post("/tokenize", {"messages": MESSAGES}).json()
     assert answer["tokens"] == expected_ids(hf_tokenizer, PARTS_TEMPLATE, form(MESSAGES))
@@ -137,3 +141,81 @@ def test_the_response_role_names_a_new_turn_and_a_continued_message_keeps_its_ow
     }
     answer = server.post("/v1/chat/completions", continued).json()
     assert answer["choices"][0]["message"]["role"] == "assistant"
+
+
+# A template that writes past tool calls' arguments with `tojson`, as Qwen's do ("tools" in it:
+# the server hands it the calls as given rather than rewriting them as Hermes text).
+TOJSON_TEMPLATE = (
+    "{% if tools %}{{ tools | length }}{% endif %}{% for m in messages %}{{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}{{ call.function.arguments | tojson }}"
+    "{% endfor %}{% endfor %}"
+)
+
+
+def tool_conversation(arguments: str) -> list[dict]:
+    """A user turn, an assistant call with these JSON `arguments`, and the tool's answer."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+
+
+def refusal(response) -> tuple[str, str]:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    return error["param"], error["message"]
+
+
+def test_a_requests_own_template_needs_trust_request_chat_template(serve) -> None:
+    """vLLM's rule: a template is a program the server runs, so one a request brings (its
+    `chat_template`, or `chat_template_kwargs`' `chat_template`) is a 400 naming the flag,
+    on chat completions and /tokenize alike; the server's own template still renders."""
+    server = serve(ServerConfig(chat_template=PARTS_TEMPLATE), num_gpu_blocks=32, max_model_len=96)
+    own = {"chat_template": "{{ 'ab ' * 4000000 }}"}
+    cases = [(own, "chat_template"), ({"chat_template_kwargs": own}, "chat_template_kwargs")]
+    for fields, field in cases:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            param, message = refusal(server.post(path, {"messages": MESSAGES, **fields}))
+            assert param == field and "--trust-request-chat-template" in message
+    assert server.post("/tokenize", {"messages": MESSAGES}).status_code == 200
+
+
+def test_a_trusted_template_from_chat_template_kwargs_replaces_the_requests(
+    serve, hf_tokenizer
+) -> None:
+    """vLLM merges `chat_template_kwargs` over the request's switches, `chat_template` among
+    them: the kwarg's template is the one rendered, its other keys its variables."""
+    server = serve(ServerConfig(trust_request_chat_template=True), num_gpu_blocks=32)
+    template = "{{ greeting }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "chat_template": "{{ 'not this one' }}",
+        "chat_template_kwargs": {"chat_template": template, "greeting": "Hello"},
+    }
+    answer = server.post("/tokenize", body).json()
+    assert answer["tokens"] == hf_tokenizer("Hello|Hi", add_special_tokens=False)["input_ids"]
+
+
+def test_rendered_text_the_tokenizer_refuses_is_a_400_naming_the_field(serve) -> None:
+    """A lone surrogate that reaches the rendered prompt (a past call's JSON arguments with an
+    escaped one, written back by `tojson`; or a template's own text) is the request's fault,
+    as is a template that renders nothing: 400s naming the field, never a 500."""
+    server = serve(
+        ServerConfig(chat_template=TOJSON_TEMPLATE, trust_request_chat_template=True),
+        num_gpu_blocks=32,
+    )
+    for path in ("/v1/chat/completions", "/tokenize"):
+        surrogate = {"messages": tool_conversation('{"city": "\\udcff"}')}
+        param, message = refusal(server.post(path, surrogate))
+        assert param == "messages" and "not valid UTF-8" in message
+        lone = {"messages": MESSAGES, "chat_template": "{{ '\\udcff' }}{{ messages[0].content }}"}
+        param, message = refusal(server.post(path, lone))
+        assert param == "chat_template" and "not valid UTF-8" in message
+        param, message = refusal(server.post(path, {**lone, "chat_template": "{{ '' }}"}))
+        assert param == "chat_template" and "no tokens" in message
+        param, _ = refusal(server.post(path, {**lone, "chat_template": "{{ 1 / 0 }}"}))
+        assert param == "chat_template"
+    fine = server.post("/tokenize", {"messages": tool_conversation('{"city": "Oslo"}')})
+    assert fine.json()["count"] > 0

@@ -27,12 +27,13 @@ THINK_THEN_ANSWER = r"<think>([a-z]{1,8})</think>([a-z ]{1,8})"
 
 @pytest.fixture(scope="module")
 def server(serve) -> RunningServer:
-    return serve(ServerConfig(reasoning_parser="qwen3"), num_gpu_blocks=256, seed=0)
+    config = ServerConfig(reasoning_parser="qwen3", trust_request_chat_template=True)
+    return serve(config, num_gpu_blocks=256, seed=0)
 
 
 @pytest.fixture(scope="module")
 def plain(serve) -> RunningServer:
-    return serve(num_gpu_blocks=256, seed=0)
+    return serve(ServerConfig(trust_request_chat_template=True), num_gpu_blocks=256, seed=0)
 
 
 def chat(server: RunningServer, **fields: Any) -> dict[str, Any]:

@@ -51,7 +51,10 @@ def test_a_port_outside_0_to_65535_is_refused_before_the_model_loads(capsys) -> 
 
 def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> None:
     env = dict(os.environ, PAGEDKV_API_KEY="from-env")
-    server, url = start_serve(tiny_model, "--strict-fields", "--reasoning-parser", "qwen3", env=env)
+    server, url = start_serve(
+        tiny_model, "--strict-fields", "--reasoning-parser", "qwen3",
+        "--trust-request-chat-template", env=env,
+    )  # fmt: skip
     try:
         body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
         refused = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)

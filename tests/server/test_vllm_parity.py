@@ -28,7 +28,7 @@ IGNORE_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(serve) -> RunningServer:
-    return serve(num_gpu_blocks=256, seed=0)
+    return serve(ServerConfig(trust_request_chat_template=True), num_gpu_blocks=256, seed=0)
 
 
 # 1. Wrong answers to fields the server accepts

@@ -9,11 +9,9 @@ SIGINT and SIGTERM drain the server (see `pagedkv.server.drain`) and exit 0.
 from __future__ import annotations
 
 import argparse
-import codecs
 import os
 import socket
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedkv.commands.arguments import (
@@ -24,6 +22,7 @@ from pagedkv.commands.arguments import (
     positive_int,
     string_list,
 )
+from pagedkv.commands.serve_chat import add_chat_arguments, chat_template_text
 
 if TYPE_CHECKING:
     from pagedkv.server import ServerConfig
@@ -40,9 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedkv.engine import EngineArgs
     from pagedkv.engine.metrics import DEFAULT_PREFIX, PREFIXES
     from pagedkv.server import ServerConfig
-    from pagedkv.server.reasoning import REASONING_PARSERS
     from pagedkv.server.tls import CERT_REQS
-    from pagedkv.tokenizer.chat_template import CONTENT_FORMATS
 
     defaults = ServerConfig()
     parser.add_argument(
@@ -239,38 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log no line per HTTP request (uvicorn's access log), as vLLM's",
     )
-    server.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE_OR_TEMPLATE",
-        help="the chat template of chat completions instead of the model's: a jinja file, or "
-        "the template itself (text with {, } or a new line; \\n and other escapes are read, "
-        "as vLLM reads them); a request's own chat_template still wins",
-    )
-    server.add_argument(
-        "--response-role",
-        default=defaults.response_role,
-        help="the role of a chat reply that starts a new turn (add_generation_prompt), as "
-        "vLLM's; a reply that continues the last message takes its role (default: "
-        "%(default)s)",
-    )
-    server.add_argument(
-        "--chat-template-content-format",
-        choices=CONTENT_FORMATS,
-        default=defaults.chat_template_content_format,
-        help="how a message's content reaches the template: 'string' (one string, text parts "
-        "joined by new lines), 'openai' (a list of {type, text} parts) or 'auto' (openai for "
-        "a template that loops over a message's content, as vLLM detects it; default: "
-        "%(default)s)",
-    )
-    server.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        default=None,
-        help="return a thinking model's <think>...</think> block apart from its answer, as "
-        "each chat reply's `reasoning` (and vLLM's older `reasoning_content`), as vLLM's "
-        "(both names read think tags alike; see docs/serving.md)",
-    )
+    add_chat_arguments(server, defaults)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -381,6 +347,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         chat_template=args.chat_template,
         chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         reasoning_parser=args.reasoning_parser,
         allowed_origins=tuple(args.allowed_origins),
@@ -388,26 +355,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
     )
-
-
-def chat_template_text(given: str) -> str:
-    """`--chat-template`'s jinja: the file it names, or, where it is no file and reads as
-    jinja (it has `{`, `}` or a new line, as vLLM tells them apart), the text itself with its
-    backslash escapes read. Bad jinja is a `ChatTemplateError` here, before the model loads."""
-    from pagedkv.tokenizer.chat_template import compile_template
-
-    try:
-        named_file = Path(given).is_file()
-    except OSError:  # a long inline template is no file name (ENAMETOOLONG), as vLLM takes it
-        named_file = False
-    if named_file:
-        text = Path(given).read_text(encoding="utf-8")
-    elif any(mark in given for mark in "{}\n"):
-        text = codecs.decode(given.encode("latin-1", "backslashreplace"), "unicode_escape")
-    else:
-        raise ValueError(f"{given!r} is no file, and no jinja template")
-    compile_template(text)
-    return text
 
 
 def lora_module(text: str) -> LoRAModulePath:

@@ -76,6 +76,9 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and unload
     chat_template: str | None = None  # replaces the model's; a request's replaces this one
     chat_template_content_format: str = "auto"  # vLLM's: "string", "openai" or "auto"
+    # A request's own chat_template rendered (vLLM's --trust-request-chat-template): a template
+    # is a program, and a crafted one can take the server's memory and CPU.
+    trust_request_chat_template: bool = False
     response_role: str = "assistant"  # vLLM's --response-role
     reasoning_parser: str | None = None  # vLLM's: a thinking model's reasoning told apart
     # Origins whose web pages may call the API (CORS); none by default, unlike vLLM's "*": a
@@ -116,6 +119,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         strict_fields=config.strict_fields,
         chat_template=config.chat_template,
         chat_template_content_format=config.chat_template_content_format,
+        trust_request_chat_template=config.trust_request_chat_template,
         response_role=config.response_role,
         reasoning_parser=config.reasoning_parser,
     )

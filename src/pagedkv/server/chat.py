@@ -53,6 +53,7 @@ from pagedkv.server.tools import (
     render_messages,
     tool_constraint,
 )
+from pagedkv.tokenizer import InvalidText
 
 if TYPE_CHECKING:
     from pagedkv.engine import CompletionOutput
@@ -118,8 +119,17 @@ def render_conversation(
     the ids cut to `truncate_prompt_tokens`. The template is the request's, else the server's
     `--chat-template`, else the model's."""
     text = _rendered(context, request, request.add_generation_prompt)
-    ids = prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)
-    return text, ids[0]
+    try:
+        [ids] = prompt_ids(context, [text], request, add_special_tokens=request.add_special_tokens)
+    except InvalidText as error:  # e.g. a lone surrogate a template's `tojson` let through
+        field = _template_field(request)
+        raise APIError(400, f"the rendered conversation: {error}", param=field) from error
+    if not ids:
+        raise APIError(
+            400, "the chat template rendered the conversation as no tokens",
+            param=_template_field(request),
+        )  # fmt: skip
+    return text, ids
 
 
 def opens_think_block(context: ServingContext, request: ChatCompletionRequest, text: str) -> bool:
@@ -141,7 +151,17 @@ def _rendered(
 ) -> str:
     """The conversation's text by the chat template, with or without the generation prompt."""
     tokenizer = context.tokenizer
-    chat_template = request.chat_template or context.chat_template
+    kwargs = dict(request.chat_template_kwargs or {})
+    own = kwargs.pop("chat_template", None) or request.chat_template  # vLLM's: the kwarg wins
+    if own is not None and not context.trust_request_chat_template:
+        raise APIError(
+            400,
+            "a chat template was given with the request, and this server renders only its "
+            "own: a template is a program the server runs (start it with "
+            "--trust-request-chat-template to allow them, as vLLM's)",
+            param=_template_field(request),
+        )
+    chat_template = own or context.chat_template
     messages, variables = render_messages(request, chat_template or tokenizer.chat_template)
     try:
         return tokenizer.render_chat(
@@ -149,13 +169,21 @@ def _rendered(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template=chat_template,
-            template_kwargs={**(request.chat_template_kwargs or {}), **variables},
+            template_kwargs={**kwargs, **variables},
             content_format=context.chat_template_content_format,
         )
     except ChatTemplateError as error:
-        raise APIError(400, str(error), param="messages") from error
+        raise APIError(400, str(error), param=_template_field(request)) from error
     except ValueError as error:  # the two switches asked together
         raise APIError(400, str(error), param="continue_final_message") from error
+
+
+def _template_field(request: ChatCompletionRequest) -> str:
+    """The field a rendering error is blamed on: the request's own template where it brought
+    one (its program failed, or it rendered text the tokenizer refuses), else `messages`."""
+    if (request.chat_template_kwargs or {}).get("chat_template") is not None:
+        return "chat_template_kwargs"
+    return "chat_template" if request.chat_template is not None else "messages"
 
 
 @dataclass

@@ -62,6 +62,7 @@ class ServingContext:
     strict_fields: bool = False  # refuse unknown request fields instead of ignoring them
     chat_template: str | None = None  # --chat-template: replaces the model's (None: keep it)
     chat_template_content_format: str = "auto"  # vLLM's: how message content reaches it
+    trust_request_chat_template: bool = False  # render a request's own chat_template (vLLM's)
     response_role: str = "assistant"  # a chat reply's role when it starts a new turn
     reasoning_parser: str | None = None  # vLLM's: chat replies' reasoning apart (reasoning.py)
 
