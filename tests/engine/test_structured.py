@@ -481,3 +481,54 @@ def test_regex_classes_are_javascripts_as_in_json_schema_patterns(llm, regex, as
     regex_out, json_out = (o.outputs for o in llm.generate([[5, 6, 7]] * 2, params, use_tqdm=False))
     assert all(re.fullmatch(ascii_class, s.text) for s in regex_out)
     assert all(re.fullmatch(ascii_class, json.loads(s.text)) for s in json_out)
+
+
+def test_lark_rules_with_inline_or_keep_prefixes_are_read_as_lark(llm):
+    """vLLM's rule: a grammar that defines no rule with "::=" is Lark, so Lark's `?rule`
+    (inlined) and `!rule` (tokens kept) are taken, not misread as bad GBNF; a GBNF grammar
+    still reads as GBNF. The oracle is each language written as a regex."""
+    cases = [
+        (
+            '?start: sum\n?sum: NUMBER | sum "+" NUMBER\nNUMBER: /[0-9]{1,2}/',
+            r"[0-9]{1,2}(\+[0-9]{1,2})*",
+        ),  # fmt: skip
+        ('!start: "x" ("y" | "z")', r"x[yz]"),
+        ('root ::= "a" [0-9] ("," [0-9])*', r"a[0-9](,[0-9])*"),
+    ]
+    params = [constrained(seed, n=3, grammar=grammar) for seed, (grammar, _) in enumerate(cases)]
+    outputs = llm.generate([[5, 6, 7]] * len(cases), params, use_tqdm=False)
+    for (grammar, language), output in zip(cases, outputs, strict=True):
+        for sample in output.outputs:
+            if sample.finish_reason == "stop":
+                assert re.fullmatch(language, sample.text), (grammar, sample.text)
+            else:
+                assert sample.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        ({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}, "x-guidance"),
+        (False, "allows no value"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "use anyOf"),
+    ],
+    ids=["x-guidance", "false", "overlapping-oneOf"],
+)
+def test_schemas_the_server_cannot_hold_outputs_to_are_refused_in_its_terms(
+    engine_zoo, schema, says
+):
+    """A schema's own `x-guidance` would replace the server's JSON options (its `lenient`
+    drops the refused keywords, and outputs break them); `false` allows nothing; an overlapping
+    oneOf names anyOf, not an llguidance option a request cannot set."""
+    engine = make_engine(engine_zoo)
+    with pytest.raises(InvalidStructuredOutput, match=says) as refused:
+        engine.add_request("r", [5, 6], constrained(1, json=json.dumps(schema)))
+    assert "coerce_one_of" not in str(refused.value)
+
+
+def test_the_schema_true_allows_any_json_value(llm):
+    """JSON Schema's boolean schema `true` is the empty schema: any value validates."""
+    [output] = llm.generate([[5, 6, 7]], constrained(5, n=4, json="true"), use_tqdm=False)
+    for sample in output.outputs:
+        if sample.finish_reason == "stop":
+            jsonschema.validate(json.loads(sample.text), True)

@@ -140,22 +140,50 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             if isinstance(schema, str):
                 schema = json.loads(schema)
             spec = llguidance.LLMatcher.grammar_from_json_schema(
-                closed_objects(schema), defaults=JSON_OPTIONS
+                closed_objects(_checked_schema(schema)), defaults=JSON_OPTIONS
             )
         elif kind == "choice":
             spec = llguidance.grammar_from("choice", json.dumps(params.choice))
         elif kind == "regex":
             spec = llguidance.grammar_from("lark", regex_grammar(params.regex))
-        else:  # grammar: Lark or GBNF text
-            spec = llguidance.grammar_from(kind, params.grammar)
+        else:  # grammar: GBNF where it defines a rule with "::=", else Lark (vLLM's rule)
+            syntax = "gbnf" if "::=" in params.grammar else "lark"
+            spec = llguidance.grammar_from(syntax, params.grammar)
     except ValueError as error:
-        raise InvalidStructuredOutput(kind, str(error)) from error
+        raise InvalidStructuredOutput(kind, _plain(str(error))) from error
     except RecursionError as error:  # a schema nested past Python's stack
         raise InvalidStructuredOutput(kind, TOO_DEEP) from error
     error = llguidance.LLMatcher.validate_grammar(spec)
     if error:
-        raise InvalidStructuredOutput(kind, error)
+        raise InvalidStructuredOutput(kind, _plain(error))
     return spec
+
+
+def _checked_schema(schema: Any) -> Any:
+    """The schema as llguidance takes it: the boolean schemas as JSON Schema reads them (`true`
+    is any value, `false` none), and no `x-guidance` of its own, which would replace
+    JSON_OPTIONS (`lenient` ignores the keywords refused above, and outputs break them)."""
+    if schema is True:
+        return {}
+    if schema is False:
+        raise ValueError("the schema false allows no value at all")
+    if isinstance(schema, dict) and "x-guidance" in schema:
+        raise ValueError(
+            "x-guidance is not supported: the JSON options are the server's (see "
+            "docs/structured-outputs.md)"
+        )
+    return schema
+
+
+def _plain(message: str) -> str:
+    """llguidance's message, where it names an option of its own that requests cannot set,
+    told in the terms of the request."""
+    if "coerce_one_of" in message:
+        return (
+            "oneOf whose branches can match the same value is not supported (outputs could "
+            "not be held to exactly one of them): use anyOf"
+        )
+    return message
 
 
 def regex_grammar(regex: str) -> str:
