@@ -219,3 +219,16 @@ def test_main_reads_a_config_file_and_names_a_missing_one(tmp_path: Path, capsys
         main(["generate", f"--config={tmp_path / 'none.yaml'}"])
     assert exit.value.code == 2
     assert "none.yaml: No such file or directory" in capsys.readouterr().err
+
+
+def test_python_dash_m_pagedkv_runs_the_command() -> None:
+    """`python -m pagedkv` is the `pagedkv` script, for a venv whose bin is not on PATH."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "generate", "--help"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: pagedkv generate")

@@ -37,6 +37,7 @@ RANKS = {
     "commands": 9,
     "cli": 10,
     "__init__": 10,
+    "__main__": 11,  # `python -m pagedkv`: the command line
 }
 TORCH_FREE = ("kvmath", "memory", "hub")
 
