@@ -209,18 +209,6 @@ def test_unknown_route_gets_404_in_openai_shape(server: RunningServer) -> None:
         assert_openai_error(http.get("/v1/nothing"), 404)
 
 
-def test_the_responses_api_is_a_404_naming_what_to_call_instead(server: RunningServer) -> None:
-    """vLLM serves OpenAI's Responses API; a client ported from it learns it is not served
-    here and where a conversation goes, rather than a bare "Not Found"."""
-    error = assert_openai_error(
-        post(server, "/v1/responses", {"input": "Hi"}), 404, says="/v1/chat/completions"
-    )
-    assert error["code"] == "not_found" and "Responses API" in error["message"]
-    assert_openai_error(post(server, "/v1/responses/resp_1/cancel", {}), 404, says="not served")
-    with server.http() as http:
-        assert "Responses" not in http.get("/v1/nothing").json()["error"]["message"]
-
-
 def test_server_keeps_serving_a_stream_through_a_barrage_of_bad_requests(
     server: RunningServer, model_name: str
 ) -> None:

@@ -48,6 +48,12 @@ from pagedkv.server.generation import ARRIVAL_TIME
 from pagedkv.server.header_guard import HeaderGuard
 from pagedkv.server.limits import BodyLimit
 from pagedkv.server.responses import ModelCard, ModelList
+from pagedkv.server.responses_api import (
+    cancel_response,
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from pagedkv.server.serving import ServingContext, now, shutting_down
 from pagedkv.server.tokenize import detokenize, tokenize
 
@@ -171,6 +177,23 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         ARRIVAL_TIME.set(time.monotonic())
         return await create_chat_completion(context, request)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        ARRIVAL_TIME.set(time.monotonic())
+        return await create_response(context, request)
+
+    @v1.get("/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return retrieve_response(context, response_id)
+
+    @v1.delete("/responses/{response_id}")
+    async def forget_response(response_id: str) -> Response:
+        return delete_response(context, response_id)
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> Response:
+        return cancel_response(context, response_id)
 
     base = [
         ModelCard(id=name, created=started, max_model_len=engine.max_model_len)

@@ -62,6 +62,13 @@ if TYPE_CHECKING:
 async def create_chat_completion(context: ServingContext, raw: Request) -> Response:
     """Validate, render the conversation, submit, then stream or collect."""
     request = context.parse(await raw.body(), ChatCompletionRequest)
+    completion = await start_chat(context, request)
+    return await completion.respond(raw)
+
+
+async def start_chat(context: ServingContext, request: ChatCompletionRequest) -> _ChatCompletion:
+    """A parsed request checked, its conversation rendered and its generation started: what
+    is left is to collect or stream it (the Responses API does so in its own shape)."""
     if request.resolved_tool_choice != "none":
         # As vLLM's tool parsers ask: some checkpoints make <tool_call> a special token, and
         # skipping special tokens would hide the calls from the parser.
@@ -107,7 +114,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     last = request.messages[-1]
     if request.echo and last.role == completion.role:  # vLLM's: a message of the reply's role
         completion.echoed = last.text()
-    return await completion.respond(raw)
+    return completion
 
 
 def render_conversation(

@@ -85,19 +85,24 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
             for event in self._opening():
                 yield event
             options = self.request.stream_options
-            async for delta in self.generation.deltas():
-                output = delta.output
-                if not (output.text or output.token_ids or output.finish_reason):
-                    continue
-                choice = self._chunk_choice(delta, self._update(delta))
-                if choice is not None:
-                    usage = self._choice_usage(delta.index) if self._usage_in_every_chunk else None
-                    yield self._chunk([choice], usage=usage)
+            async for choice in self.chunk_choices():
+                usage = self._choice_usage(choice.index) if self._usage_in_every_chunk else None
+                yield self._chunk([choice], usage=usage)
             if options is not None and options.include_usage:
                 yield self._chunk([], usage=self.generation.usage())
         except APIError as error:
             yield sse(ErrorResponse(error=error.info).model_dump_json())
         yield SSE_DONE
+
+    async def chunk_choices(self) -> AsyncIterator[BaseModel]:
+        """Each non-empty delta as its stream chunk's choice, folded into the choices too."""
+        async for delta in self.generation.deltas():
+            output = delta.output
+            if not (output.text or output.token_ids or output.finish_reason):
+                continue
+            choice = self._chunk_choice(delta, self._update(delta))
+            if choice is not None:
+                yield choice
 
     def _update(self, delta: ChoiceDelta) -> LogprobsT:
         """Fold a delta into its choice (keeping its prompt's logprobs when they come);

@@ -42,15 +42,6 @@ class APIError(Exception):
         return JSONResponse(body, self.status, headers=self.headers)
 
 
-# vLLM serves OpenAI's Responses API too; a client ported from it is told what to call instead
-# of a bare "Not Found".
-RESPONSES_PATH = "/v1/responses"
-RESPONSES_UNSERVED = (
-    "the Responses API (/v1/responses) is not served here: send the conversation to "
-    "/v1/chat/completions"
-)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Route APIError, Starlette's HTTP errors and unexpected exceptions to OpenAI's shape."""
 
@@ -61,11 +52,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
         code = "not_found" if error.status_code == 404 else None
-        detail = str(error.detail)
-        if error.status_code == 404 and request.url.path.startswith(RESPONSES_PATH):
-            detail = RESPONSES_UNSERVED
         # Kept headers carry a 405's `Allow` (the methods the path takes).
-        return APIError(error.status_code, detail, code=code, headers=error.headers).response()
+        return APIError(
+            error.status_code, str(error.detail), code=code, headers=error.headers
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

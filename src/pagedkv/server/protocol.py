@@ -12,7 +12,9 @@ changes nothing) is a 400 naming it; `IGNORED_FIELDS` cannot change it, so it is
 field on neither list (unknown to both APIs) is ignored with a log line, as vLLM does, or
 refused under `--strict-fields` (`unknown_fields` names them).
 Range checks that need the model (prompt length, token ids) live in `serving`, next to the
-engine. The parts of structured outputs and tools live in `formats`.
+engine. The parts of structured outputs and tools live in `formats`. The Responses API's
+request (`ResponsesRequest`) is translated into a chat request (`responses_api`), which the
+chat rules then check.
 """
 
 from __future__ import annotations
@@ -332,3 +334,55 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+class TextFormat(RequestModel):
+    """`text.format`: plain text, any JSON object, or a named JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(RequestModel):
+    """`text`: the output's format (and OpenAI's `verbosity`, which changes nothing here)."""
+
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(RequestModel):
+    """`POST /v1/responses`."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    # Refused where set (they would change the output)
+    background: bool = False
+    truncation: Literal["disabled", "auto"] = "disabled"
+    include: list[str] | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    # Taken and left: they change no output here
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # read only with `include`
+    stream_options: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None

@@ -10,7 +10,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
@@ -31,6 +31,7 @@ from pagedkv.server.protocol import (
     SamplingFields,
     unknown_fields,
 )
+from pagedkv.server.response_store import ResponseStore
 from pagedkv.server.responses import PromptLogprob
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class ServingContext:
     trust_request_chat_template: bool = False  # render a request's own chat_template (vLLM's)
     response_role: str = "assistant"  # a chat reply's role when it starts a new turn
     reasoning_parser: str | None = None  # vLLM's: chat replies' reasoning apart (reasoning.py)
+    stored_responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
 
     def parse(self, body: bytes, model: type[RequestT]) -> RequestT:
         """A validated request: known fields, this model, settings that go together. A field
