@@ -413,6 +413,9 @@ def test_constraints_that_exclude_each_other_end_the_sample_as_abort(llm, others
         sample = output.outputs[0]
         assert sample.finish_reason == "abort"
         assert any(c.startswith(sample.text) for c in choice.choice)  # a prefix, at most
+        # and no token the constraints forbid: the refused one is left out of the record
+        assert set(sample.token_ids) <= set(others.get("allowed_token_ids", sample.token_ids))
+        assert llm.get_tokenizer().decode(sample.token_ids) == sample.text
         assert "doesn't satisfy the grammar" in caplog.text
 
 
@@ -532,3 +535,23 @@ def test_the_schema_true_allows_any_json_value(llm):
     for sample in output.outputs:
         if sample.finish_reason == "stop":
             jsonschema.validate(json.loads(sample.text), True)
+
+
+def test_ignore_eos_runs_a_constrained_sample_to_max_tokens(llm):
+    """A grammar takes EOS as its end, so under ignore_eos EOS is masked while the grammar
+    could go on: the sample runs to max_tokens, as it would unconstrained; a grammar that
+    can only end (a whole boolean) still stops."""
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=15, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(regex="a+"),
+    )  # fmt: skip
+    [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    for sample in output.outputs:
+        assert sample.finish_reason == "length" and len(sample.token_ids) == 15
+        assert re.fullmatch("a+", sample.text)
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=4, max_tokens=15, ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json={"type": "boolean"}),
+    )  # fmt: skip
+    [output] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert all(s.finish_reason == "stop" and s.text in ("true", "false") for s in output.outputs)

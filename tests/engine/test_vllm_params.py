@@ -427,5 +427,6 @@ def test_settings_that_mask_every_token_end_the_sample_as_abort(llm, plain, temp
     with caplog.at_level(logging.WARNING, logger="pagedkv.engine.stops"):
         masked, beside = llm.generate([PROMPT, PROMPT], [exclusive, greedy()], use_tqdm=False)
     assert masked.outputs[0].finish_reason == "abort" and masked.outputs[0].text == ""
+    assert masked.outputs[0].token_ids == []  # the token drawn from nothing is left out
     assert "masked every token" in caplog.text
     assert beside.outputs[0].text == plain.text

@@ -82,7 +82,20 @@ class SamplingRow:
         """Whether a logits processor may write its row (`Sampler.__call__`'s order)."""
         p = self.params
         limits = p.allowed_token_ids or self.bad_words_token_ids or p.logit_bias
-        return bool(limits or uses_penalties(p) or self.num_output_tokens < p.min_tokens)
+        return bool(limits or uses_penalties(p) or self.banned_stops())
+
+    def banned_stops(self) -> Sequence[int]:
+        """The ids the row may not pick because they would stop it: every stop and EOS id
+        short of min_tokens; under a grammar with ignore_eos, the EOS ids (a grammar takes EOS
+        as its end, so sampled it would end the sample there rather than run on to max_tokens
+        as ignore_eos asks; the grammar's own end, where only EOS could follow, still stops
+        it, `stops.py`)."""
+        p = self.params
+        if self.num_output_tokens < p.min_tokens:
+            return self.stop_token_ids
+        if p.ignore_eos and self.grammar is not None:
+            return [t for t in self.stop_token_ids if t not in (p.stop_token_ids or ())]
+        return ()
 
 
 def sampling_row(
@@ -229,13 +242,14 @@ def _apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Rows short of min_tokens cannot pick a token that would stop them."""
+    """Rows short of min_tokens (or constrained under ignore_eos) cannot pick a token that
+    would stop them (`SamplingRow.banned_stops`)."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for index, row in enumerate(rows):
-        if row.num_output_tokens < row.params.min_tokens:
-            row_ids.extend([index] * len(row.stop_token_ids))
-            token_ids.extend(row.stop_token_ids)
+        banned = row.banned_stops()
+        row_ids.extend([index] * len(banned))
+        token_ids.extend(banned)
     _mask(logits, row_ids, token_ids)
 
 

@@ -11,9 +11,9 @@ tokens can complete); then a structured output's grammar that is
 complete (it would allow only EOS: vLLM's finished FSM; before min_tokens too, since nothing
 else could be sampled); then `max_tokens` (which the engine cut to the room the context
 leaves). A token the grammar refuses (the request's other constraints masked everything it
-allows) ends the sample first, with finish_reason "abort" and without its text, and so
-does a token drawn where the sample's own settings masked every token (`Sampler`'s
-`exhausted`).
+allows) ends the sample first, with finish_reason "abort", and so does a token drawn where
+the sample's own settings masked every token (`Sampler`'s `exhausted`): no setting allowed
+that token, so it is left out of the sample's tokens, logprobs and text.
 While stop strings are set and excluded from the output, the last `len(longest) - 1`
 characters are held back from streaming, since they may still turn out to be the start of a
 stop string. (With the string included nothing is held back: all text up to its end is
@@ -37,18 +37,6 @@ def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
     A sequence without a detokenizer (the simulator's) makes no text, so no stop string ends it.
     """
     params = request.params
-    if seq.grammar is not None and seq.grammar.failed:
-        # Nothing the grammar allows was left to sample (or llguidance failed): the token is
-        # outside the constraint, so the sample ends there, not as a success.
-        logger.warning(
-            "request %s: its structured output failed (%s): the request's other constraints "
-            "left no token it allows, or the grammar passed llguidance's limits; the sample "
-            "ends with finish_reason 'abort'",
-            request.request_id,
-            seq.grammar.error,
-        )
-        _finish(seq, "abort", None)
-        return
     may_stop = seq.num_output_tokens >= params.min_tokens
     is_eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
     if is_eos or (may_stop and token_id in params.stop_token_ids):
@@ -86,28 +74,45 @@ def append_sampled(request: Request, seq: Sequence, sampled: list[SampledToken])
     how many were appended."""
     for count, token in enumerate(sampled, start=1):
         token_id = token.token_id
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
+        if token.exhausted or (seq.grammar is not None and seq.grammar.failed):
+            _refused(request, seq, token.exhausted)
+            return count - 1
         seq.token_ids.append(token_id)
         seq.new_token_ids.append(token_id)
         if seq.counts is not None:
             seq.counts.add(token_id)
-        if seq.grammar is not None:
-            seq.grammar.accept(token_id)
         if token.logprobs is not None:
             seq.new_logprobs.append(token.logprobs)
             seq.cumulative_logprob += token.logprobs[token_id].logprob
-        if token.exhausted:
-            logger.warning(
-                "request %s: its settings masked every token (allowed_token_ids, bad_words, "
-                "min_tokens or logit_bias exclude each other): the sample ends with "
-                "finish_reason 'abort'",
-                request.request_id,
-            )
-            _finish(seq, "abort", None)
-            return count
         apply_stops(request, seq, token_id)
         if seq.finished:
             return count
     return len(sampled)
+
+
+def _refused(request: Request, seq: Sequence, exhausted: bool) -> None:
+    """End a sample whose newest token no setting allowed, leaving that token out of its
+    record: its settings masked every token (`Sampler`'s `exhausted`), or its grammar refused
+    it (the request's other constraints masked all the grammar allows, or llguidance failed).
+    It ends with finish_reason "abort", never as a success."""
+    if exhausted:
+        logger.warning(
+            "request %s: its settings masked every token (allowed_token_ids, bad_words, "
+            "min_tokens or logit_bias exclude each other): the sample ends with "
+            "finish_reason 'abort'",
+            request.request_id,
+        )
+    else:
+        logger.warning(
+            "request %s: its structured output failed (%s): the request's other constraints "
+            "left no token it allows, or the grammar passed llguidance's limits; the sample "
+            "ends with finish_reason 'abort'",
+            request.request_id,
+            seq.grammar.error if seq.grammar is not None else None,
+        )
+    _finish(seq, "abort", None)
 
 
 def take_text(request: Request, seq: Sequence) -> str:
