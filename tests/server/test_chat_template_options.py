@@ -201,7 +201,8 @@ def test_a_trusted_template_from_chat_template_kwargs_replaces_the_requests(
 def test_rendered_text_the_tokenizer_refuses_is_a_400_naming_the_field(serve) -> None:
     """A lone surrogate that reaches the rendered prompt (a past call's JSON arguments with an
     escaped one, written back by `tojson`; or a template's own text) is the request's fault,
-    as is a template that renders nothing: 400s naming the field, never a 500."""
+    as is a template that renders nothing for a completion (/tokenize counts no tokens):
+    400s naming the field, never a 500."""
     server = serve(
         ServerConfig(chat_template=TOJSON_TEMPLATE, trust_request_chat_template=True),
         num_gpu_blocks=32,
@@ -213,9 +214,13 @@ def test_rendered_text_the_tokenizer_refuses_is_a_400_naming_the_field(serve) ->
         lone = {"messages": MESSAGES, "chat_template": "{{ '\\udcff' }}{{ messages[0].content }}"}
         param, message = refusal(server.post(path, lone))
         assert param == "chat_template" and "not valid UTF-8" in message
-        param, message = refusal(server.post(path, {**lone, "chat_template": "{{ '' }}"}))
-        assert param == "chat_template" and "no tokens" in message
         param, _ = refusal(server.post(path, {**lone, "chat_template": "{{ 1 / 0 }}"}))
         assert param == "chat_template"
+    empty = {"messages": MESSAGES, "chat_template": "{{ '' }}"}  # /tokenize counts it (none)
+    param, message = refusal(server.post("/v1/chat/completions", empty))
+    assert param == "chat_template" and "no tokens" in message
+    assert server.post("/tokenize", empty).json()["count"] == 0
+    kwarg = {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": 5}}
+    assert refusal(server.post("/tokenize", kwarg))[0] == "chat_template_kwargs"
     fine = server.post("/tokenize", {"messages": tool_conversation('{"city": "Oslo"}')})
     assert fine.json()["count"] > 0

@@ -21,7 +21,11 @@ ADD = {
     "description": "Add two numbers.",
     "parameters": {
         "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        # bounded, so that every call ends by its schema whatever the random model prefers
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99},
+            "b": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
         "required": ["a", "b"],
     },
 }
@@ -191,9 +195,14 @@ def test_a_streamed_call_arrives_as_function_call_events(client, model_name):
 
 
 def test_text_format_json_schema_holds_the_output(client, model_name):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
     response = client.responses.create(
         model=model_name, input="A number", max_output_tokens=40, temperature=1.0,
+        extra_body={"seed": 7},
         text={"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}},
     )  # fmt: skip
     assert response.status == "completed"
@@ -240,6 +249,7 @@ def test_chat_only_fields_are_ignored_as_vllm_ignores_them(
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"chat_template_kwargs": {"chat_template": 5}}, "chat_template_kwargs"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input.0.content.0"),
@@ -280,3 +290,66 @@ def test_reasoning_comes_as_its_own_item_streamed_or_not(serve) -> None:
     assert reasoning.type == "reasoning" and reasoning.content[0].text == chat.reasoning
     assert streamed.output[0].content[0].text == deltas == chat.reasoning
     assert len(response.output) == (2 if chat.content else 1)
+
+
+def test_a_failure_mid_stream_is_an_error_event(server: RunningServer) -> None:
+    """OpenAI's error event (type "error", its code, message and param) ends a stream whose
+    engine step failed; the next request runs."""
+    engine = server.app.state.engine_loop.engine
+    real_step = engine.step
+
+    def failing_step():
+        engine.step = real_step  # fail once
+        raise RuntimeError("simulated kernel fault")
+
+    engine.step = failing_step
+    with server.http() as http:
+        body = {"input": "Hi", "max_output_tokens": 4, "stream": True}
+        lines = http.post("/v1/responses", json=body).text.splitlines()
+        events = [
+            json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")
+        ]
+        assert events[-1]["type"] == "error" and "simulated kernel fault" in events[-1]["message"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        fine = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2})
+        assert fine.json()["status"] in ("completed", "incomplete")
+
+
+def test_include_entries_that_change_nothing_are_taken_and_reasoning_effort_reaches_the_template(
+    serve,
+) -> None:
+    """vLLM's: `include` entries other than logprobs change no output; `reasoning.effort`
+    is the template's `reasoning_effort`, as chat's chat_template_kwargs would give it."""
+    from pagedkv.server import ServerConfig
+
+    template = "{{ reasoning_effort }}{% for m in messages %}|{{ m.content }}{% endfor %}"
+    server = serve(ServerConfig(chat_template=template), num_gpu_blocks=64, seed=0)
+    with server.client() as client:
+        model = client.models.list().data[0].id
+        response = client.responses.create(
+            model=model, input="Hi", max_output_tokens=4, reasoning={"effort": "high"},
+            include=["reasoning.encrypted_content"], **GREEDY, extra_body=LONG,
+        )  # fmt: skip
+        text, usage = chat_text(
+            client, model, [{"role": "user", "content": "Hi"}], 4,
+            chat_template_kwargs={"reasoning_effort": "high"},
+        )  # fmt: skip
+        plain = client.responses.create(model=model, input="Hi", max_output_tokens=4, **GREEDY)
+    assert response.output_text == text
+    assert response.usage.input_tokens == usage.prompt_tokens > plain.usage.input_tokens
+
+
+def test_the_store_forgets_the_least_recently_used_first() -> None:
+    """Bounded by count: past the capacity the entry least recently put or read goes."""
+    from pagedkv.server.response_store import ResponseStore, StoredResponse
+
+    def stored(name: str) -> StoredResponse:
+        return StoredResponse({"id": name}, [])
+
+    store = ResponseStore(capacity=2)
+    store.put(stored("a"))
+    store.put(stored("b"))
+    assert store.get("a") is not None  # now the newest
+    store.put(stored("c"))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.delete("a") and not store.delete("a") and store.get("a") is None

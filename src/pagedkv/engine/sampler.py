@@ -5,8 +5,9 @@ settings, never over the vocabulary. The order is vLLM's: the structured-output 
 (tokens it does not allow masked), allowed_token_ids (every other token masked), bad_words (a
 bad word's last token masked where the output ends with the rest of it), logit_bias (added),
 penalties (repetition on prompt and output, presence and frequency on output), min_tokens
-(stop tokens masked), then greedy rows take the argmax while the others are scaled by
-temperature and filtered by min_p, top_k and top_p before sampling.
+(stop tokens masked; EOS too under a grammar with ignore_eos), then greedy rows take the
+argmax while the others are scaled by temperature and filtered by min_p, top_k and top_p
+before sampling.
 
 Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` noise per token, which picks token `i`
 with probability `probs[i]`. Every sampled row draws its noise from its sample's own generator
@@ -164,7 +165,7 @@ class Sampler:
         _apply_bad_words(logits, rows)
         _apply_logit_bias(logits, rows)
         _apply_penalties(logits, rows)
-        _apply_min_tokens(logits, rows)
+        _apply_banned_stops(logits, rows)
         exhausted = _exhausted(logits, rows) if processed else [False] * len(rows)
         chosen = _choose(logits, rows)
         token_ids = chosen.tolist()
@@ -241,13 +242,20 @@ def _apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     apply_penalties(logits, penalised, params, counts)  # type: ignore[arg-type]
 
 
-def _apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
+def _apply_banned_stops(logits: Tensor, rows: Sequence[SamplingRow]) -> None:
     """Rows short of min_tokens (or constrained under ignore_eos) cannot pick a token that
-    would stop them (`SamplingRow.banned_stops`)."""
+    would stop them (`SamplingRow.banned_stops`); but a constrained row whose other tokens
+    are all masked keeps EOS, which ends it as the grammar's end would (rather than draw a
+    token the grammar refuses)."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     for index, row in enumerate(rows):
         banned = row.banned_stops()
+        if banned and row.num_output_tokens >= row.params.min_tokens:  # ignore_eos's ban
+            others = torch.isfinite(logits[index])
+            others[list(banned)] = False
+            if not bool(others.any()):
+                continue
         row_ids.extend([index] * len(banned))
         token_ids.extend(banned)
     _mask(logits, row_ids, token_ids)

@@ -29,6 +29,14 @@ from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.sched.output import SampledToken
 
 logger = logging.getLogger(__name__)
+EXHAUSTED = (
+    "its settings masked every token (allowed_token_ids, bad_words, min_tokens or logit_bias "
+    "exclude each other)"
+)
+GRAMMAR_FAILED = (
+    "its structured output failed ({}): the request's other constraints left no token it "
+    "allows, or the grammar passed llguidance's limits"
+)
 
 
 def apply_stops(request: Request, seq: Sequence, token_id: int) -> None:
@@ -76,8 +84,11 @@ def append_sampled(request: Request, seq: Sequence, sampled: list[SampledToken])
         token_id = token.token_id
         if seq.grammar is not None:
             seq.grammar.accept(token_id)
-        if token.exhausted or (seq.grammar is not None and seq.grammar.failed):
-            _refused(request, seq, token.exhausted)
+        if token.exhausted:
+            _refused(request, seq, EXHAUSTED)
+            return count - 1
+        if seq.grammar is not None and seq.grammar.failed:
+            _refused(request, seq, GRAMMAR_FAILED.format(seq.grammar.error))
             return count - 1
         seq.token_ids.append(token_id)
         seq.new_token_ids.append(token_id)
@@ -92,26 +103,13 @@ def append_sampled(request: Request, seq: Sequence, sampled: list[SampledToken])
     return len(sampled)
 
 
-def _refused(request: Request, seq: Sequence, exhausted: bool) -> None:
+def _refused(request: Request, seq: Sequence, reason: str) -> None:
     """End a sample whose newest token no setting allowed, leaving that token out of its
-    record: its settings masked every token (`Sampler`'s `exhausted`), or its grammar refused
-    it (the request's other constraints masked all the grammar allows, or llguidance failed).
-    It ends with finish_reason "abort", never as a success."""
-    if exhausted:
-        logger.warning(
-            "request %s: its settings masked every token (allowed_token_ids, bad_words, "
-            "min_tokens or logit_bias exclude each other): the sample ends with "
-            "finish_reason 'abort'",
-            request.request_id,
-        )
-    else:
-        logger.warning(
-            "request %s: its structured output failed (%s): the request's other constraints "
-            "left no token it allows, or the grammar passed llguidance's limits; the sample "
-            "ends with finish_reason 'abort'",
-            request.request_id,
-            seq.grammar.error if seq.grammar is not None else None,
-        )
+    record (`reason` says which setting): it ends with finish_reason "abort", never as a
+    success."""
+    logger.warning(
+        "request %s: %s: the sample ends with finish_reason 'abort'", request.request_id, reason
+    )
     _finish(seq, "abort", None)
 
 

@@ -66,7 +66,7 @@ async def create_chat_completion(context: ServingContext, raw: Request) -> Respo
     return await completion.respond(raw)
 
 
-async def start_chat(context: ServingContext, request: ChatCompletionRequest) -> _ChatCompletion:
+async def start_chat(context: ServingContext, request: ChatCompletionRequest) -> ChatCompletion:
     """A parsed request checked, its conversation rendered and its generation started: what
     is left is to collect or stream it (the Responses API does so in its own shape)."""
     if request.resolved_tool_choice != "none":
@@ -85,6 +85,11 @@ async def start_chat(context: ServingContext, request: ChatCompletionRequest) ->
             param="tool_choice",
         )
     text, prompt = await asyncio.to_thread(render_conversation, context, request)
+    if not prompt:  # /tokenize answers it (no tokens); a completion needs a prompt
+        raise APIError(
+            400, "the chat template rendered the conversation as no tokens",
+            param=_template_field(request),
+        )  # fmt: skip
     thinking = None
     if context.reasoning_parser is not None:
         thinking = await asyncio.to_thread(opens_think_block, context, request, text)
@@ -109,7 +114,7 @@ async def start_chat(context: ServingContext, request: ChatCompletionRequest) ->
     lora = context.check_model(request.model)
     generation = Generation(context.engine_loop, new_id("chatcmpl"), request.n, lora)
     await generation.start([prompt], params, request, beams, max_tokens)
-    completion = _ChatCompletion(context, request, generation)
+    completion = ChatCompletion(context, request, generation)
     completion.thinking = thinking
     last = request.messages[-1]
     if request.echo and last.role == completion.role:  # vLLM's: a message of the reply's role
@@ -131,11 +136,6 @@ def render_conversation(
     except InvalidText as error:  # e.g. a lone surrogate a template's `tojson` let through
         field = _template_field(request)
         raise APIError(400, f"the rendered conversation: {error}", param=field) from error
-    if not ids:
-        raise APIError(
-            400, "the chat template rendered the conversation as no tokens",
-            param=_template_field(request),
-        )  # fmt: skip
     return text, ids
 
 
@@ -159,7 +159,11 @@ def _rendered(
     """The conversation's text by the chat template, with or without the generation prompt."""
     tokenizer = context.tokenizer
     kwargs = dict(request.chat_template_kwargs or {})
-    own = kwargs.pop("chat_template", None) or request.chat_template  # vLLM's: the kwarg wins
+    given = kwargs.pop("chat_template", None)
+    if given is not None and not isinstance(given, str):
+        message = "chat_template_kwargs' chat_template must be a string"
+        raise APIError(400, message, param="chat_template_kwargs")
+    own = given if given is not None else request.chat_template  # vLLM's: the kwarg wins
     if own is not None and not context.trust_request_chat_template:
         raise APIError(
             400,
@@ -203,7 +207,9 @@ class _Choice(ChoiceState):
     reasoning: ReasoningSplitter | None = None  # streamed with a reasoning parser
 
 
-class _ChatCompletion(ChoiceAssembler[ChatCompletionRequest, _Choice, list[TokenLogprob]]):
+class ChatCompletion(
+    ChoiceAssembler[ChatCompletionRequest, _Choice, list[TokenLogprob], ChatChunkChoice]
+):
     """Turns a Generation's deltas into a chat completion or stream chunks."""
 
     choice_type = _Choice

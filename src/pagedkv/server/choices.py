@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 ChoiceT = TypeVar("ChoiceT", bound="ChoiceState")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 LogprobsT = TypeVar("LogprobsT")
+ChunkT = TypeVar("ChunkT", bound="ChunkChoice")
 
 
-class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
+class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT, ChunkT]):
     """Turns a Generation's deltas into one response object or its stream chunks.
 
     A subclass names its `choice_type` and builds the endpoint's objects: `_logprobs` (a
@@ -94,7 +95,7 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
             yield sse(ErrorResponse(error=error.info).model_dump_json())
         yield SSE_DONE
 
-    async def chunk_choices(self) -> AsyncIterator[BaseModel]:
+    async def chunk_choices(self) -> AsyncIterator[ChunkT]:
         """Each non-empty delta as its stream chunk's choice, folded into the choices too."""
         async for delta in self.generation.deltas():
             output = delta.output
@@ -159,7 +160,7 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
         """The delta's logprobs in the endpoint's shape, also added to `choice`."""
 
     @abstractmethod
-    def _chunk_choice(self, delta: ChoiceDelta, logprobs: LogprobsT) -> BaseModel | None:
+    def _chunk_choice(self, delta: ChoiceDelta, logprobs: LogprobsT) -> ChunkT | None:
         """One choice's part of a stream chunk (None: this delta adds nothing to send yet)."""
 
     @abstractmethod
@@ -169,6 +170,12 @@ class ChoiceAssembler(ABC, Generic[RequestT, ChoiceT, LogprobsT]):
     @abstractmethod
     def _response(self, choices: list[ChoiceT]) -> BaseModel:
         """The whole response from the finished choices, in index order."""
+
+
+class ChunkChoice(Protocol):
+    """What a stream chunk's choice has for every endpoint: the index of its choice."""
+
+    index: int
 
 
 @dataclass

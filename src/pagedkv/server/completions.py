@@ -157,7 +157,9 @@ class _Choice(ChoiceState):
             self.cumulative_logprob = output.cumulative_logprob
 
 
-class _Completion(ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs | None]):
+class _Completion(
+    ChoiceAssembler[CompletionRequest, _Choice, CompletionLogprobs | None, CompletionChoice]
+):
     """Turns a Generation's deltas into completion objects or stream chunks."""
 
     choice_type = _Choice

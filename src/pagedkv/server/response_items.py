@@ -36,6 +36,7 @@ class ResponseShell:
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def body(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        """The response object with this status and output, usage not yet known."""
         request = self.request
         return {
             "id": self.id,
@@ -74,11 +75,12 @@ class ResponseShell:
         if finish_reason == "length":
             body["status"] = "incomplete"
             body["incomplete_details"] = {"reason": "max_output_tokens"}
-        elif finish_reason == "abort":
+        elif finish_reason == "abort":  # the request's own constraints left nothing to say
             body["status"] = "failed"
             body["error"] = {
-                "code": "server_error",
-                "message": "the output ended before its constraint could be met",
+                "code": "invalid_prompt",
+                "message": "the output ended before its constraints could be met (they exclude "
+                "each other, or the grammar passed its limits)",
             }
         if usage is not None:
             details = usage.prompt_tokens_details
@@ -107,6 +109,7 @@ def output_items(completion: ChatCompletionResponse) -> list[dict[str, Any]]:
 
 
 def message_item(id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """An assistant message item; one being streamed has no content part yet."""
     return {
         "type": "message",
         "id": id,
@@ -117,10 +120,12 @@ def message_item(id: str, text: str, status: str = "completed") -> dict[str, Any
 
 
 def text_part(text: str) -> dict[str, Any]:
+    """A message's `output_text` part (no annotations or logprobs are made here)."""
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def reasoning_item(id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning item: the think block's text as its `reasoning_text`, no summary."""
     content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
     return {"type": "reasoning", "id": id, "status": status, "summary": [], "content": content}
 
@@ -128,6 +133,7 @@ def reasoning_item(id: str, text: str, status: str = "completed") -> dict[str, A
 def call_item(
     id: str, call_id: str, name: str, arguments: str, status: str = "completed"
 ) -> dict[str, Any]:
+    """A function call item: its own id, and the `call_id` its output item names."""
     return {
         "type": "function_call",
         "id": id,

@@ -34,6 +34,7 @@ class ResponseStore:
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, stored: StoredResponse) -> None:
+        """Keep a response, forgetting the least recently used past the capacity."""
         self._entries[stored.body["id"]] = stored
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)

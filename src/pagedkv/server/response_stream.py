@@ -26,7 +26,6 @@ from pagedkv.server.response_items import (
     reasoning_item,
     text_part,
 )
-from pagedkv.server.responses import ErrorResponse
 
 if TYPE_CHECKING:
     from pagedkv.server.generation import Generation
@@ -107,12 +106,13 @@ async def response_events(
                     )  # fmt: skip
         for text in _close(event, current, done):
             yield text
-    except APIError as error:
-        yield event("error", **ErrorResponse(error=error.info).model_dump()["error"])
+    except APIError as error:  # OpenAI's error event: its code, message and param
+        info = error.info
+        yield event("error", code=info.code, message=info.message, param=info.param)
         return
     response = shell.finished(done, finish_reason, generation.usage())
+    on_finished(response)  # before the last event: a client may hang up once it has it
     yield event("response.completed", response=response)
-    on_finished(response)
 
 
 def _new_item(kind: str) -> dict[str, Any]:

@@ -13,9 +13,10 @@ continues its conversation: the inputs it continued, its own, and its output, un
 request's `instructions` (OpenAI's: the old ones are not carried over). vLLM's sampling extras
 (`SAMPLING_EXTRAS`) pass on to the chat request; a Responses field that changes no output here
 is taken and left (`metadata`, `user`, `reasoning`, `top_logprobs` without `include`, ...);
-one that would (`background`, `truncation: auto`, `include`, `prompt`, `conversation`, other
-tool types, images and files) is a 400 naming it; any other field is ignored with one log line
-(a 400 under `--strict-fields`), as vLLM ignores chat-only fields such as `n` here.
+one that would (`background`, `truncation: auto`, `include`'s logprobs, `prompt`,
+`conversation`, other tool types, images and files) is a 400 naming it; any other field is
+ignored with one log line (a 400 under `--strict-fields`), as vLLM ignores chat-only fields
+such as `n` here.
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ SAMPLING_EXTRAS = frozenset(
         "presence_penalty", "frequency_penalty", "ignore_eos", "min_tokens", "logit_bias",
         "bad_words", "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output",
         "structured_outputs", "priority", "chat_template", "chat_template_kwargs",
+        "cache_salt", "request_id",
     }
 )  # fmt: skip
 # The chat fields a Responses field becomes: a refusal names the request's own field.
-_RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
-                    "response_format": "text.format"}  # fmt: skip
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"
 
 
 async def create_response(context: ServingContext, raw: Request) -> Response:
@@ -130,7 +132,6 @@ def _refuse_unsupported(context: ServingContext, request: ResponsesRequest) -> N
         "background": "background responses are not supported",
         "truncation": "truncation 'auto' is not supported: a conversation longer than the "
         "context is refused, as with 'disabled'",
-        "include": "include is not supported (no logprobs or encrypted reasoning are returned)",
         "prompt": "prompt templates are not supported",
         "conversation": "conversations are not supported: continue one with previous_response_id",
     }
@@ -138,6 +139,8 @@ def _refuse_unsupported(context: ServingContext, request: ResponsesRequest) -> N
         value = getattr(request, name)
         if value and value != "disabled":
             raise APIError(400, message, param=name)
+    if LOGPROBS in (request.include or []):  # the other entries change no output here
+        raise APIError(400, f"include {LOGPROBS!r} is not supported", param="include")
     if not request.input:
         raise APIError(400, "input must not be empty", param="input")
     unknown = [name for name in request.model_extra or {} if name not in SAMPLING_EXTRAS]
@@ -162,7 +165,8 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}.role: {role!r} is not a message role", param=where)
-            messages.append({"role": role, "content": _content(item.get("content"), where)})
+            content = _content(item.get("content"), f"{where}.content")
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
             name, arguments = _text(item, "name", where), _text(item, "arguments", where)
             call = {"id": _text(item, "call_id", where), "type": "function",
@@ -188,20 +192,20 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _content(content: Any, where: str) -> str | list[dict[str, str]]:
-    """A message's content as chat takes it: a string, or its text parts."""
+    """Content (at `where` in the request) as chat takes it: a string, or its text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of parts", param=where)
+        raise APIError(400, f"{where} must be a string or a list of parts", param=where)
     parts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise APIError(
                 400,
-                f"{where}.content.{index}: only text parts ({', '.join(_TEXT_PARTS)}) are "
-                f"supported, got {kind!r}",
-                param=f"{where}.content.{index}",
+                f"{where}.{index}: only text parts ({', '.join(_TEXT_PARTS)}) are supported, "
+                f"got {kind!r}",
+                param=f"{where}.{index}",
             )
         parts.append({"type": "text", "text": part["text"]})
     return parts
@@ -219,6 +223,11 @@ def _chat_request(
 ) -> ChatCompletionRequest:
     """The chat completion a response runs as (validated as any chat request is)."""
     extras = {k: v for k, v in (request.model_extra or {}).items() if k in SAMPLING_EXTRAS}
+    effort = (request.reasoning or {}).get("effort")
+    if effort is not None:  # vLLM's: for templates that read it (gpt-oss's, ...)
+        kwargs = extras.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        extras["chat_template_kwargs"] = {"reasoning_effort": effort, **kwargs}
     instructions = [{"role": "system", "content": request.instructions}]
     body: dict[str, Any] = {
         **extras,
@@ -264,8 +273,23 @@ def _named_for_responses() -> Iterator[None]:
     try:
         yield
     except APIError as error:
-        if error.info.param is not None:
-            head, _, rest = error.info.param.partition(".")
-            rest = rest.replace("function.", "", 1) if head in ("tools", "tool_choice") else rest
-            error.info.param = ".".join(filter(None, (_RESPONSES_NAMES.get(head, head), rest)))
+        old = error.info.param
+        if old is not None:
+            new = _responses_name(old)
+            error.info.param = new
+            error.info.message = error.info.message.replace(old, new, 1)
         raise
+
+
+def _responses_name(param: str) -> str:
+    """The Responses field a chat request's field came from. A message's index is not the
+    input's (instructions and earlier turns come first, function calls merge), so any
+    message field is `input`."""
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        return "input"
+    if head in ("tools", "tool_choice"):
+        rest = rest.replace("function.", "", 1)
+    if head == "response_format":
+        rest = rest.removeprefix("json_schema.")
+    return ".".join(filter(None, (_RESPONSES_NAMES.get(head, head), rest)))
