@@ -152,3 +152,15 @@ def test_serve_allowed_hosts_default_follows_the_bind_address(
     serve_command.add_arguments(parser)
     config = serve_command.server_config(parser.parse_args(flags))
     assert config.allowed_hosts == allowed
+
+
+def test_a_post_without_a_body_has_no_type_to_check(server: RunningServer) -> None:
+    """vLLM's `/ping` probe and a Responses cancel are POSTs with no body: not a 415, the
+    route answers (a body not sent as JSON still is one, above)."""
+    with server.http() as http:
+        assert http.post("/ping").json() == {"status": "ok"}
+        assert http.get("/ping").status_code == 200
+        cancel = http.post("/v1/responses/resp_none/cancel")
+        assert cancel.status_code == 404 and "not found" in cancel.json()["error"]["message"]
+        typed = http.post("/ping", content=b"x", headers={"Content-Type": "text/plain"})
+        assert typed.status_code == 415

@@ -268,6 +268,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         return await detokenize(context, request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe)
     async def health() -> JSONResponse:
         failure = engine_loop.health_failure()
         if failure is not None:

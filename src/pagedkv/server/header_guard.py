@@ -27,7 +27,8 @@ JSON_MEDIA_TYPE = "application/json"
 class HeaderGuard:
     """ASGI middleware refusing, in OpenAI's error shape, requests naming a host outside
     `allowed_hosts` (400; None allows any), requests with a missing or wrong API key on `/v1`
-    routes (401) and POST requests to a POST route whose body is not declared as JSON (415).
+    routes (401) and POST requests to a POST route whose body is not declared as JSON (415; a
+    POST without a body has nothing to declare).
     A POST to a path with no POST route passes on, and the router answers 405 (another
     method's path) or 404, as vLLM's does: the method is checked before the body's type.
 
@@ -86,7 +87,7 @@ class HeaderGuard:
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 )
-        if scope["method"] == "POST" and self._routes_post(scope):
+        if scope["method"] == "POST" and _has_body(headers) and self._routes_post(scope):
             content_type = headers.get("content-type", "")
             if content_type.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
                 return APIError(
@@ -104,6 +105,12 @@ class HeaderGuard:
             not isinstance(route, Mount) and route.matches(scope)[0] is Match.FULL
             for route in self.router.routes
         )
+
+
+def _has_body(headers: Headers) -> bool:
+    """Whether a request carries a body: a POST with none (vLLM's `/ping`, a cancel) has no
+    content to type, and nothing a cross-site page could smuggle."""
+    return "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
 
 
 def routed_path(scope: Scope) -> str:
