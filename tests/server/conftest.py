@@ -151,6 +151,18 @@ def one_prompt_body(path: str, **fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "Hi"}], **fields}
 
 
+def fail_next_step(server: RunningServer, message: str) -> None:
+    """Make the server's next engine step raise RuntimeError(message), once."""
+    engine = server.app.state.engine_loop.engine
+    real_step = engine.step
+
+    def failing_step():
+        engine.step = real_step
+        raise RuntimeError(message)
+
+    engine.step = failing_step
+
+
 def wait_until(condition: Any, timeout: float = HANG_GUARD_S, interval: float = 0.02) -> None:
     """Poll `condition()` until it holds; fail after `timeout` seconds (a guard against hangs,
     never a measure of speed)."""

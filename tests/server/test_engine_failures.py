@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.engine.errors import StepFailed
-from tests.server.conftest import RunningServer, all_blocks_free, wait_until
+from tests.server.conftest import RunningServer, all_blocks_free, fail_next_step, wait_until
 
 BODY = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
 
@@ -19,14 +19,7 @@ def server(serve) -> RunningServer:
 
 
 def test_a_failed_step_fails_its_requests_and_the_next_ones_run(server: RunningServer) -> None:
-    engine = server.app.state.engine_loop.engine
-    real_step = engine.step
-
-    def failing_step():
-        engine.step = real_step  # fail once
-        raise RuntimeError("simulated kernel fault")
-
-    engine.step = failing_step
+    fail_next_step(server, "simulated kernel fault")
     with server.http() as http:
         failed = http.post("/v1/completions", json=BODY)
         assert failed.status_code == 500

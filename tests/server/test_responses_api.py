@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import RunningServer
+from tests.server.conftest import RunningServer, fail_next_step
 
 GREEDY = {"temperature": 0.0}
 LONG = {"ignore_eos": True}  # a fixed length: random weights rarely sample EOS, but may
@@ -295,14 +295,7 @@ def test_reasoning_comes_as_its_own_item_streamed_or_not(serve) -> None:
 def test_a_failure_mid_stream_is_an_error_event(server: RunningServer) -> None:
     """OpenAI's error event (type "error", its code, message and param) ends a stream whose
     engine step failed; the next request runs."""
-    engine = server.app.state.engine_loop.engine
-    real_step = engine.step
-
-    def failing_step():
-        engine.step = real_step  # fail once
-        raise RuntimeError("simulated kernel fault")
-
-    engine.step = failing_step
+    fail_next_step(server, "simulated kernel fault")
     with server.http() as http:
         body = {"input": "Hi", "max_output_tokens": 4, "stream": True}
         lines = http.post("/v1/responses", json=body).text.splitlines()
