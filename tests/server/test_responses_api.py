@@ -61,6 +61,18 @@ def test_a_response_is_the_chat_completion_of_its_input_and_instructions(client,
     assert response.usage.input_tokens == usage.prompt_tokens
     assert response.usage.output_tokens == usage.completion_tokens == 6
     assert response.usage.total_tokens == usage.total_tokens
+    assert (response.temperature, response.top_p, response.max_output_tokens) == (0.0, 1.0, 6)
+
+
+def test_the_settings_that_ran_are_echoed(serve) -> None:
+    """vLLM echoes what ran: a max_output_tokens left out is the room the context left, a
+    temperature and top_p left out their defaults (the model's generation config, else 1)."""
+    server = serve(num_gpu_blocks=64, max_model_len=48, seed=0)
+    with server.client() as client:
+        model = client.models.list().data[0].id
+        response = client.responses.create(model=model, input="Hi", extra_body={"seed": 1})
+    assert response.max_output_tokens == 48 - response.usage.input_tokens
+    assert (response.temperature, response.top_p) == (1.0, 1.0)
 
 
 def test_message_items_and_content_parts_are_the_chat_messages(client, model_name):

@@ -74,6 +74,7 @@ class Generation:
         self._prompt_index: dict[str, int] = {}
         self._unfinished: set[str] = set()
         self.prompts: list[list[int]] = []  # as submitted, by prompt index
+        self.params: SamplingParams | None = None  # as submitted (defaults filled in)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -117,6 +118,7 @@ class Generation:
         for prompt in prompts:
             check_room(len(prompt), asked_max_tokens, max_model_len, asked_in)
         self.prompts = prompts
+        self.params = params
         try:
             for index, prompt in enumerate(prompts):
                 engine_id = f"{self.request_id}-{index}" if len(prompts) > 1 else self.request_id

@@ -32,6 +32,11 @@ class ResponseShell:
 
     request: ResponsesRequest
     model: str
+    # The settings that ran, as vLLM echoes them: the defaults a request left out filled in,
+    # max_output_tokens the room the context left where it asked for none.
+    temperature: float
+    top_p: float
+    max_output_tokens: int
     id: str = field(default_factory=lambda: item_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -46,20 +51,20 @@ class ResponseShell:
             "error": None,
             "incomplete_details": None,
             "instructions": request.instructions,
-            "max_output_tokens": request.max_output_tokens,
+            "max_output_tokens": self.max_output_tokens,
             "model": self.model,
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
             "reasoning": request.reasoning,
             "store": request.store,
-            "temperature": request.temperature,
+            "temperature": self.temperature,
             "text": request.text.model_dump(exclude_none=True, by_alias=True)
             if request.text is not None
             else {"format": {"type": "text"}},
             "tool_choice": request.tool_choice or "auto",
             "tools": request.tools or [],
-            "top_p": request.top_p,
+            "top_p": self.top_p,
             "truncation": request.truncation,
             "usage": None,
             "user": request.user,

@@ -77,7 +77,17 @@ async def create_response(context: ServingContext, raw: Request) -> Response:
     with _named_for_responses():
         chat = _chat_request(context, request, conversation)
         completion = await start_chat(context, chat)
-    shell = ResponseShell(request, completion.generation.served_name(context.model_name))
+    generation = completion.generation
+    params = generation.params
+    assert params is not None  # set when the generation started
+    room = context.max_model_len - len(generation.prompts[0])
+    shell = ResponseShell(
+        request,
+        generation.served_name(context.model_name),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_output_tokens=min(params.max_tokens or room, room),
+    )
 
     def keep(response: dict[str, Any]) -> None:
         """Store a finished response (with store=true) with the conversation it continues."""
