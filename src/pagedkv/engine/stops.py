@@ -82,14 +82,14 @@ def append_sampled(request: Request, seq: Sequence, sampled: list[SampledToken])
     how many were appended."""
     for count, token in enumerate(sampled, start=1):
         token_id = token.token_id
-        if seq.grammar is not None:
-            seq.grammar.accept(token_id)
         if token.exhausted:
             _refused(request, seq, EXHAUSTED)
             return count - 1
-        if seq.grammar is not None and seq.grammar.failed:
-            _refused(request, seq, GRAMMAR_FAILED.format(seq.grammar.error))
-            return count - 1
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
+            if seq.grammar.failed:
+                _refused(request, seq, GRAMMAR_FAILED.format(seq.grammar.error))
+                return count - 1
         seq.token_ids.append(token_id)
         seq.new_token_ids.append(token_id)
         if seq.counts is not None:

@@ -19,6 +19,7 @@ chat rules then check.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -28,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagedkv.server.errors import APIError
 from pagedkv.server.formats import (
     NamedToolChoice,
     RequestModel,
@@ -42,6 +44,7 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
+logger = logging.getLogger(__name__)
 
 # Fields of vLLM's and OpenAI's requests that would change the output and are not implemented:
 # field -> the value that changes nothing (sent with that value, the field is accepted).
@@ -88,6 +91,15 @@ def unknown_fields(request: BaseModel, prefix: str = "") -> list[str]:
                 place = f"{name}.{index}" if isinstance(value, list) else name
                 names += unknown_fields(item, f"{prefix}{place}.")
     return names
+
+
+def pass_over_unknown(names: list[str], strict: bool) -> None:
+    """Fields neither API knows: ignored with one log line, as vLLM ignores them, or, when
+    `strict` (--strict-fields), a 400 naming the first."""
+    if names and strict:
+        raise APIError(400, f"unknown field '{names[0]}' (--strict-fields)", param=names[0])
+    if names:
+        logger.warning("fields ignored (not supported): %s", ", ".join(names))
 
 
 class StreamOptions(RequestModel):

@@ -22,7 +22,6 @@ such as `n` here.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.server.chat import start_chat
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import ChatCompletionRequest, ResponsesRequest
+from pagedkv.server.protocol import ChatCompletionRequest, ResponsesRequest, pass_over_unknown
 from pagedkv.server.response_items import ResponseShell, assistant_turn, output_items
 from pagedkv.server.response_store import StoredResponse
 from pagedkv.server.response_stream import response_events
@@ -44,8 +43,6 @@ from pagedkv.server.serving import (
     parse_body,
     until_disconnect,
 )
-
-logger = logging.getLogger(__name__)
 
 # vLLM's sampling and template extras, passed on to the chat request as they are.
 SAMPLING_EXTRAS = frozenset(
@@ -96,12 +93,12 @@ async def create_response(context: ServingContext, raw: Request) -> Response:
             context.stored_responses.put(StoredResponse(response, [*conversation, reply]))
 
     if request.stream:
-        events = response_events(shell, completion.chunk_choices(), completion.generation, keep)
-        return EventStream(events, on_close=completion.generation.close)
+        events = response_events(shell, completion.chunk_choices(), generation, keep)
+        return EventStream(events, on_close=generation.close)
     try:
         body = await until_disconnect(raw, completion.collect())
     finally:
-        completion.generation.close()
+        generation.close()
     if not isinstance(body, ChatCompletionResponse):  # None: the client hung up
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     response = shell.finished(output_items(body), body.choices[0].finish_reason, body.usage)
@@ -138,26 +135,28 @@ def _not_found(response_id: str, param: str = "response_id") -> APIError:
 def _refuse_unsupported(context: ServingContext, request: ResponsesRequest) -> None:
     """A 400 for each field whose meaning is not served here (it would change the output);
     fields neither API knows are logged, or refused under --strict-fields."""
-    refused = {
-        "background": "background responses are not supported",
-        "truncation": "truncation 'auto' is not supported: a conversation longer than the "
-        "context is refused, as with 'disabled'",
-        "prompt": "prompt templates are not supported",
-        "conversation": "conversations are not supported: continue one with previous_response_id",
+    refused = {  # each field: whether the request sets it, and why that is refused
+        "background": (request.background, "background responses are not supported"),
+        "truncation": (
+            request.truncation == "auto",
+            "truncation 'auto' is not supported: a conversation longer than the context is "
+            "refused, as with 'disabled'",
+        ),
+        "prompt": (bool(request.prompt), "prompt templates are not supported"),
+        "conversation": (
+            bool(request.conversation),
+            "conversations are not supported: continue one with previous_response_id",
+        ),
     }
-    for name, message in refused.items():
-        value = getattr(request, name)
-        if value and value != "disabled":
+    for name, (given, message) in refused.items():
+        if given:
             raise APIError(400, message, param=name)
     if LOGPROBS in (request.include or []):  # the other entries change no output here
         raise APIError(400, f"include {LOGPROBS!r} is not supported", param="include")
     if not request.input:
         raise APIError(400, "input must not be empty", param="input")
     unknown = [name for name in request.model_extra or {} if name not in SAMPLING_EXTRAS]
-    if unknown and context.strict_fields:
-        raise APIError(400, f"unknown field '{unknown[0]}' (--strict-fields)", param=unknown[0])
-    if unknown:
-        logger.warning("fields ignored (not supported): %s", ", ".join(unknown))
+    pass_over_unknown(unknown, context.strict_fields)
 
 
 def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

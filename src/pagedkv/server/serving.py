@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import re
 import time
 import uuid
@@ -29,6 +28,7 @@ from pagedkv.server.protocol import (
     NO_VALUE,
     REFUSED_FIELDS,
     SamplingFields,
+    pass_over_unknown,
     unknown_fields,
 )
 from pagedkv.server.response_store import ResponseStore
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", bound=SamplingFields)
-logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -83,10 +82,7 @@ class ServingContext:
             name for name in unknown_fields(request)
             if name not in REFUSED_FIELDS and name not in IGNORED_FIELDS
         ]  # fmt: skip
-        if unknown and self.strict_fields:
-            raise APIError(400, f"unknown field '{unknown[0]}' (--strict-fields)", param=unknown[0])
-        if unknown:
-            logger.warning("fields ignored (not supported): %s", ", ".join(unknown))
+        pass_over_unknown(unknown, self.strict_fields)
         self.check_model(request.model)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options needs stream=true", param="stream_options")
