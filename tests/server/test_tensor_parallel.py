@@ -93,6 +93,7 @@ def test_serve_with_two_ranks_streams_the_one_rank_text_and_fails_health_when_a_
         output = server.communicate(timeout=HANG_GUARD_S)[0].decode()
     finally:
         if server.poll() is None:  # hung: its threads' stacks say where, for diagnosis
+            print(_children_states(server.pid))  # a worker still running, a zombie, or gone
             server.send_signal(signal.SIGUSR1)
             time.sleep(1.0)
             server.kill()
@@ -103,6 +104,19 @@ def test_serve_with_two_ranks_streams_the_one_rank_text_and_fails_health_when_a_
 def _get(url: str) -> httpx2.Response:
     """A GET that waits out a loaded machine (httpx's default read timeout is 5 s)."""
     return httpx2.get(url, timeout=HANG_GUARD_S)
+
+
+def _children_states(pid: int) -> str:
+    """Each child process's state line and command, one per line."""
+    lines = []
+    for child in children(pid):
+        try:
+            status = Path(f"/proc/{child}/status").read_text().splitlines()
+        except FileNotFoundError:  # reaped since
+            status = ["State: gone"]
+        state = next(line for line in status if line.startswith("State"))
+        lines.append(f"child {child} {state} {_cmdline(child)[:120]!r}")
+    return "\n".join(lines) or "no child processes"
 
 
 def _cmdline(pid: int) -> bytes:
