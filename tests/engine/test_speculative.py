@@ -8,7 +8,7 @@ crowd, in small chunks, from the prefix cache and its host tier, after swap and 
 preemption, and as n = 3 forks, for every registry family, KV dtype and weight format. Two
 drafters: prompt lookup (n-gram), which random tiny models accept now and then, and the model
 itself as its own draft model, whose greedy drafts are all accepted (so long runs of kept
-drafts, and their rollback where penalties or a grammar refuse them, are exercised too). Every
+drafts, and their rollback where penalties or stops refuse them, are exercised too). Every
 run checks the memory manager's invariants after every step (`answers`).
 """
 
@@ -159,7 +159,8 @@ def test_the_engine_seed_gives_the_same_unseeded_samples_with_speculation(
 
 
 # Every setting that changes a position's logits or stops a sample, each checked per
-# position of a run of drafts (the draft model drafts from raw logits, so these refuse some).
+# position of a run of drafts (the draft model drafts from raw logits, masked by a grammar
+# only, so the other settings refuse some).
 PER_POSITION = {
     "penalties": dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.5),
     "logit_bias": dict(logit_bias={17: 4.0, 40: -3.0, 101: 2.5}),
@@ -198,6 +199,33 @@ def test_sampling_settings_apply_at_every_draft_position(engine_zoo, setting: st
         got, stats = run(speculative_config=spec)
         assert got == expected, f"{setting}: {spec}"
     assert stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        StructuredOutputsParams(
+            json={"type": "object", "properties": {"name": {"type": "string"}}}
+        ),
+        StructuredOutputsParams(regex=r"([a-z]+ ){3,6}[0-9]{2}\."),
+    ],
+    ids=["json", "regex"],
+)
+def test_a_draft_model_drafts_only_what_the_grammar_allows(engine_zoo, structured) -> None:
+    """The model drafting for itself under structured outputs drafts what its grammar lets it
+    sample, so every draft it verifies is kept: none is computed only to be refused (its raw
+    argmax, which the grammar refuses at most positions of a random model, would be)."""
+    model = str(engine_zoo.folder("llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=structured)
+    prompts = [TARGET_PROMPT, random_prompt(20, seed=5)]
+    llm = LLM(model, num_gpu_blocks=256, max_model_len=512, speculative_config=draft_model(model))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.engine.scheduler.drafts.stats
+    assert stats.num_draft_tokens >= 10
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    plain = LLM(model, num_gpu_blocks=256, max_model_len=512)
+    expected = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
 
 
 def chi_square_p_value(first: Counter, second: Counter) -> float:
@@ -572,6 +600,22 @@ def test_a_draft_model_with_a_shorter_context_is_refused(engine_zoo, tmp_path: P
     assert fits.max_model_len == 64
 
 
+def test_more_drafts_than_the_context_holds_are_refused_at_start(engine_zoo) -> None:
+    """k drafts need k positions after a sample's last token: k >= max_model_len could never
+    be verified, and would size per-position counters by k (10**9 of them), so the engine
+    refuses it, naming both; k = max_model_len - 1 starts."""
+    model = str(engine_zoo.folder("llama"))
+    for k in (64, 10**9):
+        spec = {**NGRAM, "num_speculative_tokens": k}
+        with pytest.raises(
+            ValueError, match=rf"num_speculative_tokens \({k}\).*max_model_len \(64\)"
+        ):
+            Engine(EngineArgs(model=model, max_model_len=64, speculative_config=spec))
+    spec = {**NGRAM, "num_speculative_tokens": 63}
+    engine = Engine(EngineArgs(model=model, max_model_len=64, speculative_config=spec))
+    assert engine.scheduler.drafts.stats.num_speculative_tokens == 63
+
+
 def test_draft_model_blocks_cost_both_models_bytes(engine_zoo) -> None:
     """The pool counts each block at the model's K/V bytes plus the draft's, so the same memory
     holds fewer blocks, and the start-up line says the draft's share."""
@@ -608,9 +652,9 @@ def every_draft_verified(
 @pytest.mark.slow
 def test_the_builtin_model_copies_faster_with_the_same_answer(builtin_gguf, monkeypatch) -> None:
     """The built-in model quoting a passage back: n-gram drafts are mostly kept (the point of
-    prompt lookup), and the answer is the one without speculation, tokens and logprobs. A step's
-    cost is pinned to rows being free, so every draft is verified whatever this machine's
-    timings: the counts must be the replay's over the plain answer."""
+    prompt lookup), and the answer is the one without speculation, tokens and logprobs. Rows
+    are free in tests (`drafts_by_acceptance_alone`) and no chance of being kept is too low
+    here, so every draft is verified: the counts must be the replay's over the plain answer."""
     passage = (
         "Paged attention keeps the keys and values of every token in fixed-size blocks, found "
         "through a block table per sequence, so memory is allocated as tokens arrive and "
@@ -624,7 +668,6 @@ def test_the_builtin_model_copies_faster_with_the_same_answer(builtin_gguf, monk
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 2,
     }
-    monkeypatch.setattr(StepCost, "fit", lambda self: (1.0, 0.0))
     monkeypatch.setattr(acceptance, "MIN_THRESHOLD", 0.0)
     plain = LLM(DEFAULT_MODEL, num_gpu_blocks=256).chat(conversation, params, use_tqdm=False)
     llm = LLM(DEFAULT_MODEL, num_gpu_blocks=256, speculative_config=spec)

@@ -105,6 +105,12 @@ class Engine:
         # SamplingParams keywords the model's generation_config.json recommends (vLLM's "auto").
         self.sampling_defaults = args.sampling_defaults(loaded.path)
         speculative = args.speculative
+        if speculative is not None and speculative.num_speculative_tokens >= self.max_model_len:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens ({speculative.num_speculative_tokens})"
+                f" must be less than max_model_len ({self.max_model_len}): no sample has room "
+                "for that many drafts"
+            )
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = load_draft_model(

@@ -24,7 +24,8 @@ from pagedkv.engine.logprobs import logprob_entry, score_prompts
 from pagedkv.engine.request import Request, Sequence
 from pagedkv.engine.sampler import Sampler, SamplingRow, argmax, sampling_row, token_logprobs
 from pagedkv.engine.sched.output import ModelRunnerOutput, SampledToken
-from pagedkv.engine.spec.drafter import Drafter, DraftRequest
+from pagedkv.engine.spec.drafter import Drafter, DraftRequest, SeqId
+from pagedkv.engine.structured.state import GrammarState
 from pagedkv.tokenizer import Tokenizer
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import SchedulerOutput
@@ -63,7 +64,7 @@ class StepExecutor:
         self, output: SchedulerOutput, requests: Mapping[str, Request]
     ) -> ModelRunnerOutput:
         if self.drafter is not None:
-            output = self.drafter.fill(output)
+            output = self.drafter.fill(output, _grammars(output, requests))
         step = self.runner.execute(output)
         result = ModelRunnerOutput(logits_rows=list(step.rows))
         if step.logits is None:
@@ -166,3 +167,16 @@ class StepExecutor:
             for request, drafts in zip(wanted, proposed, strict=True)
             if drafts
         }
+
+
+def _grammars(
+    output: SchedulerOutput, requests: Mapping[str, Request]
+) -> dict[SeqId, GrammarState]:
+    """The grammar of each sample that verifies drafts this step under structured outputs."""
+    grammars = {}
+    for chunk in output.chunks:
+        if chunk.num_draft_tokens:
+            grammar = requests[chunk.seq_id[0]].sequence(chunk.seq_id[1]).grammar
+            if grammar is not None:
+                grammars[chunk.seq_id] = grammar
+    return grammars

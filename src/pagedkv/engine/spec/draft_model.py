@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from pagedkv.engine.sampler import argmax
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.drafter import DraftRequest, SeqId
+from pagedkv.engine.structured.mask import apply_grammar_masks
+from pagedkv.engine.structured.state import GrammarState
 from pagedkv.hub import UnknownModelName
 from pagedkv.memory.adapters import AdapterChanges
 from pagedkv.model.config import ModelConfig
@@ -32,7 +34,10 @@ class DraftModelDrafter:
     gets its drafts from the draft model, one greedy token per pass, as many passes as the
     most drafts any sample verifies (its K/V written into those slots). The filled step, now
     with real drafts, is what the model verifies. Its drafts are its argmax: a one-hot
-    proposal, so verification keeps exactly the model's own distribution.
+    proposal, so verification keeps exactly the model's own distribution. A sample with
+    structured outputs drafts the argmax of what its grammar allows after the drafts before
+    (a draft the grammar refuses could never be kept: its row, and every row after, would be
+    computed for nothing).
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -42,10 +47,13 @@ class DraftModelDrafter:
         """Reserved slots only: the drafts are made when their step starts (`fill`)."""
         return [[UNDRAFTED] * request.max_drafts for request in requests]
 
-    def fill(self, output: SchedulerOutput) -> SchedulerOutput:
+    def fill(
+        self, output: SchedulerOutput, grammars: Mapping[SeqId, GrammarState]
+    ) -> SchedulerOutput:
         """`output` with every chunk's reserved draft slots holding the draft model's drafts,
-        after the draft model has computed the K/V of every chunk's tokens. A LoRA adapter of
-        the model is not one of the draft model's: it drafts with its own weights."""
+        after the draft model has computed the K/V of every chunk's tokens; a sample in
+        `grammars` drafts only what its grammar allows. A LoRA adapter of the model is not
+        one of the draft model's: it drafts with its own weights."""
         first = [
             replace(
                 chunk,
@@ -61,12 +69,25 @@ class DraftModelDrafter:
         step = self.runner.execute(replace(output, chunks=first, adapters=AdapterChanges()))
         drafts: dict[SeqId, list[int]] = {chunk.seq_id: [] for chunk in drafting}
         rows = {chunk.seq_id: rows for chunk, rows in zip(first, step.rows, strict=True)}
+        # Where each constrained sample's grammar stands before its next draft.
+        states = {seq_id: grammars[seq_id] for seq_id in drafts if seq_id in grammars}
         logits, passes = step.logits, [chunk for chunk in first if chunk.sample]
         for position in range(1, max((c.num_draft_tokens for c in drafting), default=0) + 1):
             if logits is not None:
+                constrained = [chunk.seq_id for chunk in passes if chunk.seq_id in states]
+                if constrained:  # the step's logits are inference tensors: mask a copy
+                    logits = logits.clone()
+                    apply_grammar_masks(
+                        logits,
+                        [rows[seq_id][-1] for seq_id in constrained],
+                        [states[seq_id] for seq_id in constrained],
+                    )
                 for chunk in passes:
                     row = rows[chunk.seq_id][-1]
                     drafts[chunk.seq_id].append(int(argmax(logits[row])))
+                    state = states.get(chunk.seq_id)
+                    if state is not None and not state.finished:
+                        states[chunk.seq_id] = state.advanced(drafts[chunk.seq_id][-1:])
             passes = [
                 ScheduledChunk(
                     seq_id=chunk.seq_id,

@@ -11,12 +11,13 @@ that step starts (`fill`).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.ngram import propose_ngram
+from pagedkv.engine.structured.state import GrammarState
 from pagedkv.worker.step import SchedulerOutput
 
 SeqId = tuple[str, int]
@@ -39,8 +40,11 @@ class Drafter(Protocol):
         """Drafts per request, in order (an empty list: none for that sample)."""
         ...
 
-    def fill(self, output: SchedulerOutput) -> SchedulerOutput:
-        """The step as the model runs it: its chunks' drafts as they are to be verified."""
+    def fill(
+        self, output: SchedulerOutput, grammars: Mapping[SeqId, GrammarState]
+    ) -> SchedulerOutput:
+        """The step as the model runs it: its chunks' drafts as they are to be verified, each
+        allowed by its sample's grammar in `grammars` (samples with structured outputs)."""
         ...
 
 
@@ -57,6 +61,9 @@ class NgramDrafter:
             for request in requests
         ]
 
-    def fill(self, output: SchedulerOutput) -> SchedulerOutput:
-        """As it is: the drafts were proposed whole."""
+    def fill(
+        self, output: SchedulerOutput, grammars: Mapping[SeqId, GrammarState]
+    ) -> SchedulerOutput:
+        """As it is: the drafts were proposed whole (and cut to what the grammar allows when
+        their slots were reserved)."""
         return output
