@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -171,9 +172,53 @@ def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path
     result = run_pagedkv(engine, workload, round_index=1)
     figures, after = result.details["engine"], engine.stats.spec_decoding
     assert result.useful_tokens == result.generated_tokens == workload.requested_tokens
-    assert figures.spec_drafts == after.num_drafts - before.num_drafts > 0
-    assert figures.spec_draft_tokens == after.num_draft_tokens - before.num_draft_tokens
-    assert figures.spec_accepted_tokens == after.num_accepted_tokens - before.num_accepted_tokens
+    spec = figures.spec
+    assert spec.num_drafts == after.num_drafts - before.num_drafts > 0
+    assert spec.num_draft_tokens == after.num_draft_tokens - before.num_draft_tokens
+    assert spec.num_accepted_tokens == after.num_accepted_tokens - before.num_accepted_tokens
+    assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
+
+
+SPEC_LINE = re.compile(
+    r"pagedkv speculative decoding: (\d+) verifications of (\d+) drafted tokens; "
+    r"acceptance rate ([\d.]+)%, mean accepted length ([\d.]+)"
+)
+
+
+def test_the_speculative_line_and_json_count_every_round(
+    tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model drafting for itself keeps every greedy draft, and each round of one workload
+    drafts alike: two rounds' figures, printed and in the JSON, are one round's twice, with
+    the acceptance rate and mean accepted length. With nothing drafted (n-gram drafts of
+    random prompts, lookups of 4 tokens), the line still says speculation was on."""
+    model = str(tiny_folder)
+    flags = ["--model", model, "--workload", "uniform", "--num-prompts", "3", "--threads", "1"]
+    flags += ["--prompt-len", "8", "24", "--output-len", "12", "12", "--systems", "pagedkv"]
+    spec = json.dumps({"model": model, "num_speculative_tokens": 3})
+    figures = {}
+    for rounds in (1, 2):
+        path = tmp_path / f"rounds{rounds}.json"
+        argv = ["bench", *flags, "--rounds", str(rounds), "--speculative-config", spec]
+        assert main([*argv, "--json", str(path)]) == 0
+        [line] = SPEC_LINE.findall(capsys.readouterr().out)
+        [workload] = json.loads(path.read_text())["workloads"].values()
+        figures[rounds] = workload["engine"]["speculative_decoding"]
+        drafts, draft_tokens, rate, mean = line
+        assert (int(drafts), int(draft_tokens)) == (
+            figures[rounds]["num_drafts"],
+            figures[rounds]["num_draft_tokens"],
+        )
+        assert rate == "100.0" and figures[rounds]["acceptance_rate"] == 1.0
+        assert float(mean) == pytest.approx(1 + int(draft_tokens) / int(drafts), abs=0.005)
+    once, twice = figures[1], figures[2]
+    assert once["num_drafts"] > 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert twice[name] == 2 * once[name], name
+    assert twice["accepted_per_position"] == [2 * n for n in once["accepted_per_position"]]
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4})
+    assert main(["bench", *flags, "--rounds", "1", "--speculative-config", ngram]) == 0
+    assert "pagedkv speculative decoding: no drafts verified" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,36 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_of_the_whole_conversation(
 
 
 @pytest.mark.slow
+def test_each_footer_gives_its_turns_speculative_figures(zoo, capsys) -> None:
+    """With speculation on, a turn's footer ends with what that turn drafted and kept: the
+    model drafting for itself keeps every draft, and the turns' counts add up to the engine's."""
+    from pagedkv.engine import Engine, EngineArgs
+
+    model = str(zoo.folder("llama"))
+    spec = {"model": model, "num_speculative_tokens": 3}
+    engine = Engine(EngineArgs(model=model, num_gpu_blocks=NUM_BLOCKS, speculative_config=spec))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    session = chat.Chat(engine, params, system=None)
+    figures = re.compile(
+        r"; speculative decoding: (\d+) verifications of (\d+) drafted tokens; acceptance rate "
+        r"([\d.]+)%, mean accepted length [\d.]+$"
+    )
+    turns = []
+    for text in ("Hello world!", "What is paged attention?"):
+        session.turn(text)
+        footer = capsys.readouterr().err.strip().splitlines()[-1]
+        assert FOOTER.match(footer), footer
+        drafts, draft_tokens, rate = figures.search(footer).groups()
+        assert rate == "100.0"
+        turns.append((int(drafts), int(draft_tokens)))
+    total = engine.stats.spec_decoding
+    assert turns[1][0] > 0
+    assert [sum(counts) for counts in zip(*turns, strict=True)] == [
+        total.num_drafts,
+        total.num_draft_tokens,
+    ]
+
+
 def test_ctrl_c_stops_an_answer_frees_its_blocks_and_the_chat_goes_on(long_context_model) -> None:
     flags = ["--max-tokens", "16000", "--ignore-eos", "--num-gpu-blocks", "1100"]
     terminal = Terminal(chat_command(long_context_model, *flags, "--swap-space-gb", "0"))

@@ -83,12 +83,17 @@ def test_generate_prints_each_of_n_samples_whole(zoo, capsys):
 def test_speculative_decoding_from_the_command_line_prints_the_same_completion(
     zoo, hf_tokenizer, capsys
 ):
-    """`--speculative-config` (vLLM's JSON), n-gram and draft model: transformers' greedy text;
-    a bad config exits 2 naming what is wrong."""
+    """`--speculative-config` (vLLM's JSON), n-gram and draft model: transformers' greedy text,
+    and the figures line gives the acceptance rate and mean accepted length (the model drafting
+    for itself keeps every draft); a bad config exits 2 naming what is wrong."""
     prompt_ids = hf_tokenizer(PROMPT)["input_ids"]
     text, _ = greedy_text(zoo, hf_tokenizer, prompt_ids, 16)
     model = str(zoo.folder("llama"))
     argv = ["generate", "--model", model, "--prompt", PROMPT, "--max-tokens", "16", *ENGINE_FLAGS]
+    figures = re.compile(
+        r"; speculative decoding: (\d+) verifications of (\d+) drafted tokens; acceptance rate "
+        r"([\d.]+)%, mean accepted length ([\d.]+)\]$"
+    )
     for spec in (
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
         f'{{"model": "{model}", "num_speculative_tokens": 2}}',
@@ -96,6 +101,9 @@ def test_speculative_decoding_from_the_command_line_prints_the_same_completion(
         assert main([*argv, "--speculative-config", spec]) == 0
         out, err = capsys.readouterr()
         assert out == text + "\n" and "speculative decoding: " in err
+    drafts, draft_tokens, rate, mean = figures.search(err.splitlines()[-1]).groups()
+    assert int(drafts) > 0 and rate == "100.0"
+    assert float(mean) == pytest.approx(1 + int(draft_tokens) / int(drafts), abs=0.005)
     assert main([*argv, "--speculative-config", '{"method": "medusa"}']) == 2
     assert "method 'medusa' is not supported" in capsys.readouterr().err
 

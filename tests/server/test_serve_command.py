@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import urllib.parse
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.cli import main
 from tests.server.conftest import HANG_GUARD_S, start_serve, stop_serve
@@ -93,6 +95,40 @@ def test_serve_runs_with_the_api_key_from_the_environment(tiny_model: Path) -> N
         output = stop_serve(server)
     assert f"{url}/" in output  # where the page map is
     assert '"POST /v1/completions HTTP/1.1" 200' in output  # uvicorn's access log
+
+
+def test_with_speculation_serve_ends_with_the_acceptance_its_metrics_counted(
+    tiny_model: Path,
+) -> None:
+    """The line a speculating server prints as it stops carries the counters /metrics
+    exported (verifications, drafted tokens) with the acceptance rate they give."""
+    spec = json.dumps({"model": str(tiny_model), "num_speculative_tokens": 3})
+    server, url = start_serve(tiny_model, "--speculative-config", spec)
+    try:
+        body = {"prompt": "Hello", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        response = httpx2.post(f"{url}/v1/completions", json=body, timeout=HANG_GUARD_S)
+        assert response.status_code == 200
+        metrics = httpx2.get(f"{url}/metrics", timeout=HANG_GUARD_S).text
+    finally:
+        output = stop_serve(server)
+    counted = {
+        sample.name.removeprefix("pagedkv:spec_decode_").removesuffix("_total"): int(sample.value)
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name.startswith("pagedkv:spec_decode_num_") and "_per_pos" not in sample.name
+    }
+    if not counted["num_drafts"]:  # this machine's timings made no draft pay
+        assert "pagedkv serve: since start, speculative decoding: no drafts verified" in output
+        return
+    line = re.search(
+        r"pagedkv serve: since start, speculative decoding: (\d+) verifications of (\d+) "
+        r"drafted tokens; acceptance rate ([\d.]+)%",
+        output,
+    )
+    assert line is not None, output
+    assert (int(line[1]), int(line[2])) == (counted["num_drafts"], counted["num_draft_tokens"])
+    rate = counted["num_accepted_tokens"] / counted["num_draft_tokens"]
+    assert line[3] == f"{rate:.1%}".rstrip("%")
 
 
 def test_disable_uvicorn_access_log_leaves_requests_unlogged(tiny_model: Path) -> None:

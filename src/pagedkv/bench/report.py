@@ -128,15 +128,10 @@ def report_workload(
             f"recompute {last.recompute_preemptions}; prefix-cache hits "
             f"{last.prefix_hit_tokens} tokens"
         )
-        drafts = sum(f.spec_drafts for f in figures)
-        if drafts:
-            draft_tokens = sum(f.spec_draft_tokens for f in figures)
-            accepted = sum(f.spec_accepted_tokens for f in figures)
-            out(
-                f"pagedkv speculative decoding: {drafts} verifications of {draft_tokens} drafted "
-                f"tokens; acceptance rate {accepted / draft_tokens:.1%}, mean accepted length "
-                f"{1 + accepted / drafts:.2f}"
-            )
+        spec = [f.spec for f in figures if f.spec is not None]
+        spec_total = sum(spec[1:], spec[0]) if spec else None  # every round's, as the line says
+        if spec_total is not None:
+            out(f"pagedkv {spec_total.describe()}")
         busy_text = (
             f"{busy_share:.1%} over the {sum(f.busy_steps for f in busy)} steps with "
             f">= {GOAL_CONCURRENCY} sequences"
@@ -150,11 +145,13 @@ def report_workload(
             f"{engine_outside:.1%})"
         )
         report["engine"] = {
-            **{k: v for k, v in asdict(last).items()},
+            **{k: v for k, v in asdict(last).items() if k != "spec"},
             "outside_forward_share": outside,
             "outside_forward_share_busy": busy_share,
             "engine_clock_outside_share": engine_outside,
         }
+        if spec_total is not None:
+            report["engine"]["speculative_decoding"] = spec_total.as_dict()
         out(_goals(workload, report, busy_share, outside))
     return report
 

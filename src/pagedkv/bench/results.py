@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.engine.spec.metrics import SpecDecodingStats
+
 # The concurrency goal: steps whose forward runs at least this many sequences are the
 # busy steps, where the outside-forward share is judged.
 GOAL_CONCURRENCY = 32
@@ -49,10 +51,8 @@ class EngineFigures:
     busy_steps: int = 0  # steps with at least GOAL_CONCURRENCY sequences in the forward
     busy_step_seconds: float = 0.0
     busy_forward_seconds: float = 0.0
-    # Speculative decoding (zero when off): verifications, drafted tokens, drafts kept.
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    # Speculative decoding's counts over the run (None: off).
+    spec: SpecDecodingStats | None = None
 
     @property
     def outside_forward_share(self) -> float:

@@ -162,10 +162,8 @@ def run_pagedkv(engine: Engine, workload: Workload, round_index: int) -> RunResu
         after.num_recompute_preemptions - before.num_recompute_preemptions
     )
     figures.prefix_hit_tokens = after.prefix_hit_tokens - before.prefix_hit_tokens
-    spec_before, spec_after = before.spec_decoding, after.spec_decoding
-    figures.spec_drafts = spec_after.num_drafts - spec_before.num_drafts
-    figures.spec_draft_tokens = spec_after.num_draft_tokens - spec_before.num_draft_tokens
-    figures.spec_accepted_tokens = spec_after.num_accepted_tokens - spec_before.num_accepted_tokens
+    if after.spec_decoding.enabled:
+        figures.spec = after.spec_decoding.since(before.spec_decoding)
     useful = sum(
         min(produced.get(f"{prefix}-{index}", 0), output_len)
         for index, output_len in enumerate(workload.output_lens)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagedkv.engine import Engine, RequestOutput, SamplingParams
+    from pagedkv.engine.spec.metrics import SpecDecodingStats
     from pagedkv.tokenizer import Tokenizer
 
 Message = dict[str, str]
@@ -97,6 +98,7 @@ class Answer:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     finish_reason: str | None = None
     seconds: float = 0.0  # from the request's arrival to its end, prompt included
+    spec: SpecDecodingStats | None = None  # what speculative decoding kept this turn (None: off)
 
     def take(self, delta: RequestOutput) -> str:
         """Add one delta of the request; return its new text."""
@@ -207,6 +209,7 @@ class Chat:
         self.num_requests += 1
         answer = Answer()
         started = time.perf_counter()
+        spec_before = self.engine.stats.spec_decoding
         try:
             self.engine.add_request(request_id, prompt_ids, self.params)
             self.step_until_done(request_id, answer)
@@ -214,6 +217,8 @@ class Chat:
             self.engine.abort(request_id)  # frees its blocks; the next step reports it
             self.step_until_done(request_id, answer)
         answer.seconds = time.perf_counter() - started
+        if spec_before.enabled:
+            answer.spec = self.engine.stats.spec_decoding.since(spec_before)
         print(flush=True)
         return answer
 
@@ -242,6 +247,7 @@ class Chat:
             f"from the prefix cache, {num_tokens} tokens, {rate:.1f} tok/s, "
             f"{pool_counts(self.engine).held} blocks held"
             + ending.get(answer.finish_reason or "", "")
+            + ("" if answer.spec is None else f"; {answer.spec.describe()}")
         )
 
     def stats_lines(self) -> list[str]:

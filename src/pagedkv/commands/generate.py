@@ -103,9 +103,11 @@ def _stream(engine: Engine, params: SamplingParams) -> int:
             print(f"--- sample {index} ({finish_reasons[index]}) ---")
             print("".join(samples[index]))
     elapsed = time.perf_counter() - started
+    spec = engine.stats.spec_decoding
     print(
         f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / elapsed:.1f} tokens/s; "
-        f"finish: {', '.join(str(finish_reasons[i]) for i in sorted(finish_reasons))}]",
+        f"finish: {', '.join(str(finish_reasons[i]) for i in sorted(finish_reasons))}"
+        + (f"; {spec.describe()}]" if spec.enabled else "]"),
         file=sys.stderr,
     )
     return 0

@@ -303,6 +303,9 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             server.run(sockets=[listening])
+            spec = engine.stats.spec_decoding
+            if spec.enabled:  # the figures /metrics counted, once more as one line
+                print(f"pagedkv serve: since start, {spec.describe()}", file=sys.stderr)
         finally:
             engine.shutdown()  # ends the tensor-parallel workers, if any
     return 0 if server.started else 1

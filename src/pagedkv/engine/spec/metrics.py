@@ -62,10 +62,55 @@ class SpecDecodingStats:
         sampled after them (vLLM's mean acceptance length); 0 before any draft."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
-    def describe(self) -> str:
-        """One line for logs and the benchmark."""
-        return (
-            f"speculative decoding: {self.num_drafts} drafts, {self.num_draft_tokens} draft "
-            f"tokens, {self.num_accepted_tokens} accepted ({self.acceptance_rate:.1%}), mean "
-            f"accepted length {self.mean_accepted_length:.2f}"
+    def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
+        """What was drafted and kept after `earlier`, a snapshot of these counters."""
+        return SpecDecodingStats(
+            self.num_speculative_tokens,
+            self.num_drafts - earlier.num_drafts,
+            self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            [
+                a - b
+                for a, b in zip(
+                    self.accepted_per_position, earlier.accepted_per_position, strict=True
+                )
+            ],
         )
+
+    def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
+        """Both runs' counts together (runs of one engine: the same k)."""
+        return SpecDecodingStats(
+            self.num_speculative_tokens,
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [
+                a + b
+                for a, b in zip(
+                    self.accepted_per_position, other.accepted_per_position, strict=True
+                )
+            ],
+        )
+
+    def describe(self) -> str:
+        """One line for the commands' figures and the benchmark: the acceptance rate and the
+        mean accepted length (or that nothing was verified: speculation was on all the same)."""
+        if not self.num_drafts:
+            return "speculative decoding: no drafts verified"
+        plural = "s" if self.num_drafts != 1 else ""
+        return (
+            f"speculative decoding: {self.num_drafts} verification{plural} of "
+            f"{self.num_draft_tokens} drafted tokens; acceptance rate {self.acceptance_rate:.1%}, "
+            f"mean accepted length {self.mean_accepted_length:.2f}"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        """The counters with the acceptance rate and the mean accepted length, for JSON."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
