@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -64,32 +66,23 @@ class SpecDecodingStats:
 
     def since(self, earlier: SpecDecodingStats) -> SpecDecodingStats:
         """What was drafted and kept after `earlier`, a snapshot of these counters."""
-        return SpecDecodingStats(
-            self.num_speculative_tokens,
-            self.num_drafts - earlier.num_drafts,
-            self.num_draft_tokens - earlier.num_draft_tokens,
-            self.num_accepted_tokens - earlier.num_accepted_tokens,
-            [
-                a - b
-                for a, b in zip(
-                    self.accepted_per_position, earlier.accepted_per_position, strict=True
-                )
-            ],
-        )
+        return self._combined(earlier, operator.sub)
 
     def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
         """Both runs' counts together (runs of one engine: the same k)."""
+        return self._combined(other, operator.add)
+
+    def _combined(
+        self, other: SpecDecodingStats, op: Callable[[int, int], int]
+    ) -> SpecDecodingStats:
+        """Every counter of this and `other` put through `op`."""
+        positions = zip(self.accepted_per_position, other.accepted_per_position, strict=True)
         return SpecDecodingStats(
             self.num_speculative_tokens,
-            self.num_drafts + other.num_drafts,
-            self.num_draft_tokens + other.num_draft_tokens,
-            self.num_accepted_tokens + other.num_accepted_tokens,
-            [
-                a + b
-                for a, b in zip(
-                    self.accepted_per_position, other.accepted_per_position, strict=True
-                )
-            ],
+            op(self.num_drafts, other.num_drafts),
+            op(self.num_draft_tokens, other.num_draft_tokens),
+            op(self.num_accepted_tokens, other.num_accepted_tokens),
+            [op(a, b) for a, b in positions],
         )
 
     def describe(self) -> str:
