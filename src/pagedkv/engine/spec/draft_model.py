@@ -70,7 +70,7 @@ class DraftModelDrafter:
         drafts: dict[SeqId, list[int]] = {chunk.seq_id: [] for chunk in drafting}
         rows = {chunk.seq_id: rows for chunk, rows in zip(first, step.rows, strict=True)}
         # Where each constrained sample's grammar stands before its next draft.
-        states = {seq_id: grammars[seq_id] for seq_id in drafts if seq_id in grammars}
+        states = dict(grammars)
         logits, passes = step.logits, [chunk for chunk in first if chunk.sample]
         for position in range(1, max((c.num_draft_tokens for c in drafting), default=0) + 1):
             if logits is not None:
