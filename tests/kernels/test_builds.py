@@ -12,6 +12,7 @@ runs of this test, each covering the paths below its own.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -52,12 +53,13 @@ def forward_logits(source: str, quantization: str, dtype: str) -> torch.Tensor:
 
 
 CHILD = """
-import sys, torch
+import json, sys, torch
 from tests.kernels.test_builds import forward_logits
 from pagedkv.kernels import native
 assert native.kernels() is not None, native.unavailable_reason()
 print(native.kernels().vector_path)
-torch.save(forward_logits(sys.argv[1], sys.argv[2], sys.argv[3]), sys.argv[4])
+cases = json.loads(sys.argv[1])
+torch.save({case: forward_logits(*settings) for case, settings in cases.items()}, sys.argv[2])
 """
 
 # Head sizes on either side of the vector widths (8 and 16 floats), with and without a tail,
@@ -106,23 +108,39 @@ def attention_outputs() -> torch.Tensor:
     return torch.cat(outputs)
 
 
+# Tiles' sizes (and so which paths a tile takes) follow the thread count.
+THREAD_COUNTS = (1, 3)
+
+
+def attention_outputs_by_threads() -> dict[int, torch.Tensor]:
+    """`attention_outputs` on each of THREAD_COUNTS threads (torch's OpenMP pool, which the
+    kernels share)."""
+    threads = torch.get_num_threads()
+    try:
+        outputs = {}
+        for count in THREAD_COUNTS:
+            torch.set_num_threads(count)
+            outputs[count] = attention_outputs()
+        return outputs
+    finally:
+        torch.set_num_threads(threads)
+
+
 ATTENTION_CHILD = """
 import sys, torch
-from tests.kernels.test_builds import attention_outputs
+from tests.kernels.test_builds import attention_outputs_by_threads
 from pagedkv.kernels import native
 assert native.kernels() is not None, native.unavailable_reason()
 print(native.kernels().vector_path)
-torch.save(attention_outputs(), sys.argv[1])
+torch.save(attention_outputs_by_threads(), sys.argv[1])
 """
 
 
-def run_build(target: str, child: str, *args: str, threads: int | None = None) -> str:
-    """`child` run with `args` in a fresh process whose kernels are built for `target` (on
-    `threads` OpenMP threads if given); its output line (the vector path it ran)."""
+def run_build(target: str, child: str, *args: str) -> str:
+    """`child` run with `args` in a fresh process whose kernels are built for `target`; its
+    output line (the vector path it ran)."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PAGEDKV_MARCH=target)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", child, *args], env=env, capture_output=True, text=True
@@ -131,31 +149,42 @@ def run_build(target: str, child: str, *args: str, threads: int | None = None) -
     return result.stdout.strip()
 
 
-@pytest.mark.parametrize(
-    ("qtype", "quantization", "dtype"),
-    [
-        (None, "int4", "float32"),
-        (None, "int8", "float32"),
-        (None, "none", "float32"),
-        (None, "none", "bfloat16"),
-        (QType.Q4_1, "auto", "float32"),  # float16 scales and mins
-        (QType.Q8_0, "auto", "float32"),
-    ],
-    ids=str,
-)
-def test_every_build_computes_the_same_logits(zoo, tiny_gguf, tmp_path, qtype, quantization, dtype):
+# (GGUF type or None for the folder, quantization, dtype): every weight path of the kernels.
+WEIGHT_CASES = [
+    (None, "int4", "float32"),
+    (None, "int8", "float32"),
+    (None, "none", "float32"),
+    (None, "none", "bfloat16"),
+    (QType.Q4_1, "auto", "float32"),  # float16 scales and mins
+    (QType.Q8_0, "auto", "float32"),
+]
+
+
+def test_every_build_computes_the_same_logits(zoo, tiny_gguf, tmp_path):
+    """qwen2 (a tied head, q/k/v biases, a sliding window), from its folder or a GGUF file, in
+    every weight format: each build's logits are this process's. One child per build runs
+    every case, since each child spends seconds importing torch."""
     if native.kernels() is None:
         pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
-    # qwen2: a tied head, q/k/v biases, a sliding window; from its folder or a GGUF file
-    source = str(zoo.folder("qwen2") if qtype is None else tiny_gguf("qwen2", qtype=qtype))
-    ours = forward_logits(source, quantization, dtype)
+    cases = {
+        f"{qtype.name if qtype else 'folder'}-{quantization}-{dtype}": (
+            str(zoo.folder("qwen2") if qtype is None else tiny_gguf("qwen2", qtype=qtype)),
+            quantization,
+            dtype,
+        )
+        for qtype, quantization, dtype in WEIGHT_CASES
+    }
+    ours = {case: forward_logits(*settings) for case, settings in cases.items()}
     for target in TARGETS:
         out = tmp_path / f"{target}.pt"
-        path = run_build(target, CHILD, source, quantization, dtype, str(out))
+        path = run_build(target, CHILD, json.dumps(cases), str(out))
         theirs = torch.load(out)
-        assert torch.equal(theirs, ours), (
-            f"{target} build ({path}) differs by up to {(theirs - ours).abs().max():.3g}"
-        )
+        assert theirs.keys() == ours.keys()
+        for case, logits in ours.items():
+            assert torch.equal(theirs[case], logits), (
+                f"{target} build ({path}), {case}: differs by up to "
+                f"{(theirs[case] - logits).abs().max():.3g}"
+            )
 
 
 def test_every_build_attends_with_the_same_bits(tmp_path):
@@ -163,16 +192,20 @@ def test_every_build_attends_with_the_same_bits(tmp_path):
     the AVX-512 build's 16-lane paths (query vectors in pairs, masked value columns) give the
     bits of the AVX2 build's 8-lane ones and of the plain-C twins. Each build runs on 1 and 3
     threads, since the tiles' sizes (and so which paths a tile takes) follow the thread
-    count."""
+    count: this process's build here, the others in a child each."""
     if native.kernels() is None:
         pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
     ours = attention_outputs()
     assert torch.isfinite(ours).all()
-    for target, threads in itertools.product(("native", *TARGETS), (1, 3)):
-        out = tmp_path / f"{target}-{threads}.pt"
-        path = run_build(target, ATTENTION_CHILD, str(out), threads=threads)
-        theirs = torch.load(out)
-        assert torch.equal(theirs, ours), (
-            f"{target} build ({path}) on {threads} threads differs by up to "
-            f"{(theirs - ours).abs().max():.3g}"
-        )
+    builds = {f"native ({native.kernels().vector_path})": attention_outputs_by_threads()}
+    for target in TARGETS:
+        out = tmp_path / f"{target}.pt"
+        path = run_build(target, ATTENTION_CHILD, str(out))
+        builds[f"{target} ({path})"] = torch.load(out)
+    for build, by_threads in builds.items():
+        assert sorted(by_threads) == sorted(THREAD_COUNTS)
+        for threads, theirs in by_threads.items():
+            assert torch.equal(theirs, ours), (
+                f"{build} build on {threads} threads differs by up to "
+                f"{(theirs - ours).abs().max():.3g}"
+            )
