@@ -525,9 +525,7 @@ class KVCacheMachine(MemoryRules):
         self.setup(block_size, num_gpu_blocks, num_cpu_blocks, prefix_caching, num_offload_blocks)
 
 
-KVCacheMachine.TestCase.settings = settings(
-    max_examples=1000, stateful_step_count=30, deadline=None
-)
+KVCacheMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
 test_kv_cache_manager = KVCacheMachine.TestCase
 
 
@@ -574,6 +572,6 @@ class HostTierMachine(MemoryRules):
 
 
 HostTierMachine.TestCase.settings = settings(
-    max_examples=500, stateful_step_count=40, deadline=None
+    max_examples=250, stateful_step_count=40, deadline=None
 )
 test_host_tier = HostTierMachine.TestCase
