@@ -11,7 +11,7 @@ from matplotlib.image import imread
 from pagedkv.cli import main
 from pagedkv.sim import plots
 
-SMALL = ["--num-requests", "30", "--batch-sizes", "10,20", "--pool-gb", "5"]
+SMALL = ["--num-requests", "12", "--batch-sizes", "6,12", "--pool-gb", "5"]
 
 
 def test_json_reports_every_scheme_and_the_sweep(capsys):
@@ -25,12 +25,12 @@ def test_json_reports_every_scheme_and_the_sweep(capsys):
         "paged",
         "paged-shared",
     ]
-    assert all(scheme["finished"] == 30 for scheme in out["schemes"])
+    assert all(scheme["finished"] == 12 for scheme in out["schemes"])
     assert [(p["batch_size"], p["scheme"]) for p in out["batch_sweep"]] == [
-        (10, "slab-max"),
-        (10, "paged"),
-        (20, "slab-max"),
-        (20, "paged"),
+        (6, "slab-max"),
+        (6, "paged"),
+        (12, "slab-max"),
+        (12, "paged"),
     ]
     assert out["sharing"] is None
     assert out["batch_sizes_left_out"] == []
@@ -250,8 +250,8 @@ def test_tensor_parallel_pools_are_one_ranks_share_of_every_block(capsys):
     """Llama 3 70B has 8 KV heads of 128 values over 80 layers: 2 x 80 x 8 x 128 x 2 bytes =
     327,680 B/token in bf16. Over 4 ranks each holds 2 heads (81,920 B/token), so a rank's
     2 GB holds 4x the blocks; over 16, the 8 heads are replicated, one a rank (40,960)."""
-    argv = ["simulate", "--model", "llama-3-70b", "--pool-gb", "2", "--num-requests", "20"]
-    argv += ["--batch-sizes", "10", "--json"]
+    argv = ["simulate", "--model", "llama-3-70b", "--pool-gb", "2", "--num-requests", "6"]
+    argv += ["--batch-sizes", "6", "--json"]
     for ranks, bytes_per_token in ((1, 327_680), (4, 81_920), (16, 40_960)):
         assert main([*argv, "--tensor-parallel-size", str(ranks)]) == 0
         out = json.loads(capsys.readouterr().out)
