@@ -81,12 +81,12 @@ def test_greedy_output_is_unchanged_for_every_family(
 ) -> None:
     """Each family, float32 and fp8 KV, n-gram and draft-model drafts, in every case: the
     target's greedy tokens and logprobs equal its answer alone without speculation; so do
-    n = 3 greedy forks under swap preemption. Under fp8 the draft model alone drafts: its
-    drafts are verified and rolled back in the target's fp8 slots as n-gram drafts are, and
-    it keeps its own KV in fp8 too."""
+    n = 3 greedy forks under swap preemption. Under fp8, n-gram drafts run every case (on
+    these random prompts most are rejected: rollback in fp8 slots) and the draft model (its
+    own KV in fp8 too) the forks' case: the model drafting for itself, it rejects few."""
     model = str(engine_zoo.folder(family))
     expected = alone(model, GREEDY, kv_cache_dtype=kv_cache_dtype)
-    specs = (NGRAM, draft_model(model)) if kv_cache_dtype == "auto" else (draft_model(model),)
+    specs = (NGRAM, draft_model(model)) if kv_cache_dtype == "auto" else (NGRAM,)
     for spec in specs:
         accepted = 0
         for case in CASES:
