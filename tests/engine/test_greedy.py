@@ -82,8 +82,16 @@ def test_prefix_caching_on_and_off_match_transformers(engine_zoo, name, caching)
     assert hits >= (2 * 64 if caching else 0) and (hits > 0) == caching
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
+# Recompute runs each family's prefill again; swap copies blocks whatever the family, so it runs
+# beside a KV layout of each kind: one KV head (llama3), head_dim 32 (mistral), q/k/v biases
+# with a window on one layer (qwen2). (Every family swaps in the batch-invariance tests.)
+@pytest.mark.parametrize(
+    ("mode", "name"),
+    [
+        *(("recompute", name) for name in FAMILIES),
+        *(("swap", name) for name in ("llama3", "mistral", "qwen2")),
+    ],
+)
 def test_preemption_under_a_tiny_pool_matches_transformers(engine_zoo, name, mode):
     # Sixteen short prompts that each grow to 3-4 blocks, in a pool of 8 blocks: admitted
     # while they fit, they outgrow the pool as they decode, again and again.

@@ -48,7 +48,7 @@ def context(tokens: list[int], start: int, suffix_at: int) -> int:
     return agreed
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2), min_size=1, max_size=80),
     min_n=st.integers(1, 5),
@@ -86,7 +86,7 @@ def test_repeated_runs_follow_the_rule(
     assert got == rule(tokens, min_n, min_n + extra, k)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
     tokens=st.lists(st.sampled_from((0, 1, 256, 257, 65537, 1 << 40)), min_size=1, max_size=60),
     min_n=st.integers(1, 3),

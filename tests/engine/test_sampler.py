@@ -299,7 +299,7 @@ def test_vllms_seed_and_temperature_conventions():
     assert not SamplingParams(temperature=1e-4).greedy and SamplingParams(temperature=0).greedy
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.tuples(

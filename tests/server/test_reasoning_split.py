@@ -32,13 +32,13 @@ def rule(text: str, prompt_open: bool) -> tuple[str | None, str | None]:
 texts = st.lists(st.sampled_from(FRAGMENTS), max_size=14).map("".join)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=750, deadline=None)
 @given(text=texts, prompt_open=st.booleans())
 def test_a_whole_output_splits_by_the_rule(text: str, prompt_open: bool) -> None:
     assert split_reasoning(text, prompt_open) == rule(text, prompt_open)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=750, deadline=None)
 @given(text=texts, prompt_open=st.booleans(), cuts=st.lists(st.integers(0, 200), max_size=8))
 def test_streamed_pieces_add_up_to_the_whole_split(
     text: str, prompt_open: bool, cuts: list[int]
