@@ -200,7 +200,7 @@ def test_pull_command(registry, capsys):
     assert main(["pull", NAME]) == 0
     assert f"{NAME}: ready in {cache_dir() / NAME / 'hf'}" in capsys.readouterr().out
     assert main(["pull", "no-such-model"]) == 2  # bad input, as every command exits
-    assert "pagedkv pull: 'no-such-model' is not a built-in model" in capsys.readouterr().err
+    assert "pagedkv pull: error: 'no-such-model' is not a built-in model" in capsys.readouterr().err
 
 
 def test_convert_command(tiny_gguf, tmp_path, capsys):
@@ -213,12 +213,12 @@ def test_convert_command(tiny_gguf, tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     assert main(["convert", str(source), str(tmp_path / "a_file" / "out")]) == 1  # not a folder
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"pagedkv convert: cannot write {tmp_path / 'a_file' / 'out'}: ")
+    assert line.startswith(f"pagedkv convert: error: cannot write {tmp_path / 'a_file' / 'out'}: ")
     assert main(["convert", str(source), str(tmp_path / "a_file")]) == 1  # a file, no folder
     assert f"{tmp_path / 'a_file'}: is a file (choose a new folder)" in capsys.readouterr().err
     long_name = tmp_path / ("x" * 300 + ".gguf")  # no file system takes such a name
     assert main(["convert", str(long_name), str(tmp_path / "out2")]) == 1
-    assert f"pagedkv convert: cannot read {long_name}: " in capsys.readouterr().err
+    assert f"pagedkv convert: error: cannot read {long_name}: " in capsys.readouterr().err
 
 
 def test_convert_says_a_failed_write_in_one_line(tiny_gguf, tmp_path, capsys, monkeypatch):
@@ -234,5 +234,5 @@ def test_convert_says_a_failed_write_in_one_line(tiny_gguf, tmp_path, capsys, mo
     monkeypatch.setattr(convert, "save_file", full_disk)
     assert main(["convert", str(tiny_gguf("llama")), str(tmp_path / "out")]) == 1
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"pagedkv convert: cannot write {tmp_path / 'out'}: ")
+    assert line.startswith(f"pagedkv convert: error: cannot write {tmp_path / 'out'}: ")
     assert "No space left on device" in line and not (tmp_path / "out").exists()

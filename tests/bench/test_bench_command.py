@@ -241,7 +241,7 @@ def test_bad_input_is_one_line_naming_it_before_or_instead_of_a_run(
     assert main(base + flags) == 2
     captured = capsys.readouterr()
     line = captured.err.strip().splitlines()[-1]  # after the engine's start-up lines, if any
-    assert line.startswith("pagedkv bench: ") and named in line
+    assert line.startswith("pagedkv bench: error: ") and named in line
     assert "tok/s" not in captured.out  # nothing was measured
 
 
@@ -270,4 +270,8 @@ def test_a_gguf_file_benches_in_pagedkv_alone(
     capsys.readouterr()
     assert main(["bench", *flags, "--systems", "pagedkv,hf-cb"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("pagedkv bench: ") and "hf-cb" in line and "--systems pagedkv" in line
+    assert (
+        line.startswith("pagedkv bench: error: ")
+        and "hf-cb" in line
+        and "--systems pagedkv" in line
+    )

@@ -311,15 +311,17 @@ def test_a_terminal_that_asks_for_no_colour_gets_none(zoo, setting) -> None:
 def test_bad_flags_are_named_and_exit_2(zoo, tmp_path, capsys) -> None:
     model = ["chat", "--model", str(zoo.folder("llama"))]
     assert main([*model, "--top-p", "1.5"]) == 2
-    assert "pagedkv chat: top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert "pagedkv chat: error: top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
     for keep, message in (
         ("0", "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
         ("2000", "truncate_prompt_tokens is 2000, greater than max_model_len (1024)"),
     ):
         assert main([*model, "--truncate-prompt-tokens", keep, *ENGINE_FLAGS]) == 2
-        assert capsys.readouterr().err.splitlines()[-1].startswith(f"pagedkv chat: {message}")
+        assert (
+            capsys.readouterr().err.splitlines()[-1].startswith(f"pagedkv chat: error: {message}")
+        )
     assert main(["chat", "--model", str(tmp_path / "missing")]) == 2
-    assert capsys.readouterr().err.startswith("pagedkv chat: ")
+    assert capsys.readouterr().err.startswith("pagedkv chat: error: ")
     for flags, message in (
         (["--max-tokens", "0"], "--max-tokens: must be a positive integer, got 0"),
         (["--n", "2"], "pagedkv chat: error: unrecognized arguments: --n 2"),  # chat has no --n
@@ -340,7 +342,7 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(zoo) -> None:
     )  # fmt: skip
     err = done.stderr.decode()
     assert done.returncode == 0, err
-    assert "pagedkv chat: the text is not valid UTF-8: byte 0xff" in err
+    assert "pagedkv chat: error: the text is not valid UTF-8: byte 0xff" in err
     assert len(FOOTER.findall(err)) == 1  # the second line was answered
 
 

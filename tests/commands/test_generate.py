@@ -119,7 +119,7 @@ def test_a_prompt_that_is_not_utf8_exits_2_naming_the_byte(zoo, capsys):
 def test_a_system_message_without_a_chat_message_is_refused(zoo, capsys):
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT]
     assert main([*argv, "--system", "Be brief."]) == 2
-    assert "pagedkv generate: --system needs --chat" in capsys.readouterr().err
+    assert "pagedkv generate: error: --system needs --chat" in capsys.readouterr().err
 
 
 def test_every_sampling_flag_reaches_its_sampling_parameter():
@@ -260,7 +260,7 @@ def test_a_bad_sampling_value_is_one_line_naming_it_and_exit_2(zoo, capsys, flag
     argv = ["generate", "--model", str(zoo.folder("llama")), "--prompt", PROMPT, *ENGINE_FLAGS]
     assert main([*argv, *flags]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[-1].startswith(f"pagedkv generate: {message}")
+    assert err.splitlines()[-1].startswith(f"pagedkv generate: error: {message}")
     assert "Traceback" not in err
 
 

@@ -85,7 +85,7 @@ def test_a_file_that_is_no_utf8_text_is_named(zoo, tmp_path, capsys) -> None:
     for path, reason in ((binary, "not UTF-8 text"), (tmp_path / "none.txt", "cannot read it")):
         code = main(["perplexity", str(path), "--model", str(zoo.folder("llama"))])
         assert code == 2
-        assert f"pagedkv perplexity: {path}: {reason}" in capsys.readouterr().err
+        assert f"pagedkv perplexity: error: {path}: {reason}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--n-ctx", "--max-windows"])
@@ -163,7 +163,7 @@ def test_an_engine_flag_it_does_not_use_is_refused_by_name(tmp_path, capsys, arg
     code = main(["perplexity", str(text), "--model", str(tmp_path / "absent"), *argv])
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"pagedkv perplexity: {argv[0]} does not apply to perplexity (")
+    assert err.startswith(f"pagedkv perplexity: error: {argv[0]} does not apply to perplexity (")
     assert err.count("\n") == 1
 
 
@@ -174,8 +174,8 @@ def test_several_unused_flags_are_named_in_one_line(tmp_path, capsys) -> None:
     assert main(["perplexity", str(text), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(
-        "pagedkv perplexity: --no-enable-prefix-caching, --seed, --tensor-parallel-size do not "
-        "apply to perplexity ("
+        "pagedkv perplexity: error: --no-enable-prefix-caching, --seed, --tensor-parallel-size "
+        "do not apply to perplexity ("
     )
     assert err.count("\n") == 1
 

@@ -89,7 +89,7 @@ def test_worker_names_a_malformed_variable(monkeypatch, capsys, name, value):
     monkeypatch.setattr("pagedkv.worker.parallel.worker.run_worker", refuse_to_start)
     assert main(["worker"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"pagedkv worker: {name}='{value}' in the environment is not ")
+    assert err.startswith(f"pagedkv worker: error: {name}='{value}' in the environment is not ")
     assert err.count("\n") == 1
 
 
@@ -101,5 +101,5 @@ def test_rank_0_engine_names_a_malformed_variable(monkeypatch, capsys, name, val
     argv = ["generate", "--model", "absent", "--prompt", PROMPT, "--tensor-parallel-size", "2"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"pagedkv generate: {name}='{value}' in the environment is not ")
+    assert err.startswith(f"pagedkv generate: error: {name}='{value}' in the environment is not ")
     assert err.count("\n") == 1

@@ -115,18 +115,18 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         print(
-            f"pagedkv bench: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}",
+            f"pagedkv bench: error: --systems takes {','.join(SYSTEMS)}, got {args.systems!r}",
             file=sys.stderr,
         )
         return 2
     if args.json and not args.json.resolve().parent.is_dir():  # found out before the run
-        print(f"pagedkv bench: --json {args.json}: no such directory", file=sys.stderr)
+        print(f"pagedkv bench: error: --json {args.json}: no such directory", file=sys.stderr)
         return 2
     try:
         config = _config(args, systems)
         report = run_benchmark(config)
     except STARTUP_ERRORS as error:  # a bad flag, model or workload (a prompt too long): one line
-        print(f"pagedkv bench: {flag_error(error)}", file=sys.stderr)
+        print(f"pagedkv bench: error: {flag_error(error)}", file=sys.stderr)
         return 2
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=_json_default))
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         if useful != figures["requested_tokens"]
     ]
     for line in wrong:
-        print(f"pagedkv bench: token count mismatch: {line}")
+        print(f"pagedkv bench: error: token count mismatch: {line}")
     return 1 if wrong else 0
 
 

@@ -80,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
         # A --truncate-prompt-tokens past the context would refuse every turn: refuse it now.
         check_truncation(params, engine.max_model_len)
     except STARTUP_ERRORS as error:
-        print(f"pagedkv chat: {flag_error(error)}", file=sys.stderr)
+        print(f"pagedkv chat: error: {flag_error(error)}", file=sys.stderr)
         return 2
     if engine.tokenizer.chat_template is None:
-        print(f"pagedkv chat: {engine.model_name} has no chat template", file=sys.stderr)
+        print(f"pagedkv chat: error: {engine.model_name} has no chat template", file=sys.stderr)
         return 2
     return Chat(engine, params, args.system).run()
 
@@ -197,7 +197,7 @@ class Chat:
             prompt_ids = conversation_prompt_ids(self.engine.tokenizer, messages, self.history_ids)
             answer = self.stream(prompt_ids)
         except (RequestRejected, ChatTemplateError, InvalidText) as error:
-            self.note(f"pagedkv chat: {error}; /reset starts a new conversation")
+            self.note(f"pagedkv chat: error: {error}; /reset starts a new conversation")
             return
         self.messages += [user, {"role": "assistant", "content": answer.text}]
         self.history_ids = answer.prompt_token_ids + answer.token_ids

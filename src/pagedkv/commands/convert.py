@@ -37,11 +37,11 @@ def run(args: argparse.Namespace) -> int:
             source = pull(args.source)
         folder = convert_gguf(source, args.folder)
     except (ModelError, HubError) as error:
-        print(f"pagedkv convert: {error}", file=sys.stderr)
+        print(f"pagedkv convert: error: {error}", file=sys.stderr)
         return 1
     except OSError as error:  # the source it cannot read, or a target it cannot write
         side = f"read {source}" if error.filename == str(source) else f"write {args.folder}"
-        print(f"pagedkv convert: cannot {side}: {error.strerror or error}", file=sys.stderr)
+        print(f"pagedkv convert: error: cannot {side}: {error.strerror or error}", file=sys.stderr)
         return 1
     print(f"wrote {folder} in {time.perf_counter() - start:.1f} s")
     return 0

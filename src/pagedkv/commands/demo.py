@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         given += ["--temperature"] if args.temperature != DEMO_TEMPERATURE else []
         if given:
             print(
-                f"pagedkv demo: {', '.join(given)} do{'es' if len(given) == 1 else ''} not "
+                f"pagedkv demo: error: {', '.join(given)} do{'es' if len(given) == 1 else ''} not "
                 "apply to --memory (it walks through the memory manager alone, with no model)",
                 file=sys.stderr,
             )
@@ -73,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(engine_args)
         return run_serving_demo(engine, args.max_tokens, args.temperature, console)
     except STARTUP_ERRORS as error:
-        print(f"pagedkv demo: {flag_error(error)}", file=sys.stderr)
+        print(f"pagedkv demo: error: {flag_error(error)}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.system is not None and args.chat is None:
         message = "--system needs --chat (a --prompt has no messages)"
-        print(f"pagedkv generate: {message}", file=sys.stderr)
+        print(f"pagedkv generate: error: {message}", file=sys.stderr)
         return 2
     engine = loaded = None
     try:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except STARTUP_ERRORS as error:
         if engine is not None:
             engine.shutdown()
-        print(f"pagedkv generate: {flag_error(error)}", file=sys.stderr)
+        print(f"pagedkv generate: error: {flag_error(error)}", file=sys.stderr)
         return 2
     try:
         return _stream(engine, params)

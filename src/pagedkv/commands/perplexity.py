@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if refused:
         used = ", ".join(cli_flag(f.name) for f in fields(EngineArgs) if f.name in ENGINE_FIELDS)
         print(
-            f"pagedkv perplexity: {', '.join(refused)} "
+            f"pagedkv perplexity: error: {', '.join(refused)} "
             f"{'does' if len(refused) == 1 else 'do'} not apply to perplexity (it runs the "
             "base model in this one process on one window of --n-ctx tokens at a time, each "
             "through a KV cache sized for it, and samples nothing); the engine flags it uses "
@@ -121,12 +121,12 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda line: print(line, file=sys.stderr),
         )
     except STARTUP_ERRORS as error:
-        print(f"pagedkv perplexity: {flag_error(error)}", file=sys.stderr)
+        print(f"pagedkv perplexity: error: {flag_error(error)}", file=sys.stderr)
         return 2
     context = loaded.config.max_position_embeddings
     if args.n_ctx > context:
         print(
-            f"pagedkv perplexity: --n-ctx {args.n_ctx} is beyond the model's context of "
+            f"pagedkv perplexity: error: --n-ctx {args.n_ctx} is beyond the model's context of "
             f"{context} tokens (max_position_embeddings)",
             file=sys.stderr,
         )
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda line: print(line, file=sys.stderr),
         )
     except ValueError as error:
-        print(f"pagedkv perplexity: {args.file}: {error}", file=sys.stderr)
+        print(f"pagedkv perplexity: error: {args.file}: {error}", file=sys.stderr)
         return 2
     print(
         f"perplexity {result.perplexity:.4f} over {result.scored} tokens scored "

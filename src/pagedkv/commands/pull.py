@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.name not in BUILTIN_MODELS:
         print(
-            f"pagedkv pull: {args.name!r} is not a built-in model (built-in: "
+            f"pagedkv pull: error: {args.name!r} is not a built-in model (built-in: "
             f"{', '.join(BUILTIN_MODELS)}); a folder or a .gguf file needs no pull",
             file=sys.stderr,
         )
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
             path = converted_folder(args.name)
     except (ModelError, HubError) as error:
-        print(f"pagedkv pull: {error}", file=sys.stderr)
+        print(f"pagedkv pull: error: {error}", file=sys.stderr)
         return 1
     print(f"{args.name}: ready in {path}")
     return 0

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{env.world_size} (rank 0 runs the engine)"
             )
     except ValueError as error:
-        print(f"pagedkv worker: {error}", file=sys.stderr)
+        print(f"pagedkv worker: error: {error}", file=sys.stderr)
         return 2
     print(f"pagedkv worker: rank {env.rank} of {env.world_size}", file=sys.stderr)
     run_worker(

@@ -209,7 +209,7 @@ def test_a_broken_model_file_is_one_line_from_each_worker(folder, tmp_path, capf
     with pytest.raises(MalformedModelFile, match="model.safetensors"):
         start(broken)
     err = capfd.readouterr().err
-    assert "pagedkv worker (rank 1): " in err and "Traceback" not in err
+    assert "pagedkv worker (rank 1): error: " in err and "Traceback" not in err
     assert multiprocessing.active_children() == []
 
 
@@ -278,7 +278,7 @@ def test_a_pool_only_rank_0_cannot_hold_stops_every_rank_at_once(folder, short_t
     with pytest.raises(KVCacheTooSmallForModel, match="of it the draft model's"):
         start(folder, num_gpu_blocks=None, kv_cache_memory=8000, speculative_config=draft)
     err = capfd.readouterr().err
-    assert "pagedkv worker (rank 1): another rank cannot hold the KV pool" in err
+    assert "pagedkv worker (rank 1): error: another rank cannot hold the KV pool" in err
     assert "Traceback" not in err
     assert multiprocessing.active_children() == []
 

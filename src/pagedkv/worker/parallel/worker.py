@@ -41,7 +41,7 @@ def run_worker(
     except (ValueError, ModelError) as error:  # a configuration or a model file every rank
         # refuses alike (rank 0 reports it too): one line, no trace
         link.report_error(f"{type(error).__name__}: {error}")
-        print(f"pagedkv worker (rank {rank}): {error}", file=sys.stderr)
+        print(f"pagedkv worker (rank {rank}): error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     except BaseException as error:
         link.report_error(f"{type(error).__name__}: {error}")
