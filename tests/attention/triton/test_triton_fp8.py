@@ -34,9 +34,11 @@ SMALL_PARTITIONS = DecodeConfig(partition_size=64, block_n=32, programs_per_sm=6
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
 def test_the_store_kernel_gives_torchs_bytes(device, dtype, key_dtype):
-    num_kv_heads, head_dim, block_size = 2, 16, 16
+    # A program stores one token: wide tokens keep the interpreter's program count small.
+    num_kv_heads, head_dim, block_size = 4, 64, 16
     values = hard_inputs(dtype)
-    rows = values[: values.numel() // 32 * 32].view(-1, num_kv_heads, head_dim).to(key_dtype)
+    padding = -values.numel() % (num_kv_heads * head_dim)  # every hard value is stored
+    rows = torch.cat([values, values[:padding]]).view(-1, num_kv_heads, head_dim).to(key_dtype)
     num_tokens = rows.shape[0]
     num_blocks = -(-num_tokens // block_size) + 1
     generator = torch.Generator().manual_seed(2)
