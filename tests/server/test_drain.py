@@ -66,7 +66,7 @@ def test_requests_still_running_after_the_grace_period_end_with_an_error(serve) 
     whole = Call(server, "/v1/completions", BODY | {"max_tokens": 500})
     wait_until(lambda: server.app.state.engine_loop.stats.num_running == 2)
     metrics = server.app.state.engine_loop.metrics
-    aborts = {"model_name": metrics.model_name, "finished_reason": "abort"}
+    aborts = {"model_name": metrics.model_name, "engine": "0", "finished_reason": "abort"}
     before = metrics.registry.get_sample_value("pagedkv:request_success_total", aborts) or 0
 
     server.stop()

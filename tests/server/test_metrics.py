@@ -221,6 +221,20 @@ def test_cache_config_info_names_the_pool(server) -> None:
     assert (labels["block_size"], labels["num_gpu_blocks"]) == ("16", "256")
     assert int(labels["num_cpu_blocks"]) > 0
     assert labels["cache_dtype"] == "float32"
+    assert labels["engine"] == "0"
+
+
+def test_every_sample_names_its_model_and_engine_as_vllms_do(server, model_name: str) -> None:
+    """vLLM labels each sample of its engines' metrics `model_name` and `engine` (the engine's
+    index; one engine is "0"), and dashboards select by both: every sample of ours, requests
+    finished and all."""
+    scrape_around_completions(server, [[5, 6, 7]], max_tokens=2)
+    samples = [dict(labels) for name, labels in scrape(server) if name.startswith("pagedkv:")]
+    assert len(samples) > 100  # the histograms' buckets too
+    for labels in samples:
+        if "model_name" in labels:  # all but cache_config_info, as vLLM's
+            assert labels["model_name"] == model_name, labels
+        assert labels["engine"] == "0", labels
 
 
 def test_an_fp8_cache_names_its_dtype_and_halves_its_block_bytes_twice(serve) -> None:

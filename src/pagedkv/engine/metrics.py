@@ -34,6 +34,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_PREFIX = "pagedkv"
 PREFIXES = (DEFAULT_PREFIX, "vllm")
 
+# Every sample's labels, as vLLM's: the model's name and the engine's index, which is vLLM's
+# first ("0") since one engine serves here (vLLM counts its data-parallel engines).
+LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"
+
 # vLLM's buckets, so dashboards built for it read ours unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -80,10 +85,11 @@ class EngineMetrics:
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
         self.model_name = model_name
+        self.label_values = (model_name, ENGINE_INDEX)
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(model_name, stats, prefix))
-        labels = ["model_name"]
+        labels = list(LABELS)
 
         def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(
@@ -171,7 +177,7 @@ class EngineMetrics:
         tracked request's previous output token, and the requests that finished."""
         now = time.monotonic()
         if iteration_tokens:
-            self.iteration_tokens.labels(self.model_name).observe(iteration_tokens)
+            self.iteration_tokens.labels(*self.label_values).observe(iteration_tokens)
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
@@ -197,11 +203,11 @@ class EngineMetrics:
         """A tracked request its owner ended itself (a failed step, a shutdown) and will not
         see finish: vLLM's "abort"."""
         if self._tracked.pop(request_id, None) is not None:
-            self.request_success.labels(self.model_name, "abort").inc()
+            self.request_success.labels(*self.label_values, "abort").inc()
 
     def _observe_inter_token(self, seconds: float) -> None:
-        self.inter_token_latency.labels(self.model_name).observe(seconds)
-        self.time_per_output_token.labels(self.model_name).observe(seconds)
+        self.inter_token_latency.labels(*self.label_values).observe(seconds)
+        self.time_per_output_token.labels(*self.label_values).observe(seconds)
 
     def _observe_finished(
         self,
@@ -218,32 +224,32 @@ class EngineMetrics:
         divides.
         """
         metrics = output.metrics
-        self.request_params_n.labels(self.model_name).observe(params.n)
+        self.request_params_n.labels(*self.label_values).observe(params.n)
         if params.max_tokens is not None:
-            self.request_params_max_tokens.labels(self.model_name).observe(params.max_tokens)
+            self.request_params_max_tokens.labels(*self.label_values).observe(params.max_tokens)
         reason = next((c.finish_reason for c in output.outputs if c.finish_reason), "abort")
-        self.request_success.labels(self.model_name, reason).inc()
-        self.request_prompt_tokens.labels(self.model_name).observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.labels(self.model_name).observe(generation_tokens)
-        self.request_max_num_generation_tokens.labels(self.model_name).observe(num_output_tokens)
+        self.request_success.labels(*self.label_values, reason).inc()
+        self.request_prompt_tokens.labels(*self.label_values).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(*self.label_values).observe(generation_tokens)
+        self.request_max_num_generation_tokens.labels(*self.label_values).observe(num_output_tokens)
         scheduled = metrics.first_scheduled_time
         if scheduled is None or metrics.first_token_time is None or metrics.finished_time is None:
             return  # aborted before its first token: no latency to speak of
         first_token = metrics.first_token_time - metrics.arrival_time
-        self.time_to_first_token.labels(self.model_name).observe(first_token)
-        self.e2e_request_latency.labels(self.model_name).observe(
+        self.time_to_first_token.labels(*self.label_values).observe(first_token)
+        self.e2e_request_latency.labels(*self.label_values).observe(
             metrics.finished_time - metrics.arrival_time
         )
-        self.request_queue_time.labels(self.model_name).observe(scheduled - metrics.arrival_time)
-        self.request_prefill_time.labels(self.model_name).observe(
+        self.request_queue_time.labels(*self.label_values).observe(scheduled - metrics.arrival_time)
+        self.request_prefill_time.labels(*self.label_values).observe(
             metrics.first_token_time - scheduled
         )
         decode_time = metrics.finished_time - metrics.first_token_time
-        self.request_decode_time.labels(self.model_name).observe(decode_time)
-        self.request_inference_time.labels(self.model_name).observe(
+        self.request_decode_time.labels(*self.label_values).observe(decode_time)
+        self.request_inference_time.labels(*self.label_values).observe(
             metrics.finished_time - scheduled
         )
-        self.request_time_per_output_token.labels(self.model_name).observe(
+        self.request_time_per_output_token.labels(*self.label_values).observe(
             decode_time / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
         )
 
@@ -271,29 +277,26 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """One metric family per engine figure."""
         stats = self.stats()
-        model = [self.model_name]
+        model = [self.model_name, ENGINE_INDEX]
 
         def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(
-                f"{self.prefix}:{name}", documentation, labels=["model_name"]
-            )
+            family = GaugeMetricFamily(f"{self.prefix}:{name}", documentation, labels=LABELS)
             family.add_metric(model, value)
             return family
 
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(
-                f"{self.prefix}:{name}", documentation, labels=["model_name"]
-            )
+            family = CounterMetricFamily(f"{self.prefix}:{name}", documentation, labels=LABELS)
             family.add_metric(model, value)
             return family
 
         cache_config = GaugeMetricFamily(
             f"{self.prefix}:cache_config_info",
             "The KV cache's configuration, in the labels (vLLM's names).",
-            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype"],
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype", "engine"],
         )
         sizes = [stats.block_size, stats.num_gpu_blocks, stats.num_cpu_blocks]
-        cache_config.add_metric([*(str(size) for size in sizes), stats.kv_cache_dtype], 1)
+        values = [*(str(size) for size in sizes), stats.kv_cache_dtype, ENGINE_INDEX]
+        cache_config.add_metric(values, 1)
         yield cache_config
         yield gauge(
             "kv_cache_bytes_per_block",
@@ -342,10 +345,10 @@ class EngineStatsCollector(Collector):
         preemptions = CounterMetricFamily(
             f"{self.prefix}:num_preemptions",
             "Preemptions by kind: swap (blocks moved to CPU) or recompute (blocks dropped).",
-            labels=["model_name", "kind"],
+            labels=[*LABELS, "kind"],
         )
-        preemptions.add_metric([self.model_name, "swap"], stats.num_swap_preemptions)
-        preemptions.add_metric([self.model_name, "recompute"], stats.num_recompute_preemptions)
+        preemptions.add_metric([*model, "swap"], stats.num_swap_preemptions)
+        preemptions.add_metric([*model, "recompute"], stats.num_recompute_preemptions)
         yield preemptions
         spec = stats.spec_decoding
         if spec.enabled:  # as vLLM's, only from an engine that speculates
@@ -364,10 +367,10 @@ class EngineStatsCollector(Collector):
                 f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos",
                 "Drafted tokens kept, by position after the sequence's last token (0 first; "
                 "every position up to num_speculative_tokens, from the start).",
-                labels=["model_name", "position"],
+                labels=[*LABELS, "position"],
             )
             for position, count in enumerate(spec.accepted_per_position):
-                per_position.add_metric([self.model_name, str(position)], count)
+                per_position.add_metric([*model, str(position)], count)
             yield per_position
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
