@@ -204,7 +204,7 @@ def test_memory_maps_show_owners_states_and_sharing():
 @pytest.mark.parametrize("name", list(SCHEME_LABELS))
 def test_every_scheme_serves_a_busy_stream_and_leaks_nothing(name):
     requests = generate_requests(
-        WORKLOADS["sharegpt"], 120, seed=5, rate=0.5, system_prompt=40, shared_fraction=0.5, n=2
+        WORKLOADS["sharegpt"], 60, seed=5, rate=0.5, system_prompt=40, shared_fraction=0.5, n=2
     )
     scheme = make_scheme(name, 700, 16, max_model_len=2048)
     result = simulate(requests, scheme)
