@@ -4,10 +4,10 @@ Checked after every sampled token, in vLLM's order: nothing stops a sample befor
 `min_tokens`; then an end-of-sequence id (unless `ignore_eos`) or a `stop_token_ids` entry
 ends it (its stop_reason the id, but None for the tokenizer's own EOS, also when it is in
 `stop_token_ids`) without adding that
-token's text (with `include_stop_str_in_output`, with it, as vLLM's detokenizer does); then a
-stop string found in the text ends it with the text cut just before the string, or just after
-it with `include_stop_str_in_output` (the search covers the tail where a string split across
-tokens can complete); then a structured output's grammar that is
+token's text (with `include_stop_str_in_output`, with it, as vLLM's detokenizer does); then the
+first stop string of the list that ends in the token's text ends it, with the text cut just
+before the string, or just after it with `include_stop_str_in_output` (the search covers the
+tail where a string split across tokens can complete); then a structured output's grammar that is
 complete (it would allow only EOS: vLLM's finished FSM; before min_tokens too, since nothing
 else could be sampled); then `max_tokens` (which the engine cut to the room the context
 leaves). A token the grammar refuses (the request's other constraints masked everything it
@@ -155,21 +155,18 @@ def take_outputs(request: Request) -> list[CompletionOutput]:
 def _find_stop_string(
     seq: Sequence, stop_strings: tuple[str, ...], previous_length: int, include: bool
 ) -> None:
-    """Cut the text before (or after, to `include` it) the stop string that completes first
-    in the new text, ties going to the stop list's order, as vLLM's: what adding the text a
-    character at a time would stop on, however many tokens a step added (speculation adds
-    several). Each is searched from where it could first end there: an occurrence that
-    ended in older text, inside min_tokens, does not count."""
-    best: tuple[int, int, str] | None = None  # (end, start, stop)
+    """Cut the text before (or after, to `include` it) the first stop string, in the list's
+    order, that ends in the newest token's text (vLLM's check_stop_strings, at its first such
+    occurrence). An occurrence that ended in older text, inside min_tokens, does not count.
+    Called once a token, so speculation, which adds several a step, stops where plain decoding
+    does."""
     for stop in stop_strings:
-        position = seq.text.find(stop, max(0, previous_length - len(stop) + 1))
-        if position != -1 and (best is None or position + len(stop) < best[0]):
-            best = (position + len(stop), position, stop)
-    if best is not None:
-        end, start, stop = best
-        seq.text = seq.text[: end if include else start]
-        seq.finish_reason = "stop"
-        seq.stop_reason = stop
+        start = seq.text.find(stop, max(0, previous_length - len(stop) + 1))
+        if start != -1:
+            seq.text = seq.text[: start + len(stop) if include else start]
+            seq.finish_reason = "stop"
+            seq.stop_reason = stop
+            return
 
 
 def _finish(seq: Sequence, reason: str, stop_reason: int | None) -> None:
