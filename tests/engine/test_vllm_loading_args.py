@@ -1,5 +1,6 @@
 """vLLM's loading keywords: hf_overrides, load_format, tokenizer_mode, revision,
-cpu_offload_gb and compilation_config, from Python and from generated flags.
+cpu_offload_gb and compilation_config, and its task, implementation and process settings, from
+Python and from generated flags.
 
 Oracles: a folder (or GGUF file) whose config.json (metadata) was edited to the overridden
 values must give bit-identical outputs and the same context length; the path's own format
@@ -114,6 +115,17 @@ def test_load_format_must_match_the_models_files(engine_zoo, tiny_gguf):
         ({"compilation_config": [3]}, r"compilation_config must be a level \(int\) or a dict"),
         ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size 2 is not supported"),
         ({"data_parallel_size": 4}, r"data_parallel_size 4 is not supported"),
+        ({"task": "embed"}, r"task 'embed' is not supported: .* generative"),
+        ({"runner": "pooling"}, r"runner 'pooling' is not supported"),
+        ({"model_impl": "transformers"}, r"model_impl 'transformers' is not supported"),
+        ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend 'ray'"),
+        (
+            {"distributed_executor_backend": "uni", "tensor_parallel_size": 2},
+            r"'uni' is not supported: .* \(mp; uni at tensor_parallel_size 1\)",
+        ),
+        ({"skip_tokenizer_init": True}, r"skip_tokenizer_init is not supported: .* detokenizes"),
+        ({"enable_sleep_mode": True}, r"enable_sleep_mode is not supported"),
+        ({"max_seq_len_to_capture": "8k"}, r"max_seq_len_to_capture must be an integer"),
     ],
 )
 def test_vllm_values_pagedkv_cannot_honour_are_refused_by_name(keywords, message):
@@ -128,9 +140,31 @@ def test_vllm_values_that_mean_what_pagedkv_does_are_accepted():
         {"pipeline_parallel_size": 1, "data_parallel_size": 1},
         {"compilation_config": 3},
         {"compilation_config": {"level": 3}},
+        {"task": "generate", "runner": "generate", "model_impl": "vllm"},
+        {"distributed_executor_backend": "mp", "tensor_parallel_size": 2},
+        {"distributed_executor_backend": "uni"},
     ):
         EngineArgs(**keywords)
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     for flag, parsed in (("3", 3), ('{"level": 0}', {"level": 0})):
         args = parser.parse_args(["--compilation-config", flag, "--tokenizer-mode", "hf"])
         assert EngineArgs.from_cli_args(args).compilation_config == parsed
+
+
+def test_vllm_settings_that_only_tune_vllm_change_no_output(engine_zoo):
+    """The custom all-reduce, CUDA graph capture, asynchronous scheduling and a Hub token tune
+    how vLLM reaches its outputs: taken, every token and logprob float as without them."""
+    tuned = make_llm(
+        engine_zoo,
+        disable_custom_all_reduce=True,
+        max_seq_len_to_capture=256,
+        async_scheduling=True,
+        hf_token="hf_unused",
+        task="generate",
+        distributed_executor_backend="mp",
+    )
+    assert _answers(tuned) == _answers(make_llm(engine_zoo))
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    flags = ["--disable-custom-all-reduce", "--max-seq-len-to-capture", "256", "--task", "generate"]
+    args = EngineArgs.from_cli_args(parser.parse_args(flags))
+    assert (args.disable_custom_all_reduce, args.max_seq_len_to_capture) == (True, 256)

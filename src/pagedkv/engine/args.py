@@ -50,6 +50,10 @@ _BOOLEAN_FIELDS = (
     "enforce_eager",
     "enable_chunked_prefill",
     "disable_log_stats",
+    "disable_custom_all_reduce",
+    "async_scheduling",
+    "skip_tokenizer_init",
+    "enable_sleep_mode",
 )
 
 
@@ -106,6 +110,16 @@ class EngineArgs:
     structured_outputs_config: dict[str, Any] | str | None = None
     logprobs_mode: str = "raw_logprobs"
     guided_decoding_backend: str | None = None
+    task: str = "auto"
+    runner: str = "auto"
+    model_impl: str = "auto"
+    distributed_executor_backend: str | None = None
+    disable_custom_all_reduce: bool = False
+    max_seq_len_to_capture: int = 8192
+    async_scheduling: bool = False
+    skip_tokenizer_init: bool = False
+    enable_sleep_mode: bool = False
+    hf_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -390,4 +404,5 @@ _CLI_TYPES = {
     "seed": int,
     "cpu_offload_gb": float,
     "gpu_memory_utilization": float,
+    "max_seq_len_to_capture": int,
 }

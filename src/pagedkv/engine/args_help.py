@@ -91,6 +91,24 @@ FIELD_HELP = {
     "logprobs_mode": "vLLM's; raw_logprobs only: logprobs are the model's own, before "
     "penalties, temperature and top-k/top-p",
     "guided_decoding_backend": "vLLM's older name of structured_outputs_config's backend",
+    "task": "accepted as vLLM's when auto or generate: pagedkv runs generative models",
+    "runner": "accepted as vLLM's when auto or generate: pagedkv runs generative models",
+    "model_impl": "accepted as vLLM's when auto or vllm: each family runs pagedkv's own "
+    "implementation",
+    "distributed_executor_backend": "accepted as vLLM's when mp (or uni at one rank): "
+    "tensor-parallel ranks are processes on this machine, or started by `pagedkv worker` "
+    "under torchrun",
+    "disable_custom_all_reduce": "accepted as vLLM's, to no effect: the ranks all-reduce "
+    "through torch.distributed",
+    "max_seq_len_to_capture": "accepted as vLLM's, to no effect: pagedkv captures no CUDA graphs",
+    "async_scheduling": "accepted as vLLM's, to no effect on outputs: each step is scheduled "
+    "after the last one's tokens are known",
+    "skip_tokenizer_init": "accepted as vLLM's when off: the engine detokenizes its outputs "
+    "(and stop strings need the text)",
+    "enable_sleep_mode": "accepted as vLLM's when off: the engine keeps its weights and KV pool "
+    "until it is shut down",
+    "hf_token": "accepted as vLLM's, to no effect: pagedkv fetches nothing from the Hugging "
+    "Face Hub",
 }
 
 

@@ -2,7 +2,10 @@
 mean what pagedkv does pass, a backend pagedkv does not have is noted, and the rest are refused
 by name (pagedkv fetches nothing from a hub, reads tokenizer.json with the tokenizers library,
 keeps every weight on its device, splits a model by tensor parallelism only, runs one engine
-per process, compiles no graphs and holds structured outputs with llguidance).
+per process, compiles no graphs, runs generative models with its own implementation of each
+family, detokenizes every output, never sleeps and holds structured outputs with llguidance).
+Settings that only tune how vLLM reaches the same outputs (its custom all-reduce, CUDA graph
+capture lengths, asynchronous scheduling, a Hub token) are taken and change nothing.
 """
 
 from __future__ import annotations
@@ -77,12 +80,48 @@ def check_vllm_keywords(args: Any) -> None:
     if not isinstance(compilation, int | dict | None) or isinstance(compilation, bool):
         raise ValueError(f"compilation_config must be a level (int) or a dict, got {compilation!r}")
     args.compilation_config = compilation
+    _check_runtime_keywords(args)
     if args.logprobs_mode != "raw_logprobs":
         raise ValueError(
             f"logprobs_mode {args.logprobs_mode!r} is not supported: logprobs are the model's "
             "own, before penalties, temperature and top-k/top-p (vLLM's 'raw_logprobs')"
         )
     _check_structured_outputs(args)
+
+
+def _check_runtime_keywords(args: Any) -> None:
+    """vLLM's task, implementation and process settings: what pagedkv does passes, the rest
+    is refused with what pagedkv does instead."""
+    for name in ("task", "runner"):
+        if getattr(args, name) not in ("auto", "generate"):
+            raise ValueError(
+                f"{name} {getattr(args, name)!r} is not supported: pagedkv runs generative "
+                "(causal LM) models only (auto or generate)"
+            )
+    if args.model_impl not in ("auto", "vllm"):
+        raise ValueError(
+            f"model_impl {args.model_impl!r} is not supported: each family runs pagedkv's own "
+            "implementation (auto or vllm)"
+        )
+    backend = args.distributed_executor_backend
+    if backend not in (None, "mp") and not (backend == "uni" and args.tensor_parallel_size == 1):
+        raise ValueError(
+            f"distributed_executor_backend {backend!r} is not supported: tensor-parallel ranks "
+            "are processes spawned on this machine (mp; uni at tensor_parallel_size 1), or "
+            "started by `pagedkv worker` under torchrun"
+        )
+    for name, what in (
+        ("skip_tokenizer_init", "the engine detokenizes its outputs"),
+        ("enable_sleep_mode", "the engine keeps its weights and KV pool until shut down"),
+    ):
+        if getattr(args, name):
+            raise ValueError(f"{name} is not supported: {what} (leave it False)")
+    if not isinstance(args.max_seq_len_to_capture, int) or isinstance(
+        args.max_seq_len_to_capture, bool
+    ):
+        raise ValueError(
+            f"max_seq_len_to_capture must be an integer, got {args.max_seq_len_to_capture!r}"
+        )
 
 
 def _check_structured_outputs(args: Any) -> None:
