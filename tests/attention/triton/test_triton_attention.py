@@ -17,6 +17,26 @@ pytest.importorskip("triton")
 from pagedkv.attention.triton.attention import DecodeConfig, triton_paged_attention  # noqa: E402
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def layouts(window: int) -> list[tuple[int, int, int | None, torch.dtype]]:
+    """(block_size, group, sliding_window, dtype): every block size, group and window together,
+    each in one dtype, the dtypes alternating so that each meets every block size, group and
+    window (the dtype changes only how values are loaded, rounded and stored)."""
+    return [
+        (block_size, group, sliding_window, DTYPES[(b + g + w) % 2])
+        for b, block_size in enumerate((16, 32))
+        for g, group in enumerate((1, 2, 4))
+        for w, sliding_window in enumerate((None, window))
+    ]
+
+
+def dtype_id(value: object) -> str | None:
+    """A dtype's name in a case's id (pytest's own id for the other values)."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+
+
 # Small partitions, so short test contexts still split into several and get merged; several
 # programs per KV head stride through the work list (on the CPU the "SM count" is 1).
 SMALL_PARTITIONS = DecodeConfig(partition_size=64, block_n=32, programs_per_sm=6)
@@ -56,10 +76,9 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
     torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sliding_window", [None, 100])
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("block_size", "group", "sliding_window", "dtype"), layouts(100), ids=dtype_id
+)
 def test_decode_matches_reference(
     device: torch.device, block_size: int, group: int, sliding_window: int | None, dtype
 ) -> None:
@@ -81,10 +100,9 @@ def test_decode_matches_reference(
     assert_matches(*run_both(batch, device, dtype, sliding_window), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sliding_window", [None, 24])
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("block_size", "group", "sliding_window", "dtype"), layouts(24), ids=dtype_id
+)
 def test_prefill_matches_reference(
     device: torch.device, block_size: int, group: int, sliding_window: int | None, dtype
 ) -> None:
