@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -299,13 +300,21 @@ def test_vllms_seed_and_temperature_conventions():
     assert not SamplingParams(temperature=1e-4).greedy and SamplingParams(temperature=0).greedy
 
 
+def tied_row(seed: int, masked: float) -> list[float]:
+    """300 logits of seven levels, so most values tie, a share `masked` of them -inf (as a
+    grammar or allowed_token_ids leaves them), one at least finite."""
+    rng = random.Random(seed)
+    values = [rng.choice((-3, -2, -1, 0, 1, 2, 3)) for _ in range(300)]
+    values = [-math.inf if rng.random() < masked else value for value in values]
+    values[rng.randrange(300)] = rng.choice((-3, 3))
+    return values
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.lists(
-                st.sampled_from([-3, -2, -1, 0, 1, 2, 3, -math.inf]), min_size=300, max_size=300
-            ).filter(lambda values: max(values) > -math.inf),
+            st.builds(tied_row, st.integers(0, 2**32), st.sampled_from((0.0, 0.5, 0.99))),
             st.integers(0, 305),
         ),
         min_size=1,
@@ -313,10 +322,10 @@ def test_vllms_seed_and_temperature_conventions():
     )
 )
 def test_top_logprobs_list_ties_by_token_id_whatever_the_other_rows_ask(rows):
-    """Logits of a few levels, so most values tie, and masked tokens (-inf, as a grammar or
-    allowed_token_ids leaves them, often more than a row asks for): each row's top entries
-    are its largest log-softmax values, equal values by token id (a plain-Python sort of the
-    row, the oracle), the same alone as beside rows asking for more or fewer."""
+    """Logits of a few levels, so most values tie, and masked tokens (-inf, often more than a
+    row asks for): each row's top entries are its largest log-softmax values, equal values by
+    token id (a plain-Python sort of the row, the oracle), the same alone as beside rows
+    asking for more or fewer."""
     logits = torch.tensor([values for values, _ in rows], dtype=torch.float32) / 4
     counts = [count for _, count in rows]
     chosen = torch.zeros(len(rows), dtype=torch.long)
