@@ -39,6 +39,7 @@ from pagedkv.engine.spec.draft_model import _PROBES
 from pagedkv.engine.spec.ngram import propose_ngram
 from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.hub import DEFAULT_MODEL
+from pagedkv.model.layers.linear import Linear
 from tests.conftest import TinyZoo
 from tests.engine.test_batch_invariance import (
     CASES,
@@ -477,6 +478,19 @@ def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
         ({"num_speculative_tokens": 2}, "names neither a method nor a model"),
         ({}, "names neither a method nor a model"),
         ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "takes no model"),
+        (
+            {"model": "m", "num_speculative_tokens": 2, "quantization": "fp4"},
+            "quantization must be one of auto, none, int8, int4 (or None: the engine's), got 'fp4'",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"},
+            "quantization applies to a draft model only",
+        ),
+        (
+            {"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size must be 1 (the draft model runs whole on rank 0), got 2",
+        ),
+        ({"model": "m", "num_speculative_tokens": 2, "revision": "main"}, "revision 'main'"),
         ('{"method": "ngram", ', "not valid JSON"),
         ([3], "must be a dict"),
     ],
@@ -528,6 +542,32 @@ def test_vllm_spellings_and_defaults() -> None:
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (3, 3)
     drafted = EngineArgs(speculative_config={"model": "m", "num_speculative_tokens": 2})
     assert drafted.speculative.method == "draft_model"
+
+
+def test_a_draft_model_keeps_its_own_quantization(engine_zoo) -> None:
+    """vLLM's speculative `quantization` is the draft's alone: a float model drafted by itself in
+    int8 (with vLLM's draft_tensor_parallel_size 1 and revision None taken) keeps float
+    projections while its draft's are int8, and its greedy answer equals the one alone."""
+    model = str(engine_zoo.folder("llama"))
+    spec = draft_model(model) | {
+        "quantization": "int8",
+        "draft_tensor_parallel_size": 1,
+        "revision": None,
+    }
+    engine = engine_for(model, num_gpu_blocks=64, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompt = random_prompt(20, seed=4)
+    got = answers(engine, [("a", prompt, params)])[0]["a"]
+    plain = engine_for(model, num_gpu_blocks=64)
+    assert got == answers(plain, [("a", prompt, params)])[0]["a"]
+    assert engine.scheduler.drafts.stats.num_accepted_tokens > 0
+
+    def bits(net: torch.nn.Module) -> set[int | None]:
+        layers = [m for m in net.modules() if isinstance(m, Linear)]
+        return {None if m.qweight is None else m.qweight.bits for m in layers}
+
+    assert bits(engine.runner.model) == {None}
+    assert bits(engine.executor.drafter.runner.model) == {8}
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: Path) -> None:

@@ -120,7 +120,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 dtype=args.resolved_dtype,
                 device=args.device,
-                quantization=args.quantization,
+                quantization=speculative.quantization or args.quantization,
                 download_dir=args.download_dir,
             )
         # One KV cache config, handed whole to the cache tensors and to the manager.

@@ -9,8 +9,11 @@ Two methods, as vLLM names them:
 
 `{"model": "ngram"}` is vLLM's older spelling of the first (and vLLM fills in that model for
 the method, so a config it wrote out names both); a `model` without a `method` means a draft
-model. Every other key, and every other method (eagle, medusa, mtp...), is refused by name:
-a setting that silently did nothing would be a wrong answer to whoever set it.
+model. A draft model may name its own `quantization` (pagedkv's: auto, none, int8, int4; the
+engine's otherwise); vLLM's `draft_tensor_parallel_size` is taken at 1 (the draft runs whole
+on rank 0) and its `revision` at None (nothing is fetched from a hub). Every other key, and
+every other method (eagle, medusa, mtp...), is refused by name: a setting that silently did
+nothing would be a wrong answer to whoever set it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.quant.schemes import QUANTIZATIONS
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's default n-gram size when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
-_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "quantization",
+    "draft_tensor_parallel_size",
+    "revision",
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix looked up
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix looked up
     model: str | None = None  # draft_model: a folder, .gguf file or built-in name
+    quantization: str | None = None  # draft_model: how its weights are kept (None: the engine's)
 
     @classmethod
     def parse(
@@ -77,6 +92,16 @@ class SpeculativeConfig:
                 f"speculative_config method {method!r} is not supported (supported: "
                 f"{', '.join(SPECULATIVE_METHODS)})"
             )
+        if raw.get("draft_tensor_parallel_size", 1) != 1:
+            raise ValueError(
+                "speculative_config draft_tensor_parallel_size must be 1 (the draft model runs "
+                f"whole on rank 0), got {raw['draft_tensor_parallel_size']!r}"
+            )
+        if raw.get("revision") is not None:
+            raise ValueError(
+                f"speculative_config revision {raw['revision']!r}: pagedkv loads local folders, "
+                ".gguf files and built-in models, which have no revisions (leave it None)"
+            )
         k = raw.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
@@ -90,6 +115,8 @@ class SpeculativeConfig:
     def _ngram(cls, raw: Mapping[str, Any], model: object, k: int) -> SpeculativeConfig:
         if model is not None:
             raise ValueError(f"speculative_config method 'ngram' takes no model, got {model!r}")
+        if raw.get("quantization") is not None:
+            raise ValueError("speculative_config quantization applies to a draft model only")
         low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             if value is not None and (
@@ -118,7 +145,13 @@ class SpeculativeConfig:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if name in raw:
                 raise ValueError(f"speculative_config {name} applies to method 'ngram' only")
-        return cls("draft_model", k, model=model)
+        quantization = raw.get("quantization")
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config quantization must be one of {', '.join(QUANTIZATIONS)} "
+                f"(or None: the engine's), got {quantization!r}"
+            )
+        return cls("draft_model", k, model=model, quantization=quantization)
 
     def _as_mapping(self) -> dict[str, Any]:
         """vLLM's dict of this config: what `parse` reads."""
@@ -128,6 +161,8 @@ class SpeculativeConfig:
         }
         if self.model is not None:
             raw["model"] = self.model
+        if self.quantization is not None:
+            raw["quantization"] = self.quantization
         lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
         if self.method != "draft_model" or lookup != (DEFAULT_PROMPT_LOOKUP,) * 2:
             raw["prompt_lookup_min"], raw["prompt_lookup_max"] = lookup  # a draft model's refused
