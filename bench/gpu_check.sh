@@ -34,7 +34,8 @@ run_part() {
 }
 
 # The kernel tests in three processes at once: on the device their time is Triton compiling
-# the kernel variants the tests need, one CPU core each (compiled kernels are shared through Triton's cache).
+# the kernel variants the tests need, one CPU core each (compiled kernels are shared through
+# Triton's cache).
 kernel_tests() {
     local attention=tests/attention/triton/test_triton_attention.py shards pids=() status=0 i
     shards=("$attention::test_decode_matches_reference" "$attention::test_prefill_matches_reference"
