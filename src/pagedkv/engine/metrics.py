@@ -88,7 +88,7 @@ class EngineMetrics:
         self.label_values = (model_name, ENGINE_INDEX)
         self._tracked: dict[str, _Tracked] = {}
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(model_name, stats, prefix))
+        self.registry.register(EngineStatsCollector(self.label_values, stats, prefix))
         labels = list(LABELS)
 
         def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
@@ -269,15 +269,17 @@ def vllm_metrics(engine: Engine) -> EngineMetrics:
 class EngineStatsCollector(Collector):
     """Gauges and counters straight from the latest EngineStats, read at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], prefix: str) -> None:
-        self.model_name = model_name
+    def __init__(
+        self, label_values: tuple[str, str], stats: Callable[[], EngineStats], prefix: str
+    ) -> None:
+        self.label_values = label_values  # LABELS' values
         self.stats = stats
         self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         """One metric family per engine figure."""
         stats = self.stats()
-        model = [self.model_name, ENGINE_INDEX]
+        model = list(self.label_values)
 
         def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(f"{self.prefix}:{name}", documentation, labels=LABELS)
