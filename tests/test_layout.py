@@ -3,9 +3,9 @@
 Every `import` in `src/pagedkv` is read with `ast` (function-local and type-only imports
 included: they are dependencies too) and checked against the rooms' order:
 commands -> server, sim, bench -> engine -> worker -> weights -> tokenizer -> model ->
-attention, quant -> kernels, parallel -> memory, kvmath, hub. A room imports only from rooms
-below it, so nothing imports upward and no two rooms import each other; within a room, no two
-modules import each other.
+attention, quant -> kernels, parallel -> memory, kvmath, hub, hf_cache. A room imports only
+from rooms below it, so nothing imports upward and no two rooms import each other; within a
+room, no two modules import each other.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ RANKS = {
     "kvmath": 0,
     "memory": 0,
     "hub": 0,
+    "hf_cache": 0,
     "kernels": 1,
     "parallel": 1,
     "attention": 2,
@@ -39,7 +40,7 @@ RANKS = {
     "__init__": 10,
     "__main__": 11,  # `python -m pagedkv`: the command line
 }
-TORCH_FREE = ("kvmath", "memory", "hub")
+TORCH_FREE = ("kvmath", "memory", "hub", "hf_cache")
 
 
 def module_name(path: Path) -> str:

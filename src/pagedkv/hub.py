@@ -177,13 +177,18 @@ class HubError(Exception):
 
 
 class UnknownModelName(HubError, ValueError):
-    """A `--model` value that is neither a file, a folder nor a built-in model name."""
+    """A `--model` value that is neither a file, a folder, a built-in model name nor a repo id
+    in the Hugging Face cache (`hub_cache`: where that was looked for, when it reads as one)."""
 
-    def __init__(self, name: str, builtin: list[str]) -> None:
-        super().__init__(
-            f"{name!r} is not a model folder, a .gguf file or a built-in model "
-            f"(built-in: {', '.join(builtin)})"
-        )
+    def __init__(self, name: str, builtin: list[str], hub_cache: Path | None = None) -> None:
+        sources = "a model folder, a .gguf file or a built-in model"
+        if hub_cache is not None:  # spelled as a Hub repo id: where it was looked for
+            sources = (
+                "a model folder, a .gguf file, a built-in model or a repo in the Hugging Face "
+                f"cache ({hub_cache}; pagedkv downloads nothing: fetch it first, e.g. "
+                f"`hf download {name}`)"
+            )
+        super().__init__(f"{name!r} is not {sources} (built-in: {', '.join(builtin)})")
         self.name = name
 
 

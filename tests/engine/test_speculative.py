@@ -490,7 +490,11 @@ def test_an_engine_whose_drafts_never_pay_verifies_few(engine_zoo) -> None:
             {"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
             "draft_tensor_parallel_size must be 1 (the draft model runs whole on rank 0), got 2",
         ),
-        ({"model": "m", "num_speculative_tokens": 2, "revision": "main"}, "revision 'main'"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "revision": "main"},
+            "revision applies to a draft model only",
+        ),
+        ({"model": "m", "num_speculative_tokens": 2, "revision": 7}, "revision must be a string"),
         ('{"method": "ngram", ', "not valid JSON"),
         ([3], "must be a dict"),
     ],

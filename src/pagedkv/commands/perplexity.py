@@ -38,6 +38,7 @@ ENGINE_FIELDS = frozenset(
         "dtype",
         "device",
         "quantization",
+        "revision",
         "threads",
         "block_size",
         "max_num_batched_tokens",
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=engine_args.resolved_dtype,
             device=engine_args.device,
             quantization=engine_args.quantization,
+            revision=engine_args.revision,
             progress=lambda line: print(line, file=sys.stderr),
         )
     except STARTUP_ERRORS as error:

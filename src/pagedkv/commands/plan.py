@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, a model folder or a .gguf file",
+        help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, a model folder, a .gguf file "
+        "or a Hugging Face repo id in the local cache",
     )
     add_kv_dtype_arguments(parser)
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")

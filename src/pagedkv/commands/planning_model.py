@@ -3,16 +3,19 @@
 kvmath sizes a model from a preset, a config.json or a model folder, with no torch. A GGUF file
 (what `pagedkv serve --model FILE.gguf` loads) holds its config as metadata instead; the
 engine's own GGUF reader turns it into the config.json a converted copy would carry, so the
-plan sizes exactly the model the engine would serve. Only this path imports it.
+plan sizes exactly the model the engine would serve. Only this path imports it. A Hub repo id
+already in the local Hugging Face cache is sized from its snapshot, as the engine loads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
-from pagedkv.kvmath.presets import Model, resolve_model
+from pagedkv.hf_cache import RevisionNotCached, snapshot
+from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, KVSpec
 
 GGUF_MAGIC = b"GGUF"
@@ -21,6 +24,13 @@ GGUF_MAGIC = b"GGUF"
 def resolve_planning_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     """The model `--model` names; a GGUF file's weights are its tensor bytes as stored."""
     path = Path(name_or_path)
+    if not path.exists() and name_or_path.lower() not in MODEL_PRESETS:
+        try:
+            cached = snapshot(name_or_path)
+        except RevisionNotCached as exc:
+            raise ConfigError(str(exc)) from exc
+        if cached is not None:
+            return replace(resolve_planning_model(str(cached), kv_dtype), name=name_or_path)
     if not _is_gguf(path):
         return resolve_model(name_or_path, kv_dtype)
     from pagedkv.model.errors import ModelError

@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help=f"preset ({', '.join(MODEL_PRESETS)}), config.json, model folder or .gguf file; "
+        help=f"preset ({', '.join(MODEL_PRESETS)}), config.json, model folder, .gguf file or a "
+        "Hugging Face repo id in the local cache; "
         "default gpt-tutorial for the tutorial workload, llama-3.1-8b otherwise",
     )
     add_kv_dtype_arguments(parser)

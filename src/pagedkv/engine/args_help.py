@@ -10,7 +10,8 @@ import argparse
 import re
 
 FIELD_HELP = {
-    "model": "Hugging Face folder, .gguf file or built-in model name",
+    "model": "Hugging Face folder, .gguf file, built-in model name, or a Hugging Face repo id "
+    "already in the local Hugging Face cache",
     "block_size": "tokens per KV block",
     "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
     "num_gpu_blocks_override": "vLLM's name for num_gpu_blocks (wins when given)",
@@ -60,7 +61,8 @@ FIELD_HELP = {
     "max_loras); the least recently used idle one is forgotten first, and read again when a "
     "request names it",
     "max_lora_rank": "largest LoRA rank accepted (with enable_lora)",
-    "tokenizer": "Hugging Face folder, .gguf file or built-in model name whose tokenizer to use "
+    "tokenizer": "Hugging Face folder, .gguf file, built-in name or cached repo id whose tokenizer "
+    "to use "
     "(default: the model's own); its ids must fit the model's vocabulary",
     "trust_remote_code": "accepted as vLLM's, to no effect: pagedkv never runs code that comes "
     "with a model; its architectures are its own registry's",
@@ -77,12 +79,14 @@ FIELD_HELP = {
     "hf_overrides": 'config.json keys to replace, as JSON (e.g. \'{"max_position_embeddings": '
     "4096}'); a GGUF file's metadata is read as the same keys",
     "download_dir": "folder built-in models are pulled into and read from (default: the "
-    "cache, $PAGEDKV_CACHE or ~/.cache/pagedkv)",
+    "cache, $PAGEDKV_CACHE or ~/.cache/pagedkv), and the Hugging Face cache repo ids are read "
+    "from (default: $HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
     "load_format": "what the model's weights are read from: auto (by the path), safetensors "
     "(a Hugging Face folder) or gguf (a .gguf file); a model of another format is refused",
     "tokenizer_mode": "auto or hf, as vLLM's; both read tokenizer.json with the tokenizers library",
-    "revision": "accepted as vLLM's when None: pagedkv fetches nothing from a hub",
-    "tokenizer_revision": "accepted as vLLM's when None: pagedkv fetches nothing from a hub",
+    "revision": "branch, tag or commit of a model named by a Hugging Face repo id, read from "
+    "the local Hugging Face cache (default: main; pagedkv downloads nothing)",
+    "tokenizer_revision": "the same for the tokenizer (default: revision)",
     "cpu_offload_gb": "accepted as vLLM's when 0: the weights stay on the device",
     "compilation_config": "accepted as vLLM's (a level or JSON), to no effect: pagedkv "
     "compiles no graphs",

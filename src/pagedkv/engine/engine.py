@@ -97,9 +97,11 @@ class Engine:
         self.model_name = loaded.name
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        if args.tokenizer is not None:  # vLLM's tokenizer=: another's than the model's
+        separate = args.separate_tokenizer  # vLLM's tokenizer=: another's than the model's
+        if separate is not None:
+            source, revision = separate
             self.tokenizer = load_tokenizer(
-                args.tokenizer, self.config.vocab_size, download_dir=args.download_dir
+                source, self.config.vocab_size, download_dir=args.download_dir, revision=revision
             )
         self.max_model_len = served_context(args.max_model_len, self.config.max_position_embeddings)
         # SamplingParams keywords the model's generation_config.json recommends (vLLM's "auto").

@@ -53,11 +53,8 @@ def check_vllm_keywords(args: Any) -> None:
             f"the tokenizers library), got {args.tokenizer_mode!r}"
         )
     for name in ("revision", "tokenizer_revision"):
-        if getattr(args, name) is not None:
-            raise ValueError(
-                f"{name} {getattr(args, name)!r}: pagedkv loads local folders, .gguf files and "
-                "built-in models, which have no revisions (leave it None)"
-            )
+        if not isinstance(getattr(args, name), str | None):
+            raise ValueError(f"{name} must be a string, got {getattr(args, name)!r}")
     if args.cpu_offload_gb != 0:
         raise ValueError(
             f"cpu_offload_gb {args.cpu_offload_gb!r} is not supported: the weights stay on "

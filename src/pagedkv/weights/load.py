@@ -1,7 +1,8 @@
 """One entry point from a `--model` argument to a ready model and tokenizer.
 
-`model` may be a Hugging Face folder, a `.gguf` file or a built-in name; the engine, the
-commands and the tests all go through `load`, so the three sources cannot drift apart.
+`model` may be a Hugging Face folder, a `.gguf` file, a built-in name or the repo id of a model
+already in the local Hugging Face cache (`hf_cache.py`; a `revision` picks its snapshot); the
+engine, the commands and the tests all go through `load`, so the sources cannot drift apart.
 
 A built-in model is pulled on first use. Under quantization "auto" (the default) its GGUF
 file is read directly and its blocks kept as they are (no float32 copy is ever made; re-packed
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.hf_cache import hub_cache, is_repo_id, snapshot
 from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, model_dir, pull
 from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config, with_overrides
@@ -86,25 +88,33 @@ def load(
     load_format: str = "auto",
     hf_overrides: dict[str, Any] | None = None,
     download_dir: str | None = None,
+    revision: str | None = None,
     progress: Callable[[str], None] = _to_stderr,
 ) -> LoadedModel:
-    """Load `model`: a Hugging Face folder, a `.gguf` file or a built-in name (pulled once).
+    """Load `model`: a Hugging Face folder, a `.gguf` file, a built-in name (pulled once) or a
+    repo id in the Hugging Face cache (at `revision`, which only a repo id takes).
 
-    An existing path wins over a built-in name of the same spelling. `quantization` says what
-    the weights are kept as (`assemble.build_model`; "auto", the engine's default too, keeps a
-    GGUF file's blocks and a float checkpoint float); a built-in model under "auto" loads its
-    GGUF file with the blocks as they are, under "none" its float32 folder. `progress` receives a
-    line per step of a first-use pull and conversion (stderr by default: stdout is the
-    commands' output). vLLM's `load_format` ("auto", "safetensors", "gguf") refuses a model
-    of another format; `hf_overrides` replaces config.json keys (of a GGUF file: of its
-    metadata read as config.json); a built-in model is pulled into `download_dir` when given.
+    An existing path wins over a built-in name of the same spelling, and both over a repo id.
+    `quantization` says what the weights are kept as (`assemble.build_model`; "auto", the
+    engine's default too, keeps a GGUF file's blocks and a float checkpoint float); a built-in
+    model under "auto" loads its GGUF file with the blocks as they are, under "none" its float32
+    folder. `progress` receives a line per step of a first-use pull and conversion (stderr by
+    default: stdout is the commands' output). vLLM's `load_format` ("auto", "safetensors",
+    "gguf") refuses a model of another format; `hf_overrides` replaces config.json keys (of a
+    GGUF file: of its metadata read as config.json); a built-in model is pulled into
+    `download_dir` when given, and a repo id is looked up there (vLLM downloads there).
     """
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     path = Path(model)
     name = str(model)
     builtin = not path.exists() and name in BUILTIN_MODELS
-    if builtin:
+    if not builtin:
+        path = local_source(name, revision, download_dir)
+        _check_format(load_format, "gguf" if path.is_file() else "safetensors", name)
+    elif revision is not None:
+        raise ValueError(no_revision(name, revision, "a built-in model"))
+    else:
         keeps_blocks = resolve_quantization(quantization, device) == "auto"
         # Checked before anything is pulled: under quantization "none" it is read from the
         # float32 folder converted from its GGUF file.
@@ -124,8 +134,6 @@ def load(
         native.kernels()  # compiled on a machine's first start, then loaded from the cache
         seconds["kernels"] = _lap(kernels_started)
     weights_started = time.perf_counter()
-    if path.exists() and not builtin:
-        _check_format(load_format, "gguf" if path.is_file() else "safetensors", name)
     if path.is_file():
         gguf_model = GGUFModel.open(path, hf_overrides)
         loaded = LoadedModel(
@@ -159,6 +167,29 @@ def load(
     return loaded
 
 
+def local_source(name: str, revision: str | None, download_dir: str | None) -> Path:
+    """Where model or tokenizer `name`, not a built-in one, is read from: an existing path, else
+    the cached snapshot of Hub repo id `name` at `revision`; UnknownModelName when neither."""
+    path = Path(name)
+    if path.exists():
+        if revision is not None:
+            raise ValueError(no_revision(name, revision, "a local path"))
+        return path
+    cached = snapshot(name, revision, download_dir)
+    if cached is None:
+        cache = hub_cache(download_dir) if is_repo_id(name) else None
+        raise UnknownModelName(name, list(BUILTIN_MODELS), cache)
+    return cached
+
+
+def no_revision(name: str, revision: str, what: str) -> str:
+    """The error of a revision given for a model that has none."""
+    return (
+        f"revision {revision!r}: {name!r} is {what}, which has no revisions (a revision picks "
+        "the snapshot of a Hugging Face repo id in the local cache; leave it None)"
+    )
+
+
 def _check_format(load_format: str, found: str, name: str) -> None:
     """Refuse a model whose files are not the `load_format` asked for ("auto": any)."""
     if load_format not in ("auto", found):
@@ -171,16 +202,21 @@ def load_tokenizer(
     vocab_size: int,
     *,
     download_dir: str | None = None,
+    revision: str | None = None,
     progress: Callable[[str], None] = _to_stderr,
 ) -> Tokenizer:
     """The tokenizer of `source` alone (vLLM's `tokenizer=`) for a model of `vocab_size` ids: a
-    Hugging Face folder's files, a `.gguf` file's vocabulary, or a built-in model's (its GGUF
-    file, pulled once); an existing path wins over a built-in name, as in `load`. One that
-    makes ids past the model's vocabulary is refused: the model has no row for them."""
+    Hugging Face folder's files, a `.gguf` file's vocabulary, a built-in model's (its GGUF
+    file, pulled once) or a cached Hub repo's at `revision`, found as `load` finds a model. One
+    that makes ids past the model's vocabulary is refused: the model has no row for them."""
     path = Path(source)
     name = str(source)
     if not path.exists() and name in BUILTIN_MODELS:
+        if revision is not None:
+            raise ValueError(no_revision(name, revision, "a built-in model"))
         path = pull(name, progress=progress, download_dir=download_dir)
+    else:
+        path = local_source(name, revision, download_dir)
     if path.is_file():
         tokenizer = GGUFModel.open(path).tokenizer()
     elif path.is_dir():

@@ -11,7 +11,8 @@ Two methods, as vLLM names them:
 the method, so a config it wrote out names both); a `model` without a `method` means a draft
 model. A draft model may name its own `quantization` (pagedkv's: auto, none, int8, int4; the
 engine's otherwise); vLLM's `draft_tensor_parallel_size` is taken at 1 (the draft runs whole
-on rank 0) and its `revision` at None (nothing is fetched from a hub). Every other key, and
+on rank 0), and its `revision` picks the snapshot of a draft named by a Hub repo id in the
+local Hugging Face cache (as the model's does; nothing is fetched). Every other key, and
 every other method (eagle, medusa, mtp...), is refused by name: a setting that silently did
 nothing would be a wrong answer to whoever set it.
 """
@@ -48,8 +49,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # ngram: shortest suffix looked up
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # ngram: longest suffix looked up
-    model: str | None = None  # draft_model: a folder, .gguf file or built-in name
+    model: str | None = None  # draft_model: a folder, .gguf file, built-in name or repo id
     quantization: str | None = None  # draft_model: how its weights are kept (None: the engine's)
+    revision: str | None = None  # draft_model named by a repo id: its snapshot (None: main)
 
     @classmethod
     def parse(
@@ -97,11 +99,6 @@ class SpeculativeConfig:
                 "speculative_config draft_tensor_parallel_size must be 1 (the draft model runs "
                 f"whole on rank 0), got {raw['draft_tensor_parallel_size']!r}"
             )
-        if raw.get("revision") is not None:
-            raise ValueError(
-                f"speculative_config revision {raw['revision']!r}: pagedkv loads local folders, "
-                ".gguf files and built-in models, which have no revisions (leave it None)"
-            )
         k = raw.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
@@ -115,8 +112,9 @@ class SpeculativeConfig:
     def _ngram(cls, raw: Mapping[str, Any], model: object, k: int) -> SpeculativeConfig:
         if model is not None:
             raise ValueError(f"speculative_config method 'ngram' takes no model, got {model!r}")
-        if raw.get("quantization") is not None:
-            raise ValueError("speculative_config quantization applies to a draft model only")
+        for name in ("quantization", "revision"):
+            if raw.get(name) is not None:
+                raise ValueError(f"speculative_config {name} applies to a draft model only")
         low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             if value is not None and (
@@ -151,7 +149,10 @@ class SpeculativeConfig:
                 f"speculative_config quantization must be one of {', '.join(QUANTIZATIONS)} "
                 f"(or None: the engine's), got {quantization!r}"
             )
-        return cls("draft_model", k, model=model, quantization=quantization)
+        revision = raw.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise ValueError(f"speculative_config revision must be a string, got {revision!r}")
+        return cls("draft_model", k, model=model, quantization=quantization, revision=revision)
 
     def _as_mapping(self) -> dict[str, Any]:
         """vLLM's dict of this config: what `parse` reads."""
@@ -163,6 +164,8 @@ class SpeculativeConfig:
             raw["model"] = self.model
         if self.quantization is not None:
             raw["quantization"] = self.quantization
+        if self.revision is not None:
+            raw["revision"] = self.revision
         lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
         if self.method != "draft_model" or lookup != (DEFAULT_PROMPT_LOOKUP,) * 2:
             raw["prompt_lookup_min"], raw["prompt_lookup_max"] = lookup  # a draft model's refused

@@ -146,6 +146,7 @@ def load_draft_model(
             device=device,
             quantization=quantization,
             download_dir=download_dir,
+            revision=config.revision,
         )
     except UnknownModelName as error:  # its message alone reads as if the model were wrong
         raise ValueError(f"speculative_config model: {error}") from error

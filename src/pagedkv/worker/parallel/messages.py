@@ -25,6 +25,7 @@ class LoadSpec:
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | None = None
     download_dir: str | None = None
+    revision: str | None = None  # of a repo id in the Hugging Face cache
 
     def load_options(self) -> dict[str, Any]:
         """The keywords of `weights.load.load` besides the model and the device."""
@@ -34,6 +35,7 @@ class LoadSpec:
             "load_format": self.load_format,
             "hf_overrides": self.hf_overrides,
             "download_dir": self.download_dir,
+            "revision": self.revision,
         }
 
 

@@ -1,0 +1,261 @@
+"""Models named by Hugging Face repo id, read from the local Hugging Face cache.
+
+Oracles: huggingface_hub (transformers' dependency, imported by tests only) reads the same
+cache: `try_to_load_from_cache` says which snapshot a repo id and revision name, and its
+constants, read in a fresh interpreter under each environment, say where the cache lies. A
+model loaded by repo id must answer bit for bit as its snapshot's folder loaded by path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.commands.planning_model import resolve_planning_model
+from pagedkv.engine import LLM, EngineArgs, SamplingParams
+from pagedkv.hf_cache import RevisionNotCached, hub_cache, is_repo_id, snapshot
+from pagedkv.hub import UnknownModelName
+from pagedkv.kvmath.errors import ConfigError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=1)
+PROMPTS = [[5, 9, 14, 3, 22], [7, 7, 31, 2]]
+SMALL = dict(num_gpu_blocks=64, swap_space_gb=0.01)
+HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def commit_of(label: str) -> str:
+    """A 40-digit commit hash, as the Hub names snapshots."""
+    return hashlib.sha1(label.encode()).hexdigest()
+
+
+def cache_repo(cache: Path, repo_id: str, snapshots: dict[str, Path], refs: dict[str, str]) -> Path:
+    """Lay model folders out in `cache` as huggingface_hub does: `snapshots` maps a commit to a
+    folder whose files become blobs (named by their hash) linked from `snapshots/COMMIT/`;
+    `refs` maps a branch or tag to a commit, each written to `refs/NAME`."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    for commit, folder in snapshots.items():
+        for file in folder.rglob("*"):
+            if file.is_file():
+                data = file.read_bytes()
+                blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+                blob.parent.mkdir(parents=True, exist_ok=True)
+                blob.write_bytes(data)
+                link = repo / "snapshots" / commit / file.relative_to(folder)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(os.path.relpath(blob, link.parent))
+    for name, commit in refs.items():
+        ref = repo / "refs" / name
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(commit)  # no newline, as huggingface_hub writes it
+    return repo
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty Hugging Face cache that every lookup reads ($HF_HUB_CACHE)."""
+    for variable in HUB_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    cache = tmp_path / "hf-hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def answers(llm: LLM) -> list:
+    """Every token id and logprob of greedy runs over PROMPTS, prompt logprobs too."""
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [
+        (output.prompt_logprobs, [(s.token_ids, s.logprobs) for s in output.outputs])
+        for output in outputs
+    ]
+
+
+REPO_IDS = st.from_regex(
+    r"\A(?:[A-Za-z0-9_]{1,8}/)?[A-Za-z0-9]{1,6}(?:[.-][A-Za-z0-9]{1,4}){0,2}\Z"
+)
+BRANCHES = st.sampled_from(["main", "v1", "dev", "release/2"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    repo_id=REPO_IDS,
+    refs=st.dictionaries(BRANCHES, st.integers(0, 3), max_size=3),
+    present=st.sets(st.integers(0, 3), max_size=4),
+    asked=st.one_of(st.none(), BRANCHES, st.integers(0, 4).map(lambda i: commit_of(str(i)))),
+)
+def test_a_repo_id_names_the_snapshot_huggingface_hub_would_read(
+    tmp_path_factory, repo_id, refs, present, asked
+) -> None:
+    """Over random refs, cached commits and revisions (a branch, a commit, none), the folder
+    pagedkv reads is the one huggingface_hub finds config.json in; where it finds none, pagedkv
+    says the repo is missing (None) or names the revision it lacks."""
+    cache = tmp_path_factory.mktemp("hub")
+    source = cache / "source"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    if present or refs:
+        cache_repo(
+            cache,
+            repo_id,
+            {commit_of(str(i)): source for i in present},
+            {name: commit_of(str(i)) for name, i in refs.items()},
+        )
+    expected = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=asked)
+    if isinstance(expected, str):
+        assert snapshot(repo_id, asked, cache) == Path(expected).parent
+    elif not (present or refs):
+        assert snapshot(repo_id, asked, cache) is None
+    else:
+        with pytest.raises(RevisionNotCached, match=f"without revision '{asked or 'main'}'"):
+            snapshot(repo_id, asked, cache)
+
+
+def test_the_cache_lies_where_huggingface_hub_puts_it(tmp_path: Path) -> None:
+    """Under each environment, huggingface_hub's own constants (read fresh in another
+    interpreter) name the folder pagedkv reads."""
+    environments = [
+        {},
+        {"XDG_CACHE_HOME": str(tmp_path / "xdg")},
+        {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "HF_HOME": str(tmp_path / "home")},
+        {"HF_HOME": str(tmp_path / "home"), "HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy")},
+        {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy"), "HF_HUB_CACHE": str(tmp_path / "h")},
+        {"HF_HUB_CACHE": "~/hub-in-home"},
+    ]
+    script = "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"
+    base = {k: v for k, v in os.environ.items() if k not in HUB_VARIABLES}
+    base["HOME"] = str(tmp_path / "user")
+    for extra in environments:
+        environment = base | extra
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=environment, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        expected = Path(result.stdout.strip())
+        code = "from pagedkv.hf_cache import hub_cache; print(hub_cache())"
+        ours = subprocess.run(
+            [sys.executable, "-c", code], env=environment, capture_output=True, text=True
+        )
+        assert Path(ours.stdout.strip()) == expected, (extra, ours.stderr)
+    assert hub_cache(tmp_path / "dl") == tmp_path / "dl"  # vLLM's download_dir comes first
+
+
+def test_a_model_by_repo_id_answers_as_its_folder(zoo, hub: Path) -> None:
+    """main, a branch and a commit each load their own snapshot; the outputs are bit for bit
+    those of the folder loaded by path, and the model keeps the repo id as its name."""
+    llama, qwen = zoo.folder("llama"), zoo.folder("qwen2")
+    old, new = commit_of("old"), commit_of("new")
+    cache_repo(hub, "tiny-org/tiny-model", {old: llama, new: qwen}, {"main": old, "v2": new})
+    by_id = LLM("tiny-org/tiny-model", **SMALL)
+    assert by_id.engine.model_name == "tiny-org/tiny-model"
+    assert answers(by_id) == answers(LLM(str(llama), **SMALL))
+    by_branch = answers(LLM("tiny-org/tiny-model", revision="v2", **SMALL))
+    assert by_branch == answers(LLM(str(qwen), **SMALL)) != answers(by_id)
+    assert answers(LLM("tiny-org/tiny-model", revision=new, **SMALL)) == by_branch
+
+
+def test_download_dir_is_the_cache_a_repo_id_is_read_from(zoo, hub: Path, tmp_path) -> None:
+    """vLLM downloads into download_dir: a repo there is found, and the default cache is not
+    read instead."""
+    elsewhere = tmp_path / "downloads"
+    cache_repo(elsewhere, "org/m", {commit_of("a"): zoo.folder("llama")}, {"main": commit_of("a")})
+    llm = LLM("org/m", download_dir=str(elsewhere), **SMALL)
+    assert answers(llm) == answers(LLM(str(zoo.folder("llama")), **SMALL))
+    with pytest.raises(UnknownModelName, match=str(hub)):
+        LLM("org/m", **SMALL)
+
+
+def test_what_the_cache_lacks_is_named(zoo, hub: Path, tmp_path, monkeypatch) -> None:
+    with pytest.raises(UnknownModelName) as missing:
+        LLM("nobody/absent-model", **SMALL)
+    message = str(missing.value)
+    assert f"Hugging Face cache ({hub};" in message
+    assert "pagedkv downloads nothing" in message and "`hf download nobody/absent-model`" in message
+    cache_repo(hub, "org/m", {commit_of("a"): zoo.folder("llama")}, {"main": commit_of("a")})
+    with pytest.raises(RevisionNotCached, match=r"without revision 'v9' .*held: main\)"):
+        LLM("org/m", revision="v9", **SMALL)
+    with pytest.raises(ValueError, match=r"revision 'v1': .* is a local path, which has no"):
+        LLM(str(zoo.folder("llama")), revision="v1", **SMALL)
+    monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "empty"))  # refused before any pull
+    with pytest.raises(ValueError, match=r"is a built-in model, which has no revisions"):
+        LLM("smollm2-135m-instruct", revision="v1", **SMALL)
+    assert not (tmp_path / "empty").exists()
+    not_an_id = tmp_path / "no" / "such" / "folder"
+    with pytest.raises(UnknownModelName) as path_error:
+        LLM(str(not_an_id), **SMALL)
+    assert "Hugging Face" not in str(path_error.value)  # a path is not looked up as a repo
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet="ab_.-/ 9", max_size=12) | st.from_regex(r"\A[a-z.-]{1,97}\Z"))
+def test_a_repo_id_is_what_huggingface_hub_accepts(name: str) -> None:
+    """Spelled as a repo id exactly when huggingface_hub's validator takes it (so a path such
+    as `./m` or `a/b/c` is never looked up in the cache)."""
+    try:
+        validate_repo_id(name)
+        valid = True
+    except HFValidationError:
+        valid = False
+    assert is_repo_id(name) == valid
+
+
+def test_the_tokenizers_revision_follows_vllm(hub: Path) -> None:
+    """vLLM's rule: the tokenizer is the model's unless named; its revision is
+    tokenizer_revision, else the model's revision (a local tokenizer takes none)."""
+    assert EngineArgs(model="org/m", revision="v2").separate_tokenizer is None
+    assert EngineArgs(model="org/m", revision="v2", tokenizer="org/t").separate_tokenizer == (
+        "org/t",
+        "v2",
+    )
+    assert EngineArgs(model="org/m", tokenizer_revision="t1").separate_tokenizer == ("org/m", "t1")
+    local = str(hub)
+    assert EngineArgs(model="org/m", revision="v2", tokenizer=local).separate_tokenizer == (
+        local,
+        None,
+    )
+
+
+def test_a_tokenizer_and_a_draft_model_by_repo_id(zoo, hub: Path, tmp_path) -> None:
+    """`tokenizer=` reads the cached revision's files (its own chat template); a draft model
+    named by repo id and revision drafts, and greedy answers are unchanged (exactness)."""
+    retemplated = tmp_path / "retemplated"
+    shutil.copytree(zoo.folder("llama"), retemplated)
+    config_file = retemplated / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    config_file.write_text(json.dumps(config))
+    plain, styled = commit_of("plain"), commit_of("styled")
+    cache_repo(hub, "org/m", {plain: zoo.folder("llama"), styled: retemplated}, {"main": plain})
+    model = str(zoo.folder("llama"))
+    llm = LLM(model, tokenizer="org/m", tokenizer_revision=styled, **SMALL)
+    assert llm.get_tokenizer().chat_template == config["chat_template"]
+    speculative = {"model": "org/m", "revision": styled, "num_speculative_tokens": 2}
+    drafted = LLM(model, speculative_config=speculative, **SMALL)
+    assert answers(drafted) == answers(LLM(model, **SMALL))
+    assert drafted.engine.scheduler.drafts.stats.num_accepted_tokens > 0
+    with pytest.raises(RevisionNotCached, match="without revision 'v7'"):
+        LLM(model, speculative_config=speculative | {"revision": "v7"}, **SMALL)
+
+
+def test_plan_sizes_a_repo_id_as_its_snapshot(zoo, hub: Path) -> None:
+    commit = commit_of("a")
+    cache_repo(hub, "org/m", {commit: zoo.folder("qwen2")}, {"main": commit})
+    by_id = resolve_planning_model("org/m")
+    by_path = resolve_planning_model(str(hub / "models--org--m" / "snapshots" / commit))
+    assert by_id == replace(by_path, name="org/m")
+    assert by_id.spec == resolve_planning_model(str(zoo.folder("qwen2"))).spec
+    cache_repo(hub, "org/broken", {}, {"v1": commit})
+    with pytest.raises(ConfigError, match="without revision 'main'"):
+        resolve_planning_model("org/broken")
