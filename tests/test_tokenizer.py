@@ -306,3 +306,43 @@ def test_bytes_that_are_not_utf8_are_refused_naming_the_first_bad_byte(folder, d
             tokenizer.encode(text)
     else:
         assert tokenizer.encode(text) == tokenizer.encode(expected)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {
+            "pad_token": "<unk>",
+            "model_max_length": 2048,
+            "additional_special_tokens": [
+                {"__type": "AddedToken", "content": "<|im_end|>", "special": True}
+            ],
+        },
+        {"extra_special_tokens": ["<|im_start|>"], "sep_token": "</s>", "mask_token": "<s>"},
+    ],
+)
+def test_special_tokens_and_limits_read_as_transformers_reads_them(tmp_path, extra):
+    """The special-token attributes vLLM-era scripts read (pad_token, the map, every special
+    token and id, model_max_length, vLLM's max_token_id), from configs that name more or fewer
+    of them, equal what transformers reads from the same files."""
+    import tokenizers
+    import transformers
+
+    write_tokenizer_files(tmp_path)
+    fast = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    fast.add_special_tokens(["<|im_start|>", "<|im_end|>"])  # special, listed or not
+    fast.save(str(tmp_path / "tokenizer.json"))
+    config_file = tmp_path / "tokenizer_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | extra))
+    ours, theirs = (
+        Tokenizer.from_folder(tmp_path),
+        transformers.AutoTokenizer.from_pretrained(tmp_path),
+    )
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token", "pad_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    assert ours.all_special_ids == theirs.all_special_ids
+    assert ours.model_max_length == theirs.model_max_length
+    assert ours.max_token_id == max(theirs.get_vocab().values())

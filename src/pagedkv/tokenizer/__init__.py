@@ -8,11 +8,12 @@ each message's content in vLLM's content format (chat_template.py).
 
 The calls users make on a transformers tokenizer (`encode`, `decode`, `batch_decode`,
 `tokenize`, `convert_ids_to_tokens`, `convert_tokens_to_ids`, `convert_tokens_to_string`,
-`get_vocab`, `len()`, the special tokens and their ids, `apply_chat_template`) work here with
-transformers' keywords and defaults, since `LLM.get_tokenizer()` returns this object: `decode`
-keeps special tokens (the engine's outputs skip them, as `SamplingParams.skip_special_tokens`
-says, and pass the flag themselves); `apply_chat_template` has transformers 4's defaults
-(token ids, no generation prompt), which the code written for vLLM's tokenizer assumes.
+`get_vocab`, `len()`, the special tokens, their map and their ids, `model_max_length`,
+`apply_chat_template`) work here with transformers' keywords and defaults, since
+`LLM.get_tokenizer()` returns this object: `decode` keeps special tokens (the engine's outputs
+skip them, as `SamplingParams.skip_special_tokens` says, and pass the flag themselves);
+`apply_chat_template` has transformers 4's defaults (token ids, no generation prompt), which
+the code written for vLLM's tokenizer assumes.
 Past 400 lines as one module: it is that surface, a method a call, over one `tokenizers`
 object and the model folder's files.
 """
@@ -38,7 +39,18 @@ from pagedkv.tokenizer.chat_template import (
     template_message,
 )
 
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' named special tokens, in its order (`special_tokens_map`, `all_special_tokens`).
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# transformers' model_max_length of a tokenizer whose config gives none: no limit.
+VERY_LARGE_INTEGER = int(1e30)
 
 
 class Tokenizer:
@@ -50,11 +62,15 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         chat_template: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
+        extra_special_tokens: Sequence[str] = (),
+        model_max_length: int = VERY_LARGE_INTEGER,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
+        self.extra_special_tokens = list(extra_special_tokens)  # special beyond the named ones
+        self.model_max_length = model_max_length  # the longest input its config names
         self._template = None if chat_template is None else ENVIRONMENT.from_string(chat_template)
 
     @classmethod
@@ -102,6 +118,8 @@ class Tokenizer:
             ),
             chat_template=_chat_template(source, tokenizer_config),
             special_tokens=special_tokens,
+            extra_special_tokens=_extra_special_tokens(tokenizer_config, config_path),
+            model_max_length=_model_max_length(tokenizer_config, config_path),
         )
 
     @property
@@ -167,12 +185,30 @@ class Tokenizer:
         return [self.tokenizer.token_to_id(token) for token in tokens]
 
     @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens the model has (bos_token, eos_token, unk_token, ...)."""
+        return {
+            key: self.special_tokens[key]
+            for key in SPECIAL_TOKEN_KEYS
+            if key in self.special_tokens
+        }
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens, then the config's additional ones, each once (as
+        transformers lists them)."""
+        return list(dict.fromkeys([*self.special_tokens_map.values(), *self.extra_special_tokens]))
+
+    @property
     def all_special_ids(self) -> list[int]:
-        """The ids of the special tokens (control tokens, bos/eos/unk/pad), in id order."""
-        added = self.tokenizer.get_added_tokens_decoder()
-        ids = {i for i, token in added.items() if token.special}
-        ids.update(self.tokenizer.token_to_id(token) for token in self.special_tokens.values())
-        return sorted(ids - {None})
+        """The ids of `all_special_tokens`, in that order (those the vocabulary has)."""
+        ids = (self.tokenizer.token_to_id(token) for token in self.all_special_tokens)
+        return [token_id for token_id in ids if token_id is not None]
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest id of the vocabulary, added tokens included (vLLM's tokenizer has it)."""
+        return max(self.get_vocab().values())
 
     def get_vocab(self) -> dict[str, int]:
         """Vocabulary entry -> id, added tokens included (transformers' call)."""
@@ -191,6 +227,16 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         """The end-of-sequence token, None when the model names none."""
         return self.special_tokens.get("eos_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        """The unknown-text token, None when the model names none."""
+        return self.special_tokens.get("unk_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        """The padding token, None when the model names none."""
+        return self.special_tokens.get("pad_token")
 
     @property
     def pad_token_id(self) -> int | None:
@@ -378,6 +424,36 @@ def _special_tokens(tokenizer_config: Mapping[str, Any], path: Path) -> dict[str
             raise MalformedModelFile(path, f"{key} must be a string, got {value!r}")
         tokens[key] = value
     return tokens
+
+
+def _extra_special_tokens(tokenizer_config: Mapping[str, Any], path: Path) -> list[str]:
+    """The special tokens the config lists beyond the named ones: transformers 4's
+    `additional_special_tokens` or 5's `extra_special_tokens` (a list, or names -> tokens),
+    each a string or {"content": ...}."""
+    listed = tokenizer_config.get("additional_special_tokens")
+    if listed is None:
+        listed = tokenizer_config.get("extra_special_tokens") or []
+    if isinstance(listed, dict):
+        listed = list(listed.values())
+    if not isinstance(listed, list):
+        raise MalformedModelFile(path, f"additional_special_tokens must be a list, got {listed!r}")
+    tokens = [item.get("content") if isinstance(item, dict) else item for item in listed]
+    if not all(isinstance(token, str) for token in tokens):
+        raise MalformedModelFile(path, f"additional_special_tokens must be strings, got {listed!r}")
+    return tokens
+
+
+def _model_max_length(tokenizer_config: Mapping[str, Any], path: Path) -> int:
+    value = tokenizer_config.get("model_max_length")
+    if value is None:
+        return VERY_LARGE_INTEGER
+    if isinstance(value, float) and value.is_integer():  # 1e30, as some configs write it
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise MalformedModelFile(
+            path, f"model_max_length must be a positive integer, got {value!r}"
+        )
+    return value
 
 
 def _eos_token_ids(
