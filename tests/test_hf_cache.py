@@ -9,9 +9,7 @@ model loaded by repo id must answer bit for bit as its snapshot's folder loaded 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -29,6 +27,7 @@ from pagedkv.engine import LLM, EngineArgs, SamplingParams
 from pagedkv.hf_cache import RevisionNotCached, hub_cache, is_repo_id, snapshot
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
+from tests.model.tiny_models import copy_with_chat_template
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=1)
 PROMPTS = [[5, 9, 14, 3, 22], [7, 7, 31, 2]]
@@ -230,17 +229,13 @@ def test_the_tokenizers_revision_follows_vllm(hub: Path) -> None:
 def test_a_tokenizer_and_a_draft_model_by_repo_id(zoo, hub: Path, tmp_path) -> None:
     """`tokenizer=` reads the cached revision's files (its own chat template); a draft model
     named by repo id and revision drafts, and greedy answers are unchanged (exactness)."""
-    retemplated = tmp_path / "retemplated"
-    shutil.copytree(zoo.folder("llama"), retemplated)
-    config_file = retemplated / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
-    config_file.write_text(json.dumps(config))
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    retemplated = copy_with_chat_template(zoo.folder("llama"), tmp_path / "styled", template)
     plain, styled = commit_of("plain"), commit_of("styled")
     cache_repo(hub, "org/m", {plain: zoo.folder("llama"), styled: retemplated}, {"main": plain})
     model = str(zoo.folder("llama"))
     llm = LLM(model, tokenizer="org/m", tokenizer_revision=styled, **SMALL)
-    assert llm.get_tokenizer().chat_template == config["chat_template"]
+    assert llm.get_tokenizer().chat_template == template
     speculative = {"model": "org/m", "revision": styled, "num_speculative_tokens": 2}
     drafted = LLM(model, speculative_config=speculative, **SMALL)
     assert answers(drafted) == answers(LLM(model, **SMALL))

@@ -7,15 +7,12 @@ the tokenizer's own chat rendering, and the prefix cache's arithmetic (whole blo
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 from pagedkv.engine import SamplingParams
 from pagedkv.tokenizer import Tokenizer
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
-from tests.model.tiny_models import random_prompt
+from tests.model.tiny_models import copy_with_chat_template, random_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BLOCK_SIZE = 16
@@ -235,12 +232,8 @@ def test_priority_must_be_a_list_per_prompt(llm):
 def test_a_tokenizer_of_its_own_folder_renders_and_encodes_for_the_model(engine_zoo, tmp_path):
     """vLLM's `tokenizer=`: the files of another folder (here the model's own tokenizer with
     another chat template) are what prompts are rendered and encoded with."""
-    folder = tmp_path / "tokenizer"
-    shutil.copytree(engine_zoo.folder("llama"), folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
-    config_path.write_text(json.dumps(config))
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    folder = copy_with_chat_template(engine_zoo.folder("llama"), tmp_path / "tokenizer", template)
     llm = make_llm(engine_zoo, "llama", tokenizer=str(folder))
     [output] = llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False)
     assert output.prompt == "<<Hello>>"

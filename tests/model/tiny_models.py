@@ -8,6 +8,7 @@ generation_config.json. transformers is used only here, to make the folders and 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,17 @@ def write_tokenizer_files(folder: Path, eos_token_id: int | list[int] = 2) -> No
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     generation_config = {"bos_token_id": 1, "eos_token_id": eos_token_id}
     (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+
+
+def copy_with_chat_template(source: Path, target: Path, template: str) -> Path:
+    """A copy of model folder `source` at `target` whose tokenizer has chat template `template`
+    (a tokenizer told apart from the model's own by what it renders)."""
+    shutil.copytree(source, target)
+    config_path = target / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return target
 
 
 def train_tokenizer() -> Tokenizer:
