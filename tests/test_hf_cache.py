@@ -10,21 +10,30 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.commands.planning_model import resolve_planning_model
 from pagedkv.engine import LLM, EngineArgs, SamplingParams
-from pagedkv.hf_cache import RevisionNotCached, hub_cache, is_repo_id, snapshot
+from pagedkv.hf_cache import (
+    RevisionNotCached,
+    gguf_file,
+    hub_cache,
+    is_repo_id,
+    snapshot,
+    split_gguf_name,
+)
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
 from tests.model.tiny_models import copy_with_chat_template
@@ -254,3 +263,75 @@ def test_plan_sizes_a_repo_id_as_its_snapshot(zoo, hub: Path) -> None:
     cache_repo(hub, "org/broken", {}, {"v1": commit})
     with pytest.raises(ConfigError, match="without revision 'main'"):
         resolve_planning_model("org/broken")
+
+
+def test_vllms_repo_and_quant_type_names_are_read_as_vllm_reads_them() -> None:
+    assert split_gguf_name("unsloth/Qwen3-0.6B-GGUF:Q4_K_M") == (
+        "unsloth/Qwen3-0.6B-GGUF",
+        "Q4_K_M",
+    )
+    for quant_type in ("Q4_K", "F16", "IQ4_XS", "Q3_K_XL", "UD-Q4_K_XL", "Custom-Q8_0"):
+        assert split_gguf_name(f"org/m-GGUF:{quant_type}") == ("org/m-GGUF", quant_type)
+    for name in ("org/m:q4_k_m", "org/m:Q9_K", "org/m:", "gpt2:Q4_K", "org/m", "./m:Q4_K"):
+        assert split_gguf_name(name) is None, name
+
+
+GGUF_FILES = st.lists(
+    st.builds(
+        "{}{}-{}{}.gguf".format,
+        st.sampled_from(["", "sub/", "a/b/"]),
+        st.sampled_from(["Tiny", "Tiny-1B", "tiny"]),
+        st.sampled_from(["Q4_K_M", "Q4_K_S", "Q8_0", "q8_0", "F16", "UD-Q4_K_M"]),
+        st.sampled_from(["", "-00001-of-00002", "-imatrix"]),
+    ),
+    unique=True,
+    max_size=8,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(files=GGUF_FILES, quant_type=st.sampled_from(["Q4_K_M", "Q8_0", "F16"]))
+def test_the_gguf_file_is_the_one_vllm_picks(tmp_path_factory, files, quant_type) -> None:
+    """Over random repo listings, the file is vLLM's: huggingface_hub's pattern filter over
+    vLLM's four patterns, then fewest dashes and name; where it picks none, the error lists
+    the repo's .gguf files; a split part is refused by name."""
+    folder = tmp_path_factory.mktemp("snapshot")
+    for name in files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"GGUF")
+    patterns = [f"*-{quant_type}.gguf", f"*-{quant_type}-*.gguf"]
+    patterns += [f"*/*-{quant_type}.gguf", f"*/*-{quant_type}-*.gguf"]
+    matching = list(filter_repo_objects(files, allow_patterns=patterns))
+    if not matching:
+        with pytest.raises(ValueError, match=f"no GGUF file of quant type '{quant_type}'"):
+            gguf_file(folder, "org/m", quant_type)
+        return
+    chosen = sorted(matching, key=lambda file: (file.count("-"), file))[0]
+    if "-of-0000" in chosen:
+        with pytest.raises(ValueError, match=r"is split into parts .*llama-gguf-split --merge"):
+            gguf_file(folder, "org/m", quant_type)
+    else:
+        assert gguf_file(folder, "org/m", quant_type) == folder / chosen
+
+
+def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, hub) -> None:
+    """`REPO:QUANT_TYPE` loads that file of the cached repo: bit for bit the file's answers,
+    the name kept; plan sizes the same file; a quant type the repo lacks is named."""
+    q8, f32 = tiny_gguf("llama", qtype=GGMLQuantizationType.Q8_0), tiny_gguf("qwen2")
+    repo = hub.parent / "gguf-repo"
+    repo.mkdir()
+    shutil.copy(q8, repo / "Tiny-Q8_0.gguf")
+    shutil.copy(f32, repo / "Tiny-F32.gguf")
+    commit = commit_of("gguf")
+    cache_repo(hub, "org/Tiny-GGUF", {commit: repo}, {"main": commit})
+    llm = LLM("org/Tiny-GGUF:Q8_0", **SMALL)
+    assert llm.engine.model_name == "org/Tiny-GGUF:Q8_0"
+    assert answers(llm) == answers(LLM(str(q8), **SMALL))
+    assert answers(LLM("org/Tiny-GGUF:F32", **SMALL)) == answers(LLM(str(f32), **SMALL))
+    planned = resolve_planning_model("org/Tiny-GGUF:F32")
+    assert planned.name == "org/Tiny-GGUF:F32"
+    assert planned.spec == resolve_planning_model(str(f32)).spec
+    with pytest.raises(ValueError, match=r"no GGUF file of quant type 'Q4_K_M' \(its .gguf files"):
+        LLM("org/Tiny-GGUF:Q4_K_M", **SMALL)
+    with pytest.raises(UnknownModelName, match=r'hf download org/Other-GGUF --include "\*-Q8_0'):
+        LLM("org/Other-GGUF:Q8_0", **SMALL)

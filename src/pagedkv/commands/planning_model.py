@@ -4,7 +4,8 @@ kvmath sizes a model from a preset, a config.json or a model folder, with no tor
 (what `pagedkv serve --model FILE.gguf` loads) holds its config as metadata instead; the
 engine's own GGUF reader turns it into the config.json a converted copy would carry, so the
 plan sizes exactly the model the engine would serve. Only this path imports it. A Hub repo id
-already in the local Hugging Face cache is sized from its snapshot, as the engine loads it.
+(or vLLM's `REPO_ID:QUANT_TYPE` of a GGUF file) already in the local Hugging Face cache is
+sized from its snapshot, as the engine loads it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from pagedkv.hf_cache import RevisionNotCached, snapshot
+from pagedkv.hf_cache import cached_model
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, KVSpec
 
@@ -26,8 +27,8 @@ def resolve_planning_model(name_or_path: str, kv_dtype: str | None = None) -> Mo
     path = Path(name_or_path)
     if not path.exists() and name_or_path.lower() not in MODEL_PRESETS:
         try:
-            cached = snapshot(name_or_path)
-        except RevisionNotCached as exc:
+            cached = cached_model(name_or_path)
+        except ValueError as exc:  # the cache has the repo, not the revision or file named
             raise ConfigError(str(exc)) from exc
         if cached is not None:
             return replace(resolve_planning_model(str(cached), kv_dtype), name=name_or_path)

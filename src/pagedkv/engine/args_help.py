@@ -11,7 +11,7 @@ import re
 
 FIELD_HELP = {
     "model": "Hugging Face folder, .gguf file, built-in model name, or a Hugging Face repo id "
-    "already in the local Hugging Face cache",
+    "(or vLLM's REPO_ID:QUANT_TYPE of a GGUF file) already in the local Hugging Face cache",
     "block_size": "tokens per KV block",
     "num_gpu_blocks": "KV blocks in the pool (default: sized from free memory)",
     "num_gpu_blocks_override": "vLLM's name for num_gpu_blocks (wins when given)",

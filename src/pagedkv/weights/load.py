@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.hf_cache import hub_cache, is_repo_id, snapshot
+from pagedkv.hf_cache import cached_model, fetch_command, hub_cache
 from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, model_dir, pull
 from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config, with_overrides
@@ -142,7 +142,7 @@ def load(
             ),
             tokenizer=gguf_model.tokenizer(),
             config=gguf_model.config,
-            name=name if name in BUILTIN_MODELS else path.stem,
+            name=path.stem if Path(name).exists() else name,  # a path: its file's name
             path=path,
             seconds=seconds,
         )
@@ -169,16 +169,18 @@ def load(
 
 def local_source(name: str, revision: str | None, download_dir: str | None) -> Path:
     """Where model or tokenizer `name`, not a built-in one, is read from: an existing path, else
-    the cached snapshot of Hub repo id `name` at `revision`; UnknownModelName when neither."""
+    the cached snapshot of Hub repo id `name` at `revision` (or the GGUF file of vLLM's
+    `REPO_ID:QUANT_TYPE` in it); UnknownModelName when neither."""
     path = Path(name)
     if path.exists():
         if revision is not None:
             raise ValueError(no_revision(name, revision, "a local path"))
         return path
-    cached = snapshot(name, revision, download_dir)
+    cached = cached_model(name, revision, download_dir)
     if cached is None:
-        cache = hub_cache(download_dir) if is_repo_id(name) else None
-        raise UnknownModelName(name, list(BUILTIN_MODELS), cache)
+        fetch = fetch_command(name)
+        cache = None if fetch is None else hub_cache(download_dir)
+        raise UnknownModelName(name, list(BUILTIN_MODELS), cache, fetch or "")
     return cached
 
 
