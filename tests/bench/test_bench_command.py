@@ -7,6 +7,7 @@ tables carry every figure the benchmark promises.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import re
@@ -135,26 +136,30 @@ def test_bench_runs_prints_every_figure_and_counts_requested_tokens(
 
 
 def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_transformers(
-    monkeypatch, tiny_folder
+    monkeypatch, tmp_path, tiny_folder
 ) -> None:
     """pagedkv gets the built-in name (under --quantization auto: its GGUF blocks), transformers
-    the converted float folder; a folder goes to both as it is."""
+    the converted float folder; a folder goes to both as it is, and so does a repo id's folder
+    in the Hugging Face cache (labelled by the repo id)."""
     from pagedkv.bench import main as bench_main
     from pagedkv.weights import load as load_module
+    from tests.test_hf_cache import cache_repo, commit_of
 
     converted = tiny_folder.parent / "converted"
     monkeypatch.setattr(load_module, "converted_folder", lambda name: converted)
     systems = ["pagedkv", "hf-cb"]
-    assert bench_main._models("smollm2-135m-instruct", 0, systems) == (
-        "smollm2-135m-instruct",
-        converted,
-        "smollm2-135m-instruct",
-    )
-    assert bench_main._models(str(tiny_folder), 0, systems) == (
-        str(tiny_folder),
-        tiny_folder,
-        "llama",
-    )
+
+    def models(model: str) -> tuple:
+        args = argparse.Namespace(model=model, seed=0, revision=None, download_dir=None)
+        return bench_main._models(args, systems)
+
+    builtin = "smollm2-135m-instruct"
+    assert models(builtin) == (builtin, converted, builtin, converted)
+    assert models(str(tiny_folder)) == (str(tiny_folder), tiny_folder, "llama", tiny_folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache_repo(tmp_path / "hub", "org/m", {commit_of("a"): tiny_folder}, {"main": commit_of("a")})
+    snapshot = tmp_path / "hub" / "models--org--m" / "snapshots" / commit_of("a")
+    assert models("org/m") == ("org/m", snapshot, "org/m", snapshot)
 
 
 def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path) -> None:

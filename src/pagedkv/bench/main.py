@@ -152,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
     """The benchmark's model, workloads and engine from the flags; one of STARTUP_ERRORS
     names a bad one."""
-    model, folder, label = _models(args.model, args.seed, systems)
-    vocab_size = _vocab_size(model, folder)
+    model, folder, label, source = _models(args, systems)
+    vocab_size = _vocab_size(source)
     workloads = []
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]
     for name in names:
@@ -190,19 +190,26 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
     )
 
 
-def _models(model: str, seed: int, systems: list[str]) -> tuple[str, Path | None, str]:
-    """What pagedkv loads, the Hugging Face folder of the same weights in float that
-    transformers loads, and a label. A built-in model runs in pagedkv as itself (under
-    --quantization auto, its own GGUF blocks); a folder runs as it is in both; a .gguf file
-    runs in pagedkv alone (no folder: transformers loads folders)."""
+def _models(args: argparse.Namespace, systems: list[str]) -> tuple[str, Path | None, str, Path]:
+    """What pagedkv loads (`args.model`), the Hugging Face folder of the same weights in float that
+    transformers loads, a label, and the folder or file the vocabulary is read from. A built-in
+    model runs in pagedkv as itself (under --quantization auto, its own GGUF blocks); a folder
+    runs as it is in both; a .gguf file runs in pagedkv alone (no folder: transformers loads
+    folders); a Hub name runs as its folder or file in the Hugging Face cache."""
+    model = args.model
     if model == RANDOM_MODEL:
-        folder = random_model_folder(seed)
-        return str(folder), folder, f"{RANDOM_MODEL} (seed {seed})"
-    path = Path(model)
-    if path.is_dir():
-        return model, path, path.name
-    from pagedkv.weights.load import converted_folder
+        folder = random_model_folder(args.seed)
+        return str(folder), folder, f"{RANDOM_MODEL} (seed {args.seed})", folder
+    from pagedkv.hub import BUILTIN_MODELS
+    from pagedkv.weights.load import converted_folder, local_source
 
+    path = Path(model)
+    label = path.name
+    if path.exists() or model not in BUILTIN_MODELS:  # as `load` finds it
+        path = local_source(model, args.revision, args.download_dir)
+        label = path.name if path == Path(model) else model
+    if path.is_dir():
+        return model, path, label, path
     if path.suffix == ".gguf":
         transformers = [system for system in systems if system != "pagedkv"]
         if transformers:
@@ -211,19 +218,20 @@ def _models(model: str, seed: int, systems: list[str]) -> tuple[str, Path | None
                 ".gguf file: `pagedkv convert` it to a folder first, or bench the file with "
                 "--systems pagedkv (a built-in name is converted on its own)"
             )
-        return model, None, path.name
-    return model, converted_folder(model), model
+        return model, None, label, path
+    folder = converted_folder(model)
+    return model, folder, model, folder
 
 
-def _vocab_size(model: str, folder: Path | None) -> int:
-    """The vocabulary the workloads draw token ids from: the folder's config.json, or the
-    GGUF file's metadata when there is no folder."""
-    if folder is None:
+def _vocab_size(source: Path) -> int:
+    """The vocabulary the workloads draw token ids from: a folder's config.json, or a GGUF
+    file's metadata."""
+    if source.is_file():
         from pagedkv.weights.gguf.config import config_dict
         from pagedkv.weights.gguf.file import GGUFFile
 
-        return config_dict(GGUFFile(model))["vocab_size"]
-    config_file = folder / "config.json"
+        return config_dict(GGUFFile(source))["vocab_size"]
+    config_file = source / "config.json"
     try:
         return json.loads(config_file.read_text())["vocab_size"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
