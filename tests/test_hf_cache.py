@@ -8,7 +8,6 @@ model loaded by repo id must answer bit for bit as its snapshot's folder loaded 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -36,39 +35,13 @@ from pagedkv.hf_cache import (
 )
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
+from tests.hub_cache import cache_repo, commit_of
 from tests.model.tiny_models import copy_with_chat_template
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, prompt_logprobs=1)
 PROMPTS = [[5, 9, 14, 3, 22], [7, 7, 31, 2]]
 SMALL = dict(num_gpu_blocks=64, swap_space_gb=0.01)
 HUB_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
-
-
-def commit_of(label: str) -> str:
-    """A 40-digit commit hash, as the Hub names snapshots."""
-    return hashlib.sha1(label.encode()).hexdigest()
-
-
-def cache_repo(cache: Path, repo_id: str, snapshots: dict[str, Path], refs: dict[str, str]) -> Path:
-    """Lay model folders out in `cache` as huggingface_hub does: `snapshots` maps a commit to a
-    folder whose files become blobs (named by their hash) linked from `snapshots/COMMIT/`;
-    `refs` maps a branch or tag to a commit, each written to `refs/NAME`."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    for commit, folder in snapshots.items():
-        for file in folder.rglob("*"):
-            if file.is_file():
-                data = file.read_bytes()
-                blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-                blob.parent.mkdir(parents=True, exist_ok=True)
-                blob.write_bytes(data)
-                link = repo / "snapshots" / commit / file.relative_to(folder)
-                link.parent.mkdir(parents=True, exist_ok=True)
-                link.symlink_to(os.path.relpath(blob, link.parent))
-    for name, commit in refs.items():
-        ref = repo / "refs" / name
-        ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(commit)  # no newline, as huggingface_hub writes it
-    return repo
 
 
 @pytest.fixture

@@ -143,7 +143,7 @@ def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_tr
     in the Hugging Face cache (labelled by the repo id)."""
     from pagedkv.bench import main as bench_main
     from pagedkv.weights import load as load_module
-    from tests.test_hf_cache import cache_repo, commit_of
+    from tests.hub_cache import cache_repo, commit_of
 
     converted = tiny_folder.parent / "converted"
     monkeypatch.setattr(load_module, "converted_folder", lambda name: converted)

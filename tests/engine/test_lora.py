@@ -22,6 +22,7 @@ from pagedkv.kvmath.lora import plan_lora
 from pagedkv.kvmath.spec import KVSpec
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
 from tests.engine.test_beam_search import MIN_MARGIN, assert_same_beams, reference_beam_search
+from tests.hub_cache import cache_repo, commit_of
 from tests.model.tiny_models import random_prompt
 
 peft = pytest.importorskip("peft")
@@ -498,3 +499,21 @@ def test_the_one_call_decode_adds_the_same_products(engine_zoo, adapters, monkey
     assert any(lora is not None for lora in fused_with_lora), "no step took the C decode"
     monkeypatch.setattr(fused_decode.LayerPath, "takes_step", lambda self, hidden, context: False)
     assert run() == fused
+
+
+def test_an_adapter_named_by_repo_id_is_read_from_the_hugging_face_cache(
+    engine_zoo, adapters, tmp_path, monkeypatch
+):
+    """vLLM's lora_path may be a Hub repo id: the repo's folder in the local Hugging Face cache
+    is the adapter (greedy output as PEFT's merged model gives); one the cache lacks is named."""
+    folder = adapters[("llama", "attention")]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache_repo(tmp_path / "hub", "org/lora", {commit_of("a"): folder}, {"main": commit_of("a")})
+    llm = make_llm(engine_zoo, "llama", enable_lora=True, max_lora_rank=16)
+    prompt = random_prompt(23, seed=3)
+    hub = LoRARequest("hub", 1, "org/lora")
+    [output] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=hub)
+    assert_greedy(engine_zoo, "llama", folder, prompt, list(output.outputs[0].token_ids))
+    absent = LoRARequest("absent", 2, "org/absent")
+    with pytest.raises(LoRARejected, match="nor a repo in the Hugging Face cache"):
+        llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=absent)

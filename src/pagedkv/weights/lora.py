@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
+from pagedkv.hf_cache import RevisionNotCached, hub_cache, is_repo_id, snapshot
 from pagedkv.kvmath import lora as lora_plan
 from pagedkv.kvmath.lora import TARGETS
 from pagedkv.model.config import ModelConfig
@@ -149,10 +150,21 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """The adapter in PEFT folder `path`, checked against `config` and `max_rank`."""
+    """The adapter in PEFT folder `path` (or, as vLLM's, a Hub repo id's folder in the local
+    Hugging Face cache), checked against `config` and `max_rank`."""
     folder = Path(path)
+    if not folder.exists():
+        try:
+            folder = snapshot(str(path)) or folder
+        except RevisionNotCached as error:
+            raise AdapterError(f"LoRA adapter {name!r}: {error}") from None
     if not folder.is_dir():
-        raise AdapterError(f"LoRA adapter {name!r}: no such folder {folder}")
+        in_cache = (
+            f" (nor a repo in the Hugging Face cache {hub_cache()})"
+            if is_repo_id(str(path))
+            else ""
+        )
+        raise AdapterError(f"LoRA adapter {name!r}: no such folder {folder}{in_cache}")
     settings = _settings(folder, name)
     try:
         tensors = load_file(folder / WEIGHTS_FILE)
