@@ -16,6 +16,7 @@ import torch
 from pagedkv.engine import LLM, LoRARequest, SamplingParams
 from pagedkv.server import ServerConfig
 from pagedkv.server.adapters import LoRAModulePath, parse_lora_module
+from tests.hub_cache import cache_repo, commit_of
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -116,8 +117,19 @@ def test_page_map_shows_the_adapter_blocks(server, client):
     assert all(snapshot["gpu"][block]["ref_count"] == 1 for block in range(first, first + count))
 
 
-def test_runtime_load_and_unload(server, client, tiny_model, adapters):
+def test_runtime_load_and_unload(server, client, tiny_model, adapters, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cache_repo(
+        tmp_path / "hub", "org/alpha", {commit_of("a"): adapters["alpha"]}, {"main": commit_of("a")}
+    )
     with server.http() as http:
+        by_repo = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "hub-alpha", "lora_path": "org/alpha"}
+        )
+        assert by_repo.status_code == 200, by_repo.text  # vLLM's: a repo id, from the cache
+        alpha = LoRARequest("hub-alpha", 3, str(adapters["alpha"]))
+        assert complete(client, "hub-alpha") == offline(tiny_model, alpha)
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "hub-alpha"}).is_success
         loaded = http.post(
             "/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": str(adapters["beta"])}
         )

@@ -76,15 +76,15 @@ class ServedAdapters:
         self._next_id = 1
 
     def new(self, name: object, path: object, base_model_name: str | None = None) -> LoRARequest:
-        """The request that would serve PEFT folder `path` as `name`, with an id of its own;
-        an APIError (400) when the name or path cannot be used. The engine checks the adapter
-        itself (`rejected` turns its refusal into a 400); `serve` then serves it."""
+        """The request that would serve PEFT folder `path` (made absolute; a Hub repo id as
+        given) as `name`, with an id of its own; an APIError (400) when the name or path cannot
+        be used. The engine checks the adapter itself (`rejected` turns its refusal into a
+        400); `serve` then serves it."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise APIError(400, "lora_name and lora_path must be non-empty strings")
         self._check_free(name)
-        lora = LoRARequest(
-            name, self._next_id, str(Path(path).resolve()), base_model_name=base_model_name
-        )
+        folder = str(Path(path).resolve()) if Path(path).exists() else path
+        lora = LoRARequest(name, self._next_id, folder, base_model_name=base_model_name)
         self._next_id += 1
         return lora
 
