@@ -8,6 +8,7 @@ model loaded by repo id must answer bit for bit as its snapshot's folder loaded 
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -19,15 +20,19 @@ import pytest
 from gguf import GGMLQuantizationType
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import filter_repo_objects, validate_repo_id
+from huggingface_hub.utils import validate_repo_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.commands.planning_model import resolve_planning_model
 from pagedkv.engine import LLM, EngineArgs, SamplingParams
 from pagedkv.hf_cache import (
+    GGUFNotCached,
+    HubCacheError,
     RevisionNotCached,
-    gguf_file,
+    SplitGGUF,
+    cached_model,
+    gguf_in_snapshot,
     hub_cache,
     is_repo_id,
     snapshot,
@@ -35,6 +40,7 @@ from pagedkv.hf_cache import (
 )
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
+from pagedkv.weights.load import load_tokenizer
 from tests.hub_cache import cache_repo, commit_of
 from tests.model.tiny_models import copy_with_chat_template
 
@@ -114,6 +120,9 @@ def test_the_cache_lies_where_huggingface_hub_puts_it(tmp_path: Path) -> None:
         {"HF_HOME": str(tmp_path / "home"), "HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy")},
         {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy"), "HF_HUB_CACHE": str(tmp_path / "h")},
         {"HF_HUB_CACHE": "~/hub-in-home"},
+        {"HF_HOME": "~/h"},
+        {"XDG_CACHE_HOME": "$HOME/x"},
+        {"HF_HUB_CACHE": ""},
     ]
     script = "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"
     base = {k: v for k, v in os.environ.items() if k not in HUB_VARIABLES}
@@ -156,6 +165,9 @@ def test_download_dir_is_the_cache_a_repo_id_is_read_from(zoo, hub: Path, tmp_pa
     assert answers(llm) == answers(LLM(str(zoo.folder("llama")), **SMALL))
     with pytest.raises(UnknownModelName, match=str(hub)):
         LLM("org/m", **SMALL)
+    with pytest.raises(UnknownModelName) as absent:  # the advice fills the folder looked in
+        LLM("org/absent", download_dir=str(elsewhere), revision="v2", **SMALL)
+    assert f"`hf download org/absent --revision v2 --cache-dir {elsewhere}`" in str(absent.value)
 
 
 def test_what_the_cache_lacks_is_named(zoo, hub: Path, tmp_path, monkeypatch) -> None:
@@ -169,6 +181,14 @@ def test_what_the_cache_lacks_is_named(zoo, hub: Path, tmp_path, monkeypatch) ->
         LLM("org/m", revision="v9", **SMALL)
     with pytest.raises(ValueError, match=r"revision 'v1': .* is a local path, which has no"):
         LLM(str(zoo.folder("llama")), revision="v1", **SMALL)
+    with pytest.raises(ValueError, match=r"^tokenizer_revision 't1': .* is a local path"):
+        LLM(str(zoo.folder("llama")), tokenizer_revision="t1", **SMALL)
+    for revision in (".", "./", "main/.", "a/../b", "/etc", ""):
+        with pytest.raises(ValueError, match="is not a branch, tag or commit hash"):
+            snapshot("org/m", revision)
+    (hub / "models--org--m" / "refs" / "escape").write_text("../../outside")
+    with pytest.raises(HubCacheError, match="not a commit hash"):
+        snapshot("org/m", "escape")
     monkeypatch.setenv("PAGEDKV_CACHE", str(tmp_path / "empty"))  # refused before any pull
     with pytest.raises(ValueError, match=r"is a built-in model, which has no revisions"):
         LLM("smollm2-135m-instruct", revision="v1", **SMALL)
@@ -180,7 +200,7 @@ def test_what_the_cache_lacks_is_named(zoo, hub: Path, tmp_path, monkeypatch) ->
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.text(alphabet="ab_.-/ 9", max_size=12) | st.from_regex(r"\A[a-z.-]{1,97}\Z"))
+@given(st.text(alphabet="aBé_.-/ 9:", max_size=12) | st.from_regex(r"\A[a-z.-]{1,97}\Z"))
 def test_a_repo_id_is_what_huggingface_hub_accepts(name: str) -> None:
     """Spelled as a repo id exactly when huggingface_hub's validator takes it (so a path such
     as `./m` or `a/b/c` is never looked up in the cache)."""
@@ -192,20 +212,27 @@ def test_a_repo_id_is_what_huggingface_hub_accepts(name: str) -> None:
     assert is_repo_id(name) == valid
 
 
-def test_the_tokenizers_revision_follows_vllm(hub: Path) -> None:
-    """vLLM's rule: the tokenizer is the model's unless named; its revision is
-    tokenizer_revision, else the model's revision (a local tokenizer takes none)."""
+def test_the_tokenizers_revision_follows_vllm(zoo, hub: Path, tmp_path) -> None:
+    """vLLM's rule: a tokenizer named by repo id is read at tokenizer_revision, else at the
+    model's revision; a local one takes no revision but inherits none either. Told apart by
+    the chat template each revision's files carry."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    styled = copy_with_chat_template(zoo.folder("llama"), tmp_path / "styled", template)
+    plain_commit, styled_commit = commit_of("plain"), commit_of("styled")
+    refs = {"main": plain_commit, "v2": styled_commit}
+    cache_repo(hub, "org/t", {plain_commit: zoo.folder("llama"), styled_commit: styled}, refs)
+
+    def template_of(source: str, **revisions) -> str | None:
+        return load_tokenizer(source, 10_000, **revisions).chat_template
+
+    plain = template_of(str(zoo.folder("llama")))
+    assert plain != template
+    assert template_of("org/t", model_revision="v2") == template  # inherited
+    assert template_of("org/t", revision="main", model_revision="v2") == plain  # its own first
+    assert template_of("org/t") == plain
+    assert template_of(str(styled), model_revision="v2") == template  # a path inherits none
     assert EngineArgs(model="org/m", revision="v2").separate_tokenizer is None
-    assert EngineArgs(model="org/m", revision="v2", tokenizer="org/t").separate_tokenizer == (
-        "org/t",
-        "v2",
-    )
-    assert EngineArgs(model="org/m", tokenizer_revision="t1").separate_tokenizer == ("org/m", "t1")
-    local = str(hub)
-    assert EngineArgs(model="org/m", revision="v2", tokenizer=local).separate_tokenizer == (
-        local,
-        None,
-    )
+    assert EngineArgs(model="org/m", tokenizer_revision="t1").separate_tokenizer == "org/m"
 
 
 def test_a_tokenizer_and_a_draft_model_by_repo_id(zoo, hub: Path, tmp_path) -> None:
@@ -222,7 +249,7 @@ def test_a_tokenizer_and_a_draft_model_by_repo_id(zoo, hub: Path, tmp_path) -> N
     drafted = LLM(model, speculative_config=speculative, **SMALL)
     assert answers(drafted) == answers(LLM(model, **SMALL))
     assert drafted.engine.scheduler.drafts.stats.num_accepted_tokens > 0
-    with pytest.raises(RevisionNotCached, match="without revision 'v7'"):
+    with pytest.raises(ValueError, match="^speculative_config model: .* without revision 'v7'"):
         LLM(model, speculative_config=speculative | {"revision": "v7"}, **SMALL)
 
 
@@ -252,8 +279,8 @@ def test_vllms_repo_and_quant_type_names_are_read_as_vllm_reads_them() -> None:
 GGUF_FILES = st.lists(
     st.builds(
         "{}{}-{}{}.gguf".format,
-        st.sampled_from(["", "sub/", "a/b/"]),
-        st.sampled_from(["Tiny", "Tiny-1B", "tiny"]),
+        st.sampled_from(["", "sub/", "a/b/", ".hidden/"]),
+        st.sampled_from(["Tiny", "Tiny-1B", "tiny", ".dot"]),
         st.sampled_from(["Q4_K_M", "Q4_K_S", "Q8_0", "q8_0", "F16", "UD-Q4_K_M"]),
         st.sampled_from(["", "-00001-of-00002", "-imatrix"]),
     ),
@@ -265,26 +292,34 @@ GGUF_FILES = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(files=GGUF_FILES, quant_type=st.sampled_from(["Q4_K_M", "Q8_0", "F16"]))
 def test_the_gguf_file_is_the_one_vllm_picks(tmp_path_factory, files, quant_type) -> None:
-    """Over random repo listings, the file is vLLM's: huggingface_hub's pattern filter over
-    vLLM's four patterns, then fewest dashes and name; where it picks none, the error lists
-    the repo's .gguf files; a split part is refused by name."""
-    folder = tmp_path_factory.mktemp("snapshot")
+    """Over random repo listings (subfolders, hidden files, split parts), the file is the one
+    vLLM's `download_gguf` picks: its four patterns globbed in the snapshot, fewest dashes
+    first, then by name. Through the cache, a pick that is a split part is refused by name,
+    and no pick names the quant type and the files there are."""
+    cache = tmp_path_factory.mktemp("hub")
+    source = cache / "source"
     for name in files:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_bytes(b"GGUF")
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(b"GGUF")
+    commit = commit_of("files")
+    cache_repo(cache, "org/m-GGUF", {commit: source}, {"main": commit})
+    folder = cache / "models--org--m-GGUF" / "snapshots" / commit
+    folder.mkdir(parents=True, exist_ok=True)  # a snapshot with no files at all, too
     patterns = [f"*-{quant_type}.gguf", f"*-{quant_type}-*.gguf"]
     patterns += [f"*/*-{quant_type}.gguf", f"*/*-{quant_type}-*.gguf"]
-    matching = list(filter_repo_objects(files, allow_patterns=patterns))
-    if not matching:
-        with pytest.raises(ValueError, match=f"no GGUF file of quant type '{quant_type}'"):
-            gguf_file(folder, "org/m", quant_type)
-        return
-    chosen = sorted(matching, key=lambda file: (file.count("-"), file))[0]
-    if "-of-0000" in chosen:
-        with pytest.raises(ValueError, match=r"is split into parts .*llama-gguf-split --merge"):
-            gguf_file(folder, "org/m", quant_type)
+    globbed = {path for p in patterns for path in glob.glob(os.path.join(folder, p))}
+    vllm_pick = sorted(globbed, key=lambda path: (path.count("-"), path))
+    expected = os.path.relpath(vllm_pick[0], folder) if vllm_pick else None
+    assert gguf_in_snapshot(folder, quant_type) == expected
+    name = f"org/m-GGUF:{quant_type}"
+    if expected is None:
+        with pytest.raises(GGUFNotCached, match="no GGUF file of that quant type"):
+            cached_model(name, download_dir=cache)
+    elif "-of-0000" in expected:
+        with pytest.raises(SplitGGUF, match=r"is split into parts .*llama-gguf-split --merge"):
+            cached_model(name, download_dir=cache)
     else:
-        assert gguf_file(folder, "org/m", quant_type) == folder / chosen
+        assert cached_model(name, download_dir=cache) == folder / expected
 
 
 def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, hub) -> None:
@@ -304,7 +339,7 @@ def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, 
     planned = resolve_planning_model("org/Tiny-GGUF:F32")
     assert planned.name == "org/Tiny-GGUF:F32"
     assert planned.spec == resolve_planning_model(str(f32)).spec
-    with pytest.raises(ValueError, match=r"no GGUF file of quant type 'Q4_K_M' \(its .gguf files"):
+    with pytest.raises(GGUFNotCached, match=r":Q4_K_M: .* no GGUF file of that quant type"):
         LLM("org/Tiny-GGUF:Q4_K_M", **SMALL)
     with pytest.raises(UnknownModelName, match=r'hf download org/Other-GGUF --include "\*-Q8_0'):
         LLM("org/Other-GGUF:Q8_0", **SMALL)

@@ -5,24 +5,26 @@ them into the Hugging Face cache. pagedkv fetches nothing from the Hub, but it r
 that is already there, so a machine where transformers or vLLM has run loads the same name
 with no path. The cache is huggingface_hub's: each repo a `models--ORG--NAME` folder holding
 `refs/REVISION` (a file with a commit hash) and `snapshots/COMMIT/` (the repo's files). It lies
-in vLLM's `download_dir` when one is given (vLLM downloads there), else $HF_HUB_CACHE, else
-$HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub, as
-huggingface_hub reads them. A revision is a branch or tag (read from `refs/`) or a commit hash.
+in vLLM's `download_dir` when one is given (vLLM downloads there), else where huggingface_hub
+puts it: $HF_HUB_CACHE, else $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else
+$XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub. A revision is a branch or tag
+(read from `refs/`) or a commit hash.
 
 vLLM names a GGUF file of a repo by `REPO_ID:QUANT_TYPE` (`unsloth/Qwen3-0.6B-GGUF:Q4_K_M`);
-the same name picks the file from the cached snapshot, by vLLM's rule (`gguf_file`).
+the same name picks the file from the cached snapshot, by vLLM's rule (`gguf_in_snapshot`).
 """
 
 from __future__ import annotations
 
-import fnmatch
+import glob
 import os
 import re
 from pathlib import Path
 
 DEFAULT_REVISION = "main"
-# A Hub repo id: a name, or an owner and a name ("gpt2", "Qwen/Qwen2.5-0.5B-Instruct"), each
-# 1-96 of letters, digits, "_", "." and "-", starting and ending with a letter, digit or "_".
+# A Hub repo id, as huggingface_hub validates it: a name, or an owner and a name ("gpt2",
+# "Qwen/Qwen2.5-0.5B-Instruct"), each 1-96 ASCII letters, digits, "_", "." and "-", starting
+# and ending with a letter, digit or "_".
 _PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
 _REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}")
 # Size suffixes of GGUF quant types in file names, as vLLM reads them (Q4_K_M: Q4_K, medium).
@@ -32,17 +34,18 @@ _SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
 def hub_cache(download_dir: str | Path | None = None) -> Path:
-    """The folder huggingface_hub keeps repos in (the module says which)."""
+    """The folder repos are read from: `download_dir`, else huggingface_hub's (its variables
+    read and expanded as huggingface_hub reads them)."""
     if download_dir is not None:
         return Path(download_dir).expanduser()
-    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(variable):
-            return Path(os.path.expandvars(os.environ[variable])).expanduser()
-    home = os.environ.get("HF_HOME")
-    if home:
-        return Path(os.path.expandvars(home)).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache").expanduser() / "huggingface" / "hub"
+    user_cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    home = _expanded(os.environ.get("HF_HOME", os.path.join(user_cache, "huggingface")))
+    legacy = os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))
+    return Path(_expanded(os.environ.get("HF_HUB_CACHE", legacy)))
+
+
+def _expanded(path: str) -> str:
+    return os.path.expandvars(os.path.expanduser(path))
 
 
 def is_repo_id(name: str) -> bool:
@@ -76,74 +79,94 @@ def _is_quant_type(name: str) -> bool:
     return any(base in GGMLQuantizationType.__members__ for base in bases)
 
 
+def is_hub_name(name: str) -> bool:
+    """Whether `name` reads as a model of the Hub: a repo id or vLLM's REPO_ID:QUANT_TYPE."""
+    return is_repo_id(name) or split_gguf_name(name) is not None
+
+
+def fetch_command(
+    name: str, revision: str | None = None, download_dir: str | Path | None = None
+) -> str:
+    """The command that downloads Hub model `name` at `revision` to where it is looked for."""
+    gguf_name = split_gguf_name(name)
+    command = f"hf download {name if gguf_name is None else gguf_name[0]}"
+    if gguf_name is not None:
+        command += f' --include "*-{gguf_name[1]}*.gguf"'
+    if revision is not None:
+        command += f" --revision {revision}"
+    if download_dir is not None:
+        command += f" --cache-dir {download_dir}"
+    return command
+
+
 def cached_model(
     name: str, revision: str | None = None, download_dir: str | Path | None = None
 ) -> Path | None:
-    """Where model `name` lies in the cache: a repo id's snapshot folder, or the GGUF file an
-    `OWNER/NAME:QUANT_TYPE` name picks from its repo's; None when the cache has no such repo."""
+    """Where Hub model `name` lies in the cache: a repo id's snapshot folder, or the GGUF file
+    an `OWNER/NAME:QUANT_TYPE` name picks from its repo's; None when the cache has no such
+    repo, a HubCacheError when it has the repo but not the revision or file asked for."""
+    fetch = fetch_command(name, revision, download_dir)
     gguf_name = split_gguf_name(name)
-    folder = snapshot(name if gguf_name is None else gguf_name[0], revision, download_dir)
+    folder = snapshot(name if gguf_name is None else gguf_name[0], revision, download_dir, fetch)
     if folder is None or gguf_name is None:
         return folder
-    return gguf_file(folder, *gguf_name)
-
-
-def fetch_command(name: str) -> str | None:
-    """The command that downloads model `name` into the cache, or None: not a Hub name."""
-    gguf_name = split_gguf_name(name)
-    if gguf_name is not None:
-        return f'hf download {gguf_name[0]} --include "*-{gguf_name[1]}*.gguf"'
-    return f"hf download {name}" if is_repo_id(name) else None
-
-
-def gguf_file(folder: Path, repo_id: str, quant_type: str) -> Path:
-    """The GGUF file of `quant_type` in snapshot `folder`, as vLLM picks it: a name ending in
-    `-QUANT_TYPE.gguf` or holding `-QUANT_TYPE-`, at the top or one folder down, the one with
-    fewest dashes first (a whole file before split parts), then by name."""
-    patterns = [f"*-{quant_type}.gguf", f"*-{quant_type}-*.gguf"]
-    patterns += [f"*/{pattern}" for pattern in patterns]
-    files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*.gguf"))
-    matching = [file for file in files if any(fnmatch.fnmatchcase(file, p) for p in patterns)]
-    if not matching:
-        raise ValueError(
-            f"{repo_id!r} in the Hugging Face cache ({folder}) has no GGUF file of quant type "
-            f"{quant_type!r} (its .gguf files: {', '.join(files) or 'none'}); pagedkv downloads "
-            f"nothing: fetch it first, e.g. `{fetch_command(f'{repo_id}:{quant_type}')}`"
-        )
-    chosen = min(matching, key=lambda file: (file.count("-"), file))
+    chosen = gguf_in_snapshot(folder, gguf_name[1])
+    if chosen is None:
+        raise GGUFNotCached(name, folder, fetch)
     if _SPLIT_PART.search(chosen):
-        raise ValueError(
-            f"{repo_id}:{quant_type} is split into parts ({chosen}, ...): pagedkv reads a GGUF "
-            "model from one file (merge the parts with llama.cpp's `llama-gguf-split --merge`)"
-        )
+        raise SplitGGUF(name, chosen)
     return folder / chosen
 
 
+def gguf_in_snapshot(folder: Path, quant_type: str) -> str | None:
+    """The GGUF file of `quant_type` in snapshot `folder` (its path there), as vLLM's
+    `download_gguf` picks it: by glob, a name ending in `-QUANT_TYPE.gguf` or holding
+    `-QUANT_TYPE-`, at the top or one folder down (no hidden files), the one with fewest dashes
+    first (a whole file before split parts), then by name; None when there is none."""
+    patterns = [f"*-{quant_type}.gguf", f"*-{quant_type}-*.gguf"]
+    patterns += [f"*/{pattern}" for pattern in patterns]
+    found = {file for pattern in patterns for file in glob.glob(pattern, root_dir=folder)}
+    return min(found, key=lambda file: (file.count("-"), file), default=None)
+
+
 def snapshot(
-    repo_id: str, revision: str | None = None, download_dir: str | Path | None = None
+    repo_id: str,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    fetch: str | None = None,
 ) -> Path | None:
     """The folder of `repo_id` at `revision` (None: main) in the cache, or None when the cache
-    holds no such repo; raise RevisionNotCached when it holds the repo but not that revision."""
+    holds no such repo; raise RevisionNotCached (naming `fetch`, the command that would
+    download it) when it holds the repo but not that revision."""
     if not is_repo_id(repo_id):
         return None
     repo = hub_cache(download_dir) / ("models--" + repo_id.replace("/", "--"))
     if not repo.is_dir():
         return None
     wanted = DEFAULT_REVISION if revision is None else revision
-    if not wanted or ".." in Path(wanted).parts or Path(wanted).is_absolute():
+    if any(part in ("", ".", "..") for part in wanted.split("/")):
         raise ValueError(f"revision {revision!r} is not a branch, tag or commit hash")
     ref = repo / "refs" / wanted
-    commit = ref.read_text(encoding="utf-8").strip() if ref.is_file() else wanted
+    commit = wanted  # a commit hash, unless a ref of that name says which
+    if ref.is_file():
+        commit = ref.read_text(encoding="utf-8").strip()
+        if "/" in commit or commit in ("", ".", ".."):
+            raise HubCacheError(f"{ref} holds {commit!r}, not a commit hash")
     folder = repo / "snapshots" / commit
     if not folder.is_dir():
-        raise RevisionNotCached(repo_id, wanted, repo)
+        fetch = fetch or fetch_command(repo_id, revision, download_dir)
+        raise RevisionNotCached(repo_id, wanted, repo, fetch)
     return folder
 
 
-class RevisionNotCached(ValueError):
+class HubCacheError(ValueError):
+    """The cache holds the repo a name names, but not what the name asks of it."""
+
+
+class RevisionNotCached(HubCacheError):
     """The cache holds a repo, but not the revision asked for."""
 
-    def __init__(self, repo_id: str, revision: str, repo: Path) -> None:
+    def __init__(self, repo_id: str, revision: str, repo: Path, fetch: str) -> None:
         refs = repo / "refs"
         branches = (
             sorted(str(ref.relative_to(refs)) for ref in refs.rglob("*") if ref.is_file())
@@ -154,5 +177,27 @@ class RevisionNotCached(ValueError):
         super().__init__(
             f"{repo_id!r} is in the Hugging Face cache ({repo}) without revision {revision!r} "
             f"(branches and tags held: {held}); pagedkv downloads nothing: fetch that revision "
-            f"first, e.g. `hf download {repo_id} --revision {revision}`"
+            f"first, e.g. `{fetch}`"
+        )
+
+
+class GGUFNotCached(HubCacheError):
+    """The cached snapshot of a repo holds no GGUF file of the quant type asked for."""
+
+    def __init__(self, name: str, folder: Path, fetch: str) -> None:
+        files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*.gguf"))
+        super().__init__(
+            f"{name}: the Hugging Face cache's snapshot ({folder}) has no GGUF file of that "
+            f"quant type (its .gguf files: {', '.join(files) or 'none'}); pagedkv downloads "
+            f"nothing: fetch it first, e.g. `{fetch}`"
+        )
+
+
+class SplitGGUF(HubCacheError):
+    """The GGUF file a name picks is one part of a split model; pagedkv reads one file."""
+
+    def __init__(self, name: str, part: str) -> None:
+        super().__init__(
+            f"{name} is split into parts ({part}, ...): pagedkv reads a GGUF model from one file "
+            "(merge the parts with llama.cpp's `llama-gguf-split --merge`)"
         )

@@ -178,17 +178,15 @@ class HubError(Exception):
 
 class UnknownModelName(HubError, ValueError):
     """A `--model` value that is neither a file, a folder, a built-in model name nor a repo id
-    in the Hugging Face cache (`hub_cache`: where that was looked for, when it reads as one;
-    `fetch`: the command that would download it)."""
+    in the Hugging Face cache (`hub`, when it reads as one: the cache it was looked for in and
+    the command that would download it)."""
 
-    def __init__(
-        self, name: str, builtin: list[str], hub_cache: Path | None = None, fetch: str = ""
-    ) -> None:
+    def __init__(self, name: str, builtin: list[str], hub: tuple[Path, str] | None = None) -> None:
         sources = "a model folder, a .gguf file or a built-in model"
-        if hub_cache is not None:  # spelled as a Hub name: where it was looked for
+        if hub is not None:  # spelled as a Hub name: where it was looked for, how to fetch it
             sources = (
                 "a model folder, a .gguf file, a built-in model or a repo in the Hugging Face "
-                f"cache ({hub_cache}; pagedkv downloads nothing: fetch it first, e.g. `{fetch}`)"
+                f"cache ({hub[0]}; pagedkv downloads nothing: fetch it first, e.g. `{hub[1]}`)"
             )
         super().__init__(f"{name!r} is not {sources} (built-in: {', '.join(builtin)})")
         self.name = name

@@ -140,7 +140,8 @@ def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_tr
 ) -> None:
     """pagedkv gets the built-in name (under --quantization auto: its GGUF blocks), transformers
     the converted float folder; a folder goes to both as it is, and so does a repo id's folder
-    in the Hugging Face cache (labelled by the repo id)."""
+    in the Hugging Face cache (labelled by the repo id); a REPO:QUANT_TYPE file runs in pagedkv
+    alone, as a .gguf path does."""
     from pagedkv.bench import main as bench_main
     from pagedkv.weights import load as load_module
     from tests.hub_cache import cache_repo, commit_of
@@ -160,6 +161,15 @@ def test_a_builtin_model_runs_its_own_file_in_pagedkv_and_its_float_folder_in_tr
     cache_repo(tmp_path / "hub", "org/m", {commit_of("a"): tiny_folder}, {"main": commit_of("a")})
     snapshot = tmp_path / "hub" / "models--org--m" / "snapshots" / commit_of("a")
     assert models("org/m") == ("org/m", snapshot, "org/m", snapshot)
+    gguf_repo, commit = tmp_path / "gguf-repo", commit_of("g")
+    gguf_repo.mkdir()
+    (gguf_repo / "Tiny-Q8_0.gguf").write_bytes(b"GGUF")
+    cache_repo(tmp_path / "hub", "org/m-GGUF", {commit: gguf_repo}, {"main": commit})
+    with pytest.raises(ValueError, match=r"transformers \(hf-cb\) loads a folder, not a \.gguf"):
+        models("org/m-GGUF:Q8_0")
+    systems.remove("hf-cb")
+    file = tmp_path / "hub" / "models--org--m-GGUF" / "snapshots" / commit / "Tiny-Q8_0.gguf"
+    assert models("org/m-GGUF:Q8_0") == ("org/m-GGUF:Q8_0", None, "org/m-GGUF:Q8_0", file)
 
 
 def test_speculative_figures_are_the_engines_counts_of_the_run(tiny_folder: Path) -> None:

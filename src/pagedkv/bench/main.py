@@ -191,8 +191,8 @@ def _config(args: argparse.Namespace, systems: list[str]) -> BenchConfig:
 
 
 def _models(args: argparse.Namespace, systems: list[str]) -> tuple[str, Path | None, str, Path]:
-    """What pagedkv loads (`args.model`), the Hugging Face folder of the same weights in float that
-    transformers loads, a label, and the folder or file the vocabulary is read from. A built-in
+    """What pagedkv loads (`args.model`), the Hugging Face folder of the same weights in float
+    that transformers loads, a label, and the folder or file the vocabulary is read from. A built-in
     model runs in pagedkv as itself (under --quantization auto, its own GGUF blocks); a folder
     runs as it is in both; a .gguf file runs in pagedkv alone (no folder: transformers loads
     folders); a Hub name runs as its folder or file in the Hugging Face cache."""
@@ -200,27 +200,23 @@ def _models(args: argparse.Namespace, systems: list[str]) -> tuple[str, Path | N
     if model == RANDOM_MODEL:
         folder = random_model_folder(args.seed)
         return str(folder), folder, f"{RANDOM_MODEL} (seed {args.seed})", folder
-    from pagedkv.hub import BUILTIN_MODELS
-    from pagedkv.weights.load import converted_folder, local_source
+    from pagedkv.weights.load import converted_folder, find_source
 
-    path = Path(model)
-    label = path.name
-    if path.exists() or model not in BUILTIN_MODELS:  # as `load` finds it
-        path = local_source(model, args.revision, args.download_dir)
-        label = path.name if path == Path(model) else model
+    path = find_source(model, args.revision, args.download_dir)
+    if path is None:  # a built-in model
+        folder = converted_folder(model)
+        return model, folder, model, folder
+    label = path.name if path == Path(model) else model  # a Hub name: as it was given
     if path.is_dir():
         return model, path, label, path
-    if path.suffix == ".gguf":
-        transformers = [system for system in systems if system != "pagedkv"]
-        if transformers:
-            raise ValueError(
-                f"{model}: transformers ({', '.join(transformers)}) loads a folder, not a "
-                ".gguf file: `pagedkv convert` it to a folder first, or bench the file with "
-                "--systems pagedkv (a built-in name is converted on its own)"
-            )
-        return model, None, label, path
-    folder = converted_folder(model)
-    return model, folder, model, folder
+    transformers = [system for system in systems if system != "pagedkv"]
+    if transformers:
+        raise ValueError(
+            f"{model}: transformers ({', '.join(transformers)}) loads a folder, not a "
+            ".gguf file: `pagedkv convert` it to a folder first, or bench the file with "
+            "--systems pagedkv (a built-in name is converted on its own)"
+        )
+    return model, None, label, path
 
 
 def _vocab_size(source: Path) -> int:

@@ -26,7 +26,7 @@ from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.vllm_keywords import check_vllm_keywords, json_object
-from pagedkv.hub import BUILTIN_MODELS, DEFAULT_MODEL
+from pagedkv.hub import DEFAULT_MODEL
 from pagedkv.kvmath.spec import KV_CACHE_DTYPES
 from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
 from pagedkv.worker.kv_request import PoolRequest
@@ -301,15 +301,12 @@ class EngineArgs:
         )
 
     @property
-    def separate_tokenizer(self) -> tuple[str, str | None] | None:
-        """vLLM's `tokenizer` and `tokenizer_revision`: the tokenizer loaded apart from the
-        model's and its revision (tokenizer_revision, else the model's revision where it is
-        named by a repo id, as vLLM's), or None: the model's own."""
+    def separate_tokenizer(self) -> str | None:
+        """What the tokenizer is loaded from apart from the model (vLLM's `tokenizer`, or the
+        model's own repo at `tokenizer_revision`), or None: it comes with the model."""
         if self.tokenizer is None and self.tokenizer_revision is None:
             return None
-        source = self.model if self.tokenizer is None else self.tokenizer
-        inherited = None if Path(source).exists() or source in BUILTIN_MODELS else self.revision
-        return source, inherited if self.tokenizer_revision is None else self.tokenizer_revision
+        return self.model if self.tokenizer is None else self.tokenizer
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -61,8 +61,8 @@ FIELD_HELP = {
     "max_loras); the least recently used idle one is forgotten first, and read again when a "
     "request names it",
     "max_lora_rank": "largest LoRA rank accepted (with enable_lora)",
-    "tokenizer": "Hugging Face folder, .gguf file, built-in name or cached repo id whose tokenizer "
-    "to use "
+    "tokenizer": "Hugging Face folder, .gguf file, built-in name or cached repo id whose "
+    "tokenizer to use "
     "(default: the model's own); its ids must fit the model's vocabulary",
     "trust_remote_code": "accepted as vLLM's, to no effect: pagedkv never runs code that comes "
     "with a model; its architectures are its own registry's",
@@ -80,7 +80,8 @@ FIELD_HELP = {
     "4096}'); a GGUF file's metadata is read as the same keys",
     "download_dir": "folder built-in models are pulled into and read from (default: the "
     "cache, $PAGEDKV_CACHE or ~/.cache/pagedkv), and the Hugging Face cache repo ids are read "
-    "from (default: $HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
+    "from (default: huggingface_hub's, $HF_HUB_CACHE or $HF_HOME/hub or "
+    "~/.cache/huggingface/hub)",
     "load_format": "what the model's weights are read from: auto (by the path), safetensors "
     "(a Hugging Face folder) or gguf (a .gguf file); a model of another format is refused",
     "tokenizer_mode": "auto or hf, as vLLM's; both read tokenizer.json with the tokenizers library",

@@ -49,6 +49,8 @@ from pagedkv.engine.spec.drafter import Drafter, NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
 from pagedkv.engine.stops import take_outputs
 from pagedkv.engine.structured.compiler import GrammarCompiler
+from pagedkv.hf_cache import HubCacheError
+from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.spec import served_context
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.adapters import AdapterBlocks
@@ -97,12 +99,18 @@ class Engine:
         self.model_name = loaded.name
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        separate = args.separate_tokenizer  # vLLM's tokenizer=: another's than the model's
-        if separate is not None:
-            source, revision = separate
-            self.tokenizer = load_tokenizer(
-                source, self.config.vocab_size, download_dir=args.download_dir, revision=revision
-            )
+        source = args.separate_tokenizer  # vLLM's tokenizer=: another's than the model's
+        if source is not None:
+            try:
+                self.tokenizer = load_tokenizer(
+                    source,
+                    self.config.vocab_size,
+                    download_dir=args.download_dir,
+                    revision=args.tokenizer_revision,
+                    model_revision=args.revision,
+                )
+            except (UnknownModelName, HubCacheError) as error:  # said to be the tokenizer's
+                raise ValueError(f"tokenizer: {error}") from error
         self.max_model_len = served_context(args.max_model_len, self.config.max_position_embeddings)
         # SamplingParams keywords the model's generation_config.json recommends (vLLM's "auto").
         self.sampling_defaults = args.sampling_defaults(loaded.path)

@@ -21,6 +21,7 @@ object and the model folder's files.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,8 @@ class Tokenizer:
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
-        """The named special tokens the model has (bos_token, eos_token, unk_token, ...)."""
+        """The named special tokens the model has (bos_token, eos_token, unk_token, ...), as
+        transformers 5 maps them (4 also listed additional_special_tokens here)."""
         return {
             key: self.special_tokens[key]
             for key in SPECIAL_TOKEN_KEYS
@@ -205,7 +207,7 @@ class Tokenizer:
         ids = (self.tokenizer.token_to_id(token) for token in self.all_special_tokens)
         return [token_id for token_id in ids if token_id is not None]
 
-    @property
+    @cached_property
     def max_token_id(self) -> int:
         """The largest id of the vocabulary, added tokens included (vLLM's tokenizer has it)."""
         return max(self.get_vocab().values())
@@ -412,7 +414,8 @@ def _optional_json(path: Path) -> dict[str, Any]:
 
 
 def _special_tokens(tokenizer_config: Mapping[str, Any], path: Path) -> dict[str, str]:
-    """bos/eos/unk/pad token strings; transformers saves each as a string or {"content": ...}."""
+    """The named special tokens' strings (SPECIAL_TOKEN_KEYS); transformers saves each as a
+    string or {"content": ...}."""
     tokens = {}
     for key in SPECIAL_TOKEN_KEYS:
         value = tokenizer_config.get(key)
@@ -430,20 +433,22 @@ def _extra_special_tokens(tokenizer_config: Mapping[str, Any], path: Path) -> li
     """The special tokens the config lists beyond the named ones: transformers 4's
     `additional_special_tokens` or 5's `extra_special_tokens` (a list, or names -> tokens),
     each a string or {"content": ...}."""
-    listed = tokenizer_config.get("additional_special_tokens")
-    if listed is None:
-        listed = tokenizer_config.get("extra_special_tokens") or []
+    key = "additional_special_tokens"
+    if tokenizer_config.get(key) is None:
+        key = "extra_special_tokens"
+    listed = tokenizer_config.get(key) or []
     if isinstance(listed, dict):
         listed = list(listed.values())
     if not isinstance(listed, list):
-        raise MalformedModelFile(path, f"additional_special_tokens must be a list, got {listed!r}")
+        raise MalformedModelFile(path, f"{key} must be a list, got {listed!r}")
     tokens = [item.get("content") if isinstance(item, dict) else item for item in listed]
     if not all(isinstance(token, str) for token in tokens):
-        raise MalformedModelFile(path, f"additional_special_tokens must be strings, got {listed!r}")
+        raise MalformedModelFile(path, f"{key} must hold strings, got {listed!r}")
     return tokens
 
 
 def _model_max_length(tokenizer_config: Mapping[str, Any], path: Path) -> int:
+    """The longest input the config names; none named: transformers' "no limit" (1e30)."""
     value = tokenizer_config.get("model_max_length")
     if value is None:
         return VERY_LARGE_INTEGER

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.hf_cache import cached_model, fetch_command, hub_cache
+from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, is_hub_name
 from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, model_dir, pull
 from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config, with_overrides
@@ -106,14 +106,10 @@ def load(
     """
     seconds: dict[str, float] = {}
     started = time.perf_counter()
-    path = Path(model)
     name = str(model)
-    builtin = not path.exists() and name in BUILTIN_MODELS
-    if not builtin:
-        path = local_source(name, revision, download_dir)
+    path = find_source(name, revision, download_dir)
+    if path is not None:
         _check_format(load_format, "gguf" if path.is_file() else "safetensors", name)
-    elif revision is not None:
-        raise ValueError(no_revision(name, revision, "a built-in model"))
     else:
         keeps_blocks = resolve_quantization(quantization, device) == "auto"
         # Checked before anything is pulled: under quantization "none" it is read from the
@@ -162,34 +158,45 @@ def load(
             seconds=seconds,
         )
     else:
-        raise UnknownModelName(name, list(BUILTIN_MODELS))
+        raise ValueError(f"{name!r} exists but is neither a file nor a folder")
     seconds["weights"] = _lap(weights_started)
     return loaded
 
 
-def local_source(name: str, revision: str | None, download_dir: str | None) -> Path:
-    """Where model or tokenizer `name`, not a built-in one, is read from: an existing path, else
-    the cached snapshot of Hub repo id `name` at `revision` (or the GGUF file of vLLM's
-    `REPO_ID:QUANT_TYPE` in it); UnknownModelName when neither."""
+def find_source(
+    name: str,
+    revision: str | None,
+    download_dir: str | None,
+    field: str = "revision",
+    default_revision: str | None = None,
+) -> Path | None:
+    """Where model or tokenizer `name` is read from, in this order: an existing path; None for
+    a built-in model's name (pulled by name); the cached snapshot of Hub repo id `name` at
+    `revision`, else `default_revision` (or the GGUF file of vLLM's `REPO_ID:QUANT_TYPE` in
+    it). UnknownModelName when it is none of them; NoRevisions (naming `field`) for a
+    `revision` of a path or built-in model."""
     path = Path(name)
-    if path.exists():
+    if path.exists() or name in BUILTIN_MODELS:
         if revision is not None:
-            raise ValueError(no_revision(name, revision, "a local path"))
-        return path
+            raise NoRevisions(field, revision, name)
+        return path if path.exists() else None
+    revision = default_revision if revision is None else revision
     cached = cached_model(name, revision, download_dir)
     if cached is None:
-        fetch = fetch_command(name)
-        cache = None if fetch is None else hub_cache(download_dir)
-        raise UnknownModelName(name, list(BUILTIN_MODELS), cache, fetch or "")
+        hub = (hub_cache(download_dir), fetch_command(name, revision, download_dir))
+        raise UnknownModelName(name, list(BUILTIN_MODELS), hub if is_hub_name(name) else None)
     return cached
 
 
-def no_revision(name: str, revision: str, what: str) -> str:
-    """The error of a revision given for a model that has none."""
-    return (
-        f"revision {revision!r}: {name!r} is {what}, which has no revisions (a revision picks "
-        "the snapshot of a Hugging Face repo id in the local cache; leave it None)"
-    )
+class NoRevisions(ValueError):
+    """A revision given for a local path or a built-in model, which have none."""
+
+    def __init__(self, field: str, revision: str, name: str) -> None:
+        what = "a local path" if Path(name).exists() else "a built-in model"
+        super().__init__(
+            f"{field} {revision!r}: {name!r} is {what}, which has no revisions (a revision "
+            "picks the snapshot of a Hugging Face repo id in the local cache; leave it None)"
+        )
 
 
 def _check_format(load_format: str, found: str, name: str) -> None:
@@ -205,26 +212,24 @@ def load_tokenizer(
     *,
     download_dir: str | None = None,
     revision: str | None = None,
+    model_revision: str | None = None,
     progress: Callable[[str], None] = _to_stderr,
 ) -> Tokenizer:
     """The tokenizer of `source` alone (vLLM's `tokenizer=`) for a model of `vocab_size` ids: a
     Hugging Face folder's files, a `.gguf` file's vocabulary, a built-in model's (its GGUF
-    file, pulled once) or a cached Hub repo's at `revision`, found as `load` finds a model. One
-    that makes ids past the model's vocabulary is refused: the model has no row for them."""
-    path = Path(source)
+    file, pulled once) or a cached Hub repo's, found as `load` finds a model. A repo is read at
+    `revision` (vLLM's tokenizer_revision), else at the model's revision, as vLLM's rule says.
+    One that makes ids past the model's vocabulary is refused: the model has no row for them."""
     name = str(source)
-    if not path.exists() and name in BUILTIN_MODELS:
-        if revision is not None:
-            raise ValueError(no_revision(name, revision, "a built-in model"))
+    path = find_source(name, revision, download_dir, "tokenizer_revision", model_revision)
+    if path is None:
         path = pull(name, progress=progress, download_dir=download_dir)
-    else:
-        path = local_source(name, revision, download_dir)
     if path.is_file():
         tokenizer = GGUFModel.open(path).tokenizer()
     elif path.is_dir():
         tokenizer = Tokenizer.from_folder(path)
     else:
-        raise UnknownModelName(name, list(BUILTIN_MODELS))
+        raise ValueError(f"{name!r} exists but is neither a file nor a folder")
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(
             f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than the model's "

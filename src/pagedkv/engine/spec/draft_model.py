@@ -10,12 +10,13 @@ from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.drafter import DraftRequest, SeqId
 from pagedkv.engine.structured.mask import apply_grammar_masks
 from pagedkv.engine.structured.state import GrammarState
+from pagedkv.hf_cache import HubCacheError
 from pagedkv.hub import UnknownModelName
 from pagedkv.memory.adapters import AdapterChanges
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.errors import ModelError
 from pagedkv.tokenizer import Tokenizer
-from pagedkv.weights.load import LoadedModel, load
+from pagedkv.weights.load import LoadedModel, NoRevisions, load
 from pagedkv.worker.runner import ModelRunner
 from pagedkv.worker.step import ScheduledChunk, SchedulerOutput
 
@@ -148,7 +149,7 @@ def load_draft_model(
             download_dir=download_dir,
             revision=config.revision,
         )
-    except UnknownModelName as error:  # its message alone reads as if the model were wrong
+    except (UnknownModelName, HubCacheError, NoRevisions) as error:  # else read as the model's
         raise ValueError(f"speculative_config model: {error}") from error
     except ModelError as error:  # a file of the draft's: named as the draft's
         raise ValueError(f"speculative_config model {config.model!r}: {error}") from error
