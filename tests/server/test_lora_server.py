@@ -71,9 +71,10 @@ def complete(client, model: str) -> str:
     return response.choices[0].text
 
 
-def test_models_lists_the_adapters(client, model_name, adapters):
+def test_models_lists_the_adapters(client, model_name, adapters, tiny_model):
     cards = {card.id: card for card in client.models.list().data}
     assert set(cards) == {model_name, "alpha", "delta"}
+    assert cards[model_name].root == str(tiny_model)  # vLLM's: the model as it was given
     assert cards["alpha"].parent == model_name
     assert cards["alpha"].root == str(adapters["alpha"].resolve())
     assert cards["delta"].parent == "org/base-model"

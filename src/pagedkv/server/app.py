@@ -195,8 +195,10 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     async def cancel(response_id: str) -> Response:
         return cancel_response(context, response_id)
 
-    base = [
-        ModelCard(id=name, created=started, max_model_len=engine.max_model_len)
+    base = [  # vLLM's root: the model as the engine was given it (a path or a Hub name)
+        ModelCard(
+            id=name, created=started, max_model_len=engine.max_model_len, root=engine.args.model
+        )
         for name in (model_name, *config.model_aliases)
     ]
 

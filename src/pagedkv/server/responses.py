@@ -226,7 +226,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedkv"
     max_model_len: int
-    root: str | None = None  # a LoRA adapter's folder
+    root: str | None = None  # the model or LoRA adapter as given (a path or a Hub name)
     parent: str | None = None  # a LoRA adapter's base model
 
 
