@@ -28,15 +28,17 @@ from pagedkv.commands.planning_model import resolve_planning_model
 from pagedkv.engine import LLM, EngineArgs, SamplingParams
 from pagedkv.hf_cache import (
     GGUFNotCached,
+    GGUFNotNamed,
     HubCacheError,
+    HubName,
     RevisionNotCached,
     SplitGGUF,
     cached_model,
     gguf_in_snapshot,
     hub_cache,
+    hub_name,
     is_repo_id,
     snapshot,
-    split_gguf_name,
 )
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
@@ -263,17 +265,24 @@ def test_plan_sizes_a_repo_id_as_its_snapshot(zoo, hub: Path) -> None:
     cache_repo(hub, "org/broken", {}, {"v1": commit})
     with pytest.raises(ConfigError, match="without revision 'main'"):
         resolve_planning_model("org/broken")
+    with pytest.raises(ConfigError, match=r"nor a repo in the Hugging Face cache .*hf download"):
+        resolve_planning_model("org/absent")
 
 
-def test_vllms_repo_and_quant_type_names_are_read_as_vllm_reads_them() -> None:
-    assert split_gguf_name("unsloth/Qwen3-0.6B-GGUF:Q4_K_M") == (
-        "unsloth/Qwen3-0.6B-GGUF",
-        "Q4_K_M",
+def test_hub_names_are_read_as_vllm_reads_them() -> None:
+    """vLLM's GGUF spellings (REPO:QUANT_TYPE with a GGML type, a size suffix or a dashed
+    prefix; REPO/PATH.gguf) and plain repo ids; anything else is no Hub name."""
+    assert hub_name("unsloth/Qwen3-0.6B-GGUF:Q4_K_M") == HubName(
+        "unsloth/Qwen3-0.6B-GGUF", quant_type="Q4_K_M"
     )
     for quant_type in ("Q4_K", "F16", "IQ4_XS", "Q3_K_XL", "UD-Q4_K_XL", "Custom-Q8_0"):
-        assert split_gguf_name(f"org/m-GGUF:{quant_type}") == ("org/m-GGUF", quant_type)
-    for name in ("org/m:q4_k_m", "org/m:Q9_K", "org/m:", "gpt2:Q4_K", "org/m", "./m:Q4_K"):
-        assert split_gguf_name(name) is None, name
+        assert hub_name(f"org/m-GGUF:{quant_type}") == HubName("org/m-GGUF", quant_type=quant_type)
+    for file in ("m-Q8_0.gguf", "sub/m-00001-of-00002.gguf"):
+        assert hub_name(f"org/m-GGUF/{file}") == HubName("org/m-GGUF", file=file)
+    assert hub_name("org/m") == HubName("org/m") and hub_name("gpt2") == HubName("gpt2")
+    not_hub = ("org/m:q4_k_m", "org/m:Q9_K", "org/m:", "gpt2:Q4_K", "./m:Q4_K", "org/m/x.bin")
+    for name in (*not_hub, "org/m/../x.gguf", "org/m//x.gguf", "/abs/m.gguf", "a/b/c"):
+        assert hub_name(name) is None, name
 
 
 GGUF_FILES = st.lists(
@@ -313,7 +322,7 @@ def test_the_gguf_file_is_the_one_vllm_picks(tmp_path_factory, files, quant_type
     assert gguf_in_snapshot(folder, quant_type) == expected
     name = f"org/m-GGUF:{quant_type}"
     if expected is None:
-        with pytest.raises(GGUFNotCached, match="no GGUF file of that quant type"):
+        with pytest.raises(GGUFNotCached, match="holds no such GGUF file"):
             cached_model(name, download_dir=cache)
     elif "-of-0000" in expected:
         with pytest.raises(SplitGGUF, match=r"is split into parts .*llama-gguf-split --merge"):
@@ -339,7 +348,14 @@ def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, 
     planned = resolve_planning_model("org/Tiny-GGUF:F32")
     assert planned.name == "org/Tiny-GGUF:F32"
     assert planned.spec == resolve_planning_model(str(f32)).spec
-    with pytest.raises(GGUFNotCached, match=r":Q4_K_M: .* no GGUF file of that quant type"):
+    with pytest.raises(GGUFNotCached, match=r":Q4_K_M: .* holds no such GGUF file"):
         LLM("org/Tiny-GGUF:Q4_K_M", **SMALL)
-    with pytest.raises(UnknownModelName, match=r'hf download org/Other-GGUF --include "\*-Q8_0'):
+    fetch = r'hf download org/Other-GGUF --include "\*-Q8_0.gguf" "\*-Q8_0-\*.gguf"`'
+    with pytest.raises(UnknownModelName, match=fetch):
         LLM("org/Other-GGUF:Q8_0", **SMALL)
+    by_file = LLM("org/Tiny-GGUF/Tiny-Q8_0.gguf", **SMALL)  # vLLM's REPO/FILE.gguf
+    assert answers(by_file) == answers(LLM(str(q8), **SMALL))
+    with pytest.raises(GGUFNotCached, match=r"holds no such GGUF file \(its .gguf files: Tiny-F32"):
+        LLM("org/Tiny-GGUF/Tiny-Q4_0.gguf", **SMALL)
+    with pytest.raises(GGUFNotNamed, match=r"name one as vLLM does, org/Tiny-GGUF:QUANT_TYPE"):
+        LLM("org/Tiny-GGUF", **SMALL)

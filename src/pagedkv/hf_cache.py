@@ -10,8 +10,9 @@ puts it: $HF_HUB_CACHE, else $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else
 $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub. A revision is a branch or tag
 (read from `refs/`) or a commit hash.
 
-vLLM names a GGUF file of a repo by `REPO_ID:QUANT_TYPE` (`unsloth/Qwen3-0.6B-GGUF:Q4_K_M`);
-the same name picks the file from the cached snapshot, by vLLM's rule (`gguf_in_snapshot`).
+vLLM names a GGUF file of a repo by `REPO_ID:QUANT_TYPE` (`unsloth/Qwen3-0.6B-GGUF:Q4_K_M`,
+picked by vLLM's rule, `gguf_in_snapshot`) or by `REPO_ID/PATH.gguf`; the same names pick the
+file from the cached snapshot.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_REVISION = "main"
@@ -59,17 +61,32 @@ def is_repo_id(name: str) -> bool:
     )
 
 
-def split_gguf_name(name: str) -> tuple[str, str] | None:
-    """vLLM's `OWNER/NAME:QUANT_TYPE` as its repo id and quant type, or None when `name` is not
-    spelled so. A quant type is a GGML type's name (Q4_K, IQ4_XS, F16), one with a size suffix
-    (Q4_K_M) or one with a dash-separated prefix (UD-Q4_K_XL)."""
+@dataclass(frozen=True)
+class HubName:
+    """A model named on the Hub: a repo, and in it a GGUF file by quant type or by path, or
+    neither (the repo's folder)."""
+
+    repo_id: str
+    quant_type: str | None = None
+    file: str | None = None
+
+
+def hub_name(name: str) -> HubName | None:
+    """`name` read as vLLM reads a model of the Hub, or None when it is none: vLLM's
+    `OWNER/NAME:QUANT_TYPE` (a GGML type's name such as Q4_K, IQ4_XS or F16, one with a size
+    suffix such as Q4_K_M, or one with a dash-separated prefix such as UD-Q4_K_XL), vLLM's
+    `OWNER/NAME/PATH.gguf`, or a repo id."""
     repo_id, colon, quant_type = name.rpartition(":")
-    if not colon or "/" not in repo_id or not is_repo_id(repo_id):
-        return None
-    if re.fullmatch(r"[A-Za-z0-9_+-]+", quant_type) is None:
-        return None
-    known = _is_quant_type(quant_type) or _is_quant_type(quant_type.rpartition("-")[2])
-    return (repo_id, quant_type) if known else None
+    if colon and "/" in repo_id and is_repo_id(repo_id):
+        known = _is_quant_type(quant_type) or _is_quant_type(quant_type.rpartition("-")[2])
+        if re.fullmatch(r"[A-Za-z0-9_+-]+", quant_type) is not None and known:
+            return HubName(repo_id, quant_type=quant_type)
+    owner, _, rest = name.partition("/")
+    repo, _, file = rest.partition("/")
+    in_repo = file.endswith(".gguf") and is_repo_id(f"{owner}/{repo}")
+    if in_repo and not any(segment in ("", ".", "..") for segment in file.split("/")):
+        return HubName(f"{owner}/{repo}", file=file)
+    return HubName(name) if is_repo_id(name) else None
 
 
 def _is_quant_type(name: str) -> bool:
@@ -79,19 +96,15 @@ def _is_quant_type(name: str) -> bool:
     return any(base in GGMLQuantizationType.__members__ for base in bases)
 
 
-def is_hub_name(name: str) -> bool:
-    """Whether `name` reads as a model of the Hub: a repo id or vLLM's REPO_ID:QUANT_TYPE."""
-    return is_repo_id(name) or split_gguf_name(name) is not None
-
-
 def fetch_command(
-    name: str, revision: str | None = None, download_dir: str | Path | None = None
+    name: HubName, revision: str | None = None, download_dir: str | Path | None = None
 ) -> str:
     """The command that downloads Hub model `name` at `revision` to where it is looked for."""
-    gguf_name = split_gguf_name(name)
-    command = f"hf download {name if gguf_name is None else gguf_name[0]}"
-    if gguf_name is not None:
-        command += f' --include "*-{gguf_name[1]}*.gguf"'
+    command = f"hf download {name.repo_id}"
+    if name.file is not None:
+        command += f" {name.file}"
+    if name.quant_type is not None:  # what vLLM's patterns match, wherever in the repo
+        command += f' --include "*-{name.quant_type}.gguf" "*-{name.quant_type}-*.gguf"'
     if revision is not None:
         command += f" --revision {revision}"
     if download_dir is not None:
@@ -102,16 +115,22 @@ def fetch_command(
 def cached_model(
     name: str, revision: str | None = None, download_dir: str | Path | None = None
 ) -> Path | None:
-    """Where Hub model `name` lies in the cache: a repo id's snapshot folder, or the GGUF file
-    an `OWNER/NAME:QUANT_TYPE` name picks from its repo's; None when the cache has no such
-    repo, a HubCacheError when it has the repo but not the revision or file asked for."""
-    fetch = fetch_command(name, revision, download_dir)
-    gguf_name = split_gguf_name(name)
-    folder = snapshot(name if gguf_name is None else gguf_name[0], revision, download_dir, fetch)
-    if folder is None or gguf_name is None:
+    """Where Hub model `name` (`hub_name`) lies in the cache: its repo's snapshot folder, or
+    the GGUF file it names there; None when the cache has no such repo, a HubCacheError when
+    it has the repo but not the revision or file asked for."""
+    parsed = hub_name(name)
+    if parsed is None:
+        return None
+    fetch = fetch_command(parsed, revision, download_dir)
+    folder = snapshot(parsed.repo_id, revision, download_dir, fetch)
+    if folder is None:
+        return None
+    if parsed.quant_type is None and parsed.file is None:
+        if not (folder / "config.json").exists() and any(folder.rglob("*.gguf")):
+            raise GGUFNotNamed(name, folder)
         return folder
-    chosen = gguf_in_snapshot(folder, gguf_name[1])
-    if chosen is None:
+    chosen = parsed.file or gguf_in_snapshot(folder, parsed.quant_type or "")
+    if chosen is None or not (folder / chosen).is_file():
         raise GGUFNotCached(name, folder, fetch)
     if _SPLIT_PART.search(chosen):
         raise SplitGGUF(name, chosen)
@@ -154,7 +173,7 @@ def snapshot(
             raise HubCacheError(f"{ref} holds {commit!r}, not a commit hash")
     folder = repo / "snapshots" / commit
     if not folder.is_dir():
-        fetch = fetch or fetch_command(repo_id, revision, download_dir)
+        fetch = fetch or fetch_command(HubName(repo_id), revision, download_dir)
         raise RevisionNotCached(repo_id, wanted, repo, fetch)
     return folder
 
@@ -182,15 +201,31 @@ class RevisionNotCached(HubCacheError):
 
 
 class GGUFNotCached(HubCacheError):
-    """The cached snapshot of a repo holds no GGUF file of the quant type asked for."""
+    """The cached snapshot of a repo holds no GGUF file of the quant type or path asked for."""
 
     def __init__(self, name: str, folder: Path, fetch: str) -> None:
-        files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*.gguf"))
         super().__init__(
-            f"{name}: the Hugging Face cache's snapshot ({folder}) has no GGUF file of that "
-            f"quant type (its .gguf files: {', '.join(files) or 'none'}); pagedkv downloads "
-            f"nothing: fetch it first, e.g. `{fetch}`"
+            f"{name}: the Hugging Face cache's snapshot ({folder}) holds no such GGUF file "
+            f"(its .gguf files: {_gguf_files(folder)}); pagedkv downloads nothing: fetch it "
+            f"first, e.g. `{fetch}`"
         )
+
+
+class GGUFNotNamed(HubCacheError):
+    """A repo of GGUF files named alone: which file is not said."""
+
+    def __init__(self, name: str, folder: Path) -> None:
+        super().__init__(
+            f"{name!r} in the Hugging Face cache ({folder}) holds GGUF files, not a model folder "
+            f"({_gguf_files(folder)}): name one as vLLM does, {name}:QUANT_TYPE (e.g. Q4_K_M) "
+            f"or {name}/FILE.gguf"
+        )
+
+
+def _gguf_files(folder: Path) -> str:
+    """The .gguf files of a snapshot, for an error."""
+    files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*.gguf"))
+    return ", ".join(files) or "none"
 
 
 class SplitGGUF(HubCacheError):

@@ -15,7 +15,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, is_hub_name
+from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, hub_name
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
 from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, KVSpec
 
@@ -32,11 +32,12 @@ def resolve_planning_model(name_or_path: str, kv_dtype: str | None = None) -> Mo
             raise ConfigError(str(exc)) from exc
         if cached is not None:
             return replace(resolve_planning_model(str(cached), kv_dtype), name=name_or_path)
-        if is_hub_name(name_or_path):
+        parsed = hub_name(name_or_path)
+        if parsed is not None:
             raise ConfigError(
                 f"--model {name_or_path!r} is neither a preset, an existing path nor a repo in "
                 f"the Hugging Face cache ({hub_cache()}; pagedkv downloads nothing: fetch it "
-                f"first, e.g. `{fetch_command(name_or_path)}`); presets: {', '.join(MODEL_PRESETS)}"
+                f"first, e.g. `{fetch_command(parsed)}`); presets: {', '.join(MODEL_PRESETS)}"
             )
     if not _is_gguf(path):
         return resolve_model(name_or_path, kv_dtype)

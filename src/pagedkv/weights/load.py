@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, is_hub_name
+from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, hub_name
 from pagedkv.hub import BUILTIN_MODELS, UnknownModelName, gguf_path, is_pulled, model_dir, pull
 from pagedkv.kernels import native
 from pagedkv.model.config import ModelConfig, read_config, with_overrides
@@ -183,8 +183,11 @@ def find_source(
     revision = default_revision if revision is None else revision
     cached = cached_model(name, revision, download_dir)
     if cached is None:
-        hub = (hub_cache(download_dir), fetch_command(name, revision, download_dir))
-        raise UnknownModelName(name, list(BUILTIN_MODELS), hub if is_hub_name(name) else None)
+        parsed = hub_name(name)
+        if parsed is None:  # not spelled as a Hub name: not looked for in the cache
+            raise UnknownModelName(name, list(BUILTIN_MODELS))
+        fetch = fetch_command(parsed, revision, download_dir)
+        raise UnknownModelName(name, list(BUILTIN_MODELS), (hub_cache(download_dir), fetch))
     return cached
 
 
