@@ -24,6 +24,7 @@ from huggingface_hub.utils import validate_repo_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.cli import main as cli_main
 from pagedkv.commands.planning_model import resolve_planning_model
 from pagedkv.engine import LLM, EngineArgs, SamplingParams
 from pagedkv.hf_cache import (
@@ -359,3 +360,8 @@ def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, 
         LLM("org/Tiny-GGUF/Tiny-Q4_0.gguf", **SMALL)
     with pytest.raises(GGUFNotNamed, match=r"name one as vLLM does, org/Tiny-GGUF:QUANT_TYPE"):
         LLM("org/Tiny-GGUF", **SMALL)
+    by_name, by_path = hub.parent / "by-name", hub.parent / "by-path"  # `pagedkv convert`, too
+    assert cli_main(["convert", "org/Tiny-GGUF:Q8_0", str(by_name)]) == 0
+    assert cli_main(["convert", str(q8), str(by_path)]) == 0
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (by_name / file).read_bytes() == (by_path / file).read_bytes(), file
