@@ -365,3 +365,20 @@ def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, 
     assert cli_main(["convert", str(q8), str(by_path)]) == 0
     for file in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (by_name / file).read_bytes() == (by_path / file).read_bytes(), file
+
+
+def test_every_rank_is_sent_the_commit_the_revision_names_at_start(zoo, hub: Path) -> None:
+    """What tensor-parallel ranks load (`load_spec`) names the commit a branch pointed at when
+    the engine started, so a branch moved while ranks start (a concurrent `hf download`)
+    cannot give them different weights; and loading that commit is loading the branch."""
+    old, new = commit_of("old"), commit_of("new")
+    snapshots = {old: zoo.folder("llama"), new: zoo.folder("qwen2")}
+    repo = cache_repo(hub, "org/m", snapshots, {"main": old})
+    spec = EngineArgs(model="org/m", **SMALL).load_spec()
+    assert spec.revision == old
+    (repo / "refs" / "main").write_text(new)  # the branch moves after the start
+    pinned = LLM("org/m", revision=spec.revision, **SMALL)
+    assert answers(pinned) == answers(LLM(str(zoo.folder("llama")), **SMALL))
+    assert EngineArgs(model="org/m", revision="main", **SMALL).load_spec().revision == new
+    for model, revision in ((str(zoo.folder("llama")), None), ("org/absent", "v1")):
+        assert EngineArgs(model=model, revision=revision).load_spec().revision == revision

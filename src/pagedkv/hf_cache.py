@@ -137,6 +137,22 @@ def cached_model(
     return folder / chosen
 
 
+def pinned_revision(
+    name: str, revision: str | None, download_dir: str | Path | None = None
+) -> str | None:
+    """The commit that Hub model `name`'s `revision` names in the cache now (processes that
+    load it later then read one snapshot even if a branch moves meanwhile); `revision` as
+    given for a local path or a name the cache does not hold (its loading says why)."""
+    parsed = hub_name(name)
+    if parsed is None or Path(name).exists():
+        return revision
+    try:
+        folder = snapshot(parsed.repo_id, revision, download_dir)
+    except ValueError:
+        return revision
+    return revision if folder is None else folder.name
+
+
 def gguf_in_snapshot(folder: Path, quant_type: str) -> str | None:
     """The GGUF file of `quant_type` in snapshot `folder` (its path there), as vLLM's
     `download_gguf` picks it: by glob, a name ending in `-QUANT_TYPE.gguf` or holding

@@ -7,7 +7,8 @@ for `swap_space_gb`, `num_gpu_blocks_override` for `num_gpu_blocks` and
 `kv_cache_memory_bytes` for `kv_cache_memory`; when given, vLLM's
 name wins (a command may set our name's default and a user pass vLLM's flag), and it is
 written into our name, which the engine reads. vLLM's keywords that mean nothing new here are
-checked in `vllm_keywords.py`.
+checked in `vllm_keywords.py`. Past 400 lines as one module: it is that one dataclass, every
+field checked beside the others, and the flags generated from it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.vllm_keywords import check_vllm_keywords, json_object
-from pagedkv.hub import DEFAULT_MODEL
+from pagedkv.hf_cache import pinned_revision
+from pagedkv.hub import BUILTIN_MODELS, DEFAULT_MODEL
 from pagedkv.kvmath.spec import KV_CACHE_DTYPES
 from pagedkv.quant.schemes import QUANTIZATIONS, resolve_quantization
 from pagedkv.worker.kv_request import PoolRequest
@@ -287,7 +289,12 @@ class EngineArgs:
         )
 
     def load_spec(self) -> LoadSpec:
-        """What every rank loads (each its shard under tensor parallelism)."""
+        """What every rank loads (each its shard under tensor parallelism): a model named by
+        Hub repo id at the commit its revision names now, so that ranks that load it later read
+        one snapshot even if a branch moves meanwhile."""
+        revision = self.revision
+        if self.model not in BUILTIN_MODELS:
+            revision = pinned_revision(self.model, revision, self.download_dir)
         return LoadSpec(
             model=self.model,
             dtype=self.resolved_dtype,
@@ -297,7 +304,7 @@ class EngineArgs:
             load_format=self.load_format,
             hf_overrides=self.hf_overrides,  # type: ignore[arg-type]
             download_dir=self.download_dir,
-            revision=self.revision,
+            revision=revision,
         )
 
     @property
