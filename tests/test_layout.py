@@ -38,6 +38,9 @@ RANKS = {
     "commands": 9,
     "cli": 10,
     "__init__": 10,
+    "sampling_params": 10,  # vLLM's import paths of the engine's names
+    "outputs": 10,
+    "inputs": 10,
     "__main__": 11,  # `python -m pagedkv`: the command line
 }
 TORCH_FREE = ("kvmath", "memory", "hub", "hf_cache")

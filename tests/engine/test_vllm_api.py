@@ -300,3 +300,35 @@ def test_generate_and_chat_take_vllms_positional_order():
 
     assert positional(LLM.generate) == ["prompts", "sampling_params"]
     assert positional(LLM.chat) == ["messages", "sampling_params", "use_tqdm", "lora_request"]
+
+
+@pytest.mark.parametrize(
+    ("path", "names"),
+    [
+        (
+            "pagedkv.sampling_params",
+            [
+                "SamplingParams",
+                "RequestOutputKind",
+                "BeamSearchParams",
+                "GuidedDecodingParams",
+                "StructuredOutputsParams",
+            ],
+        ),
+        ("pagedkv.outputs", ["RequestOutput", "CompletionOutput"]),
+        ("pagedkv.inputs", ["TextPrompt", "TokensPrompt"]),
+    ],
+)
+def test_vllms_import_paths_hold_the_engines_names(path, names):
+    """`from vllm.sampling_params import StructuredOutputsParams` (vLLM's documented import),
+    `from vllm.inputs import TokensPrompt` and `from vllm.outputs import RequestOutput` port by
+    renaming the package: each path holds those of vLLM's names that pagedkv has, the very
+    objects `pagedkv.engine` exports."""
+    import importlib
+
+    import pagedkv.engine
+
+    module = importlib.import_module(path)
+    for name in names:
+        assert getattr(module, name) is getattr(pagedkv.engine, name), name
+    assert sorted(module.__all__) == sorted(names)
