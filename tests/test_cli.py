@@ -232,3 +232,30 @@ def test_python_dash_m_pagedkv_runs_the_command() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: pagedkv generate")
+
+
+def test_vllms_script_parser_reads_a_command_line_as_the_commands_do(tmp_path: Path) -> None:
+    """vLLM's examples parse engine flags with `FlexibleArgumentParser` (from `vllm.utils`, or
+    `vllm.utils.argparse_utils` in newer ones) and `EngineArgs.add_cli_args`: vLLM's spellings
+    (`--max_model_len`, `-tp`) and a `--config` YAML (typed flags win) give the EngineArgs
+    written out by hand, and a prefix of an option is not taken for it."""
+    from pagedkv.engine import EngineArgs
+    from pagedkv.utils import FlexibleArgumentParser
+    from pagedkv.utils.argparse_utils import FlexibleArgumentParser as newer_path
+
+    assert newer_path is FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    config = tmp_path / "engine.yaml"
+    config.write_text("max_num_seqs: 7\nenable_prefix_caching: false\nblock_size: 32\n")
+    typed = ["--max_model_len", "64", "-tp", "1", "--config", str(config), "--max-num-seqs", "9"]
+    parsed = EngineArgs.from_cli_args(parser.parse_args(typed))
+    by_hand = EngineArgs(
+        max_model_len=64,
+        tensor_parallel_size=1,
+        max_num_seqs=9,
+        enable_prefix_caching=False,
+        block_size=32,
+    )
+    assert parsed == by_hand
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model", "64"])

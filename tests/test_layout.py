@@ -42,6 +42,7 @@ RANKS = {
     "outputs": 10,
     "inputs": 10,
     "__main__": 11,  # `python -m pagedkv`: the command line
+    "utils": 11,  # vLLM's import path of the command line's parser
 }
 TORCH_FREE = ("kvmath", "memory", "hub", "hf_cache")
 

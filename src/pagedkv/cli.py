@@ -11,7 +11,9 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from importlib.metadata import version
+from typing import Any
 
 COMMANDS: dict[str, str] = {
     "demo": "serve chat requests through the engine with a live KV pool view (--memory: "
@@ -74,6 +76,23 @@ SHORT_OPTIONS = {
     "-dp": "--data-parallel-size",
     "-q": "--quantization",
 }
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's parser for scripts (`from vllm.utils import FlexibleArgumentParser`, then
+    `EngineArgs.add_cli_args(parser)`): it reads a script's command line as `pagedkv` commands
+    read theirs, vLLM's other spellings (`vllm_spellings`) and `--config FILE`
+    (`with_config`) included, and takes no prefix of an option for the option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]  # argparse's overloads, one behaviour
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = vllm_spellings(list(sys.argv[1:] if args is None else args))
+        return super().parse_known_args(with_config([self.prog, *argv], self)[1:], namespace)
 
 
 def vllm_spellings(argv: list[str]) -> list[str]:
