@@ -268,6 +268,16 @@ def test_plan_sizes_a_repo_id_as_its_snapshot(zoo, hub: Path) -> None:
         resolve_planning_model("org/broken")
     with pytest.raises(ConfigError, match=r"nor a repo in the Hugging Face cache .*hf download"):
         resolve_planning_model("org/absent")
+    branch = commit_of("branch")  # --revision and --download-dir pick the engine's snapshot
+    elsewhere = hub.parent / "elsewhere"
+    cache_repo(elsewhere, "org/m", {commit: zoo.folder("qwen2"), branch: zoo.folder("llama")}, {})
+    llama = resolve_planning_model(str(zoo.folder("llama"))).spec
+    assert resolve_planning_model("org/m", None, branch, str(elsewhere)).spec == llama
+    with pytest.raises(ConfigError, match=r"--revision 'v1': .* has no revisions"):
+        resolve_planning_model("llama-3-8b", None, "v1")
+    args = ["plan", "--model", "org/m", "--pool-gb", "1", "--download-dir", str(elsewhere)]
+    assert cli_main([*args, "--revision", branch]) == 0
+    assert cli_main([*args, "--revision", "v9"]) == 2  # named: not in that cache
 
 
 def test_hub_names_are_read_as_vllm_reads_them() -> None:

@@ -21,6 +21,7 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.commands.planning_model import (
+    add_hub_arguments,
     add_kv_dtype_arguments,
     kv_dtype_of,
     resolve_planning_model,
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"preset ({', '.join(MODEL_PRESETS)}), a config.json, a model folder, a .gguf file "
         "or a Hugging Face repo id in the local cache",
     )
+    add_hub_arguments(parser)
     add_kv_dtype_arguments(parser)
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     pool = parser.add_mutually_exclusive_group(required=True)
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
         kv_dtype = kv_dtype_of(args)
-        model = resolve_planning_model(args.model, kv_dtype)
+        model = resolve_planning_model(args.model, kv_dtype, args.revision, args.download_dir)
         if args.gpu is not None:
             model = _as_loaded_on_a_gpu(model, kv_dtype_given=kv_dtype is not None)
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)

@@ -22,22 +22,36 @@ from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, KVSpe
 GGUF_MAGIC = b"GGUF"
 
 
-def resolve_planning_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
-    """The model `--model` names; a GGUF file's weights are its tensor bytes as stored."""
+def resolve_planning_model(
+    name_or_path: str,
+    kv_dtype: str | None = None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> Model:
+    """The model `--model` names; a GGUF file's weights are its tensor bytes as stored. A Hub
+    name is read at `revision` from `download_dir` or the default cache, as the engine reads
+    it; a revision of a preset or a local path is refused (they have none)."""
     path = Path(name_or_path)
-    if not path.exists() and name_or_path.lower() not in MODEL_PRESETS:
+    if path.exists() or name_or_path.lower() in MODEL_PRESETS:
+        if revision is not None:
+            raise ConfigError(
+                f"--revision {revision!r}: {name_or_path!r} is a preset or a local path, which "
+                "has no revisions (a revision picks a Hugging Face repo's snapshot)"
+            )
+    else:
         try:
-            cached = cached_model(name_or_path)
+            cached = cached_model(name_or_path, revision, download_dir)
         except ValueError as exc:  # the cache has the repo, not the revision or file named
             raise ConfigError(str(exc)) from exc
         if cached is not None:
             return replace(resolve_planning_model(str(cached), kv_dtype), name=name_or_path)
         parsed = hub_name(name_or_path)
         if parsed is not None:
+            fetch = fetch_command(parsed, revision, download_dir)
             raise ConfigError(
                 f"--model {name_or_path!r} is neither a preset, an existing path nor a repo in "
-                f"the Hugging Face cache ({hub_cache()}; pagedkv downloads nothing: fetch it "
-                f"first, e.g. `{fetch_command(parsed)}`); presets: {', '.join(MODEL_PRESETS)}"
+                f"the Hugging Face cache ({hub_cache(download_dir)}; pagedkv downloads nothing: "
+                f"fetch it first, e.g. `{fetch}`); presets: {', '.join(MODEL_PRESETS)}"
             )
     if not _is_gguf(path):
         return resolve_model(name_or_path, kv_dtype)
@@ -70,6 +84,19 @@ def _is_gguf(path: Path) -> bool:
             return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
     except OSError:
         return False
+
+
+def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's `--revision` and `--download-dir`, for a `--model` named by Hub repo id:
+    the snapshot `plan` and `simulate` size is the one the engine would load."""
+    parser.add_argument(
+        "--revision",
+        help="branch, tag or commit of a model named by Hugging Face repo id (default: main)",
+    )
+    parser.add_argument(
+        "--download-dir",
+        help="the Hugging Face cache to read a repo id from (default: huggingface_hub's)",
+    )
 
 
 def add_kv_dtype_arguments(parser: argparse.ArgumentParser) -> None:

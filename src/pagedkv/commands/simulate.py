@@ -23,6 +23,7 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.commands.planning_model import (
+    add_hub_arguments,
     add_kv_dtype_arguments,
     kv_dtype_of,
     resolve_planning_model,
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Hugging Face repo id in the local cache; "
         "default gpt-tutorial for the tutorial workload, llama-3.1-8b otherwise",
     )
+    add_hub_arguments(parser)
     add_kv_dtype_arguments(parser)
     parser.add_argument(
         "--pool-gb",
@@ -214,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
 def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int]:
     """The model, the request stream and the context it is served with."""
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
-    model = resolve_planning_model(args.model or default_model or "llama-3.1-8b", kv_dtype_of(args))
+    name = args.model or default_model or "llama-3.1-8b"
+    model = resolve_planning_model(name, kv_dtype_of(args), args.revision, args.download_dir)
     if args.tensor_parallel_size > 1:  # one rank's cache: its share of the KV heads
         check_even_split(model.config, args.tensor_parallel_size)
         model = replace(model, spec=per_rank_spec(model.spec, args.tensor_parallel_size))
