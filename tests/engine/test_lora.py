@@ -517,3 +517,7 @@ def test_an_adapter_named_by_repo_id_is_read_from_the_hugging_face_cache(
     absent = LoRARequest("absent", 2, "org/absent")
     with pytest.raises(LoRARejected, match="nor a repo in the Hugging Face cache"):
         llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=absent)
+    (tmp_path / "hub" / "models--org--lora" / "refs" / "main").write_text("../../outside")
+    broken = LoRARequest("broken", 3, "org/lora")
+    with pytest.raises(LoRARejected, match="holds '../../outside', not a commit hash"):
+        llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=broken)

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from pagedkv.hf_cache import RevisionNotCached, hub_cache, is_repo_id, snapshot
+from pagedkv.hf_cache import HubCacheError, hub_cache, is_repo_id, snapshot
 from pagedkv.kvmath import lora as lora_plan
 from pagedkv.kvmath.lora import TARGETS
 from pagedkv.model.config import ModelConfig
@@ -156,7 +156,7 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
     if not folder.exists():
         try:
             folder = snapshot(str(path)) or folder
-        except RevisionNotCached as error:
+        except HubCacheError as error:  # the repo is there, its main is not
             raise AdapterError(f"LoRA adapter {name!r}: {error}") from None
     if not folder.is_dir():
         in_cache = (
