@@ -9,6 +9,7 @@ model loaded by repo id must answer bit for bit as its snapshot's folder loaded 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 from pagedkv.cli import main as cli_main
 from pagedkv.commands.planning_model import resolve_planning_model
@@ -43,6 +45,7 @@ from pagedkv.hf_cache import (
 )
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
+from pagedkv.model.errors import ModelError
 from pagedkv.weights.load import load_tokenizer
 from tests.hub_cache import cache_repo, commit_of
 from tests.model.tiny_models import copy_with_chat_template
@@ -202,6 +205,36 @@ def test_what_the_cache_lacks_is_named(zoo, hub: Path, tmp_path, monkeypatch) ->
     assert "Hugging Face" not in str(path_error.value)  # a path is not looked up as a repo
 
 
+def test_a_snapshot_missing_files_says_how_to_fetch_them(zoo, hub: Path, tmp_path) -> None:
+    """A download cut short leaves a snapshot without some of its files: each missing file
+    (config, weights, a shard, the tokenizer) is named with the command that fetches the
+    snapshot's commit into the cache it was read from; huggingface_hub agrees it is absent."""
+    commit = commit_of("partial")
+    folder = tmp_path / "sharded"
+    shutil.copytree(zoo.folder("llama"), folder)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    with safe_open(folder / "model-00001-of-00001.safetensors", framework="pt") as shard:
+        weight_map = dict.fromkeys(shard.keys(), "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for cache, dir_option in ((hub, ""), (tmp_path / "downloads", " --cache-dir")):
+        download_dir = None if cache == hub else str(cache)
+        fetch = f"`hf download org/m --revision {commit}"
+        fetch += f"{dir_option} {cache}`" if dir_option else "`"
+        for lost in ("config.json", "model-00001-of-00001.safetensors", "tokenizer.json"):
+            repo = cache_repo(cache, "org/m", {commit: folder}, {"main": commit})
+            (repo / "snapshots" / commit / lost).unlink()
+            assert try_to_load_from_cache("org/m", lost, cache_dir=cache) is None
+            with pytest.raises(ModelError, match="missing") as error:
+                LLM("org/m", download_dir=download_dir, **SMALL)
+            message = str(error.value)
+            assert lost in message and f"'org/m' at commit {commit}" in message
+            assert message.endswith(fetch), message
+            shutil.rmtree(repo)
+    with pytest.raises(ModelError, match="missing") as by_path:  # not a snapshot: no advice
+        LLM(str(tmp_path / "downloads"), **SMALL)
+    assert "hf download" not in str(by_path.value)
+
+
 @settings(max_examples=500, deadline=None)
 @given(st.text(alphabet="aBé_.-/ 9:", max_size=12) | st.from_regex(r"\A[a-z.-]{1,97}\Z"))
 def test_a_repo_id_is_what_huggingface_hub_accepts(name: str) -> None:
@@ -278,6 +311,14 @@ def test_plan_sizes_a_repo_id_as_its_snapshot(zoo, hub: Path) -> None:
     args = ["plan", "--model", "org/m", "--pool-gb", "1", "--download-dir", str(elsewhere)]
     assert cli_main([*args, "--revision", branch]) == 0
     assert cli_main([*args, "--revision", "v9"]) == 2  # named: not in that cache
+    (elsewhere / "models--org--m" / "snapshots" / branch / "config.json").unlink()
+    with pytest.raises(
+        ConfigError, match=r"config.json: no such config file; .* at commit"
+    ) as lost:
+        resolve_planning_model("org/m", None, branch, str(elsewhere))
+    assert str(lost.value).endswith(
+        f"`hf download org/m --revision {branch} --cache-dir {elsewhere}`"
+    )
 
 
 def test_hub_names_are_read_as_vllm_reads_them() -> None:

@@ -194,6 +194,27 @@ def snapshot(
     return folder
 
 
+def snapshot_hint(path: Path) -> str:
+    """For a missing file inside a cached snapshot (`CACHE/models--OWNER--NAME/snapshots/
+    COMMIT/...`): a sentence naming the repo and commit and the command that fetches the
+    snapshot's files, since a download cut short (or one of some files only) leaves a snapshot
+    without some of them; "" for any other path."""
+    parts = Path(path).parts
+    for at in range(len(parts) - 3):
+        folder, snapshots, commit = parts[at : at + 3]
+        repo_id = folder.removeprefix("models--").replace("--", "/")
+        if folder.startswith("models--") and snapshots == "snapshots" and is_repo_id(repo_id):
+            cache = Path(*parts[:at])
+            default = cache.resolve() == hub_cache().resolve()
+            fetch = fetch_command(HubName(repo_id), commit, None if default else cache)
+            return (
+                f"; it is in the Hugging Face cache's snapshot of {repo_id!r} at commit "
+                f"{commit}, which lacks it (a download cut short, or one that fetched only "
+                f"some files): pagedkv downloads nothing; fetch the repo's files with `{fetch}`"
+            )
+    return ""
+
+
 class HubCacheError(ValueError):
     """The cache holds the repo a name names, but not what the name asks of it."""
 

@@ -15,9 +15,9 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, hub_name
+from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, hub_name, snapshot_hint
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
-from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, KVSpec
+from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, ConfigFileError, KVSpec
 
 GGUF_MAGIC = b"GGUF"
 
@@ -44,7 +44,11 @@ def resolve_planning_model(
         except ValueError as exc:  # the cache has the repo, not the revision or file named
             raise ConfigError(str(exc)) from exc
         if cached is not None:
-            return replace(resolve_planning_model(str(cached), kv_dtype), name=name_or_path)
+            try:
+                model = resolve_planning_model(str(cached), kv_dtype)
+            except ConfigFileError as exc:  # a snapshot without its config: say how to fetch it
+                raise ConfigError(f"{exc}{snapshot_hint(exc.path)}") from exc
+            return replace(model, name=name_or_path)
         parsed = hub_name(name_or_path)
         if parsed is not None:
             fetch = fetch_command(parsed, revision, download_dir)

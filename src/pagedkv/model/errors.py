@@ -8,16 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagedkv.hf_cache import snapshot_hint
+
 
 class ModelError(Exception):
     """Base of every error raised about a model's files."""
 
 
 class ModelFileMissing(ModelError):
-    """A file the model needs is not in the folder."""
+    """A file the model needs is not in the folder (in a Hugging Face cache snapshot: with the
+    command that fetches the repo's files)."""
 
     def __init__(self, path: Path, what: str) -> None:
-        super().__init__(f"{path}: missing ({what})")
+        super().__init__(f"{path}: missing ({what}){snapshot_hint(path)}")
         self.path = path
 
 
