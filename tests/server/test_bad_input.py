@@ -250,3 +250,17 @@ def test_tokenize_needs_the_key_when_the_server_has_one(server: RunningServer) -
             assert_openai_error(http.post(path, json=body), 401, says="api key")
     assert post(server, "/tokenize", body).status_code == 200
     assert post(server, "/detokenize", {"tokens": [5, 6]}).status_code == 200
+
+
+def test_profile_routes_need_the_key_when_the_server_has_one(serve, tmp_path) -> None:
+    """vLLM leaves /start_profile and /stop_profile open; they write files and slow every step
+    while recording, so with --api-key set they take the key like /v1."""
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    keyed = serve(ServerConfig(api_key=API_KEY), num_gpu_blocks=64, profiler_config=profiler)
+    with httpx2.Client(base_url=keyed.url) as http:  # no key
+        for path in ("/start_profile", "/stop_profile"):
+            assert_openai_error(http.post(path), 401, says="api key")
+    assert not any(tmp_path.iterdir())
+    assert post(keyed, "/start_profile", {}).status_code == 200
+    assert post(keyed, "/stop_profile", {}).status_code == 200
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 1

@@ -7,6 +7,7 @@ ignored (with a log line) unless the server is strict.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import shutil
@@ -625,3 +626,23 @@ def test_bad_logit_bias_is_a_400_naming_it(server):
         response = server.post("/v1/completions", {"prompt": PROMPT, "logit_bias": bias})
         assert response.status_code == 400, bias
         assert "logit_bias" in response.json()["error"]["message"]
+
+
+def test_profile_routes_trace_the_requests_between_when_a_profiler_is_set(
+    serve, server: RunningServer, tmp_path: Path
+) -> None:
+    """vLLM's /start_profile and /stop_profile: served only with profiler_config; the trace
+    they write holds the steps of the completion between them."""
+    assert server.post("/start_profile", {}).status_code == 404
+    config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    profiled = serve(
+        num_gpu_blocks=64, profiler_config={**config, "torch_profiler_with_stack": False}
+    )
+    assert profiled.post("/start_profile", {}).status_code == 200
+    body = one_prompt_body("/v1/completions", max_tokens=3, **IGNORE_EOS)
+    assert profiled.post("/v1/completions", body).status_code == 200
+    assert profiled.post("/stop_profile", {}).status_code == 200
+    [trace] = list(tmp_path.glob("pagedkv_*.pt.trace.json.gz"))
+    with gzip.open(trace, "rt", encoding="utf-8") as file:
+        names = [event.get("name") for event in json.load(file)["traceEvents"]]
+    assert names.count("step") >= 3 and names.count("execute") == names.count("step")

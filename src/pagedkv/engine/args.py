@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedkv.engine.args_help import FIELD_HELP, human_readable_int
 from pagedkv.engine.generation_defaults import sampling_defaults
+from pagedkv.engine.profiler_config import ProfilerConfig
 from pagedkv.engine.sched.config import SchedulerConfig
 from pagedkv.engine.sched.policy import SCHEDULING_POLICIES
 from pagedkv.engine.spec.config import SpeculativeConfig
@@ -122,6 +123,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     enable_sleep_mode: bool = False
     hf_token: str | None = None
+    profiler_config: ProfilerConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.seed is None:
@@ -233,11 +235,17 @@ class EngineArgs:
         )
         check_vllm_keywords(self)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.profiler_config = ProfilerConfig.parse(self.profiler_config)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings, checked (None: off)."""
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def profiler(self) -> ProfilerConfig:
+        """The step profiler's settings, checked (profiler None: off)."""
+        return ProfilerConfig.parse(self.profiler_config)
 
     @property
     def resolved_preemption_mode(self) -> str:

@@ -89,6 +89,10 @@ FIELD_HELP = {
     "the local Hugging Face cache (default: main; pagedkv downloads nothing)",
     "tokenizer_revision": "the same for the tokenizer (default: revision)",
     "cpu_offload_gb": "accepted as vLLM's when 0: the weights stay on the device",
+    "profiler_config": "vLLM's, as JSON: "
+    '\'{"profiler": "torch", "torch_profiler_dir": DIR}\' '
+    "lets start_profile / stop_profile (the server's POST /start_profile, /stop_profile) write "
+    "a torch.profiler trace of the steps between, each step's stages marked",
     "compilation_config": "accepted as vLLM's (a level or JSON), to no effect: pagedkv "
     "compiles no graphs",
     "structured_outputs_config": "vLLM's, as JSON: backend (outputs are held by llguidance, "

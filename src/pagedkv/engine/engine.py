@@ -47,6 +47,7 @@ from pagedkv.engine.sched.scheduler import Scheduler
 from pagedkv.engine.spec.draft_model import DraftModelDrafter, load_draft_model
 from pagedkv.engine.spec.drafter import Drafter, NgramDrafter
 from pagedkv.engine.stats import EngineStats, KVSnapshot, kv_snapshot, memory_fields, startup_line
+from pagedkv.engine.step_profiler import StepProfiler
 from pagedkv.engine.stops import take_outputs
 from pagedkv.engine.structured.compiler import GrammarCompiler
 from pagedkv.hf_cache import HubCacheError
@@ -78,6 +79,7 @@ class Engine:
         self.device = torch.device(args.device)
         # One thread fewer while other work wants the cores (worker/thread_governor.py).
         self.thread_governor = thread_governor(self.device, args.threads, args.tensor_parallel_size)
+        self.profiler = StepProfiler(args.profiler, args.device)
         # A model the caller loaded took its time before this call: count it in the total.
         loaded_before = 0.0 if loaded is None else sum(loaded.seconds.values())
         # This process alone, or rank 0 of a tensor-parallel group (worker/parallel/).
@@ -329,7 +331,10 @@ class Engine:
         return set(self.loras.requests)
 
     def shutdown(self) -> None:
-        """End the tensor-parallel workers, if any (also done at exit); no step runs after."""
+        """End the tensor-parallel workers, if any (also done at exit), and a profile being
+        recorded (its trace written); no step runs after."""
+        if self.profiler.enabled:
+            self.profiler.stop()
         self.ranks.shutdown()
 
     def has_unfinished(self) -> bool:
@@ -340,10 +345,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; report every request that changed, as its output_kind says."""
+        self.profiler.step_started()
+        with self.profiler.span("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         self.thread_governor.apply()
         try:
-            output = self.scheduler.schedule()
+            with self.profiler.span("schedule"):
+                output = self.scheduler.schedule()
         except BaseException:
             if (interrupted := self.scheduler.interrupted) is not None:  # it will never run
                 self._take_back(interrupted.output, interrupted.touched)
@@ -358,7 +369,9 @@ class Engine:
                 raise
             raise StepFailed(request_ids, error) from error
         self.last_step_iteration_tokens = prompt_tokens + self._sampled_last_step
-        reports = [r.report(self._delta(r)) for r in (*touched.values(), *self._aborted.values())]
+        with self.profiler.span("outputs"):
+            changed = (*touched.values(), *self._aborted.values())
+            reports = [request.report(self._delta(request)) for request in changed]
         self._aborted.clear()
         self.loras.trim()  # adapters whose last request ended may go
         seconds = time.perf_counter() - started
@@ -381,8 +394,10 @@ class Engine:
 
     def _run(self, output: SchedulerOutput) -> dict[str, Request]:
         """Execute the step and record it; the requests with a delta to report, by id."""
-        result = self.executor.execute(output, self._requests)
-        touched = self.scheduler.update(output, result)
+        with self.profiler.span("execute"):
+            result = self.executor.execute(output, self._requests)
+        with self.profiler.span("update"):
+            touched = self.scheduler.update(output, result)
         now = time.monotonic()
         for request in touched:
             if request.metrics.first_token_time is None:

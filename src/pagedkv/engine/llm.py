@@ -67,6 +67,15 @@ class LLM:
         and `reset_connector` no KV connector (pagedkv has none)."""
         return self.engine.manager.reset_prefix_cache()
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: record the steps from now in a torch.profiler trace (`profiler_config`;
+        see `engine/step_profiler.py`), its file named after `profile_prefix` when given."""
+        self.engine.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """vLLM's: stop recording and write the trace and its table to torch_profiler_dir."""
+        self.engine.profiler.stop()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no SamplingParams: the model's
         generation_config.json over SamplingParams' defaults (vLLM's; `generation_config=

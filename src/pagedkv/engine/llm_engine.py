@@ -131,6 +131,14 @@ class LLMEngine(Engine):
         blocks, as vLLM's."""
         return self.manager.reset_prefix_cache()
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: record the steps from now in a torch.profiler trace (see `LLM.start_profile`)."""
+        self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """vLLM's: stop recording and write the trace."""
+        self.profiler.stop()
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer (transformers' calls; see `pagedkv.tokenizer`)."""
         return self.tokenizer

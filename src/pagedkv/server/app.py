@@ -261,6 +261,18 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(v1)
 
+    if engine.profiler.enabled:  # vLLM's, served when a profiler is configured
+
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await engine_loop.call(lambda engine: engine.profiler.start())
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> Response:
+            await engine_loop.call(lambda engine: engine.profiler.stop())
+            return Response(status_code=200)
+
     @app.post("/tokenize")  # vLLM's, outside /v1 as there
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(context, request)

@@ -18,8 +18,9 @@ from pagedkv.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1"  # routes that need the API key; probes, metrics and the page stay open
 # vLLM leaves these open, but it refuses a request's own chat template by default, which
-# /tokenize renders: with a key set, they need it too.
-PROTECTED_PATHS = ("/tokenize", "/detokenize")
+# /tokenize renders, and the profiler's routes write files and slow every step: with a key
+# set, they need it too.
+PROTECTED_PATHS = ("/tokenize", "/detokenize", "/start_profile", "/stop_profile")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of a loopback-bound server
 JSON_MEDIA_TYPE = "application/json"
 
