@@ -42,6 +42,7 @@ from pagedkv.hf_cache import (
     hub_name,
     is_repo_id,
     snapshot,
+    snapshot_hint,
 )
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
@@ -216,11 +217,11 @@ def test_a_snapshot_missing_files_says_how_to_fetch_them(zoo, hub: Path, tmp_pat
     with safe_open(folder / "model-00001-of-00001.safetensors", framework="pt") as shard:
         weight_map = dict.fromkeys(shard.keys(), "model-00001-of-00001.safetensors")
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    for cache, dir_option in ((hub, ""), (tmp_path / "downloads", " --cache-dir")):
+    for cache, dir_option in ((hub, ""), (tmp_path / "down loads", " --cache-dir")):
         download_dir = None if cache == hub else str(cache)
-        fetch = f"`hf download org/m --revision {commit}"
-        fetch += f"{dir_option} {cache}`" if dir_option else "`"
         for lost in ("config.json", "model-00001-of-00001.safetensors", "tokenizer.json"):
+            fetch = f"`hf download org/m {lost} --revision {commit}"
+            fetch += f"{dir_option} '{cache}'`" if dir_option else "`"  # quoted: a space
             repo = cache_repo(cache, "org/m", {commit: folder}, {"main": commit})
             (repo / "snapshots" / commit / lost).unlink()
             assert try_to_load_from_cache("org/m", lost, cache_dir=cache) is None
@@ -231,8 +232,14 @@ def test_a_snapshot_missing_files_says_how_to_fetch_them(zoo, hub: Path, tmp_pat
             assert message.endswith(fetch), message
             shutil.rmtree(repo)
     with pytest.raises(ModelError, match="missing") as by_path:  # not a snapshot: no advice
-        LLM(str(tmp_path / "downloads"), **SMALL)
+        LLM(str(tmp_path / "down loads"), **SMALL)
     assert "hf download" not in str(by_path.value)
+    inner = f"{hub}/models--a--b/snapshots/{commit}/models--c--d/snapshots/{commit}/x/y.json"
+    assert f"of 'c/d' at commit {commit}" in snapshot_hint(Path(inner))
+    inner_cache = f"{hub}/models--a--b/snapshots/{commit}"
+    assert snapshot_hint(Path(inner)).endswith(
+        f"`hf download c/d x/y.json --revision {commit} --cache-dir {inner_cache}`"
+    )
 
 
 @settings(max_examples=500, deadline=None)
@@ -311,14 +318,19 @@ def test_plan_sizes_a_repo_id_as_its_snapshot(zoo, hub: Path) -> None:
     args = ["plan", "--model", "org/m", "--pool-gb", "1", "--download-dir", str(elsewhere)]
     assert cli_main([*args, "--revision", branch]) == 0
     assert cli_main([*args, "--revision", "v9"]) == 2  # named: not in that cache
-    (elsewhere / "models--org--m" / "snapshots" / branch / "config.json").unlink()
+    config = elsewhere / "models--org--m" / "snapshots" / branch / "config.json"
+    config.unlink()
     with pytest.raises(
         ConfigError, match=r"config.json: no such config file; .* at commit"
     ) as lost:
         resolve_planning_model("org/m", None, branch, str(elsewhere))
     assert str(lost.value).endswith(
-        f"`hf download org/m --revision {branch} --cache-dir {elsewhere}`"
+        f"`hf download org/m config.json --revision {branch} --cache-dir {elsewhere}`"
     )
+    config.write_text("{not json")  # there but unreadable: fetching it again cannot help
+    with pytest.raises(ConfigError, match="not valid JSON") as malformed:
+        resolve_planning_model("org/m", None, branch, str(elsewhere))
+    assert "hf download" not in str(malformed.value)
 
 
 def test_hub_names_are_read_as_vllm_reads_them() -> None:

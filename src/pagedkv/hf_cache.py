@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,16 +100,17 @@ def _is_quant_type(name: str) -> bool:
 def fetch_command(
     name: HubName, revision: str | None = None, download_dir: str | Path | None = None
 ) -> str:
-    """The command that downloads Hub model `name` at `revision` to where it is looked for."""
+    """The command that downloads Hub model `name` at `revision` to where it is looked for
+    (quoted for a POSIX shell)."""
     command = f"hf download {name.repo_id}"
     if name.file is not None:
-        command += f" {name.file}"
+        command += f" {shlex.quote(name.file)}"
     if name.quant_type is not None:  # what vLLM's patterns match, wherever in the repo
         command += f' --include "*-{name.quant_type}.gguf" "*-{name.quant_type}-*.gguf"'
     if revision is not None:
-        command += f" --revision {revision}"
+        command += f" --revision {shlex.quote(revision)}"
     if download_dir is not None:
-        command += f" --cache-dir {download_dir}"
+        command += f" --cache-dir {shlex.quote(str(download_dir))}"
     return command
 
 
@@ -195,22 +197,23 @@ def snapshot(
 
 
 def snapshot_hint(path: Path) -> str:
-    """For a missing file inside a cached snapshot (`CACHE/models--OWNER--NAME/snapshots/
-    COMMIT/...`): a sentence naming the repo and commit and the command that fetches the
-    snapshot's files, since a download cut short (or one of some files only) leaves a snapshot
-    without some of them; "" for any other path."""
+    """For a file missing from a cached snapshot (`CACHE/models--OWNER--NAME/snapshots/
+    COMMIT/FILE`): a sentence naming the repo and commit and the command that fetches that
+    file into that cache, since a download of some files only, or one cut short, leaves a
+    snapshot without the rest; "" for any other path. The innermost snapshot in the path is
+    the one read."""
     parts = Path(path).parts
-    for at in range(len(parts) - 3):
+    for at in reversed(range(len(parts) - 3)):
         folder, snapshots, commit = parts[at : at + 3]
         repo_id = folder.removeprefix("models--").replace("--", "/")
         if folder.startswith("models--") and snapshots == "snapshots" and is_repo_id(repo_id):
-            cache = Path(*parts[:at])
+            cache, file = Path(*parts[:at]), "/".join(parts[at + 3 :])
             default = cache.resolve() == hub_cache().resolve()
-            fetch = fetch_command(HubName(repo_id), commit, None if default else cache)
+            fetch = fetch_command(HubName(repo_id, file=file), commit, None if default else cache)
             return (
                 f"; it is in the Hugging Face cache's snapshot of {repo_id!r} at commit "
-                f"{commit}, which lacks it (a download cut short, or one that fetched only "
-                f"some files): pagedkv downloads nothing; fetch the repo's files with `{fetch}`"
+                f"{commit}, which does not hold it: pagedkv downloads nothing; if the repo has "
+                f"it, fetch it with `{fetch}`"
             )
     return ""
 

@@ -521,3 +521,11 @@ def test_an_adapter_named_by_repo_id_is_read_from_the_hugging_face_cache(
     broken = LoRARequest("broken", 3, "org/lora")
     with pytest.raises(LoRARejected, match="holds '../../outside', not a commit hash"):
         llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=broken)
+    cache_repo(tmp_path / "hub", "org/part", {commit_of("p"): folder}, {"main": commit_of("p")})
+    snapshot = tmp_path / "hub" / "models--org--part" / "snapshots" / commit_of("p")
+    (snapshot / "adapter_model.safetensors").unlink()  # a download of some files only
+    part = LoRARequest("part", 4, "org/part")
+    fetch = f"`hf download org/part adapter_model.safetensors --revision {commit_of('p')}`"
+    with pytest.raises(LoRARejected, match="has no adapter_model.safetensors") as lacking:
+        llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=part)
+    assert str(lacking.value).endswith(fetch)

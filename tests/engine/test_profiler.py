@@ -51,8 +51,9 @@ def engine_with(folder: Path, directory: Path, **config) -> LLMEngine:
 
 
 def run_steps(engine: LLMEngine, count: int) -> None:
-    """A request added (never idle steps), then `count` steps."""
-    engine.add_request(uuid.uuid4().hex, {"prompt_token_ids": random_prompt(9, seed=1)}, GREEDY)
+    """A request long enough that none of `count` steps is idle, then `count` steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=count + 1, ignore_eos=True)
+    engine.add_request(uuid.uuid4().hex, {"prompt_token_ids": random_prompt(9, seed=1)}, params)
     for _ in range(count):
         engine.step()
 
@@ -78,11 +79,14 @@ def test_the_trace_holds_each_step_between_start_and_stop(engine_zoo, tmp_path, 
     assert stages_by_step(engine.profiler.traces[1]) == [STAGES] * 2
 
 
-@pytest.mark.parametrize(("delay", "most", "recorded"), [(2, 3, 3), (0, 2, 2), (3, 0, 5)])
+@pytest.mark.parametrize(
+    ("delay", "most", "recorded"), [(2, 3, 3), (0, 2, 2), (3, 0, 6), (1, 0, 8), (6, 5, 3)]
+)
 def test_delay_and_max_iterations_pick_the_steps_vllm_says(
     engine_zoo, tmp_path, delay, most, recorded
 ) -> None:
-    """Of 8 steps after the start, `delay` pass unrecorded, then at most `most` are (0: all)."""
+    """Of 8 steps after the start, vLLM's worker records from step `delay` (its count of
+    steps reaches the delay as that step starts: 1 and 0 alike) and at most `most` (0: all)."""
     directory = tmp_path / "t"
     engine = engine_with(
         engine_zoo.folder("llama"),
@@ -156,3 +160,30 @@ def test_the_directory_is_made_absolute_and_vllms_no_effect_keys_are_taken(monke
     )
     assert config.torch_profiler_dir == "/tmp/traces"
     assert ProfilerConfig.parse(None) == ProfilerConfig()
+
+
+def test_idle_steps_are_not_counted_and_a_failed_write_fails_no_request(
+    engine_zoo, tmp_path, capsys
+) -> None:
+    """As vLLM's worker, only steps that run requests count toward the delay; a trace that
+    cannot be written when max_iterations ends it is reported, and the requests go on."""
+    directory = tmp_path / "t"
+    engine = engine_with(
+        engine_zoo.folder("llama"), directory, delay_iterations=2, max_iterations=1
+    )
+    engine.start_profile()
+    for _ in range(5):
+        engine.step()  # idle: nothing to run
+    assert not engine.profiler.recording
+    directory.rmdir()
+    directory.write_text("not a folder")  # the trace's folder is gone when the profile ends
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": random_prompt(9, seed=1)}, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert len(outputs[0].outputs[0].token_ids) == 6
+    assert "the profile ended without a trace" in capsys.readouterr().err
+    assert engine.profiler.traces == [] and not engine.profiler.recording
+    with pytest.raises(ValueError, match="profile_prefix must be a file name's start"):
+        engine.start_profile("a/b")

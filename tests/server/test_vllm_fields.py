@@ -646,3 +646,8 @@ def test_profile_routes_trace_the_requests_between_when_a_profiler_is_set(
     with gzip.open(trace, "rt", encoding="utf-8") as file:
         names = [event.get("name") for event in json.load(file)["traceEvents"]]
     assert names.count("step") >= 3 and names.count("execute") == names.count("step")
+    assert profiled.post("/start_profile", {}).status_code == 200
+    assert profiled.post("/v1/completions", body).status_code == 200
+    profiled.stop()  # still recording: the engine thread writes it as the server stops
+    assert not profiled.thread.is_alive()
+    assert len(list(tmp_path.glob("pagedkv_*.pt.trace.json.gz"))) == 2

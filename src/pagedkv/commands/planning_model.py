@@ -47,7 +47,8 @@ def resolve_planning_model(
             try:
                 model = resolve_planning_model(str(cached), kv_dtype)
             except ConfigFileError as exc:  # a snapshot without its config: say how to fetch it
-                raise ConfigError(f"{exc}{snapshot_hint(exc.path)}") from exc
+                hint = "" if exc.path.exists() else snapshot_hint(exc.path)
+                raise ConfigError(f"{exc}{hint}") from exc
             return replace(model, name=name_or_path)
         parsed = hub_name(name_or_path)
         if parsed is not None:

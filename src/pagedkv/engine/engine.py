@@ -332,10 +332,13 @@ class Engine:
 
     def shutdown(self) -> None:
         """End the tensor-parallel workers, if any (also done at exit), and a profile being
-        recorded (its trace written); no step runs after."""
-        if self.profiler.enabled:
-            self.profiler.stop()
-        self.ranks.shutdown()
+        recorded (its trace written; call it on the thread that runs the steps); no step runs
+        after."""
+        try:
+            if self.profiler.enabled:
+                self.profiler.stop()
+        finally:
+            self.ranks.shutdown()
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting, running or swapped (or an abort is unreported)."""
@@ -345,7 +348,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; report every request that changed, as its output_kind says."""
-        self.profiler.step_started()
+        if self.has_unfinished():  # a step that runs requests, as vLLM's profiler counts them
+            self.profiler.step_started()
         with self.profiler.span("step"):
             return self._step()
 

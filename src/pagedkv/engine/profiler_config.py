@@ -25,8 +25,8 @@ _DEFAULTS: dict[str, object] = {
     "active_iterations": 5,
 }
 # vLLM keys that change nothing here: pagedkv has one process per engine (no front end apart)
-# and one table of operators by CPU time.
-_NO_EFFECT = ("ignore_frontend", "detailed_trace_annotation", "torch_profiler_dump_cuda_time_total")
+# and marks each step's stages by name (no per-step annotations of request counts).
+_NO_EFFECT = ("ignore_frontend", "detailed_trace_annotation")
 
 
 _SWITCHES = (
@@ -35,6 +35,7 @@ _SWITCHES = (
     "torch_profiler_use_gzip",
     "torch_profiler_record_shapes",
     "torch_profiler_with_memory",
+    "torch_profiler_dump_cuda_time_total",
 )
 
 
@@ -49,6 +50,7 @@ class ProfilerConfig:
     torch_profiler_use_gzip: bool = True
     torch_profiler_record_shapes: bool = False
     torch_profiler_with_memory: bool = False
+    torch_profiler_dump_cuda_time_total: bool = True
     delay_iterations: int = 0
     max_iterations: int = 0
 

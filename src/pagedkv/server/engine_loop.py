@@ -267,6 +267,11 @@ class EngineLoop:
             self._refuse_queued()
         self._abort_all()
         self._notify_if_drained()
+        if self.engine.profiler.enabled:  # a profile still recording is written here: torch's
+            try:  # profiler must be stopped on the thread that started it
+                self.engine.profiler.stop()
+            except Exception:
+                logger.exception("the profile being recorded could not be written")
 
     def _refuse_queued(self) -> None:
         """Fail every command still queued once the thread can no longer serve them."""

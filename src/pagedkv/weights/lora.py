@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
-from pagedkv.hf_cache import HubCacheError, hub_cache, is_repo_id, snapshot
+from pagedkv.hf_cache import HubCacheError, hub_cache, is_repo_id, snapshot, snapshot_hint
 from pagedkv.kvmath import lora as lora_plan
 from pagedkv.kvmath.lora import TARGETS
 from pagedkv.model.config import ModelConfig
@@ -171,6 +171,7 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
     except FileNotFoundError:
         raise AdapterError(
             f"LoRA adapter {name!r}: {folder} has no {WEIGHTS_FILE} (PEFT's format)"
+            f"{snapshot_hint(folder / WEIGHTS_FILE)}"
         ) from None
     except SafetensorError as error:
         raise AdapterError(
@@ -226,7 +227,9 @@ def _settings(folder: Path, name: str) -> dict[str, Any]:
     try:
         settings = json.loads(path.read_text())
     except FileNotFoundError:
-        raise AdapterError(f"LoRA adapter {name!r}: {folder} has no {CONFIG_FILE}") from None
+        raise AdapterError(
+            f"LoRA adapter {name!r}: {folder} has no {CONFIG_FILE}{snapshot_hint(path)}"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise AdapterError(f"LoRA adapter {name!r}: {path} is not JSON: {error}") from None
     if not isinstance(settings, dict):
