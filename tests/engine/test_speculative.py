@@ -18,9 +18,11 @@ import json
 import shutil
 from array import array
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -51,7 +53,7 @@ from tests.engine.test_batch_invariance import (
     engine_for,
     weight_format,
 )
-from tests.model.tiny_models import TINY_MODELS, random_prompt
+from tests.model.tiny_models import TINY_MODELS, build_model_folder, random_prompt
 
 NGRAM = {
     "method": "ngram",
@@ -587,6 +589,35 @@ def test_a_draft_model_with_another_vocabulary_is_refused(engine_zoo, tmp_path: 
     tokenizer.save(str(other / "tokenizer.json"))
     with pytest.raises(ValueError, match="draft model needs the model's tokenizer"):
         Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(other))))
+
+
+def test_a_draft_padded_to_other_vocabulary_rows_is_named_as_such(engine_zoo, tmp_path) -> None:
+    """The same tokenizer with embedding rows padded to another size (Qwen2.5's 151936 against
+    152064) is refused, as vLLM refuses it, saying that is the difference, not the tokenizer."""
+    spec = TINY_MODELS["llama"]
+    padded = replace(spec, config={**spec.config, "vocab_size": spec.config["vocab_size"] + 3})
+    folder = build_model_folder("llama", tmp_path / "padded", spec=padded)
+    target = engine_zoo.folder("llama")
+    sizes = padded.config["vocab_size"], spec.config["vocab_size"]
+    rows = f"has {sizes[0]} vocabulary rows .* and the model {sizes[1]}, though both tokenizers"
+    with pytest.raises(ValueError, match=rows):
+        Engine(EngineArgs(model=str(target), speculative_config=draft_model(str(folder))))
+
+
+def test_integer_counts_of_any_integer_type_are_taken() -> None:
+    """numpy's integers are integers, as vLLM's pydantic config takes them; a float is not."""
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": np.int64(3),
+        "prompt_lookup_max": np.int32(4),
+    }
+    parsed = EngineArgs(model="unused", speculative_config=config).speculative
+    assert (parsed.num_speculative_tokens, parsed.prompt_lookup_max) == (3, 4)
+    assert type(parsed.num_speculative_tokens) is int
+    with pytest.raises(
+        ValueError, match=r"num_speculative_tokens must be an integer >= 1, got 3.0"
+    ):
+        EngineArgs(model="unused", speculative_config={**config, "num_speculative_tokens": 3.0})
 
 
 def test_a_draft_model_with_its_tokens_at_other_ids_is_refused(engine_zoo, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ nothing would be a wrong answer to whoever set it.
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,11 +100,9 @@ class SpeculativeConfig:
                 "speculative_config draft_tensor_parallel_size must be 1 (the draft model runs "
                 f"whole on rank 0), got {raw['draft_tensor_parallel_size']!r}"
             )
-        k = raw.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(
-                f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}"
-            )
+        k = _count(raw, "num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative_config num_speculative_tokens must be an integer >= 1")
         if method == "draft_model":
             return cls._draft_model(raw, model, k)
         return cls._ngram(raw, model, k)
@@ -115,14 +114,7 @@ class SpeculativeConfig:
         for name in ("quantization", "revision"):
             if raw.get(name) is not None:
                 raise ValueError(f"speculative_config {name} applies to a draft model only")
-        low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
-        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise ValueError(
-                    f"speculative_config {name} must be an integer >= 1, got {value!r}"
-                )
+        low, high = _count(raw, "prompt_lookup_min"), _count(raw, "prompt_lookup_max")
         # vLLM's defaults: one bound given stands for both; neither, 5 and 5.
         low = low if low is not None else high if high is not None else DEFAULT_PROMPT_LOOKUP
         high = high if high is not None else low
@@ -177,3 +169,14 @@ class SpeculativeConfig:
             sizes = f"{self.prompt_lookup_min}-{self.prompt_lookup_max}"
             return f"ngram (prompt lookup of {sizes} tokens), {self.num_speculative_tokens} drafts"
         return f"draft model {self.model}, {self.num_speculative_tokens} drafts"
+
+
+def _count(raw: Mapping[str, Any], name: str) -> int | None:
+    """`raw[name]` as an int >= 1 (any integer type, numpy's too, as vLLM's pydantic takes
+    them), None when absent; a ValueError naming the key otherwise."""
+    value = raw.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+    return int(value)

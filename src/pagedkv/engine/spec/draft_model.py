@@ -160,12 +160,18 @@ def load_draft_model(
             f"(max_position_embeddings), fewer than max_model_len {max_model_len}: lower "
             "max_model_len or pick a draft with a longer context"
         )
-    sizes = (draft.config.vocab_size, draft.tokenizer.vocab_size)
-    if sizes != (target.vocab_size, tokenizer.vocab_size):
+    if draft.tokenizer.vocab_size != tokenizer.vocab_size:
         raise ValueError(
-            f"speculative_config model {config.model!r} has a vocabulary of {sizes[1]} tokens "
-            f"({sizes[0]} ids) and the model {tokenizer.vocab_size} ({target.vocab_size}): a "
-            "draft model needs the model's tokenizer"
+            f"speculative_config model {config.model!r} has a vocabulary of "
+            f"{draft.tokenizer.vocab_size} tokens and the model {tokenizer.vocab_size}: a draft "
+            "model needs the model's tokenizer"
+        )
+    if draft.config.vocab_size != target.vocab_size:  # vLLM refuses these too
+        raise ValueError(
+            f"speculative_config model {config.model!r} has {draft.config.vocab_size} vocabulary "
+            f"rows (vocab_size) and the model {target.vocab_size}, though both tokenizers have "
+            f"{tokenizer.vocab_size} tokens: a draft's logits must cover the model's ids one "
+            "for one (a checkpoint padded to another size)"
         )
     ids, draft_ids = tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     shared = ids.keys() & draft_ids.keys()  # added tokens one of them lacks do not count
