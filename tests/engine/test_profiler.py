@@ -94,6 +94,7 @@ def test_delay_and_max_iterations_pick_the_steps_vllm_says(
         delay_iterations=delay,
         max_iterations=most,
         torch_profiler_use_gzip=False,
+        torch_profiler_with_stack=False,  # Python's stack: the slow part of a trace
     )
     engine.start_profile()
     run_steps(engine, 8)
@@ -108,6 +109,7 @@ def test_profiling_changes_no_output(engine_zoo, tmp_path) -> None:
     prompts = [random_prompt(7 + 4 * i, seed=i) for i in range(3)]
     plain = LLM(str(folder), num_gpu_blocks=64).generate(prompts, GREEDY, use_tqdm=False)
     config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    config["torch_profiler_with_stack"] = False  # the slow part of a trace; no effect on outputs
     profiled = LLM(str(folder), num_gpu_blocks=64, profiler_config=json.dumps(config))
     profiled.start_profile()
     outputs = profiled.generate(prompts, GREEDY, use_tqdm=False)
@@ -169,7 +171,11 @@ def test_idle_steps_are_not_counted_and_a_failed_write_fails_no_request(
     cannot be written when max_iterations ends it is reported, and the requests go on."""
     directory = tmp_path / "t"
     engine = engine_with(
-        engine_zoo.folder("llama"), directory, delay_iterations=2, max_iterations=1
+        engine_zoo.folder("llama"),
+        directory,
+        delay_iterations=2,
+        max_iterations=1,
+        torch_profiler_with_stack=False,
     )
     engine.start_profile()
     for _ in range(5):
