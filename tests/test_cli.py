@@ -3,11 +3,14 @@ and `serve MODEL` as vLLM's `vllm serve MODEL`."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.cli import main
 
@@ -259,3 +262,74 @@ def test_vllms_script_parser_reads_a_command_line_as_the_commands_do(tmp_path: P
     assert parsed == by_hand
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-model", "64"])
+
+
+KEYS = st.from_regex(r"\A[a-z_][a-z0-9_]{0,6}\Z")
+TEXTS = st.from_regex(r"\A[a-z][a-z ._/-]{0,8}\Z").filter(
+    lambda t: t not in ("true", "false", "null")
+)
+LEAVES = (
+    st.integers(-(10**6), 10**6) | st.booleans() | TEXTS | st.floats(-1e6, 1e6, allow_nan=False)
+)
+OBJECTS = st.recursive(
+    st.dictionaries(KEYS, LEAVES, min_size=1, max_size=3),
+    lambda children: st.dictionaries(KEYS, children | LEAVES, min_size=1, max_size=3),
+    max_leaves=8,
+)
+
+
+def flattened(value: dict, prefix: str) -> list[str]:
+    """vLLM's dotted form of `value` as its docs write it: `--OPT.a.b V` per leaf, a list as
+    its items appended one by one with `+`."""
+    args = []
+    for key, item in value.items():
+        name = f"{prefix}.{key}"
+        if isinstance(item, dict):
+            args += flattened(item, name)
+        elif isinstance(item, list):
+            args += [part for element in item for part in (f"{name}+", str(element))]
+        else:
+            args += [name, json.dumps(item) if not isinstance(item, str) else item]
+    return args
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=OBJECTS, lists=st.lists(TEXTS.filter(lambda t: "," not in t), max_size=3))
+def test_vllms_dotted_json_options_are_the_json_they_spell(value, lists) -> None:
+    """vLLM's docs: `--json-arg.key1 value1 --json-arg.key2.key3 value2` is `--json-arg
+    '{"key1": "value1", "key2": {"key3": "value2"}}'`, and `--json-arg.key4+ v` appends to a
+    list; other options and their values pass through in order."""
+    from pagedkv.cli import dotted_json
+
+    if lists:
+        value = {**value, "listed": lists}
+    argv = ["generate", "--temperature", "-0.5", *flattened(value, "--hf-overrides"), "--n", "2"]
+    parsed = dotted_json(argv, pytest.fail)
+    assert parsed[:5] == ["generate", "--temperature", "-0.5", "--n", "2"]
+    name, _, text = parsed[5].partition("=")
+    assert (name, json.loads(text), len(parsed)) == ("--hf-overrides", value, 6)
+
+
+def test_dotted_options_reach_the_engine_args_as_their_json_would() -> None:
+    """Through vLLM's script parser: vLLM's underscores before the dot only, nested keys, a
+    count with a suffix, and a dotted option replacing a JSON one typed before it."""
+    from pagedkv.engine import EngineArgs
+    from pagedkv.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    typed = [
+        *("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 9}'),
+        *("--speculative_config.method", "ngram", "--speculative-config.num_speculative_tokens=3"),
+        *("--hf-overrides.rope_scaling.factor", "2.0", "--hf_overrides.max_position_embeddings"),
+        *("2k", "--hf-overrides.rope_scaling.rope_type=linear"),
+    ]
+    by_hand = EngineArgs(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        hf_overrides={
+            "rope_scaling": {"factor": 2.0, "rope_type": "linear"},
+            "max_position_embeddings": 2000,
+        },
+    )
+    assert EngineArgs.from_cli_args(parser.parse_args(typed)) == by_hand
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides.rope_scaling"])  # no value

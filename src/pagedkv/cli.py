@@ -10,10 +10,13 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import version
-from typing import Any
+from typing import Any, NoReturn
+
+from pagedkv.engine.args_help import human_readable_int
 
 COMMANDS: dict[str, str] = {
     "demo": "serve chat requests through the engine with a live KV pool view (--memory: "
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 "names (dashes or underscores) to values; the command line wins over it",
             )
             argv = with_config(argv, commands[name])
+    argv = dotted_json(argv, commands[chosen].error if chosen else parser.error)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's own usage, not the top level's
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -92,23 +96,87 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         argv = vllm_spellings(list(sys.argv[1:] if args is None else args))
-        return super().parse_known_args(with_config([self.prog, *argv], self)[1:], namespace)
+        argv = dotted_json(with_config([self.prog, *argv], self)[1:], self.error)
+        return super().parse_known_args(argv, namespace)
 
 
 def vllm_spellings(argv: list[str]) -> list[str]:
     """The command line with vLLM's other spellings made ours, as vLLM's own parser reads
-    them: `--max_num_seqs` is `--max-num-seqs` (the option's name only, never its value), and
-    `-tp`, `-pp`, `-dp` and `-q` are `--tensor-parallel-size`, `--pipeline-parallel-size`,
-    `--data-parallel-size` and `--quantization`."""
+    them: `--max_num_seqs` is `--max-num-seqs` (the option's name only, up to a dotted key's
+    first ".", never its value), and `-tp`, `-pp`, `-dp` and `-q` are
+    `--tensor-parallel-size`, `--pipeline-parallel-size`, `--data-parallel-size` and
+    `--quantization`."""
     spelled = []
     for arg in argv:
         name, equals, value = arg.partition("=")
         if name in SHORT_OPTIONS:
             name = SHORT_OPTIONS[name]
         elif name.startswith("--") and len(name) > 2:
-            name = "--" + name[2:].replace("_", "-")
+            option, dot, keys = name[2:].partition(".")
+            name = "--" + option.replace("_", "-") + dot + keys
         spelled.append(name + equals + value)
     return spelled
+
+
+def dotted_json(argv: list[str], error: Callable[[str], NoReturn]) -> list[str]:
+    """vLLM's dotted form of a JSON option: `--speculative-config.method ngram
+    --speculative-config.num_speculative_tokens 4` is `--speculative-config
+    '{"method": "ngram", "num_speculative_tokens": 4}'`; `--OPT.a.b V` nests (`{"a": {"b":
+    V}}`), `--OPT.k+ V` appends to a list (`V` split at commas). A value is read as JSON, else
+    as a count with vLLM's suffixes (`2k`), else as text. Each option's keys are gathered into
+    one JSON object, given after the other options (before a typed "--"), so it replaces a
+    whole JSON value given for the same option, as in vLLM."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept: list[str] = []
+    objects: dict[str, dict[str, Any]] = {}
+    at = 0
+    while at < end:
+        arg = argv[at]
+        name, equals, text = arg.partition("=")
+        option, dot, path = name.partition(".")
+        if not (name.startswith("--") and dot and _DOTTED_KEYS.fullmatch(path)):
+            kept.append(arg)
+            at += 1
+            continue
+        if not equals:
+            if at + 1 >= end:
+                error(f"argument {name}: expected one argument")
+            text, at = argv[at + 1], at + 1
+        at += 1
+        value = json.dumps(text.split(",")) if path.endswith("+") else text
+        keys = path.removesuffix("+").split(".")
+        nested: Any = _dotted_value(value)
+        for key in reversed(keys):
+            nested = {key: nested}
+        _merge(objects.setdefault(option, {}), nested)
+    gathered = [f"{option}={json.dumps(value)}" for option, value in objects.items()]
+    return [*kept, *gathered, *argv[end:]]
+
+
+# The keys after an option's name in vLLM's dotted form: names joined by ".", a "+" at the end.
+_DOTTED_KEYS = re.compile(r"[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*\+?")
+
+
+def _dotted_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            return human_readable_int(text)
+        except argparse.ArgumentTypeError:
+            return text
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    """`update` into `into`, as vLLM merges dotted keys: objects merge key by key, lists
+    concatenate, anything else replaces."""
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key] += value
+        else:
+            into[key] = value
 
 
 def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

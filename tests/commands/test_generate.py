@@ -94,13 +94,20 @@ def test_speculative_decoding_from_the_command_line_prints_the_same_completion(
         r"; speculative decoding: (\d+) verifications of (\d+) drafted tokens; acceptance rate "
         r"([\d.]+)%, mean accepted length ([\d.]+)\]$"
     )
-    for spec in (
-        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
-        f'{{"model": "{model}", "num_speculative_tokens": 2}}',
+    ngram = "speculative decoding: ngram (prompt lookup of 1-1 tokens), 3 drafts"
+    json_form = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    dotted = [  # vLLM's dotted form of the same
+        *("--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens"),
+        *("3", "--speculative-config.prompt_lookup_min=1"),
+    ]
+    for spec, startup in (
+        (["--speculative-config", json_form], ngram),
+        (dotted, ngram),
+        (["--speculative-config", f'{{"model": "{model}", "num_speculative_tokens": 2}}'], ""),
     ):
-        assert main([*argv, "--speculative-config", spec]) == 0
+        assert main([*argv, *spec]) == 0
         out, err = capsys.readouterr()
-        assert out == text + "\n" and "speculative decoding: " in err
+        assert out == text + "\n" and "speculative decoding: " in err and startup in err
     drafts, draft_tokens, rate, mean = figures.search(err.splitlines()[-1]).groups()
     assert int(drafts) > 0 and rate == "100.0"
     assert float(mean) == pytest.approx(1 + int(draft_tokens) / int(drafts), abs=0.005)
