@@ -305,9 +305,11 @@ def test_vllms_dotted_json_options_are_the_json_they_spell(value, lists) -> None
         value = {**value, "listed": lists}
     argv = ["generate", "--temperature", "-0.5", *flattened(value, "--hf-overrides"), "--n", "2"]
     parsed = dotted_json(argv, pytest.fail)
-    assert parsed[:5] == ["generate", "--temperature", "-0.5", "--n", "2"]
-    name, _, text = parsed[5].partition("=")
-    assert (name, json.loads(text), len(parsed)) == ("--hf-overrides", value, 6)
+    others = [arg for arg in parsed if not arg.startswith("--hf-overrides=")]
+    assert others == ["generate", "--temperature", "-0.5", "--n", "2"]
+    objects = [arg.partition("=")[2] for arg in parsed if arg.startswith("--hf-overrides=")]
+    assert all(json.loads(text) == value for text in objects)
+    assert parsed[-1].startswith("--hf-overrides=")  # last: it wins over JSON typed earlier
 
 
 def test_dotted_options_reach_the_engine_args_as_their_json_would() -> None:
@@ -333,3 +335,40 @@ def test_dotted_options_reach_the_engine_args_as_their_json_would() -> None:
     assert EngineArgs.from_cli_args(parser.parse_args(typed)) == by_hand
     with pytest.raises(SystemExit):
         parser.parse_args(["--hf-overrides.rope_scaling"])  # no value
+
+
+def test_dotted_options_keep_the_command_line_around_them_and_read_config_keys(tmp_path) -> None:
+    """A positional typed after a dotted option stays positional (an option of several values
+    before it does not swallow it); tokens after a typed "--" are left as they are; a dotted
+    key in a `--config` file is a dotted flag under the typed ones; values such as `1_000` and
+    `+5` are counts, as vLLM's int() reads them; a key may be any name."""
+    from pagedkv.utils import FlexibleArgumentParser
+
+    def parser() -> FlexibleArgumentParser:
+        parser = FlexibleArgumentParser()
+        parser.add_argument("model")
+        parser.add_argument("--allowed-hosts", nargs="+")
+        parser.add_argument("--speculative-config", type=json.loads)
+        parser.add_argument("--hf-overrides", type=json.loads)
+        return parser
+
+    typed = ["--allowed-hosts", "localhost", "--speculative-config.method", "ngram", "org/m.v1"]
+    typed += ["--speculative-config", '{"model": "other"}', "--hf-overrides.1", "1_000"]
+    typed += ["--hf-overrides.b=+5", "--", "--hf-overrides.c", "x"]
+    args, after = parser().parse_known_args(typed)
+    assert (args.model, args.allowed_hosts) == ("org/m.v1", ["localhost"])
+    assert args.speculative_config == {"method": "ngram"}  # replaces the JSON typed after it
+    assert args.hf_overrides == {"1": 1000, "b": 5}
+    assert after == ["--", "--hf-overrides.c", "x"]
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "speculative_config.method: ngram\nspeculative_config.num_speculative_tokens: 9\n"
+        "hf_overrides.rope_scaling: {factor: 2.0}\n"
+    )
+    typed = ["m", "--config", str(config), "--speculative-config.num_speculative_tokens", "3"]
+    args = parser().parse_args(typed)
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert args.hf_overrides == {"rope_scaling": {"factor": 2.0}}
+    config.write_text("no_such_option.key: 1\n")
+    with pytest.raises(SystemExit):
+        parser().parse_args(["m", "--config", str(config)])

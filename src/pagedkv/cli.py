@@ -123,19 +123,20 @@ def dotted_json(argv: list[str], error: Callable[[str], NoReturn]) -> list[str]:
     --speculative-config.num_speculative_tokens 4` is `--speculative-config
     '{"method": "ngram", "num_speculative_tokens": 4}'`; `--OPT.a.b V` nests (`{"a": {"b":
     V}}`), `--OPT.k+ V` appends to a list (`V` split at commas). A value is read as JSON, else
-    as a count with vLLM's suffixes (`2k`), else as text. Each option's keys are gathered into
-    one JSON object, given after the other options (before a typed "--"), so it replaces a
-    whole JSON value given for the same option, as in vLLM."""
+    as a count (vLLM's `2k`, `1_000`), else as text. Each option's keys are gathered into one
+    JSON object, given where each of its dotted tokens was (so a positional argument after
+    them stays one) and once more after the other options (before a typed "--"), so it
+    replaces a whole JSON value given for the same option, as in vLLM."""
     end = argv.index("--") if "--" in argv else len(argv)
-    kept: list[str] = []
     objects: dict[str, dict[str, Any]] = {}
+    placed: list[str | tuple[str]] = []  # arguments, or (option,) where its object goes
     at = 0
     while at < end:
         arg = argv[at]
         name, equals, text = arg.partition("=")
         option, dot, path = name.partition(".")
         if not (name.startswith("--") and dot and _DOTTED_KEYS.fullmatch(path)):
-            kept.append(arg)
+            placed.append(arg)
             at += 1
             continue
         if not equals:
@@ -144,27 +145,36 @@ def dotted_json(argv: list[str], error: Callable[[str], NoReturn]) -> list[str]:
             text, at = argv[at + 1], at + 1
         at += 1
         value = json.dumps(text.split(",")) if path.endswith("+") else text
-        keys = path.removesuffix("+").split(".")
         nested: Any = _dotted_value(value)
-        for key in reversed(keys):
+        for key in reversed(path.removesuffix("+").split(".")):
             nested = {key: nested}
         _merge(objects.setdefault(option, {}), nested)
-    gathered = [f"{option}={json.dumps(value)}" for option, value in objects.items()]
-    return [*kept, *gathered, *argv[end:]]
+        placed.append((option,))
+    spelled = {option: f"{option}={json.dumps(value)}" for option, value in objects.items()}
+    kept = [spelled[arg[0]] if isinstance(arg, tuple) else arg for arg in placed]
+    return [*kept, *spelled.values(), *argv[end:]]
 
 
-# The keys after an option's name in vLLM's dotted form: names joined by ".", a "+" at the end.
-_DOTTED_KEYS = re.compile(r"[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*\+?")
+# The keys after an option's name in vLLM's dotted form: non-empty names joined by ".", and
+# a "+" at the end to append.
+_DOTTED_KEYS = re.compile(r"[^.+]+(?:\.[^.+]+)*\+?")
 
 
 def _dotted_value(text: str) -> Any:
+    """A dotted option's value as vLLM reads it: JSON, else a count (with a suffix, or as
+    Python's int() reads it: `1_000`, `+5`), else the text."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        try:
-            return human_readable_int(text)
-        except argparse.ArgumentTypeError:
-            return text
+        pass
+    try:
+        return human_readable_int(text)
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
@@ -186,7 +196,8 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     that takes several (repeats of a repeatable one), a list or mapping the JSON of one that
     takes one value (`speculative_config`, `allowed_origins`); null or an empty list leaves
     the option out. An option also typed on the command line, under the same name, keeps the
-    typed value."""
+    typed value. vLLM's dotted key of a JSON option (`speculative_config.method: ngram`) is its
+    dotted flag (`dotted_json`), put first so that typed keys of the same option win."""
     command, rest = argv[0], argv[1:]
     names = [arg.partition("=")[0] for arg in rest]
     if "--config" not in names or "-h" in names or "--help" in names:  # help reads no file
@@ -205,8 +216,15 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
         options[arg.partition("=")[0]].dest for arg in rest if arg.partition("=")[0] in options
     }
     added: list[str] = []
+    dotted: list[str] = []  # vLLM's dotted keys of JSON options, typed ones merged over them
     keys_of: dict[str, object] = {}  # each option's key in the file, by destination
     for key, value in _read_config(path, parser).items():
+        option, dot, keys = str(key).partition(".")
+        if dot and value is not None:
+            if "--" + option.replace("_", "-") not in options:
+                parser.error(f"--config {path}: {key!r} is not an option of this command")
+            dotted.append(f"--{option.replace('_', '-')}.{keys}={_config_text(value)}")
+            continue
         name = "--" + str(key).replace("_", "-")
         negated = "--no-" + name[2:]
         action = options.get(name) or (options.get(negated) if value is False else None)
@@ -220,7 +238,7 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
         negation = negated if negated in options else None
         added += _config_tokens(action, name, negation, value, path, parser)
     end = rest.index("--") if "--" in rest else len(rest)  # options before a typed "--"
-    return [command, *rest[:end], *vllm_spellings(added), *rest[end:]]
+    return [command, *dotted, *rest[:end], *vllm_spellings(added), *rest[end:]]
 
 
 def _config_tokens(
@@ -232,22 +250,23 @@ def _config_tokens(
     parser: argparse.ArgumentParser,
 ) -> list[str]:
     """The command-line tokens of one config entry (`with_config`)."""
-
-    def text(item: object) -> str:
-        if isinstance(item, dict | list):
-            return json.dumps(item)
-        return str(item).lower() if isinstance(item, bool) else str(item)
-
     if action.nargs == 0:  # a flag
         if not isinstance(value, bool):
             parser.error(f"--config {path}: {name[2:]!r} is a flag: give true or false")
         return [name] if value else ([negation] if negation else [])
     items = value if isinstance(value, list) else [value]
     if isinstance(action, argparse._AppendAction):
-        return [f"{name}={text(item)}" for item in items]  # repeated
+        return [f"{name}={_config_text(item)}" for item in items]  # repeated
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
-        return [name, *map(text, items)]
-    return [f"{name}={text(value)}"]  # one value, even one that starts with "-"
+        return [name, *map(_config_text, items)]
+    return [f"{name}={_config_text(value)}"]  # one value, even one that starts with "-"
+
+
+def _config_text(item: object) -> str:
+    """A config value as typed: JSON for a list or mapping, true/false for a boolean."""
+    if isinstance(item, dict | list):
+        return json.dumps(item)
+    return str(item).lower() if isinstance(item, bool) else str(item)
 
 
 def _read_config(path: str, parser: argparse.ArgumentParser) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 import uuid
 from pathlib import Path
 
@@ -193,3 +194,31 @@ def test_idle_steps_are_not_counted_and_a_failed_write_fails_no_request(
     assert engine.profiler.traces == [] and not engine.profiler.recording
     with pytest.raises(ValueError, match="profile_prefix must be a file name's start"):
         engine.start_profile("a/b")
+
+
+def test_a_stop_from_another_thread_is_refused_and_the_profile_goes_on(
+    engine_zoo, tmp_path
+) -> None:
+    """torch's profiler must be stopped on the thread that started it (stopped on another, it
+    crashed the process): such a stop is refused before anything changes, and the stop on the
+    engine's thread then writes the whole trace."""
+    engine = engine_with(engine_zoo.folder("llama"), tmp_path, torch_profiler_with_stack=False)
+    engine.start_profile()
+    run_steps(engine, 2)
+    failures = []
+
+    def stop_elsewhere() -> None:
+        try:
+            engine.stop_profile()
+        except RuntimeError as error:
+            failures.append(str(error))
+
+    thread = threading.Thread(target=stop_elsewhere)
+    thread.start()
+    thread.join()
+    assert failures == ["a profile must be stopped on the thread that runs the steps"]
+    assert engine.profiler.recording
+    run_steps(engine, 1)
+    engine.stop_profile()
+    [trace] = engine.profiler.traces
+    assert stages_by_step(trace) == [STAGES] * 3

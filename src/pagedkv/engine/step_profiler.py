@@ -95,6 +95,8 @@ class StepProfiler:
             raise ProfilingDisabled()
         if not self._active:
             return
+        if self.recording and threading.get_ident() != self._thread:  # before any change
+            raise RuntimeError("a profile must be stopped on the thread that runs the steps")
         self._active = False
         if self.recording:
             self._finish()
@@ -116,7 +118,10 @@ class StepProfiler:
                 if most and self._recorded > most:
                     self._finish()
         except Exception as error:  # noqa: BLE001 - reported; the engine's step goes on
-            self._active, self._profile = False, None
+            profile, self._profile, self._active = self._profile, None, False
+            if profile is not None:  # still recording: torch's profiler is turned off
+                with contextlib.suppress(Exception):
+                    profile.stop()
             print(f"pagedkv: the profile ended without a trace: {error}", file=sys.stderr)
 
     def span(self, name: str) -> contextlib.AbstractContextManager[object]:
@@ -136,8 +141,6 @@ class StepProfiler:
         self._profile, self._thread = profile, threading.get_ident()
 
     def _finish(self) -> None:
-        if threading.get_ident() != self._thread:
-            raise RuntimeError("a profile must be stopped on the thread that runs the steps")
         profile, self._profile = self._profile, None
         assert profile is not None
         profile.stop()
