@@ -219,11 +219,11 @@ def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     dotted: list[str] = []  # vLLM's dotted keys of JSON options, typed ones merged over them
     keys_of: dict[str, object] = {}  # each option's key in the file, by destination
     for key, value in _read_config(path, parser).items():
-        option, dot, keys = str(key).partition(".")
-        if dot and value is not None:
-            if "--" + option.replace("_", "-") not in options:
+        if "." in str(key) and value is not None:
+            [flag] = vllm_spellings([f"--{key}={_config_text(value)}"])
+            if flag.partition(".")[0] not in options:
                 parser.error(f"--config {path}: {key!r} is not an option of this command")
-            dotted.append(f"--{option.replace('_', '-')}.{keys}={_config_text(value)}")
+            dotted.append(flag)
             continue
         name = "--" + str(key).replace("_", "-")
         negated = "--no-" + name[2:]

@@ -5,24 +5,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pagedkv.engine.vllm_keywords import json_object
 
-# vLLM ProfilerConfig keys pagedkv has no use for, and why (their defaults are taken).
-_NOT_SUPPORTED = {
-    "capture_torch_profiler": "pagedkv captures no CUDA graphs",
-    "warmup_iterations": "the trace holds every step between start and stop (or "
-    "delay_iterations and max_iterations)",
-    "wait_iterations": "use delay_iterations",
-    "active_iterations": "use max_iterations",
-}
-_DEFAULTS: dict[str, object] = {
-    "capture_torch_profiler": False,
-    "warmup_iterations": 0,
-    "wait_iterations": 0,
-    "active_iterations": 5,
+# vLLM ProfilerConfig keys pagedkv has no use for: the default taken, and why no other.
+_NOT_SUPPORTED: dict[str, tuple[object, str]] = {
+    "capture_torch_profiler": (False, "pagedkv captures no CUDA graphs"),
+    "warmup_iterations": (
+        0,
+        "the trace holds every step between start and stop (or delay_iterations and "
+        "max_iterations)",
+    ),
+    "wait_iterations": (0, "use delay_iterations"),
+    "active_iterations": (5, "use max_iterations"),
 }
 # vLLM keys that change nothing here: pagedkv has one process per engine (no front end apart)
 # and marks each step's stages by name (no per-step annotations of request counts).
@@ -64,10 +61,9 @@ class ProfilerConfig:
         known = {f.name for f in fields(cls)}
         for key in list(given):
             if key in _NOT_SUPPORTED:
-                if given.pop(key) != _DEFAULTS[key]:
-                    raise ValueError(
-                        f"profiler_config {key} is not supported: {_NOT_SUPPORTED[key]}"
-                    )
+                default, why = _NOT_SUPPORTED[key]
+                if given.pop(key) != default:
+                    raise ValueError(f"profiler_config {key} is not supported: {why}")
             elif key in _NO_EFFECT:
                 given.pop(key)
             elif key not in known:
@@ -78,7 +74,7 @@ class ProfilerConfig:
         config._check()
         if config.torch_profiler_dir:
             directory = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
-            config = cls(**{**given, "torch_profiler_dir": directory})
+            config = replace(config, torch_profiler_dir=directory)
         return config
 
     def _check(self) -> None:

@@ -156,7 +156,7 @@ def read_adapter(path: str | Path, name: str, config: ModelConfig, max_rank: int
     if not folder.exists():
         try:
             folder = snapshot(str(path)) or folder
-        except HubCacheError as error:  # the repo is there, its main is not
+        except HubCacheError as error:  # the repo is there, not its main snapshot
             raise AdapterError(f"LoRA adapter {name!r}: {error}") from None
     if not folder.is_dir():
         in_cache = (
