@@ -20,7 +20,7 @@ from pagedkv.weights.assemble import checkpoint_state
 from pagedkv.weights.gguf.model import GGUFModel
 from pagedkv.weights.load import LoadedModel, load
 from pagedkv.worker.kv_cache import KVCache
-from tests.conftest import GREEDY_MARGIN
+from tests.conftest import GREEDY_MARGIN, from_gguf
 from tests.model.greedy import GreedyRunner, generate
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,7 @@ def hf_tokenizer(builtin_gguf):
     """transformers' tokenizer built from the same GGUF file."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(
-        builtin_gguf.parent, gguf_file=builtin_gguf.name
-    )
+    return from_gguf(transformers.AutoTokenizer, builtin_gguf)
 
 
 def test_config_matches_the_published_model(ours):
