@@ -3,6 +3,8 @@ and `serve MODEL` as vLLM's `vllm serve MODEL`."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import socket
@@ -310,6 +312,34 @@ def test_vllms_dotted_json_options_are_the_json_they_spell(value, lists) -> None
     objects = [arg.partition("=")[2] for arg in parsed if arg.startswith("--hf-overrides=")]
     assert all(json.loads(text) == value for text in objects)
     assert parsed[-1].startswith("--hf-overrides=")  # last: it wins over JSON typed earlier
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    assignments=st.lists(
+        st.tuples(st.sampled_from(("method", "k", "draft.path", "draft.size")), st.integers()),
+        max_size=8,
+    )
+)
+def test_a_dotted_key_given_twice_keeps_its_last_value_and_is_named(assignments) -> None:
+    """vLLM's rule: a repeated key is overwritten, and each repeat is named in one warning."""
+    from pagedkv.cli import dotted_json
+
+    argv = [part for key, value in assignments for part in (f"--spec.{key}", str(value))]
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        parsed = dotted_json(["serve", *argv], pytest.fail)
+    expected: dict = {}
+    for key, value in assignments:
+        *outer, leaf = key.split(".")
+        (expected.setdefault(outer[0], {}) if outer else expected)[leaf] = value
+    assert [json.loads(arg.partition("=")[2]) for arg in parsed[-1:] if assignments] == (
+        [expected] if assignments else []
+    )
+    keys = [key for key, _ in assignments]
+    repeats = [f"--spec.{key}" for at, key in enumerate(keys) if key in keys[:at]]
+    assert stderr.getvalue() == (
+        f"warning: found duplicate keys {', '.join(repeats)}\n" if repeats else ""
+    )
 
 
 def test_dotted_options_reach_the_engine_args_as_their_json_would() -> None:

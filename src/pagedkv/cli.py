@@ -126,9 +126,11 @@ def dotted_json(argv: list[str], error: Callable[[str], NoReturn]) -> list[str]:
     as a count (vLLM's `2k`, `1_000`), else as text. Each option's keys are gathered into one
     JSON object, given where each of its dotted tokens was (so a positional argument after
     them stays one) and once more after the other options (before a typed "--"), so it
-    replaces a whole JSON value given for the same option, as in vLLM."""
+    replaces a whole JSON value given for the same option, as in vLLM. A key given twice keeps
+    its last value, with vLLM's warning naming it."""
     end = argv.index("--") if "--" in argv else len(argv)
     objects: dict[str, dict[str, Any]] = {}
+    duplicates: list[str] = []
     placed: list[str | tuple[str]] = []  # arguments, or (option,) where its object goes
     at = 0
     while at < end:
@@ -148,8 +150,10 @@ def dotted_json(argv: list[str], error: Callable[[str], NoReturn]) -> list[str]:
         nested: Any = _dotted_value(value)
         for key in reversed(path.removesuffix("+").split(".")):
             nested = {key: nested}
-        _merge(objects.setdefault(option, {}), nested)
+        duplicates += [f"{option}.{key}" for key in _merge(objects.setdefault(option, {}), nested)]
         placed.append((option,))
+    if duplicates:
+        print(f"warning: found duplicate keys {', '.join(duplicates)}", file=sys.stderr)
     spelled = {option: f"{option}={json.dumps(value)}" for option, value in objects.items()}
     kept = [spelled[arg[0]] if isinstance(arg, tuple) else arg for arg in placed]
     return [*kept, *spelled.values(), *argv[end:]]
@@ -177,16 +181,20 @@ def _dotted_value(text: str) -> Any:
         return text
 
 
-def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> list[str]:
     """`update` into `into`, as vLLM merges dotted keys: objects merge key by key, lists
-    concatenate, anything else replaces."""
+    concatenate, anything else replaces. Returns the dotted paths of the values replaced."""
+    replaced = []
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+            replaced += [f"{key}.{path}" for path in _merge(into[key], value)]
         elif isinstance(value, list) and isinstance(into.get(key), list):
             into[key] += value
         else:
+            if key in into:
+                replaced.append(key)
             into[key] = value
+    return replaced
 
 
 def with_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
