@@ -21,7 +21,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -47,6 +47,7 @@ from pagedkv.hf_cache import (
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
 from pagedkv.model.errors import ModelError
+from pagedkv.weights.hf_folder import INDEX_FILE, SINGLE_FILE, WEIGHT_PATTERNS
 from pagedkv.weights.load import load_tokenizer
 from tests.hub_cache import cache_repo, commit_of
 from tests.model.tiny_models import copy_with_chat_template
@@ -239,6 +240,36 @@ def test_a_snapshot_missing_files_says_how_to_fetch_them(zoo, hub: Path, tmp_pat
     inner_cache = f"{hub}/models--a--b/snapshots/{commit}"
     assert snapshot_hint(Path(inner)).endswith(
         f"`hf download c/d x/y.json --revision {commit} --cache-dir {inner_cache}`"
+    )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_snapshot_without_weights_is_told_the_patterns_of_either_layout(
+    zoo, hub: Path, tmp_path, sharded
+) -> None:
+    """A snapshot holding neither the one weights file nor the shard index (a download of the
+    config only) is told to fetch both layouts' files; huggingface_hub's own pattern filter,
+    which `hf download --include` applies, picks exactly the repo's weight files from them."""
+    commit = commit_of("weightless")
+    folder = tmp_path / "repo"
+    shutil.copytree(zoo.folder("llama"), folder)
+    if sharded:
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        with safe_open(folder / "model-00001-of-00001.safetensors", framework="pt") as shard:
+            weight_map = dict.fromkeys(shard.keys(), "model-00001-of-00001.safetensors")
+        (folder / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(folder / "config.json", folder / "consolidated.safetensors")  # another copy
+    weights = {"model-00001-of-00001.safetensors", INDEX_FILE} if sharded else {SINGLE_FILE}
+    files = sorted(path.name for path in folder.iterdir())
+    assert set(filter_repo_objects(files, allow_patterns=WEIGHT_PATTERNS)) == weights
+    repo = cache_repo(hub, "org/m", {commit: folder}, {"main": commit})
+    for name in weights:
+        (repo / "snapshots" / commit / name).unlink()
+    with pytest.raises(ModelError, match="no weights") as error:
+        LLM("org/m", **SMALL)
+    include = " ".join(f'"{pattern}"' for pattern in WEIGHT_PATTERNS)
+    assert str(error.value).endswith(
+        f"fetch them with `hf download org/m --include {include} --revision {commit}`"
     )
 
 

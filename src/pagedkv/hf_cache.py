@@ -21,6 +21,7 @@ import glob
 import os
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,15 +99,20 @@ def _is_quant_type(name: str) -> bool:
 
 
 def fetch_command(
-    name: HubName, revision: str | None = None, download_dir: str | Path | None = None
+    name: HubName,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    include: Sequence[str] = (),
 ) -> str:
     """The command that downloads Hub model `name` at `revision` to where it is looked for
-    (quoted for a POSIX shell)."""
+    (quoted for a POSIX shell), only the files matching `include` when it names patterns."""
     command = f"hf download {name.repo_id}"
     if name.file is not None:
         command += f" {shlex.quote(name.file)}"
     if name.quant_type is not None:  # what vLLM's patterns match, wherever in the repo
         command += f' --include "*-{name.quant_type}.gguf" "*-{name.quant_type}-*.gguf"'
+    if include:
+        command += " --include " + " ".join(f'"{pattern}"' for pattern in include)
     if revision is not None:
         command += f" --revision {shlex.quote(revision)}"
     if download_dir is not None:
@@ -196,24 +202,27 @@ def snapshot(
     return folder
 
 
-def snapshot_hint(path: Path) -> str:
+def snapshot_hint(path: Path, include: Sequence[str] = ()) -> str:
     """For a file missing from a cached snapshot (`CACHE/models--OWNER--NAME/snapshots/
     COMMIT/FILE`): a sentence naming the repo and commit and the command that fetches that
     file into that cache, since a download of some files only, or one cut short, leaves a
     snapshot without the rest; "" for any other path. The innermost snapshot in the path is
-    the one read."""
+    the one read. Where the file is one of several a repo may hold instead (the weights: one
+    file, or shards and their index), `include` names patterns that match each of them."""
     parts = Path(path).parts
     for at in reversed(range(len(parts) - 3)):
         folder, snapshots, commit = parts[at : at + 3]
         repo_id = folder.removeprefix("models--").replace("--", "/")
         if folder.startswith("models--") and snapshots == "snapshots" and is_repo_id(repo_id):
             cache, file = Path(*parts[:at]), "/".join(parts[at + 3 :])
-            default = cache.resolve() == hub_cache().resolve()
-            fetch = fetch_command(HubName(repo_id, file=file), commit, None if default else cache)
+            download_dir = None if cache.resolve() == hub_cache().resolve() else cache
+            name = HubName(repo_id, file=None if include else file)
+            fetch = fetch_command(name, commit, download_dir, include)
+            advice = "fetch them with" if include else "if the repo has it, fetch it with"
             return (
                 f"; it is in the Hugging Face cache's snapshot of {repo_id!r} at commit "
-                f"{commit}, which does not hold it: pagedkv downloads nothing; if the repo has "
-                f"it, fetch it with `{fetch}`"
+                f"{commit}, which does not hold it: pagedkv downloads nothing; {advice} "
+                f"`{fetch}`"
             )
     return ""
 

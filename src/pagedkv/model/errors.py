@@ -6,6 +6,7 @@ folder without reading our code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pagedkv.hf_cache import snapshot_hint
@@ -17,10 +18,10 @@ class ModelError(Exception):
 
 class ModelFileMissing(ModelError):
     """A file the model needs is not in the folder (in a Hugging Face cache snapshot: with the
-    command that fetches the repo's files)."""
+    command that fetches it, or the files matching `include` where it may be one of several)."""
 
-    def __init__(self, path: Path, what: str) -> None:
-        super().__init__(f"{path}: missing ({what}){snapshot_hint(path)}")
+    def __init__(self, path: Path, what: str, include: Sequence[str] = ()) -> None:
+        super().__init__(f"{path}: missing ({what}){snapshot_hint(path, include)}")
         self.path = path
 
 

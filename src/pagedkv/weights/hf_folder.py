@@ -26,6 +26,10 @@ from pagedkv.weights.assemble import build_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# What fetches either layout of a checkpoint: the one file, or the index and its shards
+# (`model-00001-of-00004.safetensors`), and not a repo's other copies of the same weights
+# (Mistral's `consolidated.safetensors`).
+WEIGHT_PATTERNS = ("model*.safetensors", INDEX_FILE)
 
 
 def load_model(
@@ -108,7 +112,9 @@ def _weight_files(folder: Path) -> list[tuple[Path, list[str] | None]]:
     if (folder / SINGLE_FILE).is_file():
         return [(folder / SINGLE_FILE, None)]
     raise ModelFileMissing(
-        folder / SINGLE_FILE, f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}"
+        folder / SINGLE_FILE,
+        f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}",
+        include=WEIGHT_PATTERNS,
     )
 
 
