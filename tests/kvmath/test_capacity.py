@@ -22,6 +22,7 @@ from pagedkv.kvmath.presets import (
 )
 from pagedkv.kvmath.spec import GB, ConfigError, KVSpec, MiB
 from pagedkv.memory import KVCacheManager, NoContiguousSpace, NoFreeBlocks, SlabAllocator
+from tests.model.tiny_models import TINY_MODELS
 
 LLAMA_3_8B = KVSpec.from_hf_config(MODEL_PRESETS["llama-3-8b"].config, kv_dtype="fp16")
 LENGTHS = [2048, 8192, 32_768, 131_072]
@@ -417,3 +418,57 @@ def test_plan_pool_gb_of_exactly_n_blocks_is_their_bytes(blocks):
         argv = ["plan", "--model", "llama-3-8b", "--pool-gb", repr(blocks * per_block / 10**9)]
         assert main([*argv, "--json"]) == 0
     assert json.loads(out.getvalue())["pool"]["pool_bytes"] == blocks * per_block
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_every_tiny_models_parameters_are_counted_as_transformers_builds_them(zoo, name):
+    """The count from the config's shapes against transformers' own model of it (shared
+    embeddings once, Qwen2's q/k/v biases, Qwen3's per-head q/k norms)."""
+    config = json.loads((zoo.folder(name) / "config.json").read_text())
+    assert dense_param_count(config) == sum(p.numel() for p in zoo.hf(name).parameters())
+
+
+def llama_3_8b_config(tmp_path, **changes) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**MODEL_PRESETS["llama-3-8b"].config, **changes}))
+    return str(path)
+
+
+def test_a_pre_quantised_config_is_not_sized_as_its_torch_dtype(tmp_path, capsys):
+    """An fp8 checkpoint's config still says bfloat16: with no files to measure, its weights
+    are unknown (a pool from a GPU needs --weights-gb, which the table then names)."""
+    path = llama_3_8b_config(tmp_path, quantization_config={"quant_method": "fp8"})
+    assert resolve_model(path).weight_bytes is None
+    assert main(["plan", "--model", path, "--gpu", "h100-80gb"]) == 2
+    error = capsys.readouterr().err
+    assert "a pre-quantised config (fp8)" in error and "give --weights-gb" in error
+    assert main(["plan", "--model", path, "--gpu", "h100-80gb", "--weights-gb", "8.5"]) == 0
+    weights = next(line for line in capsys.readouterr().out.splitlines() if "- weights" in line)
+    assert "8.50" in weights and "--weights-gb" in weights and "params" not in weights
+
+
+@pytest.mark.parametrize("key", ["intermediate_size", "vocab_size", "hidden_size"])
+def test_a_weight_shape_below_one_is_named(tmp_path, capsys, key):
+    path = llama_3_8b_config(tmp_path, **{key: -14336})
+    with pytest.raises(ConfigError, match=f"{key} must be a positive integer, got -14336"):
+        dense_param_count(json.loads((tmp_path / "config.json").read_text()))
+    assert main(["plan", "--model", path, "--gpu", "h100-80gb"]) == 2
+    assert f"{key} must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_family_pagedkv_does_not_run_is_sized_with_a_note(tmp_path, capsys):
+    gemma = llama_3_8b_config(tmp_path, architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+    assert main(["plan", "--model", gemma, "--pool-gb", "10", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("Gemma2ForCausalLM is not a family pagedkv runs" in note for note in notes)
+    for model in ("llama-3-8b", "deepseek-v3", llama_3_8b_config(tmp_path)):
+        assert (
+            main(["plan", "--model", model, "--pool-gb", "10", "--json", "--device", "cuda"]) == 0
+        )
+        assert json.loads(capsys.readouterr().out)["notes"] == []
+
+
+def test_a_config_dtype_the_planner_cannot_size_is_named_with_its_key(tmp_path, capsys):
+    path = llama_3_8b_config(tmp_path, torch_dtype="float64")
+    assert main(["plan", "--model", path, "--pool-gb", "10"]) == 2
+    assert f"{path}: torch_dtype 'float64' is not a dtype" in capsys.readouterr().err

@@ -7,11 +7,13 @@ float32), and MemAvailable is read from /proc/meminfo by the test itself.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import replace
 
 import pytest
 
+from pagedkv.cli import main
 from pagedkv.engine import Engine, EngineArgs
 from pagedkv.worker import kv_budget as kv_budget_module
 from pagedkv.worker.kv_budget import KVCacheTooSmallForModel, kv_budget
@@ -159,3 +161,26 @@ def test_the_start_up_line_puts_a_draft_models_bytes_where_they_are(zoo, per_blo
         in ranks
     )
     assert "on each of 2 ranks" in ranks
+
+
+def test_plan_on_a_cpu_sizes_a_bfloat16_checkpoint_as_the_engine_holds_it(
+    zoo, per_block, tmp_path, capsys
+):
+    """dtype auto is float32 on a CPU whatever the checkpoint says: `plan --device cpu` states
+    the engine's blocks for a bfloat16 config; without a device the plan sizes bfloat16, twice
+    the blocks, and says which dtype it took and how to pick the device's."""
+    folder = tmp_path / "bf16"
+    shutil.copytree(zoo.folder("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    pool_bytes = 40 * per_block + per_block // 3
+    engine = Engine(EngineArgs(str(folder), kv_cache_memory=pool_bytes, swap_space_gb=0.01))
+    assert engine.manager.num_gpu_blocks == 40
+    planned = {}
+    for device in ("cpu", "cuda", None):
+        flags = ["plan", "--model", str(folder), "--pool-gb", str(pool_bytes / 1e9), "--json"]
+        assert main([*flags, *(["--device", device] if device else [])]) == 0
+        planned[device] = json.loads(capsys.readouterr().out)
+    assert planned["cpu"]["pool_blocks"] == 40 and planned["cpu"]["notes"] == []
+    assert planned["cuda"]["pool_blocks"] == pool_bytes // (per_block // 2) == 80
+    assert planned[None]["pool_blocks"] == 80 and "--device" in planned[None]["notes"][0]

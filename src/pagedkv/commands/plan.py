@@ -21,9 +21,13 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.commands.planning_model import (
+    add_device_argument,
     add_hub_arguments,
     add_kv_dtype_arguments,
+    device_note,
+    family_note,
     kv_dtype_of,
+    on_device,
     resolve_planning_model,
 )
 from pagedkv.kvmath.capacity import CapacityPlan, PoolBudget, plan_capacity
@@ -56,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_hub_arguments(parser)
     add_kv_dtype_arguments(parser)
+    add_device_argument(parser)
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per block")
     pool = parser.add_mutually_exclusive_group(required=True)
     pool.add_argument("--pool-gb", type=positive_gb, help="KV pool size in GB (10^9 bytes)")
@@ -76,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights-gb",
         type=positive_gb,
-        help="with --gpu: weight memory in GB, overriding the model's",
+        help="with --gpu: weight memory in GB (10^9 bytes) of all ranks together, overriding "
+        "the model's (vLLM's log gives one rank's, in GiB: times the ranks, times 1.074)",
     )
     parser.add_argument(
         "--lengths",
@@ -117,9 +123,17 @@ def run(args: argparse.Namespace) -> int:
     """Plan capacity and print it; a bad model, GPU or number is a one-line error, exit 2."""
     try:
         kv_dtype = kv_dtype_of(args)
+        device = _device(args)
         model = resolve_planning_model(args.model, kv_dtype, args.revision, args.download_dir)
-        if args.gpu is not None:
-            model = _as_loaded_on_a_gpu(model, kv_dtype_given=kv_dtype is not None)
+        notes = [
+            note
+            for note in (device_note(model, device, kv_dtype is not None), family_note(model))
+            if note
+        ]
+        model = on_device(model, device, kv_dtype_given=kv_dtype is not None)
+        if args.weights_gb is not None:
+            given = round(args.weights_gb * GB)
+            model = replace(model, weight_bytes=given, weight_source="--weights-gb")
         spec = per_rank_spec(model.spec, args.tensor_parallel_size)
         check_even_split(model.config, args.tensor_parallel_size)
         pool = _pool(args, model)
@@ -147,10 +161,21 @@ def run(args: argparse.Namespace) -> int:
     ranks = _ranks(model, args.tensor_parallel_size)
     adapters = {} if lora is None else lora.to_dict()
     if args.json:
-        print(json.dumps({"model": model.name, **ranks, **adapters, **plan.to_dict()}, indent=2))
+        figures = {"model": model.name, "notes": notes, **ranks, **adapters, **plan.to_dict()}
+        print(json.dumps(figures, indent=2))
     else:
-        _print_plan(Console(), model, plan, ranks, lora)
+        _print_plan(Console(), model, plan, ranks, lora, notes)
     return 0
+
+
+def _device(args: argparse.Namespace) -> str | None:
+    """The device sized: `--device`, else a GPU's with `--gpu`, else None (the checkpoint's
+    dtype)."""
+    if args.gpu is None:
+        return args.device
+    if args.device == "cpu":
+        raise ConfigError(f"--gpu {args.gpu} sizes a GPU's pool; --device cpu contradicts it")
+    return "cuda"
 
 
 def _lora(args: argparse.Namespace, model: Model, spec: KVSpec) -> LoRAPlan | None:
@@ -183,20 +208,6 @@ def _ranks(model: Model, tensor_parallel_size: int) -> dict[str, int]:
     }
 
 
-def _as_loaded_on_a_gpu(model: Model, kv_dtype_given: bool) -> Model:
-    """`model` as pagedkv loads it on a GPU, where dtype auto is bfloat16: a float32 checkpoint
-    (or a GGUF file, which reads as one) stores KV and weights in 2 bytes a value, and a GGUF
-    file's quantised blocks are dequantised (there are no GPU kernels for them)."""
-    spec = model.spec
-    if not kv_dtype_given and spec.kv_dtype == "fp32":
-        spec = replace(spec, kv_dtype="bf16")
-    loaded = model.gpu_weight_bytes
-    if loaded is None or loaded == model.weight_bytes:
-        return replace(model, spec=spec)
-    source = f"{model.weight_source}; loaded as bf16 on a GPU: {format_bytes(loaded)}"
-    return replace(model, spec=spec, weight_bytes=loaded, weight_source=source)
-
-
 def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
     if args.pool_gb is not None:
         given = [term for term in GPU_TERMS if getattr(args, term) is not None]
@@ -209,7 +220,7 @@ def _pool(args: argparse.Namespace, model: Model) -> PoolBudget:
             )
         return PoolBudget.given(round(args.pool_gb * GB))
     gpu = gpu_preset(args.gpu)
-    weight_bytes = round(args.weights_gb * GB) if args.weights_gb else model.weight_bytes
+    weight_bytes = model.weight_bytes
     if weight_bytes is None:
         raise ConfigError(
             f"cannot size the weights of {model.name} ({model.weight_source}); give --weights-gb"
@@ -233,7 +244,8 @@ def _print_plan(
     model: Model,
     plan: CapacityPlan,
     ranks: dict[str, int],
-    lora: LoRAPlan | None = None,
+    lora: LoRAPlan | None,
+    notes: list[str],
 ) -> None:
     spec = plan.spec
     per_rank = " on each rank" if ranks["tensor_parallel_size"] > 1 else ""
@@ -256,6 +268,8 @@ def _print_plan(
         )
     if spec.max_model_len:
         console.print(f"  context {spec.max_model_len:,} tokens")
+    for note in notes:
+        console.print(f"  note: {note}")
     if spec.sliding_window:
         console.print(
             f"  sliding window {spec.sliding_window:,} tokens: pagedkv keeps every token's "

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from pagedkv.hf_cache import cached_model, fetch_command, hub_cache, hub_name, snapshot_hint
 from pagedkv.kvmath.presets import MODEL_PRESETS, Model, resolve_model
-from pagedkv.kvmath.spec import DTYPE_BYTES, KV_CACHE_DTYPES, ConfigError, ConfigFileError, KVSpec
+from pagedkv.kvmath.spec import (
+    DTYPE_BYTES,
+    KV_CACHE_DTYPES,
+    ConfigError,
+    ConfigFileError,
+    KVSpec,
+    format_bytes,
+)
+from pagedkv.model.registry import ARCHITECTURES
 
 GGUF_MAGIC = b"GGUF"
 
@@ -122,3 +130,70 @@ def kv_dtype_of(args: argparse.Namespace) -> str | None:
     if args.kv_cache_dtype not in (None, "auto"):
         return args.kv_cache_dtype  # an fp8 name, which KVSpec reads as fp8
     return args.kv_dtype
+
+
+# What `--device` sizes: how pagedkv's dtype auto stores a model there (`EngineArgs.dtype`).
+DEVICES = ("cpu", "cuda")
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """The engine's `--device`: which dtype "auto" stores KV in (float32 on a CPU, bfloat16
+    on a GPU), so that the plan sizes the pool the engine would hold there."""
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="size KV as the engine stores it there with dtype auto: float32 on cpu, bfloat16 "
+        "(a float32 checkpoint's too) on cuda (default: cuda with --gpu, else the config's dtype)",
+    )
+
+
+def on_device(model: Model, device: str | None, kv_dtype_given: bool) -> Model:
+    """`model` as pagedkv holds it on `device` (None: as the checkpoint stores it)."""
+    if device == "cuda":
+        return _as_loaded_on_a_gpu(model, kv_dtype_given)
+    if device == "cpu" and not kv_dtype_given:
+        return replace(model, spec=replace(model.spec, kv_dtype="fp32"))
+    return model
+
+
+def device_note(model: Model, device: str | None, kv_dtype_given: bool) -> str | None:
+    """Where no device says which dtype KV takes: what the config's dtype means on each."""
+    if device is not None or kv_dtype_given:
+        return None
+    return (
+        f"KV in {model.spec.kv_dtype}, the checkpoint's dtype; the engine's dtype auto stores "
+        "float32 on a CPU, bfloat16 on a GPU: --device picks one"
+    )
+
+
+def _as_loaded_on_a_gpu(model: Model, kv_dtype_given: bool) -> Model:
+    """`model` as pagedkv loads it on a GPU, where dtype auto is bfloat16: a float32 checkpoint
+    (or a GGUF file, which reads as one) stores KV and weights in 2 bytes a value, and a GGUF
+    file's quantised blocks are dequantised (there are no GPU kernels for them)."""
+    spec = model.spec
+    if not kv_dtype_given and spec.kv_dtype == "fp32":
+        spec = replace(spec, kv_dtype="bf16")
+    loaded = model.gpu_weight_bytes
+    if loaded is None or loaded == model.weight_bytes:
+        return replace(model, spec=spec)
+    source = f"{model.weight_source}; loaded as bf16 on a GPU: {format_bytes(loaded)}"
+    return replace(model, spec=spec, weight_bytes=loaded, weight_source=source)
+
+
+def family_note(model: Model) -> str | None:
+    """For a config of a family pagedkv does not run: that the figures follow the config's
+    fields by the rules of the families it runs, which that family's own may not (a default
+    of shared embeddings, windows on alternate layers)."""
+    config = model.config or {}
+    architectures = config.get("architectures")
+    named = architectures[0] if isinstance(architectures, list) and architectures else None
+    model_type = config.get("model_type")
+    if named is None and model_type is None:  # a preset of sizes only (DeepSeek-V3, GPT)
+        return None
+    types = {entry.model_type for entry in ARCHITECTURES.values()}
+    if (named in ARCHITECTURES) if named else (model_type in types):
+        return None
+    return (
+        f"{named or model_type} is not a family pagedkv runs ({', '.join(ARCHITECTURES)}): "
+        "sized from its config by their rules (its own defaults and per-layer windows may differ)"
+    )

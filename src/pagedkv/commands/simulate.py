@@ -23,9 +23,11 @@ from pagedkv.commands.arguments import (
     token_counts,
 )
 from pagedkv.commands.planning_model import (
+    add_device_argument,
     add_hub_arguments,
     add_kv_dtype_arguments,
     kv_dtype_of,
+    on_device,
     resolve_planning_model,
 )
 from pagedkv.kvmath.parallel import check_even_split, per_rank_spec
@@ -84,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_hub_arguments(parser)
     add_kv_dtype_arguments(parser)
+    add_device_argument(parser)
     parser.add_argument(
         "--pool-gb",
         type=positive_gb,
@@ -217,7 +220,9 @@ def _inputs(args: argparse.Namespace) -> tuple[Model, list[WorkloadRequest], int
     """The model, the request stream and the context it is served with."""
     default_model = "gpt-tutorial" if args.workload == "tutorial" and not args.trace else None
     name = args.model or default_model or "llama-3.1-8b"
-    model = resolve_planning_model(name, kv_dtype_of(args), args.revision, args.download_dir)
+    kv_dtype = kv_dtype_of(args)
+    model = resolve_planning_model(name, kv_dtype, args.revision, args.download_dir)
+    model = on_device(model, args.device, kv_dtype_given=kv_dtype is not None)
     if args.tensor_parallel_size > 1:  # one rank's cache: its share of the KV heads
         check_even_split(model.config, args.tensor_parallel_size)
         model = replace(model, spec=per_rank_spec(model.spec, args.tensor_parallel_size))

@@ -58,7 +58,7 @@ class PoolBudget:
             raise PlanError(
                 f"no room for KV cache on {gpu}: {usable / GB:,.2f} GB usable, weights "
                 f"{weight_bytes / GB:,.2f} GB, activation reserve {activation_bytes / GB:,.2f} GB; "
-                "a pool spread over several GPUs can be given with --pool-gb"
+                "--tensor-parallel-size splits the weights over several GPUs"
             )
         return cls(pool, gpu, memory_bytes, utilization, weight_bytes, activation_bytes)
 

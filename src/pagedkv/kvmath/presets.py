@@ -280,6 +280,11 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         return Model(name, spec, size, source, config, loaded)
     if _is_mixture_of_experts(config):
         return Model(name, spec, None, "unknown: mixture-of-experts config, no checkpoint", config)
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, Mapping):  # its weights are not values of torch_dtype
+        method = quantization.get("quant_method", "unnamed")
+        source = f"unknown: a pre-quantised config ({method}) with no checkpoint"
+        return Model(name, spec, None, source, config)
     try:
         num_params = dense_param_count(config)
     except ConfigError as error:  # a pool given directly needs no weights
@@ -323,28 +328,47 @@ def _checkpoint_files(folder: Path) -> list[Path]:
 def dense_param_count(config: Mapping[str, object]) -> int:
     """Parameters of a LLaMA-family dense decoder described by `config`.
 
-    Embeddings (and an untied output head), per layer q/k/v/o projections (with q/k/v biases
-    for Qwen2), a gated MLP of three matrices and two norms, and the final norm. Reproduces the
-    published counts of every dense preset exactly.
+    Embeddings (and an untied output head), per layer q/k/v/o projections (with the biases
+    the family's switches give), a gated MLP of three matrices and two norms, and the final
+    norm. Reproduces the published counts of every dense preset exactly, and transformers'
+    count of a model of every family pagedkv runs.
     """
     if _is_mixture_of_experts(config):
         raise ConfigError("cannot count parameters of a mixture-of-experts config")
     spec = KVSpec.from_hf_config(config)
-    try:
-        hidden = int(config["hidden_size"])
-        ffn = int(config["intermediate_size"])
-        vocab = int(config["vocab_size"])
-        heads = int(config["num_attention_heads"])
-    except KeyError as exc:
-        raise ConfigError(f"config lacks {exc.args[0]}, needed to count parameters") from None
+    hidden, ffn, vocab, heads = (
+        _positive_count(config, key)
+        for key in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads")
+    )
     q_dim = heads * spec.head_dim
     kv_dim = spec.num_kv_heads * spec.head_dim
     attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
-    if config.get("model_type") == "qwen2" or config.get("attention_bias"):
+    mlp = 3 * hidden * ffn
+    model_type = config.get("model_type")
+    # Biases as transformers' classes read the switches: Qwen2's q/k/v always, whatever the
+    # config says; Llama's and Qwen3's q/k/v/o with attention_bias; Llama's MLP with
+    # mlp_bias; Mistral's never.
+    if model_type == "qwen2":
         attention += q_dim + 2 * kv_dim
-    per_layer = attention + 3 * hidden * ffn + 2 * hidden
+    elif model_type != "mistral" and config.get("attention_bias"):
+        attention += q_dim + 2 * kv_dim + hidden
+    if model_type == "llama" and config.get("mlp_bias"):
+        mlp += 2 * ffn + hidden
+    if model_type == "qwen3":  # RMSNorms of each query and key head
+        attention += 2 * spec.head_dim
+    per_layer = attention + mlp + 2 * hidden
     heads_and_embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     return spec.num_layers * per_layer + heads_and_embeddings + hidden
+
+
+def _positive_count(config: Mapping[str, object], key: str) -> int:
+    """`config[key]` as a positive integer; an error naming the key otherwise."""
+    if key not in config:
+        raise ConfigError(f"config lacks {key}, needed to count parameters")
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def _is_mixture_of_experts(config: Mapping[str, object]) -> bool:

@@ -209,7 +209,7 @@ class KVSpec:
         fields = text_config(config)
         field = _FieldReader(fields, source)
         num_layers = field.positive_int("num_hidden_layers", "n_layer", "num_layers")
-        dtype = normalize_dtype(kv_dtype) if kv_dtype else config_dtype(fields)
+        dtype = normalize_dtype(kv_dtype) if kv_dtype else config_dtype(fields, source)
         try:
             windows = set(layer_windows(fields, num_layers))
         except ConfigError as error:
@@ -287,11 +287,18 @@ def read_json_object(path: Path) -> dict[str, object]:
     return data
 
 
-def config_dtype(config: Mapping[str, object]) -> str:
+def config_dtype(config: Mapping[str, object], source: str = "config") -> str:
     """The dtype a config says its weights are in (`torch_dtype`, or transformers' newer
-    `dtype`), as a `DTYPE_BYTES` key."""
+    `dtype`), as a `DTYPE_BYTES` key; an error naming the key and `source` otherwise."""
     fields = text_config(config)
-    return normalize_dtype(fields.get("torch_dtype") or fields.get("dtype"))
+    key = "torch_dtype" if fields.get("torch_dtype") else "dtype"
+    try:
+        return normalize_dtype(fields.get(key))
+    except ConfigError:
+        raise ConfigError(
+            f"{source}: {key} {fields[key]!r} is not a dtype the planner sizes "
+            f"({', '.join(sorted(DTYPE_BYTES))}, or their torch names)"
+        ) from None
 
 
 def normalize_dtype(name: object) -> str:
