@@ -267,9 +267,13 @@ def _print_plan(
             "pool and capacity below are one rank's, and every rank holds the same blocks"
         )
     if spec.max_model_len:
-        console.print(f"  context {spec.max_model_len:,} tokens")
+        served = plan.context if plan.context != spec.max_model_len else None
+        console.print(
+            f"  context {spec.max_model_len:,} tokens"
+            + (f", {served:,} served (--max-model-len)" if served else "")
+        )
     for note in notes:
-        console.print(f"  note: {note}")
+        console.print(f"  note: {note}", soft_wrap=True)
     if spec.sliding_window:
         console.print(
             f"  sliding window {spec.sliding_window:,} tokens: pagedkv keeps every token's "

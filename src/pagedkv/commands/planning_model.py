@@ -161,8 +161,8 @@ def device_note(model: Model, device: str | None, kv_dtype_given: bool) -> str |
     if device is not None or kv_dtype_given:
         return None
     return (
-        f"KV in {model.spec.kv_dtype}, the checkpoint's dtype; the engine's dtype auto stores "
-        "float32 on a CPU, bfloat16 on a GPU: --device picks one"
+        f"KV in {model.spec.kv_dtype}, the checkpoint's dtype (the engine's dtype auto: float32 "
+        "on a CPU, bfloat16 on a GPU; --device picks one)"
     )
 
 
