@@ -226,6 +226,17 @@ def test_main_reads_a_config_file_and_names_a_missing_one(tmp_path: Path, capsys
     assert "none.yaml: No such file or directory" in capsys.readouterr().err
 
 
+def test_a_config_files_list_of_lengths_is_the_lengths_typed(tmp_path: Path, capsys) -> None:
+    """`lengths: [1000, 2k]` in a --config file plans what `--lengths 1000,2k` plans."""
+    path = tmp_path / "plan.yaml"
+    path.write_text("model: llama-3-8b\npool_gb: 10\nlengths: [1000, 2k]\njson: true\n")
+    assert main(["plan", "--config", str(path)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main([*PLAN, "--lengths", "1000,2k", "--json"]) == 0
+    assert from_file == json.loads(capsys.readouterr().out)
+    assert [row["request_tokens"] for row in from_file["rows"]] == [1000, 2048]
+
+
 def test_python_dash_m_pagedkv_runs_the_command() -> None:
     """`python -m pagedkv` is the `pagedkv` script, for a venv whose bin is not on PATH."""
     import subprocess

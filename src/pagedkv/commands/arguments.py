@@ -90,9 +90,16 @@ def non_negative_gb(text: str) -> float:
 
 
 def token_counts(text: str) -> list[int]:
-    """argparse type: comma-separated token counts, `k` meaning 1024 (`2k,8k,100000`)."""
+    """argparse type: comma-separated token counts, `k` meaning 1024 (`2k,8k,100000`), or a
+    JSON list of them (what a `--config` file's `lengths: [2k, 8192]` is read as)."""
+    parts = text.split(",")
+    if text.strip().startswith("["):
+        try:
+            parts = [str(item) for item in json.loads(text)]
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
     counts = []
-    for part in text.split(","):
+    for part in parts:
         part = part.strip().lower()
         scale = 1024 if part.endswith("k") else 1
         counts.append(positive_int(part.removesuffix("k")) * scale)
