@@ -278,7 +278,8 @@ def _print_plan(
         console.print(
             f"  sliding window {spec.sliding_window:,} tokens: pagedkv keeps every token's "
             "blocks, as these figures do (a server that frees the blocks behind the window "
-            f"holds at most {spec.sliding_window:,} tokens a request)"
+            f"holds about {spec.sliding_window:,} tokens a request: the window and the "
+            "tokens of one step, in whole blocks)"
         )
     console.print()
     adapter_bytes = 0 if lora is None else lora.pool_bytes
