@@ -72,3 +72,32 @@ def test_a_waiting_request_takes_as_many_seats_as_its_samples(serve) -> None:
         codes = sorted(pool.map(post, range(5)))
     assert codes == [200, 200, 503, 503, 503]
     wait_until(lambda: all_blocks_free(server))
+
+
+def test_a_bad_request_gets_its_400_while_the_queue_is_full(server: RunningServer) -> None:
+    """The queue cap is asked only of a request with nothing wrong in itself: a token id
+    outside the vocabulary, a prompt past the context or too many logprobs get their 400
+    (which clients do not retry) while a good request gets the 503."""
+    engine = server.app.state.engine_loop.engine  # read only what is fixed at start
+    vocab, context = engine.config.vocab_size, engine.max_model_len
+    bad = [
+        ({"prompt": [vocab], "max_tokens": 1}, "vocabulary"),
+        ({"prompt": [1] * (context + 1), "max_tokens": 1}, str(context)),
+        ({"prompt": "Hi", "max_tokens": 1, "logprobs": 1000}, "logprobs"),
+    ]
+    with server.client() as client:
+        model = client.models.list().data[0].id
+        running = client.completions.create(model=model, prompt="Hello", **LONG)
+        next(iter(running))
+        waiting = client.completions.create(model=model, prompt="Hello", **LONG)
+        with server.http() as http:
+            for body, named in bad:
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 400, (body, response.text)
+                assert named in response.json()["error"]["message"]
+            good = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert good.status_code == 503
+        running.close()
+        next(iter(waiting))
+        waiting.close()
+    wait_until(lambda: all_blocks_free(server))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import replace
 
@@ -235,6 +235,7 @@ class Engine:
         arrival_time: float | None = None,
         beam_search: BeamSearchParams | None = None,
         lora_request: LoRARequest | None = None,
+        admit: Callable[[], None] | None = None,
     ) -> None:
         """Check and queue a request; raise a `RequestRejected` naming why it cannot run.
 
@@ -252,6 +253,11 @@ class Engine:
 
         With `lora_request` (an engine with `enable_lora`) its rows go through that adapter,
         read and checked the first time its id is used (`engine/lora.py`).
+
+        `admit` is the caller's own limit (a server's queue cap), called once the request has
+        passed every check and before it is queued: what it raises refuses the request, so a
+        request that is bad in itself is refused for that first, as vLLM's front end
+        validates a request before any queue sees it.
         """
         if beam_search is not None:
             params = beam_search.sampling_params(params is not None and params.skip_special_tokens)
@@ -273,6 +279,8 @@ class Engine:
         max_tokens = check_request(token_ids, params, limits, beam_search is not None)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.submit(so)
+        if admit is not None:
+            admit()
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )

@@ -325,15 +325,6 @@ class EngineLoop:
                 _resolve(command.loop, command.done, result=result)
 
     def _add(self, command: _Add) -> None:
-        if self.max_waiting is not None:
-            num_waiting = self._queued()
-            if num_waiting >= self.max_waiting:
-                _resolve(
-                    command.route.loop,
-                    command.done,
-                    error=Overloaded(num_waiting, self.max_waiting),
-                )
-                return
         try:
             self.engine.add_request(
                 command.request_id,
@@ -344,6 +335,7 @@ class EngineLoop:
                 beam_search=command.beam_search,
                 lora_request=command.lora_request,
                 cache_salt=command.cache_salt,
+                admit=self._check_waiting,
             )
         except Exception as error:  # RequestRejected and anything else: the caller's 4xx/5xx
             _resolve(command.route.loop, command.done, error=error)
@@ -353,6 +345,15 @@ class EngineLoop:
             self.metrics.track(command.request_id, command.params)
         self._kv_dirty = True
         _resolve(command.route.loop, command.done, result=None)
+
+    def _check_waiting(self) -> None:
+        """Overloaded when `max_waiting` requests already wait: asked of a request only once
+        the engine has found nothing wrong with it, so a bad request gets its own 400, not a
+        503 that clients retry (and a balancer sends elsewhere) while the server is busy."""
+        if self.max_waiting is not None:
+            num_waiting = self._queued()
+            if num_waiting >= self.max_waiting:
+                raise Overloaded(num_waiting, self.max_waiting)
 
     def _queued(self) -> int:
         """Requests that wait beyond the batch's free seats: `max_num_seqs` less the samples
