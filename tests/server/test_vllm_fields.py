@@ -402,6 +402,29 @@ def test_logprobs_minus_one_is_every_token(serve, tiny_model) -> None:
     assert len(chat["logprobs"]["content"][0]["top_logprobs"]) == vocab
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1},
+         "top_logprobs"),
+    ],
+)  # fmt: skip
+def test_minus_one_beyond_max_logprobs_is_refused_as_asked(
+    server, tiny_model, path: str, fields: dict, param: str
+) -> None:
+    """Under the default cap of 20, -1 is refused naming the -1 sent, the vocabulary it means
+    and the start option that allows it (not "logprobs is <vocab>, raise max_logprobs")."""
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    response = server.post(path, {"max_tokens": 1, **fields})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}=-1 (every token: {vocab}), but the engine")
+    assert "max_logprobs=-1 when starting" in error["message"]
+
+
 def test_engine_refusals_name_the_field_the_client_sent(
     serve, short_context_server: RunningServer
 ) -> None:

@@ -191,6 +191,7 @@ class Engine:
             max_samples=min(args.max_num_seqs, args.max_num_batched_tokens),
             max_logprobs=self.config.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
         )
+        self.max_logprobs = self._limits.max_logprobs  # per token; -1 read as the vocabulary
         self._requests: dict[str, Request] = {}
         self._aborted: dict[str, Request] = {}  # by id: aborts whose last delta is unreported
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)

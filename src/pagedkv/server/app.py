@@ -119,6 +119,7 @@ def build_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
         model_name=model_name,
         max_model_len=engine.max_model_len,
         vocab_size=engine.config.vocab_size,
+        max_logprobs=engine.max_logprobs,
         system_fingerprint=f"pagedkv-{version('pagedkv')}",
         adapters=adapters,
         sampling_defaults=engine.sampling_defaults,

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagedkv.engine import SamplingParams, StructuredOutputsParams, TruncationTooLong
 from pagedkv.engine.admission import truncate
+from pagedkv.engine.errors import TooManyLogprobs
 from pagedkv.engine.token_bytes import TokenBytes
 from pagedkv.server.adapters import ServedAdapters
 from pagedkv.server.engine_loop import EngineLoop
@@ -54,6 +55,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     vocab_size: int  # the model's: what a logprobs count of -1 asks for
+    max_logprobs: int  # the engine's cap on logprobs per token (the vocabulary's size: none)
     system_fingerprint: str  # names the server build, as OpenAI's names its backend
     adapters: ServedAdapters  # the LoRA adapters served by name (none without --enable-lora)
     # SamplingParams keywords the model's generation_config.json recommends: the defaults of
@@ -92,6 +94,9 @@ class ServingContext:
             )
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             if getattr(request, name, None) == -1:  # vLLM's: every token of the vocabulary
+                if self.vocab_size > self.max_logprobs:  # refused as the engine words it
+                    too_many = TooManyLogprobs(name, self.vocab_size, self.max_logprobs, True)
+                    raise APIError(400, str(too_many), param=name)
                 setattr(request, name, self.vocab_size)
         return request
 
