@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,7 @@ from pagedkv.hf_cache import (
 from pagedkv.hub import UnknownModelName
 from pagedkv.kvmath.errors import ConfigError
 from pagedkv.model.errors import ModelError
-from pagedkv.weights.hf_folder import INDEX_FILE, SINGLE_FILE, WEIGHT_PATTERNS
+from pagedkv.weights.hf_folder import INDEX_FILE, SINGLE_FILE
 from pagedkv.weights.load import load_tokenizer
 from tests.hub_cache import cache_repo, commit_of
 from tests.model.tiny_models import copy_with_chat_template
@@ -261,16 +262,26 @@ def test_a_snapshot_without_weights_is_told_the_patterns_of_either_layout(
     shutil.copy(folder / "config.json", folder / "consolidated.safetensors")  # another copy
     weights = {"model-00001-of-00001.safetensors", INDEX_FILE} if sharded else {SINGLE_FILE}
     files = sorted(path.name for path in folder.iterdir())
-    assert set(filter_repo_objects(files, allow_patterns=WEIGHT_PATTERNS)) == weights
     repo = cache_repo(hub, "org/m", {commit: folder}, {"main": commit})
     for name in weights:
         (repo / "snapshots" / commit / name).unlink()
-    with pytest.raises(ModelError, match="no weights") as error:
+    with pytest.raises(ModelError, match="no weights: .* fetch them with `hf download") as error:
         LLM("org/m", **SMALL)
-    include = " ".join(f'"{pattern}"' for pattern in WEIGHT_PATTERNS)
-    assert str(error.value).endswith(
-        f"fetch them with `hf download org/m --include {include} --revision {commit}`"
-    )
+    asked = hf_download(str(error.value).split("`")[-2])
+    assert (asked["repo_id"], asked["revision"], asked["filenames"]) == ("org/m", commit, ())
+    assert set(filter_repo_objects(files, allow_patterns=asked["include"])) == weights
+
+
+def hf_download(command: str) -> dict:
+    """What huggingface_hub's own `hf download` parser reads from `command` (nothing is run)."""
+    import typer
+    from huggingface_hub.cli.download import download
+
+    app = typer.Typer()
+    app.command()(download)
+    program, verb, *args = shlex.split(command)
+    assert (program, verb) == ("hf", "download"), command
+    return typer.main.get_command(app).make_context(verb, args).params
 
 
 @settings(max_examples=500, deadline=None)
@@ -445,9 +456,13 @@ def test_a_gguf_file_by_repo_and_quant_type_answers_as_the_file(zoo, tiny_gguf, 
     assert planned.spec == resolve_planning_model(str(f32)).spec
     with pytest.raises(GGUFNotCached, match=r":Q4_K_M: .* holds no such GGUF file"):
         LLM("org/Tiny-GGUF:Q4_K_M", **SMALL)
-    fetch = r'hf download org/Other-GGUF --include "\*-Q8_0.gguf" "\*-Q8_0-\*.gguf"`'
-    with pytest.raises(UnknownModelName, match=fetch):
+    with pytest.raises(UnknownModelName, match="fetch it first, e.g. `hf download") as error:
         LLM("org/Other-GGUF:Q8_0", **SMALL)
+    asked = hf_download(str(error.value).split("`")[-2])
+    assert (asked["repo_id"], asked["include"]) == (
+        "org/Other-GGUF",
+        ["*-Q8_0.gguf", "*-Q8_0-*.gguf"],
+    )
     by_file = LLM("org/Tiny-GGUF/Tiny-Q8_0.gguf", **SMALL)  # vLLM's REPO/FILE.gguf
     assert answers(by_file) == answers(LLM(str(q8), **SMALL))
     with pytest.raises(GGUFNotCached, match=r"holds no such GGUF file \(its .gguf files: Tiny-F32"):

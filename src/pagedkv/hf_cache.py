@@ -110,9 +110,9 @@ def fetch_command(
     if name.file is not None:
         command += f" {shlex.quote(name.file)}"
     if name.quant_type is not None:  # what vLLM's patterns match, wherever in the repo
-        command += f' --include "*-{name.quant_type}.gguf" "*-{name.quant_type}-*.gguf"'
-    if include:
-        command += " --include " + " ".join(f'"{pattern}"' for pattern in include)
+        include = (f"*-{name.quant_type}.gguf", f"*-{name.quant_type}-*.gguf", *include)
+    for pattern in include:  # one option a pattern: `hf` reads one value after each
+        command += f" --include {shlex.quote(pattern)}"
     if revision is not None:
         command += f" --revision {shlex.quote(revision)}"
     if download_dir is not None:

@@ -89,9 +89,7 @@ class ServingContext:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options needs stream=true", param="stream_options")
         if request.prompt_logprobs is not None and request.stream:  # vLLM refuses it too
-            raise APIError(
-                400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
-            )
+            raise APIError(400, "prompt_logprobs need stream=false", param="prompt_logprobs")
         for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             if getattr(request, name, None) == -1:  # vLLM's: every token of the vocabulary
                 if self.vocab_size > self.max_logprobs:  # refused as the engine words it
