@@ -235,6 +235,9 @@ def test_a_config_files_list_of_lengths_is_the_lengths_typed(tmp_path: Path, cap
     assert main([*PLAN, "--lengths", "1000,2k", "--json"]) == 0
     assert from_file == json.loads(capsys.readouterr().out)
     assert [row["request_tokens"] for row in from_file["rows"]] == [1000, 2048]
+    with pytest.raises(SystemExit):
+        main([*PLAN, "--lengths", "[]"])
+    assert "not a list of token counts: '[]'" in capsys.readouterr().err
 
 
 def test_python_dash_m_pagedkv_runs_the_command() -> None:

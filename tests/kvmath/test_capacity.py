@@ -112,8 +112,10 @@ def test_gpu_pool_is_memory_times_utilization_minus_weights_and_activations():
 def test_gpu_pool_with_no_room_left_is_an_error():
     gpu = gpu_preset("l4")
     weights = resolve_model("llama-3-70b").weight_bytes
-    with pytest.raises(PlanError, match="no room for KV cache on l4"):
+    with pytest.raises(PlanError, match="no room for KV cache on l4.*--tensor-parallel-size"):
         PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 0.9, weights, 2 * GB)
+    with pytest.raises(PlanError, match="a smaller --activation-gb"):  # the weights would fit
+        PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 0.9, 10 * GB, 20 * GB)
     with pytest.raises(PlanError, match="utilization"):
         PoolBudget.from_gpu(gpu.name, gpu.memory_bytes, 1.5, 0, 0)
 
@@ -426,6 +428,33 @@ def test_every_tiny_models_parameters_are_counted_as_transformers_builds_them(zo
     embeddings once, Qwen2's q/k/v biases, Qwen3's per-head q/k norms)."""
     config = json.loads((zoo.folder(name) / "config.json").read_text())
     assert dense_param_count(config) == sum(p.numel() for p in zoo.hf(name).parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("attention_bias", [False, True])
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_every_familys_bias_switches_are_counted_as_transformers_reads_them(
+    family, attention_bias, mlp_bias
+):
+    """transformers builds the model of each config (on the meta device: shapes only); the
+    count from the config alone, with or without model_type beside architectures, agrees."""
+    import torch
+    import transformers
+
+    architecture = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    fields = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, head_dim=16, tie_word_embeddings=False,
+        attention_bias=attention_bias, mlp_bias=mlp_bias,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(family, **fields)
+        )
+    expected = sum(p.numel() for p in model.parameters())
+    config = {"architectures": [f"{architecture[family]}ForCausalLM"], **fields}
+    assert dense_param_count({**config, "model_type": family}) == expected
+    assert dense_param_count(config) == expected
 
 
 def llama_3_8b_config(tmp_path, **changes) -> str:

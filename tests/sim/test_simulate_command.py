@@ -46,6 +46,23 @@ def test_kv_cache_dtype_sizes_the_blocks_as_plan_does(capsys):
     assert json.loads(capsys.readouterr().out)["num_blocks"] == 596
 
 
+def test_device_sizes_the_blocks_as_the_engine_stores_them_there(capsys):
+    """The tutorial model's fp16 block (16 tokens x 512 KiB) is float32 on a CPU, twice the
+    bytes, half the blocks; on a GPU it stays 2 bytes a value; --kv-cache-dtype still wins."""
+    argv = ["simulate", "--workload", "tutorial", *SMALL, "--json"]
+    blocks = {}
+    for flags in (
+        ["--device", "cpu"],
+        ["--device", "cuda"],
+        ["--device", "cpu", "--kv-dtype", "fp8"],
+    ):
+        assert main([*argv, *flags]) == 0
+        blocks[" ".join(flags)] = json.loads(capsys.readouterr().out)["num_blocks"]
+    assert blocks["--device cpu"] == 5 * 10**9 // (16 * 1024 * 1024)
+    assert blocks["--device cuda"] == 596
+    assert blocks["--device cpu --kv-dtype fp8"] == 5 * 10**9 // (16 * 256 * 1024)
+
+
 def test_utilisation_is_reported_at_completion_and_at_its_peak_over_time(capsys):
     assert main(["simulate", *SMALL, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

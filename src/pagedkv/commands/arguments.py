@@ -97,7 +97,9 @@ def token_counts(text: str) -> list[int]:
         try:
             parts = [str(item) for item in json.loads(text)]
         except json.JSONDecodeError:
-            raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}") from None
+            parts = []
+        if not parts:
+            raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r}")
     counts = []
     for part in parts:
         part = part.strip().lower()

@@ -143,7 +143,8 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=DEVICES,
         help="size KV as the engine stores it there with dtype auto: float32 on cpu, bfloat16 "
-        "(a float32 checkpoint's too) on cuda (default: cuda with --gpu, else the config's dtype)",
+        "(a float32 checkpoint's too) on cuda (default: the checkpoint's dtype; plan's --gpu "
+        "implies cuda)",
     )
 
 

@@ -258,7 +258,9 @@ class Engine:
         `admit` is the caller's own limit (a server's queue cap), called once the request has
         passed every check and before it is queued: what it raises refuses the request, so a
         request that is bad in itself is refused for that first, as vLLM's front end
-        validates a request before any queue sees it.
+        validates a request before any queue sees it. Checking has read the request's adapter
+        and started compiling its grammar by then, as for a request refused for its prompt:
+        both are kept (the adapter while idle ones fit, the grammar in the cache) for a retry.
         """
         if beam_search is not None:
             params = beam_search.sampling_params(params is not None and params.skip_special_tokens)

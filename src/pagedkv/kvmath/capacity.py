@@ -55,10 +55,15 @@ class PoolBudget:
         usable = int(memory_bytes * utilization)
         pool = usable - weight_bytes - activation_bytes
         if pool <= 0:
+            remedy = (
+                "--tensor-parallel-size splits the weights over several GPUs"
+                if weight_bytes >= usable
+                else "a smaller --activation-gb or a larger --gpu-memory-utilization leaves room"
+            )
             raise PlanError(
                 f"no room for KV cache on {gpu}: {usable / GB:,.2f} GB usable, weights "
                 f"{weight_bytes / GB:,.2f} GB, activation reserve {activation_bytes / GB:,.2f} GB; "
-                "--tensor-parallel-size splits the weights over several GPUs"
+                f"{remedy}"
             )
         return cls(pool, gpu, memory_bytes, utilization, weight_bytes, activation_bytes)
 
