@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.engine import BeamSearchParams, LoRARejected, LoRARequest, SamplingParams
+from pagedkv.engine import (
+    BeamSearchParams,
+    LoRARejected,
+    LoRARequest,
+    RequestRejected,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedkv.kvmath.lora import plan_lora
 from pagedkv.kvmath.spec import KVSpec
 from tests.engine.conftest import make_engine, make_llm, run_to_completion
@@ -529,3 +536,36 @@ def test_an_adapter_named_by_repo_id_is_read_from_the_hugging_face_cache(
     with pytest.raises(LoRARejected, match="has no adapter_model.safetensors") as lacking:
         llm.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=part)
     assert str(lacking.value).endswith(fetch)
+
+
+class Full(Exception):
+    """A caller's limit (a server's queue cap) refusing every request."""
+
+
+def refuse() -> None:
+    raise Full
+
+
+def test_a_request_the_callers_limit_refuses_loads_and_compiles_nothing(engine_zoo, adapters):
+    """`admit` is asked after the request's own checks and before its adapter is read or its
+    grammar compiled: a request it refuses leaves the adapter catalog and the grammar cache
+    as they were, while one that is bad in itself is refused for that, not by the limit."""
+    engine = make_engine(engine_zoo, "llama", enable_lora=True, max_lora_rank=16)
+    schema = StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}}
+    )
+    params = SamplingParams(max_tokens=4, structured_outputs=schema)
+    with pytest.raises(Full):
+        engine.add_request(
+            "a",
+            random_prompt(5, seed=1),
+            params,
+            lora_request=llama_loras(adapters)[0],
+            admit=refuse,
+        )
+    assert engine.list_loras() == set() and len(engine.grammars._cache) == 0
+    bad = SamplingParams(max_tokens=4, stop_token_ids=[engine.config.vocab_size])
+    with pytest.raises(RequestRejected, match="stop_token_ids"):
+        engine.add_request("b", random_prompt(5, seed=1), bad, admit=refuse)
+    engine.add_request("c", random_prompt(5, seed=1), params, lora_request=llama_loras(adapters)[0])
+    assert engine.list_loras() == {1} and len(engine.grammars._cache) == 1

@@ -258,9 +258,9 @@ class Engine:
         `admit` is the caller's own limit (a server's queue cap), called once the request has
         passed every check and before it is queued: what it raises refuses the request, so a
         request that is bad in itself is refused for that first, as vLLM's front end
-        validates a request before any queue sees it. Checking has read the request's adapter
-        and started compiling its grammar by then, as for a request refused for its prompt:
-        both are kept (the adapter while idle ones fit, the grammar in the cache) for a retry.
+        validates a request before any queue sees it; nothing is loaded or compiled for it
+        before `admit` lets it in (its adapter is read, and its pool fit with the adapter's
+        blocks checked, after).
         """
         if beam_search is not None:
             params = beam_search.sampling_params(params is not None and params.skip_special_tokens)
@@ -274,16 +274,19 @@ class Engine:
         # Before anything is made for it: a refused request must not use up a random stream
         # (the next unseeded request would draw another) or load an adapter.
         self.scheduler.policy.check_priority(priority)
-        lora_id, lora_blocks = self.loras.resolve(lora_request)
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
+        so = params.structured_outputs
+        if admit is not None:  # the request's own checks that make nothing, then the caller's
+            check_request(token_ids, params, self._limits, beam_search is not None)
+            if so is not None:
+                self.grammars.check(so)
+            admit()
+        lora_id, lora_blocks = self.loras.resolve(lora_request)
         # The adapter's blocks and the request's KV must fit the pool together.
         limits = replace(self._limits, num_gpu_blocks=self._limits.num_gpu_blocks - lora_blocks)
         max_tokens = check_request(token_ids, params, limits, beam_search is not None)
-        so = params.structured_outputs
         grammar = None if so is None else self.grammars.submit(so)
-        if admit is not None:
-            admit()
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )

@@ -62,13 +62,15 @@ class GrammarCompiler:
         self._vocabulary: Future[llguidance.LLTokenizer] | None = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
 
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Refuse what `submit` would refuse (InvalidStructuredOutput), compiling nothing."""
+        if _key(params) not in self._cache:
+            grammar_spec(params)
+
     def submit(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Check `params` now (InvalidStructuredOutput) and compile it on the worker thread,
         unless it is cached."""
-        try:
-            key = params.key()
-        except RecursionError as error:  # a schema nested past Python's stack
-            raise InvalidStructuredOutput(params.kind, TOO_DEEP) from error
+        key = _key(params)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
@@ -84,6 +86,14 @@ class GrammarCompiler:
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return compiled
+
+
+def _key(params: StructuredOutputsParams) -> object:
+    """The cache key of `params` (InvalidStructuredOutput for a schema nested too deep)."""
+    try:
+        return params.key()
+    except RecursionError as error:  # a schema nested past Python's stack
+        raise InvalidStructuredOutput(params.kind, TOO_DEEP) from error
 
 
 def _compile(vocab: Future[llguidance.LLTokenizer], spec: str) -> llguidance.LLMatcher:
