@@ -141,7 +141,9 @@ def from_gguf(loader: Callable[..., object], path: Path, **options):
         patch.setattr(
             gguf,
             "GGUFReader",
-            lambda file, *args: gguf_reader(path) if Path(file) == path else read(file, *args),
+            lambda file, *args, **kwargs: (
+                gguf_reader(path) if Path(file) == path else read(file, *args, **kwargs)
+            ),
         )
         patch.setattr(gguf, "get_tensor_name_map", cache(gguf.get_tensor_name_map))
         return loader.from_pretrained(path.parent, gguf_file=path.name, **options)

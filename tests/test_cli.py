@@ -350,7 +350,9 @@ def test_a_dotted_key_given_twice_keeps_its_last_value_and_is_named(assignments)
         [expected] if assignments else []
     )
     keys = [key for key, _ in assignments]
-    repeats = [f"--spec.{key}" for at, key in enumerate(keys) if key in keys[:at]]
+    repeats = list(
+        dict.fromkeys(f"--spec.{key}" for at, key in enumerate(keys) if key in keys[:at])
+    )
     assert stderr.getvalue() == (
         f"warning: found duplicate keys {', '.join(repeats)}\n" if repeats else ""
     )

@@ -152,8 +152,10 @@ def dotted_json(argv: list[str], error: Callable[[str], NoReturn]) -> list[str]:
             nested = {key: nested}
         duplicates += [f"{option}.{key}" for key in _merge(objects.setdefault(option, {}), nested)]
         placed.append((option,))
-    if duplicates:
-        print(f"warning: found duplicate keys {', '.join(duplicates)}", file=sys.stderr)
+    if duplicates:  # each key once, as vLLM's set of them
+        print(
+            f"warning: found duplicate keys {', '.join(dict.fromkeys(duplicates))}", file=sys.stderr
+        )
     spelled = {option: f"{option}={json.dumps(value)}" for option, value in objects.items()}
     kept = [spelled[arg[0]] if isinstance(arg, tuple) else arg for arg in placed]
     return [*kept, *spelled.values(), *argv[end:]]

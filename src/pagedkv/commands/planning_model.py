@@ -162,17 +162,18 @@ def device_note(model: Model, device: str | None, kv_dtype_given: bool) -> str |
     if device is not None or kv_dtype_given:
         return None
     return (
-        f"KV in {model.spec.kv_dtype}, the checkpoint's dtype (the engine's dtype auto: float32 "
-        "on a CPU, bfloat16 on a GPU; --device picks one)"
+        f"KV in {model.spec.kv_dtype}, as the config or file gives it (the engine's dtype auto: "
+        "float32 on a CPU, bfloat16 on a GPU; --device picks one)"
     )
 
 
 def _as_loaded_on_a_gpu(model: Model, kv_dtype_given: bool) -> Model:
-    """`model` as pagedkv loads it on a GPU, where dtype auto is bfloat16: a float32 checkpoint
-    (or a GGUF file, which reads as one) stores KV and weights in 2 bytes a value, and a GGUF
-    file's quantised blocks are dequantised (there are no GPU kernels for them)."""
+    """`model` as pagedkv loads it on a GPU, where dtype auto is bfloat16: a float32 or float16
+    checkpoint (or a GGUF file, which reads as float32) stores KV and weights as bfloat16
+    values, and a GGUF file's quantised blocks are dequantised (there are no GPU kernels for
+    them)."""
     spec = model.spec
-    if not kv_dtype_given and spec.kv_dtype == "fp32":
+    if not kv_dtype_given and spec.kv_dtype in ("fp32", "fp16"):
         spec = replace(spec, kv_dtype="bf16")
     loaded = model.gpu_weight_bytes
     if loaded is None or loaded == model.weight_bytes:

@@ -274,7 +274,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
     shards = _checkpoint_files(path) if path.is_dir() else []
     if shards:
         size = sum(shard.stat().st_size for shard in shards)
-        dtype = config_dtype(config)
+        dtype = config_dtype(config, str(path))
         source = f"{len(shards)} .safetensors file(s) in {path}"
         loaded = size * _gpu_bytes(dtype) // DTYPE_BYTES[dtype]
         return Model(name, spec, size, source, config, loaded)
@@ -289,7 +289,7 @@ def resolve_model(name_or_path: str, kv_dtype: str | None = None) -> Model:
         num_params = dense_param_count(config)
     except ConfigError as error:  # a pool given directly needs no weights
         return Model(name, spec, None, f"unknown: {error}, and no checkpoint", config)
-    dtype = config_dtype(config)
+    dtype = config_dtype(config, str(path))
     return Model(
         name,
         spec,
