@@ -191,7 +191,6 @@ class Engine:
             max_samples=min(args.max_num_seqs, args.max_num_batched_tokens),
             max_logprobs=self.config.vocab_size if args.max_logprobs == -1 else args.max_logprobs,
         )
-        self.max_logprobs = self._limits.max_logprobs  # per token; -1 read as the vocabulary
         self._requests: dict[str, Request] = {}
         self._aborted: dict[str, Request] = {}  # by id: aborts whose last delta is unreported
         self._eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -277,16 +276,16 @@ class Engine:
         prompt_text, token_ids = tokenize(self.tokenizer, prompt, self.config.vocab_size)
         token_ids = truncate(token_ids, params, self.max_model_len)
         so = params.structured_outputs
+        spec = None  # its grammar, once checked
         if admit is not None:  # the request's own checks that make nothing, then the caller's
             check_request(token_ids, params, self._limits, beam_search is not None)
-            if so is not None:
-                self.grammars.check(so)
+            spec = None if so is None else self.grammars.check(so)
             admit()
         lora_id, lora_blocks = self.loras.resolve(lora_request)
         # The adapter's blocks and the request's KV must fit the pool together.
         limits = replace(self._limits, num_gpu_blocks=self._limits.num_gpu_blocks - lora_blocks)
         max_tokens = check_request(token_ids, params, limits, beam_search is not None)
-        grammar = None if so is None else self.grammars.submit(so)
+        grammar = None if so is None else self.grammars.submit(so, spec)
         metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time
         )
@@ -472,6 +471,11 @@ class Engine:
         )
 
     # -- reporting -------------------------------------------------------------------------
+
+    @property
+    def max_logprobs(self) -> int:
+        """Logprobs a request may ask per token (vLLM's -1, no cap, read as the vocabulary)."""
+        return self._limits.max_logprobs
 
     @property
     def stats(self) -> EngineStats:

@@ -62,20 +62,21 @@ class GrammarCompiler:
         self._vocabulary: Future[llguidance.LLTokenizer] | None = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
 
-    def check(self, params: StructuredOutputsParams) -> None:
-        """Refuse what `submit` would refuse (InvalidStructuredOutput), compiling nothing."""
-        if _key(params) not in self._cache:
-            grammar_spec(params)
+    def check(self, params: StructuredOutputsParams) -> str | None:
+        """Refuse what `submit` would refuse (InvalidStructuredOutput), compiling nothing: the
+        grammar `submit` would compile (None: it is cached), to hand it so it is not made
+        twice."""
+        return None if _key(params) in self._cache else grammar_spec(params)
 
-    def submit(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def submit(self, params: StructuredOutputsParams, spec: str | None = None) -> CompiledGrammar:
         """Check `params` now (InvalidStructuredOutput) and compile it on the worker thread,
-        unless it is cached."""
+        unless it is cached; `spec` is what `check` returned for it, if it was checked."""
         key = _key(params)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        spec = grammar_spec(params)
+        spec = grammar_spec(params) if spec is None else spec
         if self._executor is None:  # started by the first constrained request only
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar")
             self._vocabulary = self._executor.submit(vocabulary, self._tokenizer, self.vocab_size)
