@@ -13,22 +13,23 @@ from collections.abc import Mapping
 
 from pagedkv.kvmath.errors import ConfigError
 
-# Families with their own window rule; any other config (the planner's presets include
-# several) windows every layer when it names a window.
-_FAMILIES = {
+# The `model_type` of each architecture with rules of its own, which `architectures` names
+# before `model_type` does (as the engine picks a family).
+_ARCHITECTURE_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
-    "MinistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "ministral",
     "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen2",  # Qwen3 windows its layers by Qwen2's rule
+    "Qwen3ForCausalLM": "qwen3",
 }
-# The same families named by `model_type`, for a config without `architectures`.
+# Families with their own window rule, by `model_type`; any other config (the planner's
+# presets include several) windows every layer when it names a window.
 _TYPE_FAMILIES = {
     "llama": "llama",
     "mistral": "mistral",
     "ministral": "mistral",
     "qwen2": "qwen2",
-    "qwen3": "qwen2",
+    "qwen3": "qwen2",  # Qwen3 windows its layers by Qwen2's rule
 }
 _QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' default
 # transformers' Mistral, Qwen2 and Qwen3 configs window 4,096 tokens when the key is absent.
@@ -53,15 +54,23 @@ _CLASS_DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
+def model_type_of(config: Mapping[str, object]) -> str | None:
+    """The config's `model_type`, that of its `architectures` first where those are known."""
+    architectures = config.get("architectures")
+    if (
+        isinstance(architectures, list)
+        and architectures
+        and architectures[0] in _ARCHITECTURE_TYPES
+    ):
+        return _ARCHITECTURE_TYPES[architectures[0]]
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) else None
+
+
 def model_family(config: Mapping[str, object]) -> str | None:
     """`llama`, `mistral`, `qwen2` or another `model_type`, from architectures or model_type."""
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures and architectures[0] in _FAMILIES:
-        return _FAMILIES[architectures[0]]
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        return None
-    return _TYPE_FAMILIES.get(model_type, model_type)
+    model_type = model_type_of(config)
+    return None if model_type is None else _TYPE_FAMILIES.get(model_type, model_type)
 
 
 def layer_windows(config: Mapping[str, object], num_layers: int) -> tuple[int | None, ...]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv.kvmath.families import model_type_of
 from pagedkv.kvmath.spec import (
     DTYPE_BYTES,
     ConfigError,
@@ -344,10 +345,11 @@ def dense_param_count(config: Mapping[str, object]) -> int:
     kv_dim = spec.num_kv_heads * spec.head_dim
     attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
     mlp = 3 * hidden * ffn
-    model_type = _family(config)
-    # Biases as transformers' classes read the switches: Qwen2's q/k/v always, whatever the
-    # config says; Llama's and Qwen3's q/k/v/o with attention_bias; Llama's MLP with
-    # mlp_bias; Mistral's never.
+    model_type = model_type_of(config)
+    # Biases as transformers' classes read the switches (`model/registry.py` records the same
+    # rules; kvmath sits below it, without torch): Qwen2's q/k/v always, whatever the config
+    # says; Llama's and Qwen3's q/k/v/o with attention_bias; Llama's MLP with mlp_bias;
+    # Mistral's never.
     if model_type == "qwen2":
         attention += q_dim + 2 * kv_dim
     elif model_type != "mistral" and config.get("attention_bias"):
@@ -359,24 +361,6 @@ def dense_param_count(config: Mapping[str, object]) -> int:
     per_layer = attention + mlp + 2 * hidden
     heads_and_embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     return spec.num_layers * per_layer + heads_and_embeddings + hidden
-
-
-# The families whose biases and norms the count knows, by the `architectures` name the engine
-# reads first (`model/registry.py` records the same rules; kvmath sits below it, without torch).
-_ARCHITECTURE_FAMILIES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-def _family(config: Mapping[str, object]) -> object:
-    """The config's family as the engine picks it: `architectures` first, else `model_type`."""
-    architectures = config.get("architectures")
-    if isinstance(architectures, list) and architectures:
-        return _ARCHITECTURE_FAMILIES.get(architectures[0], config.get("model_type"))
-    return config.get("model_type")
 
 
 def _positive_count(config: Mapping[str, object], key: str) -> int:
